@@ -1,0 +1,20 @@
+"""dispatch_io: controller-driven checkpoint IO for JAX.
+
+    import dispatch_io as dio
+    dispatcher = dio.LocalDispatcher(host_memory_budget=256 << 20)
+    handle = dispatcher.save("ckpt/step_100", state)   # returns once SYNC leaves are off the device
+    stats = handle.wait()                              # durable and committed
+    restored = dispatcher.restore("ckpt/step_100", dio.metadata("ckpt/step_100"))
+"""
+
+from dispatch_io.batches import Priority
+from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
+from dispatch_io.errors import CheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
+from dispatch_io.options import Options
+from dispatch_io.save import SaveHandle, SaveStats
+
+__all__ = [
+    "CheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
+    "SaveHandle", "SaveStats", "TreeMismatchError", "WorkerError", "metadata",
+]
+__version__ = "0.1.0"

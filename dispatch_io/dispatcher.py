@@ -1,0 +1,238 @@
+"""Dispatchers: the controller-facing API, and where worker code runs.
+
+:class:`Dispatcher` holds everything shared (planning, batching, the save pipeline, restore
+validation and reading). A concrete dispatcher only says how a batch reaches host memory
+(``copy_to_host``) and where the worker functions from ``workers/`` run (``submit_write`` /
+``submit_read``). :class:`LocalDispatcher` runs them in-process on a thread pool: one worker
+per JAX process, any number of devices.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from dispatch_io import manifest as manifest_lib
+from dispatch_io import restore as restore_lib
+from dispatch_io import tree as tree_lib
+from dispatch_io.batches import Priority, aligned, make_batches
+from dispatch_io.options import Options
+from dispatch_io.plan import Chunk, Plan, PlanCache
+from dispatch_io.save import SaveHandle, SaveRun, Sources
+from dispatch_io.staging import StagingRing
+from dispatch_io.storage import Location, WriteTarget
+from workers import ChunkError, Region, Session, read_regions, write_regions
+
+PriorityFn = Callable[[str, jax.ShapeDtypeStruct], Priority]
+
+
+def metadata(path):
+    """The saved tree with ``jax.ShapeDtypeStruct`` leaves (PRNG keys with their key dtype),
+    Python scalars as saved. Reads only the manifest; needs no devices beyond the default."""
+    location = Location.parse(path)
+    return manifest_lib.abstract_tree(manifest_lib.parse(location.read_manifest(), location.display))
+
+
+class Dispatcher:
+    """Base class: save / restore through a memory-budgeted pipeline (see module doc)."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self._plans = PlanCache(options.chunk_bytes)
+        self._ring = StagingRing(options.host_memory_budget)
+        self._active: set[SaveRun] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def worker_id(self) -> int:
+        return jax.process_index()
+
+    # ---- save -------------------------------------------------------------------------------
+
+    def save(self, path, tree, *, priority: PriorityFn | None = None,
+             on_transfer_end: Callable[[str], None] | None = None,
+             on_write_end: Callable[[str], None] | None = None, overwrite: bool = False) -> SaveHandle:
+        """Save ``tree`` to ``path``; returns once every SYNC leaf is off the device.
+
+        ``priority(keypath, spec)`` gives each array leaf a :class:`Priority` (default SYNC).
+        ``on_transfer_end(keypath)`` fires once a leaf's device data is no longer needed,
+        ``on_write_end(keypath)`` once its bytes are written; each exactly once per array leaf.
+        Raises ``TypeError`` (unsupported leaf, naming its key path) or ``FileExistsError``
+        before anything is written. Call ``.wait()`` on the handle for durability and errors.
+        """
+        started = time.perf_counter()
+        location = Location.parse(path)
+        hits = self._plans.hits
+        plan = self._plans.get(tree)
+        plan_cached = self._plans.hits > hits
+        leaves = jax.tree_util.tree_leaves(tree)
+        priorities = self._priorities(plan, priority)
+        batches = make_batches(plan, priorities, self.options.batch_bytes, worker=self.worker_id)
+        plan_seconds = time.perf_counter() - started
+        target = location.start_write(overwrite)
+        run = SaveRun(self, plan, leaves, batches, target, location.display, self._ring,
+                      on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
+        with self._lock:
+            self._active.add(run)
+        run.start()
+        run.wait_until_sync_copied()
+        return SaveHandle(run)
+
+    @staticmethod
+    def _priorities(plan: Plan, priority: PriorityFn | None) -> list[Priority]:
+        if priority is None:
+            return [Priority.SYNC] * len(plan.leaves)
+        out = []
+        for spec in plan.leaves:
+            if spec.kind == tree_lib.SCALAR:
+                out.append(Priority.SYNC)
+                continue
+            value = priority(spec.keypath, spec.spec)
+            try:
+                out.append(Priority(value))
+            except ValueError:
+                raise TypeError(f"priority callback returned {value!r} for {spec.keypath}; "
+                                "expected a dispatch_io.Priority") from None
+        return out
+
+    def save_finished(self, run: SaveRun):
+        with self._lock:
+            self._active.discard(run)
+            idle = not self._active
+        if idle and not self.options.keep_staging_warm:
+            self._ring.drop_buffer()
+
+    # ---- restore ------------------------------------------------------------------------------
+
+    def restore(self, path, target=None, *, partial: bool = False, cast: bool = False):
+        """Read the checkpoint at ``path``.
+
+        ``target`` (a pytree) says what to build: ``jax.ShapeDtypeStruct`` leaves with a
+        sharding (None: the default device), ``jax.Array`` leaves (their sharding is used),
+        ``np.ndarray`` leaves (host numpy). ``target=None`` returns the saved tree with numpy
+        arrays and PRNG keys as key arrays on the default device. Strict: every mismatch is
+        reported at once (``TreeMismatchError``) before anything is read; ``partial=True``
+        lets the target name a subset of the leaves, ``cast=True`` allows dtype changes.
+        """
+        location = Location.parse(path)
+        manifest = manifest_lib.parse(location.read_manifest(), location.display)
+        treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
+        session = self.open_read_session(location)
+        try:
+            restore_lib.read_outputs(self, session, outputs, location.display)
+        finally:
+            session.close()
+        return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
+
+    # ---- what a concrete dispatcher provides ---------------------------------------------------
+
+    def open_write_session(self, target: WriteTarget):
+        raise NotImplementedError
+
+    def open_read_session(self, location: Location):
+        raise NotImplementedError
+
+    def copy_to_host(self, plan: Plan, chunks: Sequence[Chunk], sources: Sources, staging: np.ndarray
+                     ) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def submit_write(self, session, regions: Sequence[Region], buffers) -> concurrent.futures.Future:
+        raise NotImplementedError
+
+    def submit_read(self, session, regions: Sequence[Region]) -> concurrent.futures.Future:
+        raise NotImplementedError
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def wait_all(self):
+        """Wait for every save in flight (errors stay with their handles)."""
+        with self._lock:
+            runs = list(self._active)
+        concurrent.futures.wait([r.future for r in runs])
+
+    def close(self):
+        """Wait for saves in flight and free the staging memory."""
+        self.wait_all()
+        self._ring.drop_buffer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources: Sources, staging: np.ndarray
+                        ) -> list[np.ndarray]:
+    """Copy each chunk's region from its device shard into consecutive staging slices.
+
+    On CPU the device buffer is host memory: ``np.asarray`` views it without a copy and the
+    one copy is into staging. On accelerators the region is sliced on the device and all
+    copies of the batch are started before the first is awaited."""
+    out, pending, offset = [], [], 0
+    for chunk in chunks:
+        spec = plan.leaves[chunk.leaf]
+        try:
+            start, data = sources.shard(chunk.leaf, chunk.device)
+            local = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start))
+            shape = tuple(hi - lo for lo, hi in chunk.region)
+            dst = staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape)
+            offset += aligned(chunk.nbytes)
+            if isinstance(data, np.ndarray):
+                np.copyto(dst, data[local])
+            elif _on_cpu(data):
+                np.copyto(dst, np.asarray(data)[local])
+            else:
+                piece = data[local]
+                piece.copy_to_host_async()
+                pending.append((dst, piece, spec, chunk))
+            out.append(dst)
+        except Exception as exc:  # noqa: BLE001
+            raise ChunkError(spec.keypath, chunk.region, exc) from exc
+    for dst, piece, spec, chunk in pending:
+        try:
+            np.copyto(dst, np.asarray(piece))
+        except Exception as exc:  # noqa: BLE001
+            raise ChunkError(spec.keypath, chunk.region, exc) from exc
+    return out
+
+
+def _on_cpu(array) -> bool:
+    return next(iter(array.devices())).platform == "cpu"
+
+
+class LocalDispatcher(Dispatcher):
+    """Runs the worker code in-process on a thread pool: one worker per JAX process.
+
+    ``host_memory_budget`` bounds the host bytes the IO holds at any moment; other
+    :class:`Options` fields may be given as keyword arguments.
+    """
+
+    def __init__(self, host_memory_budget: int = 1 << 30, **options):
+        super().__init__(Options(host_memory_budget=host_memory_budget, **options))
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.options.write_threads, thread_name_prefix="dispatch_io-worker")
+
+    def open_write_session(self, target: WriteTarget) -> Session:
+        return Session(target.kvstore, context=target.context, fsync=self.options.fsync)
+
+    def open_read_session(self, location: Location) -> Session:
+        return Session(location.arrays_kvstore(), context=location.context)
+
+    def copy_to_host(self, plan, chunks, sources, staging):
+        return copy_chunks_to_host(plan, chunks, sources, staging)
+
+    def submit_write(self, session, regions, buffers):
+        return self._pool.submit(write_regions, session, regions, buffers)
+
+    def submit_read(self, session, regions):
+        return self._pool.submit(read_regions, session, regions)
+
+    def close(self):
+        super().close()
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,36 @@
+"""The exceptions dispatch_io raises. Every error about a leaf names its key path."""
+
+
+class CheckpointError(Exception):
+    """Base class for every checkpoint failure raised by dispatch_io."""
+
+
+class TreeMismatchError(CheckpointError, ValueError):
+    """The restore target does not match the checkpoint (structure, shape or dtype).
+
+    The message lists every offending key path at once; ``problems`` holds them as
+    ``(keypath, reason)`` pairs for programs.
+    """
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        lines = "\n".join(f"  {path}: {why}" for path, why in self.problems)
+        super().__init__(
+            f"restore target does not match the checkpoint ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The directory holds no committed checkpoint (a save failed, was killed, or is in flight)."""
+
+
+class WorkerError(CheckpointError):
+    """A worker failed while moving or writing/reading a leaf.
+
+    ``worker`` is the worker id (the JAX process index), ``keypath`` the leaf.
+    The original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message, *, worker=None, keypath=None):
+        self.worker = worker
+        self.keypath = keypath
+        super().__init__(message)

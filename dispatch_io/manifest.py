@@ -1,0 +1,136 @@
+"""The versioned manifest: everything needed to read a checkpoint back, as plain JSON.
+
+::
+
+    {"format": "dispatch_io", "format_version": 1,
+     "structure": {...},                   # tree.encode_structure
+     "leaves": [{"keypath": "['params']['w']", "kind": "array" | "key" | "scalar",
+                 "origin": "jax" | "numpy" | "numpy_scalar" | "python",
+                 "shape": [...], "dtype": "bfloat16",    # logical; keys: "key<fry>"
+                 "key_impl": "threefry2x32" | null,
+                 "stored": {"name": "00003.params.w", "shape": [...], "dtype": "bfloat16",
+                            "chunk_shape": [...]} | null,   # null: scalars and zero-size arrays
+                 "sharding": {...} | null,               # as saved, for people (inspect)
+                 "value": {...}},                         # Python scalars only
+                ...],
+     "total_bytes": N}
+
+Dtypes are stored by their numpy / ml_dtypes name, never by numpy descr strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+import jax
+
+from dispatch_io import tree as tree_lib
+from dispatch_io.errors import CheckpointError
+from dispatch_io.plan import Plan
+from workers import ArraySpec, numpy_dtype
+
+FORMAT = "dispatch_io"
+FORMAT_VERSION = 1
+
+
+def describe_sharding(sharding) -> dict | None:
+    if sharding is None:
+        return None
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return {"type": "NamedSharding", "mesh": dict(sharding.mesh.shape),
+                "spec": [None if p is None else (list(p) if isinstance(p, tuple) else p) for p in sharding.spec]}
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return {"type": "SingleDeviceSharding", "device": next(iter(sharding.device_set)).id}
+    return {"type": type(sharding).__name__, "repr": repr(sharding)}
+
+
+def build(plan: Plan, leaves: list) -> bytes:
+    """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values."""
+    entries = []
+    for spec, leaf in zip(plan.leaves, leaves):
+        entry: dict[str, Any] = {"keypath": spec.keypath, "kind": spec.kind, "origin": spec.origin}
+        if spec.kind == tree_lib.SCALAR:
+            entry["value"] = tree_lib.encode_scalar(leaf)
+        else:
+            entry.update(
+                shape=list(spec.spec.shape), dtype=str(spec.spec.dtype), key_impl=spec.key_impl,
+                sharding=describe_sharding(spec.spec.sharding),
+                stored=None if spec.storage is None else {
+                    "name": spec.storage, "shape": list(spec.shape), "dtype": spec.dtype.name,
+                    "chunk_shape": list(spec.chunk_shape)})
+        entries.append(entry)
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION,
+           "structure": tree_lib.encode_structure(plan.treedef), "leaves": entries,
+           "total_bytes": plan.nbytes, "jax_version": jax.__version__}
+    return json.dumps(doc, indent=1).encode()
+
+
+@functools.cache
+def key_dtype(impl: str):
+    """The key dtype (``key<fry>`` ...) of a PRNG impl name."""
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedLeaf:
+    """One leaf as the manifest describes it."""
+
+    keypath: str
+    kind: str
+    origin: str
+    shape: tuple[int, ...] = ()
+    dtype: Any = None              # np.dtype, or a key dtype for keys
+    key_impl: str | None = None
+    stored: ArraySpec | None = None
+    value: Any = None              # Python scalars
+
+    @property
+    def abstract(self):
+        """ShapeDtypeStruct for arrays and keys; the value itself for Python scalars."""
+        if self.kind == tree_lib.SCALAR:
+            return self.value
+        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    treedef: Any
+    leaves: tuple[SavedLeaf, ...]
+    total_bytes: int
+
+    @functools.cached_property
+    def by_keypath(self) -> dict[str, SavedLeaf]:
+        return {leaf.keypath: leaf for leaf in self.leaves}
+
+
+def parse(doc: dict, where: str) -> Manifest:
+    if doc.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: not a dispatch_io manifest")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: manifest format version {version} is not supported "
+                              f"by this dispatch_io (reads version {FORMAT_VERSION})")
+    leaves = []
+    for e in doc["leaves"]:
+        if e["kind"] == tree_lib.SCALAR:
+            leaves.append(SavedLeaf(e["keypath"], e["kind"], e["origin"], value=tree_lib.decode_scalar(e["value"])))
+            continue
+        stored = e.get("stored")
+        if e["kind"] == tree_lib.KEY:
+            dtype = key_dtype(e["key_impl"])
+        else:
+            dtype = numpy_dtype(e["dtype"])
+        leaves.append(SavedLeaf(
+            e["keypath"], e["kind"], e["origin"], tuple(e["shape"]), dtype, e.get("key_impl"),
+            None if stored is None else ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"],
+                                                  tuple(stored["chunk_shape"]))))
+    treedef = tree_lib.decode_structure(doc["structure"])
+    return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)))
+
+
+def abstract_tree(manifest: Manifest):
+    """The saved tree with ShapeDtypeStruct leaves (Python scalars as saved)."""
+    return jax.tree_util.tree_unflatten(manifest.treedef, [leaf.abstract for leaf in manifest.leaves])

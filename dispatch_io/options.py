@@ -1,0 +1,52 @@
+"""One small, frozen options object, passed down whole instead of a dozen keyword arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a dispatcher moves bytes.
+
+    host_memory_budget: bytes of host memory the IO may hold at once (staging for saves,
+        reads in flight for restores). Always respected, even for one array larger than it:
+        such arrays are split into chunks.
+    max_chunk_bytes: upper bound on one chunk (one storage chunk on disk, one unit of
+        device-to-host copy). ``None`` picks ``min(budget // 4, 64 MiB)`` so that two
+        batches (one copying, one writing) always fit in the budget together.
+    write_threads: worker threads writing batches concurrently.
+    fsync: make files and directories durable before the commit marker is written.
+    keep_staging_warm: keep the staging buffer between saves. Memory freed to the OS is
+        slow to touch again, so a warm buffer makes repeated saves several times faster;
+        it stays bounded by the budget and is freed by ``dispatcher.close()``.
+    """
+
+    host_memory_budget: int = 1 << 30
+    max_chunk_bytes: int | None = None
+    write_threads: int = 2
+    fsync: bool = True
+    keep_staging_warm: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.host_memory_budget, int) or self.host_memory_budget <= 0:
+            raise ValueError(f"host_memory_budget must be a positive number of bytes, got {self.host_memory_budget!r}")
+        if self.max_chunk_bytes is not None and not 0 < self.max_chunk_bytes <= self.host_memory_budget // 2:
+            raise ValueError(
+                f"max_chunk_bytes must be in (0, host_memory_budget // 2], got {self.max_chunk_bytes!r}")
+        if self.write_threads < 1:
+            raise ValueError(f"write_threads must be >= 1, got {self.write_threads!r}")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunk size limit actually used."""
+        if self.max_chunk_bytes is not None:
+            return self.max_chunk_bytes
+        return max(1, min(self.host_memory_budget // 4, 64 * MiB))
+
+    @property
+    def batch_bytes(self) -> int:
+        """Largest batch: half the budget, so one batch copies while the previous one writes."""
+        return max(1, self.host_memory_budget // 2)

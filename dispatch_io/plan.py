@@ -1,0 +1,225 @@
+"""Plan a save: pure controller-side work, no device data touched, cached across saves.
+
+A :class:`Plan` says, for every leaf, what is stored (logical spec, physical shape/dtype,
+storage name, on-disk chunk shape) and, for every distinct shard region, which chunks are
+copied from which device by which worker. Replicas are written exactly once; the replica to
+copy from is chosen so replicated bytes spread evenly over workers (processes) and devices.
+Shards larger than the chunk limit are split along their leading axes, so the host memory
+budget holds even for one array many times its size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from dispatch_io import tree as tree_lib
+from workers import ArraySpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """What is stored for one leaf. ``spec`` is the logical ShapeDtypeStruct (with sharding);
+    ``shape``/``dtype`` are what is on disk (``key_data`` for PRNG keys)."""
+
+    index: int
+    keypath: str
+    kind: str                       # tree.ARRAY / tree.KEY / tree.SCALAR
+    origin: str                     # "jax" | "numpy" | "numpy_scalar" | "python"
+    spec: jax.ShapeDtypeStruct | None = None
+    shape: tuple[int, ...] = ()
+    dtype: np.dtype | None = None
+    key_impl: str | None = None
+    storage: str | None = None      # array name under arrays/; None: nothing stored (scalars, size 0)
+    chunk_shape: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.dtype is None else math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def array(self) -> ArraySpec:
+        """What a worker needs to open this leaf's stored array."""
+        return ArraySpec(self.storage, self.shape, self.dtype.name, self.chunk_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One region of one leaf, copied to host and written as a unit. ``region`` is
+    ((start, stop), ...) over the stored (physical) shape."""
+
+    leaf: int
+    region: tuple[tuple[int, int], ...]
+    nbytes: int
+    device: int | None   # device id to copy from; None for host (numpy) leaves
+    worker: int          # JAX process index that copies and writes it
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    treedef: Any
+    leaves: tuple[LeafSpec, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
+# ---- per-leaf specs ----------------------------------------------------------------------------
+
+def _storage_name(index: int, keypath: str) -> str:
+    """A safe file name: index first (unique), then a readable hint from the key path."""
+    hint = re.sub(r"[^A-Za-z0-9_-]+", ".", keypath).strip(".")[:80]
+    return f"{index:05d}.{hint}" if hint else f"{index:05d}"
+
+
+def key_physical(key) -> tuple[tuple[int, ...], np.dtype, str]:
+    """Physical (``key_data``) shape and dtype of a typed key array, and its impl name.
+    Derived by JAX (``eval_shape``), never hard-coded: impls differ in trailing dims."""
+    phys = jax.eval_shape(jax.random.key_data, key)
+    return tuple(phys.shape), np.dtype(phys.dtype), str(jax.random.key_impl(key))
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def storage_chunk_shape(shard_shape: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
+    """Largest chunk shape that tiles ``shard_shape`` exactly and holds at most ``limit`` bytes
+    (or one element). Axes are cut from the front, so chunks stay contiguous in memory."""
+    shape = list(shard_shape)
+    for axis in range(len(shape)):
+        if math.prod(shape[axis:]) * itemsize <= limit:
+            break
+        inner = math.prod(shape[axis + 1:]) * itemsize
+        if inner >= limit:
+            shape[axis] = 1
+            continue
+        shape[axis] = max(d for d in _divisors(shape[axis]) if d * inner <= limit)
+        break
+    return tuple(shape)
+
+
+def _index_to_region(index, shape) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index))
+
+
+def _device_regions(leaf, spec, phys_shape):
+    """{region over the logical shape: [devices holding it]} in device order."""
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:  # host numpy leaf
+        return {tuple((0, n) for n in spec.shape): [None]}
+    regions: dict[tuple, list] = {}
+    for device, index in sharding.devices_indices_map(tuple(spec.shape)).items():
+        regions.setdefault(_index_to_region(index, spec.shape), []).append(device)
+    return regions
+
+
+def leaf_spec(index: int, keypath: str, leaf, chunk_limit: int) -> LeafSpec:
+    kind = tree_lib.leaf_kind(keypath, leaf)
+    if kind == tree_lib.SCALAR:
+        return LeafSpec(index, keypath, kind, origin="python")
+    origin = "jax" if isinstance(leaf, jax.Array) else ("numpy_scalar" if isinstance(leaf, np.generic) else "numpy")
+    sharding = leaf.sharding if origin == "jax" else None
+    spec = jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sharding)
+    if kind == tree_lib.KEY:
+        shape, dtype, impl = key_physical(leaf)
+    else:
+        shape, dtype, impl = tuple(leaf.shape), np.dtype(leaf.dtype), None
+    storage = _storage_name(index, keypath) if math.prod(shape) else None
+    shard_shape = tuple(spec.shape)
+    if sharding is not None and storage:
+        shard_shape = tuple(sharding.shard_shape(tuple(spec.shape)))
+    shard_shape = shard_shape + shape[len(spec.shape):]  # key dims are never split across devices
+    chunk_shape = storage_chunk_shape(shard_shape, dtype.itemsize, chunk_limit) if storage else ()
+    return LeafSpec(index, keypath, kind, origin, spec, shape, dtype, impl, storage, chunk_shape)
+
+
+# ---- chunks -----------------------------------------------------------------------------------
+
+def _split_region(region, chunk_shape):
+    """The chunk-grid cells covering ``region`` (which is aligned to the grid)."""
+    axes = [range(lo, hi, step) for (lo, hi), step in zip(region, chunk_shape)]
+    for starts in itertools.product(*axes):
+        yield tuple((s, min(s + step, hi)) for s, step, (_, hi) in zip(starts, chunk_shape, region))
+
+
+def plan_tree(tree, chunk_limit: int) -> Plan:
+    """Build the plan for ``tree`` (TypeError naming the key path for unsupported leaves)."""
+    flat, treedef = tree_lib.flatten(tree)
+    specs = tuple(leaf_spec(i, path, leaf, chunk_limit) for i, (path, leaf) in enumerate(flat))
+    worker_load: dict[int, int] = {}
+    device_load: dict[int, int] = {}
+    chunks = []
+    for spec, (_, leaf) in zip(specs, flat):
+        if spec.storage is None:
+            continue
+        key_dims = tuple((0, n) for n in spec.shape[len(spec.spec.shape):])
+        for region, devices in _device_regions(leaf, spec.spec, spec.shape).items():
+            region = region + key_dims
+            nbytes = math.prod(hi - lo for lo, hi in region) * spec.dtype.itemsize
+            # Write each distinct region once, from the least loaded worker, then device.
+            device = min(devices, key=lambda d: (
+                worker_load.get(_process(d), 0), device_load.get(_id(d), 0), _id(d) or 0))
+            worker = _process(device)
+            worker_load[worker] = worker_load.get(worker, 0) + nbytes
+            device_load[_id(device)] = device_load.get(_id(device), 0) + nbytes
+            for cell in _split_region(region, spec.chunk_shape):
+                cell_bytes = math.prod(hi - lo for lo, hi in cell) * spec.dtype.itemsize
+                chunks.append(Chunk(spec.index, cell, cell_bytes, _id(device), worker))
+    return Plan(treedef, specs, tuple(chunks))
+
+
+def _process(device) -> int:
+    return jax.process_index() if device is None else device.process_index
+
+
+def _id(device) -> int | None:
+    return None if device is None else device.id
+
+
+def plan_key(tree) -> tuple:
+    """What a plan depends on: structure, and per leaf its type, shape, dtype and sharding.
+
+    Python scalar *values* are not part of it (a step counter changes every save)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    sig = []
+    for leaf in leaves:
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            sig.append((type(leaf), tuple(leaf.shape), str(leaf.dtype), getattr(leaf, "sharding", None)))
+        else:
+            sig.append(type(leaf))
+    return treedef, tuple(sig)
+
+
+class PlanCache:
+    """A small LRU of plans keyed by :func:`plan_key`. A training loop saving the same state
+    structure every N steps plans once."""
+
+    def __init__(self, chunk_limit: int, size: int = 8):
+        self._chunk_limit = chunk_limit
+        self._size = size
+        self._plans: dict[tuple, Plan] = {}
+        self.hits = 0
+
+    def get(self, tree) -> Plan:
+        key = plan_key(tree)
+        try:
+            plan = self._plans.pop(key)
+            self.hits += 1
+        except KeyError:
+            plan = plan_tree(tree, self._chunk_limit)
+        except TypeError:  # unhashable sharding: plan without caching
+            return plan_tree(tree, self._chunk_limit)
+        self._plans[key] = plan
+        while len(self._plans) > self._size:
+            self._plans.pop(next(iter(self._plans)))
+        return plan

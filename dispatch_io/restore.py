@@ -1,0 +1,233 @@
+"""Restore: check the whole target against the manifest, then read each needed region once,
+in budgeted batches, straight into the memory the result will live in.
+
+Each device's region is read only once even if several devices hold it (replicas), regions
+larger than the chunk limit are read piecewise into one 64-byte aligned buffer (which
+``device_put`` adopts without a copy on CPU), and at most two batches of reads are in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from dispatch_io import manifest as manifest_lib
+from dispatch_io import tree as tree_lib
+from dispatch_io.batches import aligned
+from dispatch_io.errors import TreeMismatchError, WorkerError
+from dispatch_io.manifest import Manifest, SavedLeaf
+from dispatch_io.plan import storage_chunk_shape
+from workers import ChunkError, Region
+
+HOST, DEVICE = "host", "device"
+
+
+@dataclasses.dataclass
+class _Output:
+    """One leaf of the result and how to build it."""
+
+    saved: SavedLeaf
+    where: str                         # HOST (numpy) or DEVICE (jax.Array)
+    dtype: np.dtype | None             # element dtype of the result (stored dtype for keys)
+    sharding: Any = None               # DEVICE only
+    as_scalar: bool = False            # numpy scalar (np.generic) rather than a 0-d array
+    regions: dict = dataclasses.field(default_factory=dict)  # region -> [devices] (DEVICE) / [None]
+    buffers: dict = dataclasses.field(default_factory=dict)  # region -> host array
+    pending: dict = dataclasses.field(default_factory=dict)  # region -> pieces still to read
+
+
+def _describe(x) -> str:
+    if isinstance(x, tree_lib._SCALAR_TYPES):
+        return f"a Python {type(x).__name__}"
+    return f"shape {tuple(x.shape)} dtype {x.dtype}"
+
+
+def _target_problem(saved: SavedLeaf, leaf, cast: bool) -> str | None:
+    if saved.kind == tree_lib.SCALAR:
+        if isinstance(leaf, tree_lib._SCALAR_TYPES) or getattr(leaf, "shape", None) == ():
+            return None
+        return f"checkpoint has a Python {type(saved.value).__name__}, target asks for {_describe(leaf)}"
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        return (f"checkpoint has shape {saved.shape} dtype {saved.dtype}, target leaf is "
+                f"{type(leaf).__name__} (use jax.ShapeDtypeStruct, jax.Array or np.ndarray)")
+    if tuple(leaf.shape) != saved.shape:
+        return f"shape mismatch: checkpoint {saved.shape}, target {tuple(leaf.shape)}"
+    target_is_key = tree_lib.is_prng_key(leaf)
+    if (saved.kind == tree_lib.KEY) != target_is_key:
+        return f"checkpoint has {'a PRNG key' if saved.kind == tree_lib.KEY else 'a plain array'} of dtype {saved.dtype}, target dtype is {leaf.dtype}"
+    if target_is_key and leaf.dtype != saved.dtype:
+        return f"PRNG key impl mismatch: checkpoint {saved.dtype} ({saved.key_impl}), target {leaf.dtype}"
+    if not target_is_key and np.dtype(leaf.dtype) != saved.dtype and not cast:
+        return f"dtype mismatch: checkpoint {saved.dtype}, target {leaf.dtype} (pass cast=True to convert)"
+    return None
+
+
+def _output_for(saved: SavedLeaf, leaf) -> _Output:
+    """Where and how a leaf is restored, given its target leaf (None: as saved, on host)."""
+    key = saved.kind == tree_lib.KEY
+    stored_dtype = None if saved.stored is None else manifest_lib.numpy_dtype(saved.stored.dtype)
+    if leaf is None or isinstance(leaf, (np.ndarray, np.generic)):
+        if key:  # keys have no numpy form: as key arrays on the default device
+            return _Output(saved, DEVICE, stored_dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        as_scalar = isinstance(leaf, np.generic) or (leaf is None and saved.origin == "numpy_scalar")
+        dtype = saved.dtype if leaf is None else np.dtype(leaf.dtype)
+        return _Output(saved, HOST, dtype, as_scalar=as_scalar)
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    dtype = stored_dtype if key else np.dtype(leaf.dtype)
+    return _Output(saved, DEVICE, dtype, sharding)
+
+
+def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool):
+    """(treedef, [_Output or scalar value]) for the result; TreeMismatchError lists every problem."""
+    if target is None:
+        return manifest.treedef, [_output_for(s, None) if s.kind != tree_lib.SCALAR else s.value
+                                  for s in manifest.leaves]
+    flat, treedef = tree_lib.flatten(target)
+    problems = []
+    outputs = []
+    named = set()
+    for keypath, leaf in flat:
+        named.add(keypath)
+        saved = manifest.by_keypath.get(keypath)
+        if saved is None:
+            problems.append((keypath, "not in the checkpoint"))
+            continue
+        problem = _target_problem(saved, leaf, cast)
+        if problem:
+            problems.append((keypath, problem))
+        elif saved.kind == tree_lib.SCALAR:
+            outputs.append(_scalar_output(saved.value, leaf))
+        else:
+            outputs.append(_output_for(saved, leaf))
+    if not partial:
+        problems += [(s.keypath, "in the checkpoint but not in the target (pass partial=True to skip it)")
+                     for s in manifest.leaves if s.keypath not in named]
+    if problems:
+        raise TreeMismatchError(problems)
+    return treedef, outputs
+
+
+def _scalar_output(value, leaf):
+    if isinstance(leaf, tree_lib._SCALAR_TYPES):
+        return value
+    array = np.asarray(value, dtype=leaf.dtype)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return array
+    return jax.device_put(array, getattr(leaf, "sharding", None))
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+def _aligned_empty(shape, dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % 64
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def _regions(out: _Output) -> dict:
+    shape = out.saved.shape
+    if out.where == HOST:
+        return {tuple((0, n) for n in shape): [None]}
+    regions: dict = {}
+    for device, index in out.sharding.addressable_devices_indices_map(shape).items():
+        region = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+        regions.setdefault(region, []).append(device)
+    return regions
+
+
+def _pieces(out: _Output, region, chunk_limit: int):
+    """(piece bounds over the stored array, slices into the region buffer) covering ``region``."""
+    stored = out.saved.stored
+    full = region + tuple((0, n) for n in stored.shape[len(region):])  # trailing key dims
+    shape = tuple(hi - lo for lo, hi in full)
+    step = storage_chunk_shape(shape, np.dtype(out.dtype).itemsize, chunk_limit)
+    for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]):
+        local = tuple(slice(s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
+        bounds = tuple((lo + sl.start, lo + sl.stop) for (lo, _), sl in zip(full, local))
+        yield bounds, local
+
+
+def read_outputs(engine, session, outputs: list, display: str):
+    """Fill every _Output's buffers through ``engine.submit_read``, under the budget."""
+    chunk_limit = engine.options.chunk_bytes
+    batch_limit = engine.options.batch_bytes
+    work = []
+    for out in outputs:
+        if not isinstance(out, _Output) or out.saved.stored is None:
+            continue
+        out.regions = _regions(out)
+        for region in out.regions:
+            pieces = list(_pieces(out, region, chunk_limit))
+            out.pending[region] = len(pieces)
+            work += [(out, region, bounds, local) for bounds, local in pieces]
+    batches, current, size = [], [], 0
+    for item in work:
+        nbytes = aligned(math.prod(hi - lo for lo, hi in item[2]) * manifest_lib.numpy_dtype(item[0].saved.stored.dtype).itemsize)
+        if current and size + nbytes > batch_limit:
+            batches.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes
+    if current:
+        batches.append(current)
+
+    def submit(batch):
+        return engine.submit_read(session, [Region(o.saved.stored, b, o.saved.keypath) for o, _, b, _ in batch])
+
+    in_flight = [submit(batches[0])] if batches else []
+    for k, batch in enumerate(batches):
+        if k + 1 < len(batches):  # read the next batch while this one is placed
+            in_flight.append(submit(batches[k + 1]))
+        try:
+            arrays = in_flight.pop(0).result()
+        except ChunkError as exc:
+            for f in in_flight:
+                f.exception()
+            raise WorkerError(f"worker {engine.worker_id} failed reading {exc.keypath} from {display}: {exc}",
+                              worker=engine.worker_id, keypath=exc.keypath) from exc
+        for (out, region, _, local), piece in zip(batch, arrays):
+            _place(out, region, local, piece)
+
+
+def _place(out: _Output, region, local, piece: np.ndarray):
+    only_piece = region not in out.buffers and out.pending[region] == 1
+    if only_piece and piece.dtype == out.dtype:
+        out.buffers[region] = piece          # one piece covers the region: keep TensorStore's array
+    else:
+        if region not in out.buffers:
+            shape = tuple(hi - lo for lo, hi in region) + out.saved.stored.shape[len(region):]
+            out.buffers[region] = _aligned_empty(shape, np.dtype(out.dtype))
+        np.copyto(out.buffers[region][local], piece, casting="unsafe")
+    out.pending[region] -= 1
+
+
+def finish(out) -> Any:
+    """The result leaf for an _Output whose buffers are full."""
+    if not isinstance(out, _Output):
+        return out
+    saved = out.saved
+    if saved.stored is None:  # zero-size: nothing was stored
+        phys = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(saved.shape, saved.dtype)) \
+            if saved.kind == tree_lib.KEY else jax.ShapeDtypeStruct(saved.shape, out.dtype)
+        out.regions = _regions(out)
+        out.buffers = {r: np.zeros(tuple(hi - lo for lo, hi in r) + phys.shape[len(r):], phys.dtype)
+                       for r in out.regions}
+    if out.where == HOST:
+        array = next(iter(out.buffers.values()))
+        return array[()] if out.as_scalar else array
+    key = saved.kind == tree_lib.KEY
+    shards = []
+    for region, devices in out.regions.items():
+        host = out.buffers.pop(region)
+        for device in devices:
+            shard = jax.device_put(host, device)
+            shards.append(jax.random.wrap_key_data(shard, impl=saved.key_impl) if key else shard)
+    return jax.make_array_from_single_device_arrays(saved.shape, out.sharding, shards)

@@ -1,0 +1,269 @@
+"""The save pipeline, shared by every dispatcher.
+
+One driver thread per save walks the batches in priority order::
+
+    acquire staging (blocks while the budget is full) -> copy the batch to host
+      -> [last SYNC batch: save() may return] -> hand the batch to a worker to write
+      -> (worker done) release staging, fire on_write_end
+    ... all written -> manifest -> commit
+
+Copying batch k+1 overlaps writing batch k, and the staging ring bounds host bytes in flight
+at every moment. A failure anywhere stops new copies, waits for writes already handed out
+(their buffers are still being read), removes the partial data and surfaces from ``wait()``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from dispatch_io import manifest as manifest_lib
+from dispatch_io import tree as tree_lib
+from dispatch_io.batches import Batch, Priority
+from dispatch_io.errors import CheckpointError, WorkerError
+from dispatch_io.plan import Plan
+from dispatch_io.staging import StagingRing
+from dispatch_io.storage import WriteTarget
+from workers import ChunkError, Region
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+    """What one save did. Seconds are wall time; transfer and write overlap."""
+
+    path: str
+    bytes_written: int
+    batches: int
+    plan_seconds: float
+    blocked_seconds: float     # how long save() blocked the caller
+    transfer_seconds: float    # device -> host copies
+    write_seconds: float       # first write handed out -> last write durable
+    commit_seconds: float
+    total_seconds: float       # save() called -> committed
+    peak_host_bytes: int       # most staging bytes held at once (<= host_memory_budget)
+    plan_cached: bool
+
+
+class SaveHandle:
+    """A save in flight. ``wait()`` returns :class:`SaveStats` once the checkpoint is durable
+    and committed, or raises what went wrong (``WorkerError`` names the worker and key path)."""
+
+    def __init__(self, run: "SaveRun"):
+        self._run = run
+
+    def wait(self, timeout: float | None = None) -> SaveStats:
+        try:
+            return self._run.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"save to {self._run.display} not finished after {timeout} s") from None
+
+    def done(self) -> bool:
+        return self._run.future.done()
+
+    @property
+    def path(self) -> str:
+        return self._run.display
+
+
+class Sources:
+    """The device (or host) data of the leaves being saved, found by (leaf, device id).
+
+    References are dropped as soon as a leaf is fully copied, so the trainer's memory is
+    not held longer than the copy needs."""
+
+    def __init__(self, plan: Plan, leaves: list):
+        self._plan = plan
+        self._leaves = list(leaves)
+        self._shards: dict[int, dict] = {}
+
+    def shard(self, leaf: int, device: int | None):
+        """(start offsets, data) of the shard on ``device``; data is a jax.Array or np.ndarray."""
+        shards = self._shards.get(leaf)
+        if shards is None:
+            value, spec = self._leaves[leaf], self._plan.leaves[leaf]
+            if spec.origin != "jax":
+                shards = {None: ((0,) * len(spec.shape), np.asarray(value))}
+            else:
+                if spec.kind == tree_lib.KEY:
+                    value = jax.random.key_data(value)
+                shards = {s.device.id: (tuple(i.start or 0 for i in s.index), s.data)
+                          for s in value.addressable_shards}
+            self._shards[leaf] = shards
+        return shards[device]
+
+    def drop(self, leaf: int):
+        self._shards.pop(leaf, None)
+        self._leaves[leaf] = None
+
+
+class SaveRun:
+    """One save's state; ``engine`` is the dispatcher (how to copy, where to write)."""
+
+    def __init__(self, engine, plan: Plan, leaves: list, batches: tuple[Batch, ...], target: WriteTarget,
+                 display: str, ring: StagingRing, on_transfer_end: Callable | None,
+                 on_write_end: Callable | None, started: float, plan_seconds: float, plan_cached: bool):
+        self.engine = engine
+        self.plan = plan
+        self.leaves = list(leaves)
+        self.sources = Sources(plan, leaves)
+        self.batches = batches
+        self.target = target
+        self.display = display
+        self.ring = ring
+        self.on_transfer_end = on_transfer_end
+        self.on_write_end = on_write_end
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.sync_done = threading.Event()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._started, self._plan_seconds, self._plan_cached = started, plan_seconds, plan_cached
+        self._blocked = None
+        self._transfer_seconds = 0.0
+        self._first_write = self._last_write = None
+        self._bytes = 0
+        # Chunks of each leaf still to copy / write *by this worker*.
+        self._to_copy = [0] * len(plan.leaves)
+        for b in batches:
+            for i in b.chunks:
+                self._to_copy[plan.chunks[i].leaf] += 1
+        self._to_write = list(self._to_copy)
+        self._last_sync = max((k for k, b in enumerate(batches) if b.priority == Priority.SYNC), default=-1)
+        self._thread = threading.Thread(target=self._run, name=f"dispatch_io-save:{display}")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self):
+        self._thread.start()
+
+    def wait_until_sync_copied(self):
+        """Block until every SYNC leaf is off the device (or the save failed); raise its error then."""
+        self.sync_done.wait()
+        self._blocked = time.perf_counter() - self._started
+        if self.future.done() and self.future.exception() is not None:
+            raise self.future.exception()
+
+    def _failed(self) -> bool:
+        return self._error is not None
+
+    def _fail(self, error: BaseException):
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def _worker_error(self, action: str, exc: BaseException) -> WorkerError:
+        worker = self.engine.worker_id
+        keypath = getattr(exc, "keypath", None)
+        cause = exc.__cause__ if isinstance(exc, ChunkError) and exc.__cause__ else exc
+        where = f" {keypath}" if keypath else ""
+        err = WorkerError(f"worker {worker} failed {action}{where} for {self.display}: "
+                          f"{type(cause).__name__}: {cause}", worker=worker, keypath=keypath)
+        err.__cause__ = exc
+        return err
+
+    def _callback(self, fn, keypath):
+        if fn is None:
+            return
+        try:
+            fn(keypath)
+        except Exception:  # noqa: BLE001 - a trainer's callback bug must not lose the checkpoint
+            logging.exception("dispatch_io: callback %r raised for %s", fn, keypath)
+
+    # -- the driver thread ---------------------------------------------------------------------
+
+    def _run(self):
+        writes = []
+        session = None
+        try:
+            for spec in self.plan.leaves:  # leaves with nothing to copy here are done already
+                if spec.kind != tree_lib.SCALAR and self._to_copy[spec.index] == 0:
+                    self._callback(self.on_transfer_end, spec.keypath)
+                    self._callback(self.on_write_end, spec.keypath)
+            if self._last_sync < 0:
+                self.sync_done.set()
+            session = self.engine.open_write_session(self.target)
+            for k, batch in enumerate(self.batches):
+                ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
+                if ticket is None:
+                    break
+                chunks = [self.plan.chunks[i] for i in batch.chunks]
+                t0 = time.perf_counter()
+                try:
+                    buffers = self.engine.copy_to_host(self.plan, chunks, self.sources, staging)
+                except Exception as exc:  # noqa: BLE001
+                    self.ring.release(ticket)
+                    self._fail(self._worker_error("copying to host", exc))
+                    break
+                self._transfer_seconds += time.perf_counter() - t0
+                self._copied(chunks)
+                if k == self._last_sync:
+                    self.sync_done.set()
+                regions = [Region(self.plan.leaves[c.leaf].array, c.region, self.plan.leaves[c.leaf].keypath)
+                           for c in chunks]
+                if self._first_write is None:
+                    self._first_write = time.perf_counter()
+                future = self.engine.submit_write(session, regions, buffers)
+                future.add_done_callback(lambda f, chunks=chunks, ticket=ticket: self._written(f, chunks, ticket))
+                writes.append(future)
+                if self._failed():
+                    break
+            concurrent.futures.wait(writes)
+            if self._error is not None:
+                raise self._error
+            t0 = time.perf_counter()
+            self.target.commit(manifest_lib.build(self.plan, self.leaves), fsync=self.engine.options.fsync)
+            done = time.perf_counter()
+            self.future.set_result(SaveStats(
+                path=self.display, bytes_written=self._bytes, batches=len(self.batches),
+                plan_seconds=self._plan_seconds, blocked_seconds=self._blocked or 0.0,
+                transfer_seconds=self._transfer_seconds,
+                write_seconds=(self._last_write - self._first_write) if self._first_write else 0.0,
+                commit_seconds=done - t0, total_seconds=done - self._started,
+                peak_host_bytes=self.ring.peak, plan_cached=self._plan_cached))
+        except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
+            concurrent.futures.wait(writes)
+            try:
+                self.target.abort()
+            except Exception:  # noqa: BLE001
+                logging.exception("dispatch_io: could not remove the partial save at %s", self.display)
+            if not isinstance(exc, CheckpointError):
+                err = CheckpointError(f"save to {self.display} failed: {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                exc = err
+            self.future.set_exception(exc)
+        finally:
+            if session is not None:
+                session.close()
+            self.sources = None
+            self.sync_done.set()
+            self.engine.save_finished(self)
+
+    def _copied(self, chunks):
+        for c in chunks:
+            self._to_copy[c.leaf] -= 1
+            if self._to_copy[c.leaf] == 0:
+                self.sources.drop(c.leaf)
+                self._callback(self.on_transfer_end, self.plan.leaves[c.leaf].keypath)
+
+    def _written(self, future, chunks, ticket):
+        self.ring.release(ticket)
+        self._last_write = time.perf_counter()
+        exc = future.exception()
+        if exc is not None:
+            self._fail(self._worker_error("writing", exc))
+            return
+        with self._lock:
+            self._bytes += future.result()
+            finished = []
+            for c in chunks:
+                self._to_write[c.leaf] -= 1
+                if self._to_write[c.leaf] == 0:
+                    finished.append(self.plan.leaves[c.leaf].keypath)
+        for keypath in finished:
+            self._callback(self.on_write_end, keypath)

@@ -1,0 +1,247 @@
+"""Where a checkpoint lives, and how it is committed.
+
+A path maps to a :class:`Location`:
+
+* a local directory (``str`` / ``os.PathLike``, relative or absolute, or ``file://``): data is
+  written into a temporary sibling ``.<name>.dispatch_io-tmp``, files and directories are
+  fsynced, ``manifest.json`` then ``COMMITTED`` are written last, and the directory is renamed
+  into place. Nothing at ``path`` is ever half-written.
+* any other TensorStore kvstore URL (``memory://`` for tests; object stores later): there is no
+  rename, so data goes to its final keys and the ``COMMITTED`` marker, written last, is what makes
+  it visible. Readers ignore a prefix without it.
+
+Both layouts are identical once committed::
+
+    <path>/manifest.json   versioned description of the tree (see manifest.py)
+    <path>/arrays/<name>/  one zarr3 array per stored leaf
+    <path>/COMMITTED       written last
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+
+import tensorstore as ts
+
+from dispatch_io.errors import IncompleteCheckpointError
+
+MANIFEST = "manifest.json"
+COMMITTED = "COMMITTED"
+WRITING = "WRITING"        # ownership marker inside our temporary directories
+ARRAYS = "arrays/"
+TMP_SUFFIX = ".dispatch_io-tmp"
+
+_memory_context = None
+
+
+def _shared_memory_context() -> ts.Context:
+    """The memory kvstore lives in a TensorStore context; saves and restores of ``memory://``
+    paths must share one to see each other's data (test use only)."""
+    global _memory_context
+    if _memory_context is None:
+        _memory_context = ts.Context()
+    return _memory_context
+
+
+def _fsync_path(path: str, directory: bool = False):
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _marker_json() -> bytes:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+
+
+class WriteTarget:
+    """An in-progress save: workers write arrays under ``kvstore``; then :meth:`commit` or :meth:`abort`."""
+
+    kvstore: dict
+    context: ts.Context | None
+
+    def commit(self, manifest: bytes, fsync: bool = True):
+        raise NotImplementedError
+
+    def abort(self):
+        raise NotImplementedError
+
+
+class Location:
+    """A checkpoint path. ``Location.parse`` picks the implementation."""
+
+    display: str
+    context: ts.Context | None = None  # shared TensorStore context (None: each session makes its own)
+
+    @staticmethod
+    def parse(path) -> "Location":
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            raise TypeError(f"checkpoint path must be a non-empty str or os.PathLike, got {path!r}")
+        if path.startswith("file://"):
+            return DirectoryLocation(path[len("file://"):])
+        if "://" in path:
+            return KvLocation(path)
+        return DirectoryLocation(path)
+
+    def arrays_kvstore(self) -> dict:
+        raise NotImplementedError
+
+    def is_committed(self) -> bool:
+        raise NotImplementedError
+
+    def read_manifest(self) -> dict:
+        raise NotImplementedError
+
+    def start_write(self, overwrite: bool) -> WriteTarget:
+        raise NotImplementedError
+
+
+# ---- local directories ------------------------------------------------------------------------
+
+class DirectoryLocation(Location):
+    def __init__(self, path: str):
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self.display = path
+
+    def arrays_kvstore(self) -> dict:
+        return {"driver": "file", "path": os.path.join(self.path, ARRAYS)}
+
+    def is_committed(self) -> bool:
+        return os.path.isfile(os.path.join(self.path, COMMITTED))
+
+    def read_manifest(self) -> dict:
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"no checkpoint at {self.display}: the path does not exist")
+        if not os.path.isdir(self.path):
+            raise IncompleteCheckpointError(f"{self.display} is a file, not a checkpoint directory")
+        if not self.is_committed():
+            raise IncompleteCheckpointError(
+                f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
+                "the save failed, was interrupted, is still running, or this is not a dispatch_io checkpoint")
+        with open(os.path.join(self.path, MANIFEST), "rb") as f:
+            return json.loads(f.read())
+
+    def start_write(self, overwrite: bool) -> "DirectoryWrite":
+        if os.path.exists(self.path) and not overwrite:
+            if self.is_committed():
+                raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
+            if not os.path.isdir(self.path) or os.listdir(self.path):
+                raise FileExistsError(f"{self.display} exists and is not a dispatch_io checkpoint; "
+                                      "refusing to replace it (pass overwrite=True to do so)")
+        return DirectoryWrite(self)
+
+
+class DirectoryWrite(WriteTarget):
+    def __init__(self, location: DirectoryLocation):
+        self.location = location
+        parent, name = os.path.split(location.path)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = os.path.join(parent, f".{name}{TMP_SUFFIX}")
+        remove_leftover(self.tmp)
+        os.makedirs(os.path.join(self.tmp, ARRAYS))
+        with open(os.path.join(self.tmp, WRITING), "wb") as f:
+            f.write(_marker_json())
+        self.kvstore = {"driver": "file", "path": os.path.join(self.tmp, ARRAYS)}
+        self.context = None
+
+    def commit(self, manifest: bytes, fsync: bool = True):
+        final = self.location.path
+        os.remove(os.path.join(self.tmp, WRITING))
+        _write_file(os.path.join(self.tmp, MANIFEST), manifest, fsync)
+        if fsync:
+            for root, dirs, _ in os.walk(self.tmp):
+                for d in dirs:
+                    _fsync_path(os.path.join(root, d), directory=True)
+        _write_file(os.path.join(self.tmp, COMMITTED), _marker_json(), fsync)
+        if fsync:
+            _fsync_path(self.tmp, directory=True)
+        old = None
+        if os.path.lexists(final):  # overwrite=True (checked in start_write)
+            old = f"{final}.dispatch_io-old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+        os.rename(self.tmp, final)
+        if fsync:
+            _fsync_path(os.path.dirname(final), directory=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+
+    def abort(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def remove_leftover(tmp: str):
+    """Remove a temporary directory of an interrupted save, only if it carries our marker."""
+    if not os.path.lexists(tmp):
+        return
+    if os.path.isdir(tmp) and (os.path.exists(os.path.join(tmp, WRITING)) or os.path.exists(os.path.join(tmp, MANIFEST))):
+        shutil.rmtree(tmp)
+        return
+    raise FileExistsError(f"{tmp} exists and was not made by dispatch_io; refusing to remove it")
+
+
+def _write_file(path: str, data: bytes, fsync: bool):
+    with open(path, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# ---- kvstore URLs (memory://, object stores) -----------------------------------------------------
+
+class KvLocation(Location):
+    def __init__(self, url: str):
+        self.url = url if url.endswith("/") else url + "/"
+        self.display = url
+        self.context = _shared_memory_context() if url.startswith("memory://") else None
+
+    def _kv(self):
+        return ts.KvStore.open(self.url, context=self.context or ts.Context()).result()
+
+    def arrays_kvstore(self) -> dict:
+        spec = ts.KvStore.Spec(self.url).to_json()
+        spec["path"] = spec.get("path", "") + ARRAYS
+        return spec
+
+    def is_committed(self) -> bool:
+        return self._kv().read(COMMITTED).result().state == "value"
+
+    def read_manifest(self) -> dict:
+        kv = self._kv()
+        if kv.read(COMMITTED).result().state != "value":
+            if not kv.list().result():
+                raise FileNotFoundError(f"no checkpoint at {self.display}: nothing stored under it")
+            raise IncompleteCheckpointError(f"{self.display} holds no committed checkpoint (no {COMMITTED} marker)")
+        return json.loads(kv.read(MANIFEST).result().value)
+
+    def start_write(self, overwrite: bool) -> "KvWrite":
+        kv = self._kv()
+        if kv.read(COMMITTED).result().state == "value":
+            if not overwrite:
+                raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
+            kv.delete(COMMITTED).result()  # uncommit first: a crash from here on leaves nothing visible
+        kv.delete_range(ts.KvStore.KeyRange()).result()
+        return KvWrite(self, kv)
+
+
+class KvWrite(WriteTarget):
+    def __init__(self, location: KvLocation, kv):
+        self.location = location
+        self.kv = kv
+        self.kvstore = location.arrays_kvstore()
+        self.context = location.context
+
+    def commit(self, manifest: bytes, fsync: bool = True):
+        self.kv.write(MANIFEST, manifest).result()
+        self.kv.write(COMMITTED, _marker_json()).result()
+
+    def abort(self):
+        self.kv.delete_range(ts.KvStore.KeyRange()).result()

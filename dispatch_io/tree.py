@@ -1,0 +1,192 @@
+"""Pytree structure <-> JSON, and what kind of thing each leaf is.
+
+The manifest stores the tree structure as plain JSON (never pickle), so a checkpoint can be
+read by a process that lacks the trainer's classes. Built-in containers (dict, list, tuple,
+None, OrderedDict) come back exactly. NamedTuples and custom registered nodes come back as
+their own class when it can be imported and its static data is a Python literal; otherwise
+as a dict of their children, so the data is never unreachable.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import importlib
+from typing import Any
+
+import jax
+import numpy as np
+
+tu = jax.tree_util
+
+# Leaf kinds.
+ARRAY = "array"   # jax.Array, np.ndarray, np.generic
+KEY = "key"       # typed PRNG key array (dtype key<impl>)
+SCALAR = "scalar"  # Python bool / int / float / complex / str, stored in the manifest itself
+
+_SCALAR_TYPES = (bool, int, float, complex, str)
+
+
+def flatten(tree) -> tuple[list[tuple[str, Any]], Any]:
+    """[(keystr, leaf)] in tree order, and the treedef."""
+    with_paths, treedef = tu.tree_flatten_with_path(tree)
+    return [(tu.keystr(path), leaf) for path, leaf in with_paths], treedef
+
+
+def is_prng_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def leaf_kind(keypath: str, leaf) -> str:
+    """ARRAY, KEY or SCALAR; a TypeError naming the key path for anything else."""
+    if isinstance(leaf, _SCALAR_TYPES):
+        return SCALAR
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return KEY if is_prng_key(leaf) else ARRAY
+    raise TypeError(
+        f"cannot checkpoint leaf {keypath} of type {type(leaf).__module__}.{type(leaf).__qualname__}: "
+        "leaves must be jax.Array, numpy arrays/scalars, or Python bool/int/float/complex/str")
+
+
+# ---- Python scalars, bit-exact in JSON -------------------------------------------------------
+
+def encode_scalar(value) -> dict:
+    if isinstance(value, bool):
+        return {"type": "bool", "value": value}
+    if isinstance(value, int):
+        return {"type": "int", "value": str(value)}  # str: JSON readers may truncate big ints
+    if isinstance(value, float):
+        return {"type": "float", "value": value.hex()}
+    if isinstance(value, complex):
+        return {"type": "complex", "value": [value.real.hex(), value.imag.hex()]}
+    return {"type": "str", "value": value}
+
+
+def decode_scalar(entry: dict):
+    kind, value = entry["type"], entry["value"]
+    if kind == "bool":
+        return bool(value)
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float.fromhex(value)
+    if kind == "complex":
+        return complex(float.fromhex(value[0]), float.fromhex(value[1]))
+    return str(value)
+
+
+# ---- structure ------------------------------------------------------------------------------
+
+def _class_name(cls) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _import_class(name: str):
+    module, _, qualname = name.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except Exception:  # not importable here: the caller falls back to a dict
+        return None
+
+
+def _literal(value):
+    """repr(value) if it round-trips through ast.literal_eval, else None."""
+    try:
+        text = repr(value)
+        if ast.literal_eval(text) == value:
+            return text
+    except Exception:
+        pass
+    return None
+
+
+def _is_namedtuple(cls) -> bool:
+    return issubclass(cls, tuple) and hasattr(cls, "_fields")
+
+
+def _encode_key(k):
+    if isinstance(k, bool) or not isinstance(k, (str, int)):
+        return {"repr": repr(k)}
+    return k
+
+
+def _decode_key(k):
+    if isinstance(k, dict):
+        try:
+            return ast.literal_eval(k["repr"])
+        except Exception:
+            return k["repr"]
+    return k
+
+
+def encode_structure(treedef) -> dict:
+    """A JSON description of ``treedef``; leaves appear as {"leaf": index}."""
+    counter = iter(range(treedef.num_leaves))
+
+    def walk(td):
+        if td.num_nodes == 1 and td.num_leaves == 1:
+            return {"leaf": next(counter)}
+        cls, aux = td.node_data()
+        if cls is type(None):
+            return {"none": True}
+        children = [walk(c) for c in td.children()]
+        if cls is dict:
+            return {"dict": [_encode_key(k) for k in aux], "children": children}
+        if cls is collections.OrderedDict:
+            return {"ordereddict": [_encode_key(k) for k in aux], "children": children}
+        if cls is collections.defaultdict:
+            return {"dict": [_encode_key(k) for k in aux[1]], "children": children}
+        if cls is list:
+            return {"list": children}
+        if cls is tuple:
+            return {"tuple": children}
+        if _is_namedtuple(cls):
+            return {"namedtuple": _class_name(cls), "fields": list(cls._fields), "children": children}
+        return {"custom": _class_name(cls), "aux": _literal(aux), "children": children}
+
+    return walk(treedef)
+
+
+def decode_structure(node: dict) -> Any:
+    """The treedef encoded by :func:`encode_structure` (custom nodes best effort, see module doc)."""
+    registry = tu.default_registry
+    none_def = tu.tree_structure(None)
+    leaf_def = tu.tree_structure(0)
+
+    def make(cls, aux, children):
+        return tu.PyTreeDef.from_node_data_and_children(registry, (cls, aux), children)
+
+    def walk(n):
+        if "leaf" in n:
+            return leaf_def
+        if "none" in n:
+            return none_def
+        if "list" in n:
+            return make(list, None, [walk(c) for c in n["list"]])
+        if "tuple" in n:
+            return make(tuple, None, [walk(c) for c in n["tuple"]])
+        children = [walk(c) for c in n["children"]]
+        if "dict" in n:
+            return make(dict, [_decode_key(k) for k in n["dict"]], children)
+        if "ordereddict" in n:
+            return make(collections.OrderedDict, tuple(_decode_key(k) for k in n["ordereddict"]), children)
+        if "namedtuple" in n:
+            cls = _import_class(n["namedtuple"])
+            if cls is None or not _is_namedtuple(cls) or list(cls._fields) != n["fields"]:
+                name = n["namedtuple"].rpartition(":")[2].rpartition(".")[2]
+                cls = collections.namedtuple(name, n["fields"])
+            return make(cls, None, children)
+        cls = _import_class(n["custom"])
+        if cls is not None and n["aux"] is not None:
+            try:
+                return make(cls, ast.literal_eval(n["aux"]), children)
+            except Exception:
+                pass
+        # Zero-padded names sort in the saved order, so leaves keep their positions.
+        return make(dict, [f"{i:04d}" for i in range(len(children))], children)
+
+    return walk(node)

@@ -1,0 +1,19 @@
+"""Code that runs where the data is: write host chunks into TensorStore arrays, read regions back.
+
+Nothing in here knows about plans, priorities or checkpoints: every call receives what it
+needs as plain, picklable data (:class:`ArraySpec`, :class:`Region`), so the same functions
+run in-process, in a colocated Python worker, or in another ``jax.distributed`` process.
+"""
+
+from workers.tensorstore_io import (
+    ArraySpec,
+    ChunkError,
+    Region,
+    Session,
+    numpy_dtype,
+    read_regions,
+    storage_dtype_name,
+    write_regions,
+)
+
+__all__ = ["ArraySpec", "ChunkError", "Region", "Session", "numpy_dtype", "read_regions", "storage_dtype_name", "write_regions"]

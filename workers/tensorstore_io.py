@@ -1,0 +1,185 @@
+"""TensorStore reads and writes of array regions, for one save or restore at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+
+class ChunkError(Exception):
+    """A read or write of one region failed; names the leaf's key path."""
+
+    def __init__(self, keypath: str, region, cause: BaseException):
+        self.keypath = keypath
+        self.region = region
+        super().__init__(f"{keypath} region {list(region)}: {type(cause).__name__}: {cause}")
+
+
+@functools.cache
+def _tensorstore_knows(name: str) -> bool:
+    try:
+        ts.dtype(name)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+def storage_dtype_name(dtype) -> str:
+    """The TensorStore dtype a numpy/ml_dtypes dtype is stored as.
+
+    Its own name when TensorStore knows it (so other zarr readers see real values);
+    otherwise an unsigned integer of the same width holding the same bits (uint4, float6,
+    newer float8 variants), which still round-trips bit-exactly."""
+    dtype = np.dtype(dtype)
+    if _tensorstore_knows(dtype.name):
+        return dtype.name
+    return f"uint{8 * dtype.itemsize}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """One stored array: its name under the checkpoint's ``arrays/`` and its layout."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str            # numpy / ml_dtypes name of the data
+    chunk_shape: tuple[int, ...]
+
+    @property
+    def storage_dtype(self) -> str:
+        return storage_dtype_name(self.dtype)
+
+    def tensorstore_spec(self, kvstore: dict) -> dict:
+        return {
+            "driver": "zarr3",
+            "kvstore": {**kvstore, "path": kvstore.get("path", "") + self.name + "/"},
+            "metadata": {
+                "shape": list(self.shape),
+                "data_type": self.storage_dtype,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            },
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A rectangular region ((start, stop), ...) of one stored array."""
+
+    array: ArraySpec
+    bounds: tuple[tuple[int, int], ...]
+    keypath: str
+
+    @property
+    def index(self):
+        return tuple(slice(lo, hi) for lo, hi in self.bounds)
+
+    @property
+    def shape(self):
+        return tuple(hi - lo for lo, hi in self.bounds)
+
+
+class Session:
+    """Open arrays for one save or restore, under a TensorStore context of its own.
+
+    ``kvstore`` is the TensorStore kvstore spec of the checkpoint's ``arrays/`` directory;
+    ``context`` a ``ts.Context`` (shared, e.g. for the memory kvstore) or ``None`` for a fresh
+    one that goes away with the session (no process-global cache outlives an operation).
+    """
+
+    def __init__(self, kvstore: dict, *, context: ts.Context | None = None, fsync: bool = True,
+                 io_concurrency: int = 16):
+        self.kvstore = kvstore
+        self.context = context if context is not None else ts.Context({
+            "cache_pool": {"total_bytes_limit": 0},
+            "file_io_concurrency": {"limit": io_concurrency},
+            "file_io_sync": fsync,
+        })
+        self._open: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def array(self, spec: ArraySpec, *, create: bool):
+        """The opened TensorStore (opened once per session, shared by threads)."""
+        with self._lock:
+            future = self._open.get(spec.name)
+            if future is None:
+                if create:
+                    future = ts.open(spec.tensorstore_spec(self.kvstore), create=True, open=True,
+                                     context=self.context)
+                else:
+                    tspec = spec.tensorstore_spec(self.kvstore)
+                    del tspec["metadata"]
+                    future = ts.open(tspec, open=True, context=self.context)
+                self._open[spec.name] = future
+        return future.result()
+
+    def close(self):
+        with self._lock:
+            self._open.clear()
+
+
+def _wait_all(futures, regions):
+    """Wait for every future (even after one fails: its buffer may still be read), then
+    raise the first failure as a ChunkError."""
+    first = None
+    results = []
+    for future, region in zip(futures, regions):
+        try:
+            results.append(future.result())
+        except Exception as exc:  # noqa: BLE001 - reported with its key path below
+            results.append(None)
+            if first is None:
+                first = ChunkError(region.keypath, region.bounds, exc)
+                first.__cause__ = exc
+    if first is not None:
+        raise first
+    return results
+
+
+def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> int:
+    """Write each host buffer into its region; returns bytes written once all are durable.
+
+    The buffers are referenced, not copied: the caller keeps them unchanged until this returns.
+    """
+    futures = []
+    for region, buf in zip(regions, buffers):
+        try:
+            store = session.array(region.array, create=True)
+            data = buf.view(region.array.storage_dtype) if buf.dtype.name != region.array.storage_dtype else buf
+            futures.append(store[region.index].write(data, can_reference_source_data_indefinitely=True).commit)
+        except Exception as exc:  # noqa: BLE001
+            _wait_all(futures, regions)
+            raise ChunkError(region.keypath, region.bounds, exc) from exc
+    _wait_all(futures, regions)
+    return sum(int(b.nbytes) for b in buffers)
+
+
+def read_regions(session: Session, regions: Sequence[Region]) -> list[np.ndarray]:
+    """Read each region (in parallel) as a numpy array of the region's logical dtype."""
+    futures = []
+    for region in regions:
+        try:
+            futures.append(session.array(region.array, create=False)[region.index].read())
+        except Exception as exc:  # noqa: BLE001
+            _wait_all(futures, regions)
+            raise ChunkError(region.keypath, region.bounds, exc) from exc
+    arrays = _wait_all(futures, regions)
+    out = []
+    for region, arr in zip(regions, arrays):
+        dtype = numpy_dtype(region.array.dtype)
+        out.append(arr if arr.dtype == dtype else arr.view(dtype))
+    return out
+
+
+@functools.cache
+def numpy_dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, name))
