@@ -7,6 +7,7 @@
     restored = dispatcher.restore("ckpt/step_100", dio.metadata("ckpt/step_100"))
 """
 
+from dispatch_io import tree
 from dispatch_io.batches import Priority
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError

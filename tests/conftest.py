@@ -1,0 +1,55 @@
+"""Test set-up: 8 simulated CPU devices (set before jax is imported) and shared helpers."""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join(
+    f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
+) + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import dispatch_io as dio  # noqa: E402
+
+
+def host_bytes(x) -> bytes:
+    """The exact bytes of a leaf (PRNG keys: their key_data), gathered to host."""
+    if dio.tree.is_prng_key(x):
+        x = jax.random.key_data(x)
+    return np.ascontiguousarray(np.asarray(jax.device_get(x))).tobytes()
+
+
+def assert_trees_bit_equal(a, b):
+    """Same structure, same key paths, and byte-identical leaves (dtype and shape included)."""
+    fa, ta = jax.tree_util.tree_flatten_with_path(a)
+    fb, tb = jax.tree_util.tree_flatten_with_path(b)
+    assert ta == tb, f"structure differs:\n{ta}\n{tb}"
+    for (pa, xa), (pb, xb) in zip(fa, fb):
+        key = jax.tree_util.keystr(pa)
+        assert pa == pb, key
+        if isinstance(xa, (bool, int, float, complex, str)):
+            assert type(xa) is type(xb) and (xa == xb or (xa != xa and xb != xb)), key
+            continue
+        ka, kb = dio.tree.is_prng_key(xa), dio.tree.is_prng_key(xb)
+        assert ka == kb, key
+        if ka:
+            assert jax.random.key_impl(xa) == jax.random.key_impl(xb), key
+            xa, xb = jax.random.key_data(xa), jax.random.key_data(xb)
+        assert tuple(xa.shape) == tuple(xb.shape), key
+        assert np.dtype(xa.dtype) == np.dtype(xb.dtype), key
+        assert host_bytes(xa) == host_bytes(xb), f"{key}: bytes differ"
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    assert jax.device_count() == 8, "conftest must set XLA_FLAGS before jax is imported"
+    return jax.make_mesh((4, 2), ("data", "model"))
+
+
+@pytest.fixture
+def dispatcher():
+    d = dio.LocalDispatcher(host_memory_budget=1 << 20)
+    yield d
+    d.close()
