@@ -197,15 +197,25 @@ def read_outputs(engine, session, outputs: list, display: str):
             _place(out, region, local, piece)
 
 
+def _adoptable(out: _Output, piece: np.ndarray) -> bool:
+    """Whether TensorStore's array can be the region buffer as is. Not for CPU devices unless it
+    is 64-byte aligned (TensorStore's usually are not): device_put would copy it once per
+    device, replicas included, where an aligned buffer is adopted once for all of them."""
+    if out.where == HOST or piece.ctypes.data % 64 == 0:
+        return True
+    return next(iter(out.sharding.device_set)).platform != "cpu"
+
+
 def _place(out: _Output, region, local, piece: np.ndarray):
     only_piece = region not in out.buffers and out.pending[region] == 1
-    if only_piece and piece.dtype == out.dtype:
+    if only_piece and piece.dtype == out.dtype and _adoptable(out, piece):
         out.buffers[region] = piece          # one piece covers the region: keep TensorStore's array
     else:
         if region not in out.buffers:
             shape = tuple(hi - lo for lo, hi in region) + out.saved.stored.shape[len(region):]
             out.buffers[region] = _aligned_empty(shape, np.dtype(out.dtype))
-        np.copyto(out.buffers[region][local], piece, casting="unsafe")
+        # ``...``: a view even for 0-d arrays (indexing one with ``()`` gives a numpy scalar).
+        np.copyto(out.buffers[region][local + (Ellipsis,)], piece, casting="unsafe")
     out.pending[region] -= 1
 
 
@@ -224,10 +234,12 @@ def finish(out) -> Any:
         array = next(iter(out.buffers.values()))
         return array[()] if out.as_scalar else array
     key = saved.kind == tree_lib.KEY
-    shards = []
+    by_device = {}
     for region, devices in out.regions.items():
         host = out.buffers.pop(region)
         for device in devices:
             shard = jax.device_put(host, device)
-            shards.append(jax.random.wrap_key_data(shard, impl=saved.key_impl) if key else shard)
+            by_device[device] = jax.random.wrap_key_data(shard, impl=saved.key_impl) if key else shard
+    # In the sharding's device order: JAX does not reorder the shards of key arrays.
+    shards = [by_device[d] for d in out.sharding.addressable_devices_indices_map(saved.shape)]
     return jax.make_array_from_single_device_arrays(saved.shape, out.sharding, shards)

@@ -111,7 +111,9 @@ class SaveRun:
                  on_write_end: Callable | None, started: float, plan_seconds: float, plan_cached: bool):
         self.engine = engine
         self.plan = plan
-        self.leaves = list(leaves)
+        # The manifest needs only the Python scalars; array leaves are held by ``sources`` alone,
+        # which lets go of each as soon as it is copied.
+        self.scalars = [leaf if spec.kind == tree_lib.SCALAR else None for spec, leaf in zip(plan.leaves, leaves)]
         self.sources = Sources(plan, leaves)
         self.batches = batches
         self.target = target
@@ -121,6 +123,7 @@ class SaveRun:
         self.on_write_end = on_write_end
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.sync_done = threading.Event()
+        self.sync_copied = False   # every SYNC leaf copied (sync_done is also set when the save fails)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._started, self._plan_seconds, self._plan_cached = started, plan_seconds, plan_cached
@@ -143,11 +146,17 @@ class SaveRun:
         self._thread.start()
 
     def wait_until_sync_copied(self):
-        """Block until every SYNC leaf is off the device (or the save failed); raise its error then."""
+        """Block until every SYNC leaf is off the device (or the save failed before that); raise
+        the error then. A failure after the SYNC copies surfaces from ``wait()`` only, however
+        late this thread wakes."""
         self.sync_done.wait()
         self._blocked = time.perf_counter() - self._started
-        if self.future.done() and self.future.exception() is not None:
+        if not self.sync_copied and self.future.done() and self.future.exception() is not None:
             raise self.future.exception()
+
+    def _sync_finished(self):
+        self.sync_copied = True
+        self.sync_done.set()
 
     def _failed(self) -> bool:
         return self._error is not None
@@ -157,11 +166,15 @@ class SaveRun:
             if self._error is None:
                 self._error = error
 
-    def _worker_error(self, action: str, exc: BaseException) -> WorkerError:
+    def _worker_error(self, action: str, exc: BaseException, chunks=()) -> WorkerError:
         worker = self.engine.worker_id
         keypath = getattr(exc, "keypath", None)
         cause = exc.__cause__ if isinstance(exc, ChunkError) and exc.__cause__ else exc
         where = f" {keypath}" if keypath else ""
+        if keypath is None and chunks:  # the failure names no leaf: name the batch's
+            keypaths = list(dict.fromkeys(self.plan.leaves[c.leaf].keypath for c in chunks))
+            keypath = keypaths[0] if len(keypaths) == 1 else None
+            where = f" {keypath}" if keypath else f" a batch of {', '.join(keypaths)}"
         err = WorkerError(f"worker {worker} failed {action}{where} for {self.display}: "
                           f"{type(cause).__name__}: {cause}", worker=worker, keypath=keypath)
         err.__cause__ = exc
@@ -186,7 +199,7 @@ class SaveRun:
                     self._callback(self.on_transfer_end, spec.keypath)
                     self._callback(self.on_write_end, spec.keypath)
             if self._last_sync < 0:
-                self.sync_done.set()
+                self._sync_finished()
             session = self.engine.open_write_session(self.target)
             for k, batch in enumerate(self.batches):
                 ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
@@ -198,26 +211,30 @@ class SaveRun:
                     buffers = self.engine.copy_to_host(self.plan, chunks, self.sources, staging)
                 except Exception as exc:  # noqa: BLE001
                     self.ring.release(ticket)
-                    self._fail(self._worker_error("copying to host", exc))
+                    self._fail(self._worker_error("copying to host", exc, chunks))
                     break
                 self._transfer_seconds += time.perf_counter() - t0
                 self._copied(chunks)
                 if k == self._last_sync:
-                    self.sync_done.set()
+                    self._sync_finished()
                 regions = [Region(self.plan.leaves[c.leaf].array, c.region, self.plan.leaves[c.leaf].keypath)
                            for c in chunks]
                 if self._first_write is None:
                     self._first_write = time.perf_counter()
                 future = self.engine.submit_write(session, regions, buffers)
-                future.add_done_callback(lambda f, chunks=chunks, ticket=ticket: self._written(f, chunks, ticket))
-                writes.append(future)
+                # Wait on this, not on the write: waiters wake before done-callbacks run, and the
+                # bookkeeping (errors, bytes, staging, on_write_end) must be complete first.
+                accounted: concurrent.futures.Future = concurrent.futures.Future()
+                future.add_done_callback(lambda f, chunks=chunks, ticket=ticket, accounted=accounted:
+                                         self._written(f, chunks, ticket, accounted))
+                writes.append(accounted)
                 if self._failed():
                     break
             concurrent.futures.wait(writes)
             if self._error is not None:
                 raise self._error
             t0 = time.perf_counter()
-            self.target.commit(manifest_lib.build(self.plan, self.leaves), fsync=self.engine.options.fsync)
+            self.target.commit(manifest_lib.build(self.plan, self.scalars), fsync=self.engine.options.fsync)
             done = time.perf_counter()
             self.future.set_result(SaveStats(
                 path=self.display, bytes_written=self._bytes, batches=len(self.batches),
@@ -251,19 +268,22 @@ class SaveRun:
                 self.sources.drop(c.leaf)
                 self._callback(self.on_transfer_end, self.plan.leaves[c.leaf].keypath)
 
-    def _written(self, future, chunks, ticket):
-        self.ring.release(ticket)
-        self._last_write = time.perf_counter()
-        exc = future.exception()
-        if exc is not None:
-            self._fail(self._worker_error("writing", exc))
-            return
-        with self._lock:
-            self._bytes += future.result()
-            finished = []
-            for c in chunks:
-                self._to_write[c.leaf] -= 1
-                if self._to_write[c.leaf] == 0:
-                    finished.append(self.plan.leaves[c.leaf].keypath)
-        for keypath in finished:
-            self._callback(self.on_write_end, keypath)
+    def _written(self, future, chunks, ticket, accounted: concurrent.futures.Future):
+        try:
+            self.ring.release(ticket)
+            self._last_write = time.perf_counter()
+            exc = future.exception()
+            if exc is not None:
+                self._fail(self._worker_error("writing", exc, chunks))
+                return
+            with self._lock:
+                self._bytes += future.result()
+                finished = []
+                for c in chunks:
+                    self._to_write[c.leaf] -= 1
+                    if self._to_write[c.leaf] == 0:
+                        finished.append(self.plan.leaves[c.leaf].keypath)
+            for keypath in finished:
+                self._callback(self.on_write_end, keypath)
+        finally:
+            accounted.set_result(None)

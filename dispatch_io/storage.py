@@ -227,7 +227,7 @@ class KvLocation(Location):
         if kv.read(COMMITTED).result().state == "value":
             if not overwrite:
                 raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
-            kv.delete(COMMITTED).result()  # uncommit first: a crash from here on leaves nothing visible
+            kv.write(COMMITTED, None).result()  # uncommit first: a crash from here on leaves nothing visible
         kv.delete_range(ts.KvStore.KeyRange()).result()
         return KvWrite(self, kv)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import collections
 import importlib
+import struct
 from typing import Any
 
 import jax
@@ -40,8 +41,8 @@ def is_prng_key(x) -> bool:
 
 def leaf_kind(keypath: str, leaf) -> str:
     """ARRAY, KEY or SCALAR; a TypeError naming the key path for anything else."""
-    if isinstance(leaf, _SCALAR_TYPES):
-        return SCALAR
+    if isinstance(leaf, _SCALAR_TYPES) and not isinstance(leaf, (np.number, np.bool_)):
+        return SCALAR  # np.float64 / np.complex128 subclass float / complex but stay numpy
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return KEY if is_prng_key(leaf) else ARRAY
     raise TypeError(
@@ -51,15 +52,28 @@ def leaf_kind(keypath: str, leaf) -> str:
 
 # ---- Python scalars, bit-exact in JSON -------------------------------------------------------
 
+def _float_text(x: float) -> str:
+    """``float.hex``, except that a NaN keeps its sign and payload: ``nan:<its 64 bits>``."""
+    if x != x:
+        return "nan:" + struct.pack(">d", x).hex()
+    return x.hex()
+
+
+def _float_value(text: str) -> float:
+    if text.startswith("nan:"):
+        return struct.unpack(">d", bytes.fromhex(text[4:]))[0]
+    return float.fromhex(text)
+
+
 def encode_scalar(value) -> dict:
     if isinstance(value, bool):
         return {"type": "bool", "value": value}
     if isinstance(value, int):
         return {"type": "int", "value": str(value)}  # str: JSON readers may truncate big ints
     if isinstance(value, float):
-        return {"type": "float", "value": value.hex()}
+        return {"type": "float", "value": _float_text(value)}
     if isinstance(value, complex):
-        return {"type": "complex", "value": [value.real.hex(), value.imag.hex()]}
+        return {"type": "complex", "value": [_float_text(value.real), _float_text(value.imag)]}
     return {"type": "str", "value": value}
 
 
@@ -70,9 +84,9 @@ def decode_scalar(entry: dict):
     if kind == "int":
         return int(value)
     if kind == "float":
-        return float.fromhex(value)
+        return _float_value(value)
     if kind == "complex":
-        return complex(float.fromhex(value[0]), float.fromhex(value[1]))
+        return complex(_float_value(value[0]), _float_value(value[1]))
     return str(value)
 
 

@@ -100,6 +100,9 @@ class Session:
             "file_io_concurrency": {"limit": io_concurrency},
             "file_io_sync": fsync,
         })
+        # The memory kvstore keeps written values by reference: they must not alias the
+        # caller's buffers (reused staging), so TensorStore copies them there.
+        self.reference_sources = kvstore.get("driver") != "memory"
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -151,7 +154,8 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
         try:
             store = session.array(region.array, create=True)
             data = buf.view(region.array.storage_dtype) if buf.dtype.name != region.array.storage_dtype else buf
-            futures.append(store[region.index].write(data, can_reference_source_data_indefinitely=True).commit)
+            futures.append(store[region.index].write(
+                data, can_reference_source_data_indefinitely=session.reference_sources).commit)
         except Exception as exc:  # noqa: BLE001
             _wait_all(futures, regions)
             raise ChunkError(region.keypath, region.bounds, exc) from exc

@@ -1,0 +1,412 @@
+"""Every error dispatch_io raises, each naming the key path it is about."""
+
+import errno
+import json
+import os
+import shutil
+import threading
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dispatch_io as dio
+import dispatch_io.dispatcher
+import dispatch_io.save
+import workers.tensorstore_io
+from conftest import assert_trees_bit_equal
+
+KiB, MiB = 1 << 10, 1 << 20
+TIMEOUT = 60
+
+
+def put(mesh, value, *spec):
+    return jax.device_put(value, NamedSharding(mesh, P(*spec)))
+
+
+def random_array(seed, shape, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(-1000, 1000, size=shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def assert_nothing_at(path):
+    """No checkpoint, no partial directory and no temporary sibling left behind."""
+    path = os.fspath(path)
+    parent, name = os.path.split(path)
+    assert not os.path.lexists(path), os.listdir(path) if os.path.isdir(path) else path
+    leftovers = [n for n in os.listdir(parent) if name in n] if os.path.isdir(parent) else []
+    assert leftovers == [], leftovers
+
+
+def assert_not_committed(path):
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d, \
+            pytest.raises((dio.IncompleteCheckpointError, FileNotFoundError)):
+        d.restore(path)
+    with pytest.raises((dio.IncompleteCheckpointError, FileNotFoundError)):
+        dio.metadata(path)
+    assert_nothing_at(path)
+
+
+# ---- 1. budget ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [0, -1, -(1 << 20)])
+def test_non_positive_budget_is_rejected(budget):
+    with pytest.raises(ValueError, match="host_memory_budget"):
+        dio.LocalDispatcher(host_memory_budget=budget)
+
+
+# ---- 2. unsupported leaves ---------------------------------------------------------------------------
+
+def test_unsupported_leaf_names_its_key_path_and_creates_nothing(tmp_path, dispatcher):
+    tree = {"a": {"ok": np.ones(3, np.float32), "bad": object()}, "b": 1}
+    path = tmp_path / "ckpt"
+    with pytest.raises(TypeError) as info:
+        dispatcher.save(path, tree)
+    assert "['a']['bad']" in str(info.value)
+    assert os.listdir(tmp_path) == []
+    # Nor does it create missing parent directories.
+    with pytest.raises(TypeError, match=r"\['a'\]\['bad'\]"):
+        dispatcher.save(tmp_path / "sub" / "ckpt", tree)
+    assert os.listdir(tmp_path) == []
+    # The dispatcher is still usable.
+    good = {"a": {"ok": np.ones(3, np.float32)}, "b": 1}
+    dispatcher.save(path, good).wait(TIMEOUT)
+    assert_trees_bit_equal(dispatcher.restore(path), good)
+
+
+# ---- 3. overwrite guard --------------------------------------------------------------------------
+
+def test_overwrite_guard(tmp_path, mesh, dispatcher):
+    path = tmp_path / "ckpt"
+    first = {"w": put(mesh, random_array(0, (16, 8)), "data"), "step": 1}
+    second = {"w": put(mesh, random_array(1, (16, 8)), "data"), "step": 2}
+    dispatcher.save(path, first).wait(TIMEOUT)
+    with pytest.raises(FileExistsError):
+        dispatcher.save(path, second)
+    assert_trees_bit_equal(dispatcher.restore(path), jax.device_get(first))   # untouched
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    dispatcher.save(path, second, overwrite=True).wait(TIMEOUT)
+    assert_trees_bit_equal(dispatcher.restore(path), jax.device_get(second))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]                            # no old copy left
+
+
+def test_refuses_to_replace_a_foreign_directory(tmp_path, dispatcher):
+    path = tmp_path / "mine"
+    path.mkdir()
+    (path / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        dispatcher.save(path, {"x": np.ones(2)})
+    assert (path / "notes.txt").read_text() == "keep me"
+
+
+# ---- 4. restore strictness --------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path, mesh, dispatcher):
+    tree = {
+        "a": put(mesh, random_array(0, (8, 4)), "data"),
+        "b": np.arange(6, dtype=np.int32),
+        "c": {"d": put(mesh, random_array(1, (4,)), None), "e": random_array(2, (3, 3))},
+        "k": jax.random.key(7),
+        "step": 12,
+    }
+    path = tmp_path / "ckpt"
+    dispatcher.save(path, tree).wait(TIMEOUT)
+    return path, tree
+
+
+def test_every_mismatch_reported_at_once(saved, dispatcher):
+    path, tree = saved
+    meta = dio.metadata(path)
+    target = {
+        "a": jax.ShapeDtypeStruct((8, 5), np.float32),        # wrong shape
+        "b": jax.ShapeDtypeStruct((6,), np.int16),            # wrong dtype (no cast)
+        "c": {"e": meta["c"]["e"]},                           # ['c']['d'] missing
+        "k": meta["k"],
+        "step": 12,
+        "z": jax.ShapeDtypeStruct((2,), np.float32),          # not in the checkpoint
+    }
+    with pytest.raises(dio.TreeMismatchError) as info:
+        dispatcher.restore(path, target)
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, dio.CheckpointError)
+    expected = {"['a']", "['b']", "['c']['d']", "['z']"}
+    for keypath in expected:
+        assert keypath in str(err), keypath
+    assert {k for k, _ in err.problems} == expected
+    assert len(err.problems) == 4
+    assert "['c']['e']" not in str(err) and "['k']" not in str(err)
+
+
+def test_partial_restore(saved, dispatcher):
+    path, tree = saved
+    meta = dio.metadata(path)
+    subset = {"c": {"e": np.zeros((3, 3), np.float32)}, "k": meta["k"]}
+    out = dispatcher.restore(path, subset, partial=True)
+    assert_trees_bit_equal(out, {"c": {"e": tree["c"]["e"]}, "k": tree["k"]})
+    with pytest.raises(dio.TreeMismatchError) as info:                     # without partial=True
+        dispatcher.restore(path, subset)
+    assert {k for k, _ in info.value.problems} == {"['a']", "['b']", "['c']['d']", "['step']"}
+    # A target leaf that is not in the checkpoint is an error even with partial=True.
+    with pytest.raises(dio.TreeMismatchError) as info:
+        dispatcher.restore(path, {**subset, "nope": jax.ShapeDtypeStruct((1,), np.float32)}, partial=True)
+    assert [k for k, _ in info.value.problems] == ["['nope']"]
+    assert "['nope']" in str(info.value)
+
+
+def test_dtype_change_needs_cast(saved, dispatcher):
+    path, tree = saved
+    target = {"b": jax.ShapeDtypeStruct((6,), np.float32)}
+    with pytest.raises(dio.TreeMismatchError, match=r"\['b'\]") as info:
+        dispatcher.restore(path, target, partial=True)
+    assert [k for k, _ in info.value.problems] == ["['b']"]
+    out = dispatcher.restore(path, target, partial=True, cast=True)
+    assert out["b"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(out["b"]), np.arange(6, dtype=np.float32))
+    host = dispatcher.restore(path, {"b": np.zeros(6, np.float64)}, partial=True, cast=True)
+    assert isinstance(host["b"], np.ndarray) and host["b"].dtype == np.float64
+    np.testing.assert_array_equal(host["b"], np.arange(6, dtype=np.float64))
+
+
+def test_key_impl_mismatch(saved, dispatcher):
+    path, tree = saved
+    rbg = jax.random.key(0, impl="rbg")
+    for target in ({"k": rbg}, {"k": jax.ShapeDtypeStruct(rbg.shape, rbg.dtype)}):
+        with pytest.raises(dio.TreeMismatchError, match=r"\['k'\]") as info:
+            dispatcher.restore(path, target, partial=True)
+        assert [k for k, _ in info.value.problems] == ["['k']"]
+    # A plain array target for a key leaf (and the other way round) is a mismatch too.
+    with pytest.raises(dio.TreeMismatchError, match=r"\['k'\]"):
+        dispatcher.restore(path, {"k": jax.ShapeDtypeStruct((), np.uint32)}, partial=True)
+    with pytest.raises(dio.TreeMismatchError, match=r"\['a'\]"):
+        dispatcher.restore(path, {"a": jax.ShapeDtypeStruct((8, 4), jax.random.key(0).dtype)}, partial=True)
+    out = dispatcher.restore(path, {"k": jax.random.key(99)}, partial=True)   # same impl: fine
+    assert_trees_bit_equal(out, {"k": tree["k"]})
+
+
+# ---- 5. incomplete and missing checkpoints --------------------------------------------------------
+
+def test_uncommitted_directories(saved, tmp_path, dispatcher):
+    path, tree = saved
+    os.remove(path / "COMMITTED")
+    with pytest.raises(dio.IncompleteCheckpointError):
+        dispatcher.restore(path)
+    with pytest.raises(dio.IncompleteCheckpointError):
+        dio.metadata(path)
+
+    only_manifest = tmp_path / "only_manifest"
+    only_manifest.mkdir()
+    shutil.copy(path / "manifest.json", only_manifest / "manifest.json")
+    with pytest.raises(dio.IncompleteCheckpointError):
+        dispatcher.restore(only_manifest)
+    with pytest.raises(dio.IncompleteCheckpointError):
+        dio.metadata(only_manifest)
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(dio.IncompleteCheckpointError):
+        dispatcher.restore(a_file)
+
+    assert issubclass(dio.IncompleteCheckpointError, dio.CheckpointError)
+
+
+def test_missing_path(tmp_path, dispatcher):
+    with pytest.raises(FileNotFoundError):
+        dispatcher.restore(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError):
+        dio.metadata(tmp_path / "nothing")
+
+
+def test_unknown_manifest_version(saved, dispatcher):
+    path, _ = saved
+    doc = json.loads((path / "manifest.json").read_text())
+    doc["format_version"] = 99
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(dio.CheckpointError, match="version 99"):
+        dispatcher.restore(path)
+
+
+# ---- 6. a failing write ---------------------------------------------------------------------------
+
+def failing_tree(mesh):
+    return {
+        "a": put(mesh, random_array(0, (64, 64)), "data", "model"),
+        "victim": put(mesh, random_array(1, (128, 64)), "data"),
+        "c": random_array(2, (32, 32)),
+        "step": 3,
+    }
+
+
+def priority_isolating(victim):
+    # A batch never mixes priorities: the victim's batches hold only the victim.
+    return lambda keypath, spec: dio.Priority.HIGH if keypath == victim else dio.Priority.SYNC
+
+
+@pytest.mark.parametrize("layer", ["worker_function", "tensorstore"])
+def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, layer):
+    victim = "['victim']"
+    path = tmp_path / "ckpt"
+    if layer == "worker_function":   # the worker function itself fails, as a remote worker might
+        real = dispatch_io.dispatcher.write_regions
+
+        def write_regions(session, regions, buffers):
+            if any(r.keypath == victim for r in regions):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(session, regions, buffers)
+
+        monkeypatch.setattr(dispatch_io.dispatcher, "write_regions", write_regions)
+    else:                            # TensorStore fails inside the real worker function
+        real_array = workers.tensorstore_io.Session.array
+
+        def array(self, spec, *, create):
+            if create and spec.name.endswith(".victim"):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_array(self, spec, create=create)
+
+        monkeypatch.setattr(workers.tensorstore_io.Session, "array", array)
+
+    tree = failing_tree(mesh)
+    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+        handle = d.save(path, tree, priority=priority_isolating(victim))
+        with pytest.raises(dio.WorkerError) as info:
+            handle.wait(TIMEOUT)
+        err = info.value
+        assert victim in str(err) and "worker 0" in str(err), str(err)
+        assert "No space left on device" in str(err)
+        assert err.keypath == victim and err.worker == 0
+        assert isinstance(err, dio.CheckpointError)
+        cause = err
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__
+        assert cause is not None and cause.errno == errno.ENOSPC
+        assert handle.done()
+        with pytest.raises(dio.WorkerError):       # the same error on every wait
+            handle.wait(0)
+        assert_not_committed(path)
+
+        monkeypatch.undo()
+        d.save(path, tree).wait(TIMEOUT)             # the same dispatcher, the same path
+        assert_trees_bit_equal(d.restore(path), jax.device_get(tree))
+
+
+def test_failing_write_of_a_mixed_batch_names_its_leaves(tmp_path, monkeypatch):
+    """A worker failure that names no leaf is attributed to the leaves of the batch it wrote."""
+    real = dispatch_io.dispatcher.write_regions
+
+    def write_regions(session, regions, buffers):
+        if any(r.keypath == "['b']" for r in regions):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(session, regions, buffers)
+
+    monkeypatch.setattr(dispatch_io.dispatcher, "write_regions", write_regions)
+    tree = {"a": np.ones(4, np.float32), "b": np.zeros(4, np.float32)}   # one batch
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        with pytest.raises(dio.WorkerError) as info:
+            d.save(tmp_path / "ckpt", tree, priority=lambda k, s: dio.Priority.LOW).wait(TIMEOUT)
+    assert "['a']" in str(info.value) and "['b']" in str(info.value), str(info.value)
+    assert info.value.worker == 0
+    assert_not_committed(tmp_path / "ckpt")
+
+
+def test_failure_after_sync_copies_surfaces_from_wait_only(tmp_path, mesh, monkeypatch):
+    """Once every SYNC leaf is copied, save() returns a handle even if the save has failed by the
+    time the caller's thread wakes up; the error comes from wait()."""
+    real_wait = dispatch_io.save.SaveRun.wait_until_sync_copied
+
+    def late_wakeup(run):   # the caller is descheduled until the save has already failed
+        run.future.exception(TIMEOUT)
+        return real_wait(run)
+
+    monkeypatch.setattr(dispatch_io.save.SaveRun, "wait_until_sync_copied", late_wakeup)
+    victim = "['victim']"
+    real = dispatch_io.dispatcher.write_regions
+
+    def write_regions(session, regions, buffers):
+        if any(r.keypath == victim for r in regions):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(session, regions, buffers)
+
+    monkeypatch.setattr(dispatch_io.dispatcher, "write_regions", write_regions)
+    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+        handle = d.save(tmp_path / "ckpt", failing_tree(mesh), priority=priority_isolating(victim))
+        assert handle.done()
+        with pytest.raises(dio.WorkerError, match=r"\['victim'\]"):
+            handle.wait(0)
+    assert_not_committed(tmp_path / "ckpt")
+
+
+def test_failing_read_names_key_path(saved, dispatcher):
+    path, tree = saved
+    meta = json.loads((path / "manifest.json").read_text())
+    name = next(e["stored"]["name"] for e in meta["leaves"] if e["keypath"] == "['c']['e']")
+    shutil.rmtree(path / "arrays" / name)
+    with pytest.raises(dio.WorkerError) as info:
+        dispatcher.restore(path)
+    assert "['c']['e']" in str(info.value) and info.value.keypath == "['c']['e']"
+    assert info.value.worker == 0
+
+
+# ---- 7. a failing device -> host copy -----------------------------------------------------------------
+
+def test_deleted_low_leaf_fails_the_copy(tmp_path, mesh):
+    tree = {
+        "sync": put(mesh, random_array(0, (128, 128)), "data", "model"),
+        "high": put(mesh, random_array(1, (128, 128)), "data"),
+        "low": put(mesh, random_array(2, (64, 64)), "data"),
+    }
+    prio = {"['sync']": dio.Priority.SYNC, "['high']": dio.Priority.HIGH, "['low']": dio.Priority.LOW}
+    transferred, written = [], []
+    deleted = threading.Event()
+    waited = []
+
+    def on_transfer_end(keypath):
+        transferred.append(keypath)
+        if keypath == "['high']":      # hold the pipeline before any LOW batch until the test deleted it
+            waited.append(deleted.wait(TIMEOUT))
+
+    path = tmp_path / "ckpt"
+    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+        handle = d.save(path, tree, priority=lambda k, s: prio[k],
+                        on_transfer_end=on_transfer_end, on_write_end=written.append)
+        try:
+            assert "['low']" not in transferred
+            tree["low"].delete()
+        finally:
+            deleted.set()
+        with pytest.raises(dio.WorkerError) as info:
+            handle.wait(TIMEOUT)
+        err = info.value
+        assert waited == [True]
+        assert "['low']" in str(err) and "worker 0" in str(err) and "copying" in str(err), str(err)
+        assert err.keypath == "['low']" and err.worker == 0
+        assert "['low']" not in transferred and "['low']" not in written
+        assert_not_committed(path)
+        # Still usable.
+        tree["low"] = put(mesh, random_array(2, (64, 64)), "data")
+        d.save(path, tree).wait(TIMEOUT)
+        assert_trees_bit_equal(d.restore(path), jax.device_get(tree))
+
+
+def test_deleted_sync_leaf_fails_save_itself(tmp_path, mesh, dispatcher):
+    x = put(mesh, random_array(0, (16, 16)), "data")
+    x.delete()
+    with pytest.raises(dio.WorkerError, match=r"\['params'\]\['x'\]"):
+        dispatcher.save(tmp_path / "ckpt", {"params": {"x": x}})
+    assert_not_committed(tmp_path / "ckpt")
+
+
+# ---- 8. a priority callback returning garbage ------------------------------------------------------
+
+@pytest.mark.parametrize("garbage", ["urgent", None, 7, -1, 2.5, object()])
+def test_priority_callback_garbage(tmp_path, dispatcher, garbage):
+    tree = {"fine": np.ones(2), "layer": {"w": np.zeros((2, 2), np.float32)}, "step": 1}
+
+    def priority(keypath, spec):
+        return garbage if keypath == "['layer']['w']" else dio.Priority.LOW
+
+    with pytest.raises(TypeError, match=r"\['layer'\]\['w'\]"):
+        dispatcher.save(tmp_path / "ckpt", tree, priority=priority)
+    assert os.listdir(tmp_path) == []
