@@ -78,6 +78,8 @@ class Dispatcher:
         run = SaveRun(self, plan, leaves, batches, target, location.display, self._ring,
                       on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
         with self._lock:
+            if not self._active:  # peak_host_bytes is per save (overlapping saves share the ring)
+                self._ring.reset_peak()
             self._active.add(run)
         run.start()
         run.wait_until_sync_copied()

@@ -63,6 +63,10 @@ class StagingRing:
                 self._live.popitem(last=False)
             self._cond.notify_all()
 
+    def reset_peak(self):
+        with self._cond:
+            self.peak = self.in_use
+
     def drop_buffer(self):
         """Free the memory (when nothing is in flight)."""
         with self._cond:

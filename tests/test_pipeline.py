@@ -184,7 +184,8 @@ RSS_SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def test_peak_rss_of_save_and_restore_stays_within_budget(tmp_path):
+@pytest.mark.parametrize("allocator", ["glibc-default", "fixed-mmap-threshold"])
+def test_peak_rss_of_save_and_restore_stays_within_budget(tmp_path, allocator):
     budget = 32 * MiB
     slack = 64 * MiB
     env = dict(os.environ)
@@ -192,10 +193,12 @@ def test_peak_rss_of_save_and_restore_stays_within_budget(tmp_path):
         [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
         + ["--xla_force_host_platform_device_count=8"])
     env["JAX_PLATFORMS"] = "cpu"
-    # glibc's dynamic mmap threshold keeps freed multi-MiB blocks (TensorStore's read buffers)
-    # in the heap, where VmHWM counts memory already freed, by chance: a fixed threshold makes
-    # the high-water mark what the process actually held.
-    env["MALLOC_MMAP_THRESHOLD_"] = str(1 * MiB)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if allocator == "fixed-mmap-threshold":
+        # glibc's dynamic mmap threshold keeps freed multi-MiB blocks (TensorStore's read
+        # buffers) in the heap, where VmHWM counts memory already freed: a fixed threshold makes
+        # the high-water mark what the process actually held.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 * MiB)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "ckpt"), str(budget)],
@@ -205,12 +208,16 @@ def test_peak_rss_of_save_and_restore_stays_within_budget(tmp_path):
     assert r["equal"], r
     assert r["bytes_written"] == r["tree_bytes"] > 200 * MiB, r
     assert r["peak_host_bytes"] <= budget, r
+    # The save bound holds with any allocator: staging is one buffer, reused.
     save_growth = r["save_hwm"] - r["rss_before_save"]
     assert save_growth <= budget + slack, (
         f"save grew RSS by {save_growth / MiB:.1f} MiB, more than the {budget / MiB:.0f} MiB budget "
         f"+ {slack / MiB:.0f} MiB: {r}")
+    # Restore: the restored arrays + the budget, plus (default glibc only) freed read buffers
+    # that the allocator keeps; see the closing note of the core issue.
+    kept_by_glibc = 2 * budget if allocator == "glibc-default" else 0
     restore_growth = r["restore_hwm"] - r["rss_before_restore"]
-    assert restore_growth <= r["restored_bytes"] + budget + slack, (
+    assert restore_growth <= r["restored_bytes"] + budget + kept_by_glibc + slack, (
         f"restore grew RSS by {restore_growth / MiB:.1f} MiB for {r['restored_bytes'] / MiB:.1f} MiB "
         f"restored: {r}")
 
