@@ -146,7 +146,8 @@ class Dispatcher:
     def submit_write(self, session, regions: Sequence[Region], buffers) -> concurrent.futures.Future:
         raise NotImplementedError
 
-    def submit_read(self, session, regions: Sequence[Region]) -> concurrent.futures.Future:
+    def submit_read(self, session, regions: Sequence[Region], out: Sequence[np.ndarray | None]
+                    ) -> concurrent.futures.Future:
         raise NotImplementedError
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -232,8 +233,8 @@ class LocalDispatcher(Dispatcher):
     def submit_write(self, session, regions, buffers):
         return self._pool.submit(write_regions, session, regions, buffers)
 
-    def submit_read(self, session, regions):
-        return self._pool.submit(read_regions, session, regions)
+    def submit_read(self, session, regions, out):
+        return self._pool.submit(read_regions, session, regions, out)
 
     def close(self):
         super().close()

@@ -38,7 +38,11 @@ class _Output:
     as_scalar: bool = False            # numpy scalar (np.generic) rather than a 0-d array
     regions: dict = dataclasses.field(default_factory=dict)  # region -> [devices] (DEVICE) / [None]
     buffers: dict = dataclasses.field(default_factory=dict)  # region -> host array
-    pending: dict = dataclasses.field(default_factory=dict)  # region -> pieces still to read
+
+    @property
+    def saved_dtype(self) -> np.dtype:
+        """Element dtype of what is stored (``key_data``'s for keys)."""
+        return manifest_lib.numpy_dtype(self.saved.stored.dtype)
 
 
 def _describe(x) -> str:
@@ -165,12 +169,10 @@ def read_outputs(engine, session, outputs: list, display: str):
             continue
         out.regions = _regions(out)
         for region in out.regions:
-            pieces = list(_pieces(out, region, chunk_limit))
-            out.pending[region] = len(pieces)
-            work += [(out, region, bounds, local) for bounds, local in pieces]
+            work += [(out, region, bounds, local) for bounds, local in _pieces(out, region, chunk_limit)]
     batches, current, size = [], [], 0
     for item in work:
-        nbytes = aligned(math.prod(hi - lo for lo, hi in item[2]) * manifest_lib.numpy_dtype(item[0].saved.stored.dtype).itemsize)
+        nbytes = aligned(math.prod(hi - lo for lo, hi in item[2]) * item[0].saved_dtype.itemsize)
         if current and size + nbytes > batch_limit:
             batches.append(current)
             current, size = [], 0
@@ -180,7 +182,8 @@ def read_outputs(engine, session, outputs: list, display: str):
         batches.append(current)
 
     def submit(batch):
-        return engine.submit_read(session, [Region(o.saved.stored, b, o.saved.keypath) for o, _, b, _ in batch])
+        regions = [Region(o.saved.stored, b, o.saved.keypath) for o, _, b, _ in batch]
+        return engine.submit_read(session, regions, [_destination(o, r, local) for o, r, _, local in batch])
 
     in_flight = [submit(batches[0])] if batches else []
     for k, batch in enumerate(batches):
@@ -194,29 +197,20 @@ def read_outputs(engine, session, outputs: list, display: str):
             raise WorkerError(f"worker {engine.worker_id} failed reading {exc.keypath} from {display}: {exc}",
                               worker=engine.worker_id, keypath=exc.keypath) from exc
         for (out, region, _, local), piece in zip(batch, arrays):
-            _place(out, region, local, piece)
+            if out.dtype != out.saved_dtype:  # cast=True: read as saved, converted here
+                np.copyto(out.buffers[region][local + (Ellipsis,)], piece, casting="unsafe")
 
 
-def _adoptable(out: _Output, piece: np.ndarray) -> bool:
-    """Whether TensorStore's array can be the region buffer as is. Not for CPU devices unless it
-    is 64-byte aligned (TensorStore's usually are not): device_put would copy it once per
-    device, replicas included, where an aligned buffer is adopted once for all of them."""
-    if out.where == HOST or piece.ctypes.data % 64 == 0:
-        return True
-    return next(iter(out.sharding.device_set)).platform != "cpu"
-
-
-def _place(out: _Output, region, local, piece: np.ndarray):
-    only_piece = region not in out.buffers and out.pending[region] == 1
-    if only_piece and piece.dtype == out.dtype and _adoptable(out, piece):
-        out.buffers[region] = piece          # one piece covers the region: keep TensorStore's array
-    else:
-        if region not in out.buffers:
-            shape = tuple(hi - lo for lo, hi in region) + out.saved.stored.shape[len(region):]
-            out.buffers[region] = _aligned_empty(shape, np.dtype(out.dtype))
-        # ``...``: a view even for 0-d arrays (indexing one with ``()`` gives a numpy scalar).
-        np.copyto(out.buffers[region][local + (Ellipsis,)], piece, casting="unsafe")
-    out.pending[region] -= 1
+def _destination(out: _Output, region, local) -> np.ndarray | None:
+    """Where a piece is read to: a view of its region's buffer (allocated on first use,
+    64-byte aligned so ``device_put`` adopts it on CPU), or None when it must be converted."""
+    if region not in out.buffers:
+        shape = tuple(hi - lo for lo, hi in region) + out.saved.stored.shape[len(region):]
+        out.buffers[region] = _aligned_empty(shape, np.dtype(out.dtype))
+    if out.dtype != out.saved_dtype:
+        return None
+    # ``...``: a view even for 0-d arrays (indexing one with ``()`` gives a numpy scalar).
+    return out.buffers[region][local + (Ellipsis,)]
 
 
 def finish(out) -> Any:

@@ -163,21 +163,34 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
     return sum(int(b.nbytes) for b in buffers)
 
 
-def read_regions(session: Session, regions: Sequence[Region]) -> list[np.ndarray]:
-    """Read each region (in parallel) as a numpy array of the region's logical dtype."""
+def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.ndarray | None] | None = None
+                 ) -> list[np.ndarray]:
+    """Read each region (in parallel) as an array of the region's logical dtype.
+
+    ``out[i]``, when given, is filled in place: TensorStore decodes straight into it, so the
+    bytes are touched once and no temporary is allocated. Otherwise a new array is returned."""
+    out = list(out) if out is not None else [None] * len(regions)
     futures = []
-    for region in regions:
+    for region, dst in zip(regions, out):
         try:
-            futures.append(session.array(region.array, create=False)[region.index].read())
+            source = session.array(region.array, create=False)[region.index]
+            if dst is None:
+                futures.append(source.read())
+            else:
+                view = dst.view(region.array.storage_dtype) if dst.dtype.name != region.array.storage_dtype else dst
+                futures.append(ts.array(view, copy=False, write=True).write(source).commit)
         except Exception as exc:  # noqa: BLE001
             _wait_all(futures, regions)
             raise ChunkError(region.keypath, region.bounds, exc) from exc
     arrays = _wait_all(futures, regions)
-    out = []
-    for region, arr in zip(regions, arrays):
+    results = []
+    for region, dst, arr in zip(regions, out, arrays):
+        if dst is not None:
+            results.append(dst)
+            continue
         dtype = numpy_dtype(region.array.dtype)
-        out.append(arr if arr.dtype == dtype else arr.view(dtype))
-    return out
+        results.append(arr if arr.dtype == dtype else arr.view(dtype))
+    return results
 
 
 @functools.cache
