@@ -74,8 +74,9 @@ class Dispatcher:
         priorities = self._priorities(plan, priority)
         batches = make_batches(plan, priorities, self.options.batch_bytes, worker=self.worker_id)
         plan_seconds = time.perf_counter() - started
+        self._wait_for_saves_to(location.key)
         target = location.start_write(overwrite)
-        run = SaveRun(self, plan, leaves, batches, target, location.display, self._ring,
+        run = SaveRun(self, plan, leaves, batches, target, location, self._ring,
                       on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
         with self._lock:
             if not self._active:  # peak_host_bytes is per save (overlapping saves share the ring)
@@ -101,6 +102,12 @@ class Dispatcher:
                 raise TypeError(f"priority callback returned {value!r} for {spec.keypath}; "
                                 "expected a dispatch_io.Priority") from None
         return out
+
+    def _wait_for_saves_to(self, key: str):
+        """Saves to one path never overlap: a second one starts when the first has finished."""
+        with self._lock:
+            earlier = [r.future for r in self._active if r.location_key == key]
+        concurrent.futures.wait(earlier)
 
     def save_finished(self, run: SaveRun):
         with self._lock:

@@ -30,7 +30,7 @@ from dispatch_io.batches import Batch, Priority
 from dispatch_io.errors import CheckpointError, WorkerError
 from dispatch_io.plan import Plan
 from dispatch_io.staging import StagingRing
-from dispatch_io.storage import WriteTarget
+from dispatch_io.storage import Location, WriteTarget
 from workers import ChunkError, Region
 
 
@@ -107,7 +107,7 @@ class SaveRun:
     """One save's state; ``engine`` is the dispatcher (how to copy, where to write)."""
 
     def __init__(self, engine, plan: Plan, leaves: list, batches: tuple[Batch, ...], target: WriteTarget,
-                 display: str, ring: StagingRing, on_transfer_end: Callable | None,
+                 location: Location, ring: StagingRing, on_transfer_end: Callable | None,
                  on_write_end: Callable | None, started: float, plan_seconds: float, plan_cached: bool):
         self.engine = engine
         self.plan = plan
@@ -117,7 +117,8 @@ class SaveRun:
         self.sources = Sources(plan, leaves)
         self.batches = batches
         self.target = target
-        self.display = display
+        self.display = location.display
+        self.location_key = location.key
         self.ring = ring
         self.on_transfer_end = on_transfer_end
         self.on_write_end = on_write_end
@@ -138,7 +139,7 @@ class SaveRun:
                 self._to_copy[plan.chunks[i].leaf] += 1
         self._to_write = list(self._to_copy)
         self._last_sync = max((k for k, b in enumerate(batches) if b.priority == Priority.SYNC), default=-1)
-        self._thread = threading.Thread(target=self._run, name=f"dispatch_io-save:{display}")
+        self._thread = threading.Thread(target=self._run, name=f"dispatch_io-save:{self.display}")
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -249,7 +250,7 @@ class SaveRun:
                 self.target.abort()
             except Exception:  # noqa: BLE001
                 logging.exception("dispatch_io: could not remove the partial save at %s", self.display)
-            if not isinstance(exc, CheckpointError):
+            if not isinstance(exc, (CheckpointError, FileExistsError)):
                 err = CheckpointError(f"save to {self.display} failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
                 exc = err

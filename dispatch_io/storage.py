@@ -3,7 +3,8 @@
 A path maps to a :class:`Location`:
 
 * a local directory (``str`` / ``os.PathLike``, relative or absolute, or ``file://``): data is
-  written into a temporary sibling ``.<name>.dispatch_io-tmp``, files and directories are
+  written into a temporary sibling ``.<name>.dispatch_io-tmp-<id>`` (one per save, marked with
+  a ``WRITING`` file that says who made it), files and directories are
   fsynced, ``manifest.json`` then ``COMMITTED`` are written last, and the directory is renamed
   into place. Nothing at ``path`` is ever half-written.
 * any other TensorStore kvstore URL (``memory://`` for tests; object stores later): there is no
@@ -91,6 +92,11 @@ class Location:
             return KvLocation(path)
         return DirectoryLocation(path)
 
+    @property
+    def key(self) -> str:
+        """Identifies the checkpoint location (saves to one key are serialized)."""
+        raise NotImplementedError
+
     def arrays_kvstore(self) -> dict:
         raise NotImplementedError
 
@@ -126,26 +132,39 @@ class DirectoryLocation(Location):
             raise IncompleteCheckpointError(
                 f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
                 "the save failed, was interrupted, is still running, or this is not a dispatch_io checkpoint")
-        with open(os.path.join(self.path, MANIFEST), "rb") as f:
-            return json.loads(f.read())
+        try:
+            with open(os.path.join(self.path, MANIFEST), "rb") as f:
+                return json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
+                                            f"cannot be read: {exc}") from exc
 
-    def start_write(self, overwrite: bool) -> "DirectoryWrite":
-        if os.path.exists(self.path) and not overwrite:
+    @property
+    def key(self) -> str:
+        return self.path
+
+    def check_writable(self, overwrite: bool):
+        """FileExistsError unless ``overwrite`` or nothing (or an empty directory) is at the path."""
+        if os.path.lexists(self.path) and not overwrite:
             if self.is_committed():
                 raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
             if not os.path.isdir(self.path) or os.listdir(self.path):
                 raise FileExistsError(f"{self.display} exists and is not a dispatch_io checkpoint; "
                                       "refusing to replace it (pass overwrite=True to do so)")
-        return DirectoryWrite(self)
+
+    def start_write(self, overwrite: bool) -> "DirectoryWrite":
+        self.check_writable(overwrite)
+        return DirectoryWrite(self, overwrite)
 
 
 class DirectoryWrite(WriteTarget):
-    def __init__(self, location: DirectoryLocation):
+    def __init__(self, location: DirectoryLocation, overwrite: bool):
         self.location = location
+        self.overwrite = overwrite
         parent, name = os.path.split(location.path)
         os.makedirs(parent, exist_ok=True)
-        self.tmp = os.path.join(parent, f".{name}{TMP_SUFFIX}")
-        remove_leftover(self.tmp)
+        # One directory per save: two saves of one path never share (or delete) each other's data.
+        self.tmp = os.path.join(parent, f".{name}{TMP_SUFFIX}-{uuid.uuid4().hex[:12]}")
         os.makedirs(os.path.join(self.tmp, ARRAYS))
         with open(os.path.join(self.tmp, WRITING), "wb") as f:
             f.write(_marker_json())
@@ -163,8 +182,9 @@ class DirectoryWrite(WriteTarget):
         _write_file(os.path.join(self.tmp, COMMITTED), _marker_json(), fsync)
         if fsync:
             _fsync_path(self.tmp, directory=True)
+        self.location.check_writable(self.overwrite)  # again: another save may have committed meanwhile
         old = None
-        if os.path.lexists(final):  # overwrite=True (checked in start_write)
+        if os.path.lexists(final):
             old = f"{final}.dispatch_io-old-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
         os.rename(self.tmp, final)
@@ -175,16 +195,6 @@ class DirectoryWrite(WriteTarget):
 
     def abort(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def remove_leftover(tmp: str):
-    """Remove a temporary directory of an interrupted save, only if it carries our marker."""
-    if not os.path.lexists(tmp):
-        return
-    if os.path.isdir(tmp) and (os.path.exists(os.path.join(tmp, WRITING)) or os.path.exists(os.path.join(tmp, MANIFEST))):
-        shutil.rmtree(tmp)
-        return
-    raise FileExistsError(f"{tmp} exists and was not made by dispatch_io; refusing to remove it")
 
 
 def _write_file(path: str, data: bytes, fsync: bool):
@@ -205,6 +215,10 @@ class KvLocation(Location):
 
     def _kv(self):
         return ts.KvStore.open(self.url, context=self.context or ts.Context()).result()
+
+    @property
+    def key(self) -> str:
+        return self.url
 
     def arrays_kvstore(self) -> dict:
         spec = ts.KvStore.Spec(self.url).to_json()

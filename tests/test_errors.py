@@ -410,3 +410,53 @@ def test_priority_callback_garbage(tmp_path, dispatcher, garbage):
     with pytest.raises(TypeError, match=r"\['layer'\]\['w'\]"):
         dispatcher.save(tmp_path / "ckpt", tree, priority=priority)
     assert os.listdir(tmp_path) == []
+
+
+# ---- overlapping saves and lost files --------------------------------------------------------
+
+def test_overlapping_saves_to_one_path_never_mix(tmp_path, mesh):
+    """A second save to a path whose first save is still writing waits for it, then replaces it."""
+    path = tmp_path / "latest"
+    first = {"w": put(mesh, random_array(1, (256, 256)), "data", "model")}
+    second = {"w": put(mesh, random_array(2, (256, 256)), "data", "model")}
+    low = lambda keypath, spec: dio.Priority.LOW  # noqa: E731
+    release = threading.Event()
+    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+        h1 = d.save(path, first, priority=low, on_transfer_end=lambda k: release.wait(TIMEOUT))
+        assert not h1.done()
+        threading.Timer(0.2, release.set).start()
+        h2 = d.save(path, second, priority=low, overwrite=True)
+        h1.wait(TIMEOUT)
+        h2.wait(TIMEOUT)
+        assert_trees_bit_equal(d.restore(path, second), second)
+    leftovers = [n for n in os.listdir(tmp_path) if n != "latest"]
+    assert leftovers == [], leftovers
+
+
+def test_two_dispatchers_saving_one_path_keep_separate_temporaries(tmp_path, mesh):
+    """Without overwrite, the save that commits second fails cleanly; the first stays intact."""
+    path = tmp_path / "ckpt"
+    a = {"w": put(mesh, random_array(3, (256, 256)), "data", "model")}
+    b = {"w": put(mesh, random_array(4, (256, 256)), "data", "model")}
+    low = lambda keypath, spec: dio.Priority.LOW  # noqa: E731
+    gate = threading.Event()
+    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d1, dio.LocalDispatcher(host_memory_budget=64 * KiB) as d2:
+        h1 = d1.save(path, a, priority=low, on_transfer_end=lambda k: gate.wait(TIMEOUT))
+        h2 = d2.save(path, b, priority=low)
+        h2.wait(TIMEOUT)       # commits first
+        gate.set()
+        with pytest.raises(FileExistsError):
+            h1.wait(TIMEOUT)   # finds a committed checkpoint at commit time and backs out
+        assert_trees_bit_equal(d1.restore(path, b), b)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_missing_chunk_file_is_an_error_not_zeros(tmp_path, mesh, dispatcher):
+    tree = {"w": put(mesh, random_array(5, (64, 64)), "data", "model")}
+    dispatcher.save(tmp_path / "ckpt", tree).wait(TIMEOUT)
+    chunk_files = [os.path.join(root, n) for root, _, names in os.walk(tmp_path / "ckpt" / "arrays")
+                   for n in names if n != "zarr.json"]
+    assert len(chunk_files) == 8
+    os.remove(chunk_files[3])
+    with pytest.raises(dio.WorkerError, match=r"\['w'\]"):
+        dispatcher.restore(tmp_path / "ckpt", tree)
