@@ -112,8 +112,10 @@ class Session:
             future = self._open.get(spec.name)
             if future is None:
                 if create:
-                    future = ts.open(spec.tensorstore_spec(self.kvstore), create=True, open=True,
-                                     context=self.context)
+                    tspec = spec.tensorstore_spec(self.kvstore)
+                    # Every chunk gets a file, all-zero ones too, so a missing file means lost data.
+                    tspec["store_data_equal_to_fill_value"] = True
+                    future = ts.open(tspec, create=True, open=True, context=self.context)
                 else:
                     tspec = spec.tensorstore_spec(self.kvstore)
                     del tspec["metadata"]
