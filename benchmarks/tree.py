@@ -1,0 +1,180 @@
+"""A deterministic synthetic training state on 8 forced CPU devices (a 4x2 ('data', 'model') mesh).
+
+Import this module before jax (it sets XLA_FLAGS for 8 host devices). ``total_mib`` is the
+logical size: what a checkpoint has to write, replicas counted once. Layout:
+
+* 32 small leaves of 4 KiB .. 1 MiB (about 6 MiB together), dtypes cycling f32 / bf16 / i32,
+  shardings cycling P() | P('data', None) | P(None, 'model') | P('data', 'model');
+* large leaves of 256, 128, 64, 192, 256, 128 MiB (cycling) until ``total_mib`` is reached,
+  the last one taking the remainder; dtypes cycling f32, bf16, f32, bf16, f32, i32; shardings
+  cycling P('data', 'model') | P('data', None) | P(None, 'model'); 4096 columns;
+* ``step``: a replicated int32 scalar, ``rng``: a replicated ``jax.random.key``.
+
+Even leaves live under ``params``, odd ones under ``opt_state``. Floats look like weights
+(random sign and mantissa, |x| in [2^-7, 2^-3)); int32 leaves are random bits. The same
+(total_mib, seed) always gives the same bytes; :func:`digest` checks a restore bit for bit.
+
+    python benchmarks/tree.py [TOTAL_MIB]    # prints the leaf inventory
+"""
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
+import sys  # noqa: E402
+import zlib  # noqa: E402
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+MiB = 1 << 20
+COLS = 4096
+SMALL_COUNT = 32
+SMALL_DTYPES = (np.float32, ml_dtypes.bfloat16, np.int32)
+SMALL_SPECS = (P(), P("data", None), P(None, "model"), P("data", "model"))
+LARGE_MIB = (256, 128, 64, 192, 256, 128)
+LARGE_DTYPES = (np.float32, ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float32, np.int32)
+LARGE_SPECS = (P("data", "model"), P("data", None), P(None, "model"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    path: tuple[str, str]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    spec: P
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+def mesh() -> jax.sharding.Mesh:
+    if jax.device_count() != 8:
+        raise RuntimeError(f"need 8 devices, got {jax.device_count()}: import benchmarks/tree.py before jax")
+    return jax.make_mesh((4, 2), ("data", "model"))
+
+
+def layout(total_mib: int) -> list[Leaf]:
+    """The array leaves (without step and rng) for a tree of ``total_mib`` logical MiB."""
+    leaves = []
+    for i in range(SMALL_COUNT):
+        dtype = np.dtype(SMALL_DTYPES[i % 3])
+        rows = (4096 << (i % 9)) // dtype.itemsize // 128
+        leaves.append(Leaf(_path("small", i), (rows, 128), dtype, SMALL_SPECS[i % 4]))
+    left = total_mib * MiB - sum(leaf.nbytes for leaf in leaves)
+    i = 0
+    while left >= MiB:
+        dtype = np.dtype(LARGE_DTYPES[i % len(LARGE_DTYPES)])
+        want = LARGE_MIB[i % len(LARGE_MIB)] * MiB
+        if left - want < 64 * MiB:  # the last large leaf takes the remainder
+            want = left
+        rows = max(8, want // dtype.itemsize // COLS // 8 * 8)
+        leaves.append(Leaf(_path("big", i), (rows, COLS), dtype, LARGE_SPECS[i % len(LARGE_SPECS)]))
+        left -= leaves[-1].nbytes
+        i += 1
+    return leaves
+
+
+def _path(kind: str, i: int) -> tuple[str, str]:
+    return ("params" if i % 2 == 0 else "opt_state", f"{kind}_{i:02d}")
+
+
+def _nest(items) -> dict:
+    tree: dict = {}
+    for path, value in items:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def host_values(leaf: Leaf, seed) -> np.ndarray:
+    """Deterministic weight-like data for one leaf, generated in place."""
+    n = int(np.prod(leaf.shape))
+    bits = np.random.default_rng(seed).bit_generator.random_raw(-(-leaf.nbytes // 8))
+    if leaf.dtype.itemsize == 4:
+        u = bits.view(np.uint32)[:n]
+        if leaf.dtype == np.float32:  # sign | exponent 120..123 | mantissa
+            u &= np.uint32(0x81FF_FFFF)
+            u |= np.uint32(120 << 23)
+    else:
+        u = bits.view(np.uint16)[:n]
+        if leaf.dtype == ml_dtypes.bfloat16:
+            u &= np.uint16(0x81FF)
+            u |= np.uint16(120 << 7)
+    return u.view(leaf.dtype).reshape(leaf.shape)
+
+
+def build(total_mib: int = 1024, seed: int = 0) -> dict:
+    """The concrete sharded tree (blocks until every array is on its devices)."""
+    m = mesh()
+    items = []
+    for k, leaf in enumerate(layout(total_mib)):
+        host = host_values(leaf, (seed, k))
+        items.append((leaf.path, jax.make_array_from_callback(leaf.shape, NamedSharding(m, leaf.spec),
+                                                              lambda index, host=host: host[index])))
+        del host
+    replicated = NamedSharding(m, P())
+    items.append((("step",), jax.device_put(np.int32(1000 + seed), replicated)))
+    items.append((("rng",), jax.device_put(jax.random.key(seed), replicated)))
+    return jax.block_until_ready(_nest(items))
+
+
+def abstract(total_mib: int = 1024) -> dict:
+    """The same tree as ``jax.ShapeDtypeStruct`` leaves carrying the shardings."""
+    m = mesh()
+    items = [(leaf.path, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(m, leaf.spec)))
+             for leaf in layout(total_mib)]
+    replicated = NamedSharding(m, P())
+    key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
+    items.append((("step",), jax.ShapeDtypeStruct((), np.int32, sharding=replicated)))
+    items.append((("rng",), jax.ShapeDtypeStruct((), key_dtype, sharding=replicated)))
+    return _nest(items)
+
+
+def is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def nbytes(tree) -> int:
+    """Logical bytes (replicas once; a key counts its key data)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if is_key(x):
+            x = jax.eval_shape(jax.random.key_data, x)
+        total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def leaf_digests(tree) -> dict[str, str]:
+    """{keypath: 'dtype(shape):crc32'} of each leaf's global bytes (keys: of their key data)."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        label = f"{x.dtype}{tuple(x.shape)}"
+        data = np.ascontiguousarray(jax.device_get(jax.random.key_data(x) if is_key(x) else x))
+        out[jax.tree_util.keystr(path)] = f"{label}:{zlib.crc32(data.reshape(-1).view(np.uint8)):08x}"
+    return out
+
+
+def digest(tree) -> str:
+    """One hex string for the whole tree: structure, dtypes, shapes and bytes."""
+    text = "\n".join(f"{k}={v}" for k, v in leaf_digests(tree).items())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    total = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+    state = build(total)
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        print(f"{jax.tree_util.keystr(path):28s} {str(x.shape):>14s} {str(x.dtype):>10s} "
+              f"{str(x.sharding.spec):>22s}")
+    print(f"{len(jax.tree.leaves(state))} leaves, {nbytes(state) / MiB:.1f} MiB logical, digest {digest(state)}")

@@ -1,0 +1,18 @@
+"""The examples are documentation: run them as a user would, so they keep working."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_save_restore_example(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets its own
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "save_restore.py"), str(tmp_path / "step_100")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "restored onto the same 4x2 mesh: bit-exact" in out and "restored onto a 2x4 mesh: bit-exact" in out, out
+    assert out.rstrip().endswith("OK"), out
+    assert os.path.isfile(tmp_path / "step_100" / "COMMITTED")
