@@ -245,19 +245,24 @@ def priority_isolating(victim):
     return lambda keypath, spec: dio.Priority.HIGH if keypath == victim else dio.Priority.SYNC
 
 
+def fail_writes_of(monkeypatch, victim):
+    """Make the worker write function fail with ENOSPC for batches holding ``victim``."""
+    real = dispatch_io.dispatcher.write_regions
+
+    def write_regions(session, regions, buffers):
+        if any(r.keypath == victim for r in regions):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(session, regions, buffers)
+
+    monkeypatch.setattr(dispatch_io.dispatcher, "write_regions", write_regions)
+
+
 @pytest.mark.parametrize("layer", ["worker_function", "tensorstore"])
 def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, layer):
     victim = "['victim']"
     path = tmp_path / "ckpt"
     if layer == "worker_function":   # the worker function itself fails, as a remote worker might
-        real = dispatch_io.dispatcher.write_regions
-
-        def write_regions(session, regions, buffers):
-            if any(r.keypath == victim for r in regions):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real(session, regions, buffers)
-
-        monkeypatch.setattr(dispatch_io.dispatcher, "write_regions", write_regions)
+        fail_writes_of(monkeypatch, victim)
     else:                            # TensorStore fails inside the real worker function
         real_array = workers.tensorstore_io.Session.array
 
@@ -322,14 +327,7 @@ def test_failure_after_sync_copies_surfaces_from_wait_only(tmp_path, mesh, monke
 
     monkeypatch.setattr(dispatch_io.save.SaveRun, "wait_until_sync_copied", late_wakeup)
     victim = "['victim']"
-    real = dispatch_io.dispatcher.write_regions
-
-    def write_regions(session, regions, buffers):
-        if any(r.keypath == victim for r in regions):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(session, regions, buffers)
-
-    monkeypatch.setattr(dispatch_io.dispatcher, "write_regions", write_regions)
+    fail_writes_of(monkeypatch, victim)
     with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
         handle = d.save(tmp_path / "ckpt", failing_tree(mesh), priority=priority_isolating(victim))
         assert handle.done()
