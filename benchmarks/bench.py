@@ -360,7 +360,7 @@ def main(a):
         print(f"  rep {rep} limits: " + ", ".join(f"{k}={v:.3g}" for k, v in r.items() if isinstance(v, float)),
               flush=True)
 
-    if code_version() != version:
+    if code_version().split("sources ")[1] != version.split("sources ")[1]:  # commits of other files are fine
         header += f"\n\nWARNING: dispatch_io changed during the run (now {code_version()}); rows mix versions"
     md = (f"{header}\n\n{table(results, systems)}\n\nmedian [min-max] over reps; GB/s = logical bytes "
           f"({ref.get('nbytes', 0) / 1e9:.3f} GB) / 1e9 / wall s; peak RSS +GiB = VmHWM over both calls - RSS "
