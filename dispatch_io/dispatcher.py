@@ -46,6 +46,7 @@ class Dispatcher:
         self._plans = PlanCache(options.chunk_bytes)
         self._ring = StagingRing(options.host_memory_budget)
         self._active: set[SaveRun] = set()
+        self._path_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
     @property
@@ -74,10 +75,15 @@ class Dispatcher:
         priorities = self._priorities(plan, priority)
         batches = make_batches(plan, priorities, self.options.batch_bytes, worker=self.worker_id)
         plan_seconds = time.perf_counter() - started
-        self._wait_for_saves_to(location.key)
-        target = location.start_write(overwrite)
-        run = SaveRun(self, plan, leaves, batches, target, location, self._ring,
-                      on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
+        path_lock = self._path_lock(location.key)
+        path_lock.acquire()  # saves to one path never overlap; the run releases it when done
+        try:
+            target = location.start_write(overwrite)
+            run = SaveRun(self, plan, leaves, batches, target, location, self._ring,
+                          on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
+        except BaseException:
+            path_lock.release()
+            raise
         with self._lock:
             if not self._active:  # peak_host_bytes is per save (overlapping saves share the ring)
                 self._ring.reset_peak()
@@ -103,16 +109,15 @@ class Dispatcher:
                                 "expected a dispatch_io.Priority") from None
         return out
 
-    def _wait_for_saves_to(self, key: str):
-        """Saves to one path never overlap: a second one starts when the first has finished."""
+    def _path_lock(self, key: str) -> threading.Lock:
         with self._lock:
-            earlier = [r.future for r in self._active if r.location_key == key]
-        concurrent.futures.wait(earlier)
+            return self._path_locks.setdefault(key, threading.Lock())
 
     def save_finished(self, run: SaveRun):
         with self._lock:
             self._active.discard(run)
             idle = not self._active
+            self._path_locks[run.location_key].release()
         if idle and not self.options.keep_staging_warm:
             self._ring.drop_buffer()
 

@@ -1,5 +1,6 @@
 """Every error dispatch_io raises, each naming the key path it is about."""
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -458,3 +459,17 @@ def test_missing_chunk_file_is_an_error_not_zeros(tmp_path, mesh, dispatcher):
     os.remove(chunk_files[3])
     with pytest.raises(dio.WorkerError, match=r"\['w'\]"):
         dispatcher.restore(tmp_path / "ckpt", tree)
+
+
+def test_saves_to_one_path_from_two_threads_are_serialized(tmp_path, mesh):
+    trees = [{"w": put(mesh, random_array(10 + i, (128, 128)), "data", "model")} for i in range(4)]
+    low = lambda keypath, spec: dio.Priority.LOW  # noqa: E731
+    path = tmp_path / "latest"
+    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            handles = list(pool.map(lambda t: d.save(path, t, priority=low, overwrite=True), trees))
+        for h in handles:
+            h.wait(TIMEOUT)
+        restored = d.restore(path, trees[0])
+    assert any(np.asarray(restored["w"]).tobytes() == np.asarray(t["w"]).tobytes() for t in trees)
+    assert sorted(os.listdir(tmp_path)) == ["latest"]
