@@ -23,7 +23,7 @@ from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Priority, aligned, make_batches
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, Plan, PlanCache
-from dispatch_io.save import SaveHandle, SaveRun, Sources
+from dispatch_io.save import SaveHandle, SaveRun, Sources, io_thread
 from dispatch_io.staging import StagingRing
 from dispatch_io.storage import Location, WriteTarget
 from workers import ChunkError, Region, Session, read_regions, write_regions
@@ -46,8 +46,10 @@ class Dispatcher:
         self._plans = PlanCache(options.chunk_bytes)
         self._ring = StagingRing(options.host_memory_budget)
         self._active: set[SaveRun] = set()
-        self._path_locks: dict[str, threading.Lock] = {}
+        self._path_locks: dict[str, list] = {}  # path key -> [lock, saves holding or waiting for it]
         self._lock = threading.Lock()
+        self._closed = False
+        self.io_token = object()  # marks this dispatcher's IO threads (see save.io_thread)
 
     @property
     def worker_id(self) -> int:
@@ -64,8 +66,10 @@ class Dispatcher:
         ``on_transfer_end(keypath)`` fires once a leaf's device data is no longer needed,
         ``on_write_end(keypath)`` once its bytes are written; each exactly once per array leaf.
         Raises ``TypeError`` (unsupported leaf, naming its key path) or ``FileExistsError``
-        before anything is written. Call ``.wait()`` on the handle for durability and errors.
+        before anything is written; ``RuntimeError`` after ``close()`` or from this dispatcher's
+        own callbacks. Call ``.wait()`` on the handle for durability and errors.
         """
+        self._check_usable("save")
         started = time.perf_counter()
         location = Location.parse(path)
         hits = self._plans.hits
@@ -75,22 +79,35 @@ class Dispatcher:
         priorities = self._priorities(plan, priority)
         batches = make_batches(plan, priorities, self.options.batch_bytes, worker=self.worker_id)
         plan_seconds = time.perf_counter() - started
-        path_lock = self._path_lock(location.key)
-        path_lock.acquire()  # saves to one path never overlap; the run releases it when done
+        self._lock_path(location.key)  # saves to one path never overlap; the run unlocks it when done
+        target = None
         try:
             target = location.start_write(overwrite)
             run = SaveRun(self, plan, leaves, batches, target, location, self._ring,
                           on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
+            self._start(run)
         except BaseException:
-            path_lock.release()
+            if target is not None:
+                target.abort()
+            with self._lock:
+                self._unlock_path(location.key)
             raise
+        run.wait_until_sync_copied()
+        return SaveHandle(run)
+
+    def _start(self, run: SaveRun):
+        """Register ``run`` (unless the dispatcher was closed meanwhile) and start its driver."""
         with self._lock:
+            self._check_usable("save")
             if not self._active:  # peak_host_bytes is per save (overlapping saves share the ring)
                 self._ring.reset_peak()
             self._active.add(run)
-        run.start()
-        run.wait_until_sync_copied()
-        return SaveHandle(run)
+        try:
+            run.start()
+        except BaseException:  # e.g. no thread can be started: nothing may wait for this run
+            with self._lock:
+                self._active.discard(run)
+            raise
 
     @staticmethod
     def _priorities(plan: Plan, priority: PriorityFn | None) -> list[Priority]:
@@ -109,15 +126,46 @@ class Dispatcher:
                                 "expected a dispatch_io.Priority") from None
         return out
 
-    def _path_lock(self, key: str) -> threading.Lock:
+    def _check_usable(self, what: str):
+        """RuntimeError, instead of a hang or an obscure failure, for a closed dispatcher or a
+        call from one of its own IO threads."""
+        self._check_not_io_thread(what)
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__}.{what}() called after close()")
+
+    def _check_not_io_thread(self, what: str):
+        """Callbacks run on the dispatcher's IO threads; waiting there for the dispatcher deadlocks."""
+        if getattr(io_thread, "owner", None) is self.io_token:
+            raise RuntimeError(f"{type(self).__name__}.{what}() called from one of its own IO threads "
+                               "(an on_transfer_end / on_write_end callback): that would deadlock; "
+                               "hand the work to another thread or dispatcher")
+
+    def _lock_path(self, key: str):
+        """Take the lock serializing saves to ``key``; entries go away when unused."""
         with self._lock:
-            return self._path_locks.setdefault(key, threading.Lock())
+            entry = self._path_locks.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            entry[0].acquire()
+        except BaseException:  # interrupted while waiting
+            with self._lock:
+                self._unlock_path(key, held=False)
+            raise
+
+    def _unlock_path(self, key: str, *, held: bool = True):
+        """Release the lock of ``key`` (or, not ``held``, stop waiting for it); ``self._lock`` held."""
+        entry = self._path_locks[key]
+        if held:
+            entry[0].release()
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._path_locks[key]
 
     def save_finished(self, run: SaveRun):
         with self._lock:
             self._active.discard(run)
             idle = not self._active
-            self._path_locks[run.location_key].release()
+            self._unlock_path(run.location_key)
         if idle and not self.options.keep_staging_warm:
             self._ring.drop_buffer()
 
@@ -133,14 +181,20 @@ class Dispatcher:
         reported at once (``TreeMismatchError``) before anything is read; ``partial=True``
         lets the target name a subset of the leaves, ``cast=True`` allows dtype changes.
         """
+        self._check_usable("restore")
         location = Location.parse(path)
+        marker = location.commit_marker()  # a save that replaces the checkpoint changes it
         manifest = manifest_lib.parse(location.read_manifest(), location.display)
         treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
         session = self.open_read_session(location)
         try:
             restore_lib.read_outputs(self, session, outputs, location.display)
+        except Exception as exc:
+            location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
+            raise
         finally:
             session.close()
+        location.check_commit_marker(marker)  # else the result may mix two checkpoints
         return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
 
     # ---- what a concrete dispatcher provides ---------------------------------------------------
@@ -166,12 +220,19 @@ class Dispatcher:
 
     def wait_all(self):
         """Wait for every save in flight (errors stay with their handles)."""
+        self._check_not_io_thread("wait_all")
         with self._lock:
             runs = list(self._active)
         concurrent.futures.wait([r.future for r in runs])
+        for r in runs:
+            r.join()
 
     def close(self):
-        """Wait for saves in flight and free the staging memory."""
+        """Wait for saves in flight and free the staging memory. Later ``save()`` / ``restore()``
+        calls raise RuntimeError; closing twice is fine."""
+        self._check_not_io_thread("close")
+        with self._lock:
+            self._closed = True
         self.wait_all()
         self._ring.drop_buffer()
 
@@ -221,6 +282,10 @@ def _on_cpu(array) -> bool:
     return next(iter(array.devices())).platform == "cpu"
 
 
+def _mark_io_thread(token):
+    io_thread.owner = token
+
+
 class LocalDispatcher(Dispatcher):
     """Runs the worker code in-process on a thread pool: one worker per JAX process.
 
@@ -231,7 +296,8 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         super().__init__(Options(host_memory_budget=host_memory_budget, **options))
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.options.write_threads, thread_name_prefix="dispatch_io-worker")
+            self.options.write_threads, thread_name_prefix="dispatch_io-worker",
+            initializer=_mark_io_thread, initargs=(self.io_token,))
 
     def open_write_session(self, target: WriteTarget) -> Session:
         return Session(target.kvstore, context=target.context, fsync=self.options.fsync)

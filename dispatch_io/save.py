@@ -34,6 +34,11 @@ from dispatch_io.storage import Location, WriteTarget
 from workers import ChunkError, Region
 
 
+# ``io_thread.owner`` is set on every thread a dispatcher runs its IO on (save drivers, pool
+# workers) to that dispatcher's ``io_token``: callbacks run there, and must not wait on it.
+io_thread = threading.local()
+
+
 @dataclasses.dataclass(frozen=True)
 class SaveStats:
     """What one save did. Seconds are wall time; transfer and write overlap."""
@@ -146,6 +151,10 @@ class SaveRun:
     def start(self):
         self._thread.start()
 
+    def join(self):
+        """Wait until the driver thread has finished (the future is resolved before that)."""
+        self._thread.join()
+
     def wait_until_sync_copied(self):
         """Block until every SYNC leaf is off the device (or the save failed before that); raise
         the error then. A failure after the SYNC copies surfaces from ``wait()`` only, however
@@ -186,12 +195,15 @@ class SaveRun:
             return
         try:
             fn(keypath)
-        except Exception:  # noqa: BLE001 - a trainer's callback bug must not lose the checkpoint
+        except BaseException:  # noqa: BLE001 - a trainer's callback bug must not lose the checkpoint
+            # BaseException too: raised on an IO thread, SystemExit / KeyboardInterrupt would only
+            # kill that thread (a pool worker, or the driver holding a staging slice) and hang saves.
             logging.exception("dispatch_io: callback %r raised for %s", fn, keypath)
 
     # -- the driver thread ---------------------------------------------------------------------
 
     def _run(self):
+        io_thread.owner = self.engine.io_token
         writes = []
         session = None
         try:
@@ -206,28 +218,14 @@ class SaveRun:
                 ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
                 if ticket is None:
                     break
-                chunks = [self.plan.chunks[i] for i in batch.chunks]
-                t0 = time.perf_counter()
+                accounted = None
                 try:
-                    buffers = self.engine.copy_to_host(self.plan, chunks, self.sources, staging)
-                except Exception as exc:  # noqa: BLE001
-                    self.ring.release(ticket)
-                    self._fail(self._worker_error("copying to host", exc, chunks))
+                    accounted = self._transfer(k, batch, ticket, staging, session)
+                finally:
+                    if accounted is None:  # never handed to a writer: nobody else releases it
+                        self.ring.release(ticket)
+                if accounted is None:
                     break
-                self._transfer_seconds += time.perf_counter() - t0
-                self._copied(chunks)
-                if k == self._last_sync:
-                    self._sync_finished()
-                regions = [Region(self.plan.leaves[c.leaf].array, c.region, self.plan.leaves[c.leaf].keypath)
-                           for c in chunks]
-                if self._first_write is None:
-                    self._first_write = time.perf_counter()
-                future = self.engine.submit_write(session, regions, buffers)
-                # Wait on this, not on the write: waiters wake before done-callbacks run, and the
-                # bookkeeping (errors, bytes, staging, on_write_end) must be complete first.
-                accounted: concurrent.futures.Future = concurrent.futures.Future()
-                future.add_done_callback(lambda f, chunks=chunks, ticket=ticket, accounted=accounted:
-                                         self._written(f, chunks, ticket, accounted))
                 writes.append(accounted)
                 if self._failed():
                     break
@@ -261,6 +259,33 @@ class SaveRun:
             self.sources = None
             self.sync_done.set()
             self.engine.save_finished(self)
+
+    def _transfer(self, k: int, batch: Batch, ticket: int, staging: np.ndarray, session
+                  ) -> concurrent.futures.Future | None:
+        """Copy batch ``k`` into its staging slice and hand it to a writer, which releases the
+        slice. Returns a future that resolves once the write is accounted for, or None if the
+        copy failed (the error is recorded; the slice is still the caller's)."""
+        chunks = [self.plan.chunks[i] for i in batch.chunks]
+        t0 = time.perf_counter()
+        try:
+            buffers = self.engine.copy_to_host(self.plan, chunks, self.sources, staging)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(self._worker_error("copying to host", exc, chunks))
+            return None
+        self._transfer_seconds += time.perf_counter() - t0
+        self._copied(chunks)
+        if k == self._last_sync:
+            self._sync_finished()
+        regions = [Region(self.plan.leaves[c.leaf].array, c.region, self.plan.leaves[c.leaf].keypath)
+                   for c in chunks]
+        if self._first_write is None:
+            self._first_write = time.perf_counter()
+        future = self.engine.submit_write(session, regions, buffers)
+        # Wait on this, not on the write: waiters wake before done-callbacks run, and the
+        # bookkeeping (errors, bytes, staging, on_write_end) must be complete first.
+        accounted: concurrent.futures.Future = concurrent.futures.Future()
+        future.add_done_callback(lambda f: self._written(f, chunks, ticket, accounted))
+        return accounted
 
     def _copied(self, chunks):
         for c in chunks:

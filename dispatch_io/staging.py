@@ -27,8 +27,8 @@ class StagingRing:
     def acquire(self, nbytes: int, cancelled=lambda: False) -> tuple[int, np.ndarray]:
         """Block until ``nbytes`` contiguous bytes are free; returns (ticket, uint8 view).
         Returns (None, None) if ``cancelled()`` turns true while waiting."""
-        if nbytes > self.capacity:
-            raise ValueError(f"batch of {nbytes} bytes exceeds the staging budget of {self.capacity}")
+        if not 0 < nbytes <= self.capacity:  # an empty slice would make a full ring look empty
+            raise ValueError(f"batch of {nbytes} bytes: must be in (0, {self.capacity}], the staging budget")
         with self._cond:
             while (start := self._fit(nbytes)) is None:
                 if cancelled():

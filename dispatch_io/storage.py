@@ -29,7 +29,7 @@ import uuid
 
 import tensorstore as ts
 
-from dispatch_io.errors import IncompleteCheckpointError
+from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 
 MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
@@ -58,7 +58,9 @@ def _fsync_path(path: str, directory: bool = False):
 
 
 def _marker_json() -> bytes:
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+    """Who wrote a marker; ``id`` makes every commit's ``COMMITTED`` unique."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                       "id": uuid.uuid4().hex}).encode()
 
 
 class WriteTarget:
@@ -106,6 +108,17 @@ class Location:
     def read_manifest(self) -> dict:
         raise NotImplementedError
 
+    def commit_marker(self) -> bytes | None:
+        """The ``COMMITTED`` marker's bytes (unique per commit), or None if there is none."""
+        raise NotImplementedError
+
+    def check_commit_marker(self, marker: bytes | None, cause: BaseException | None = None):
+        """CheckpointError if the checkpoint is no longer the one whose marker was ``marker``:
+        another save replaced it while it was being read, so what was read may mix the two."""
+        if self.commit_marker() != marker:
+            raise CheckpointError(f"the checkpoint at {self.display} was replaced by another save while "
+                                  "it was being restored; restore it again") from cause
+
     def start_write(self, overwrite: bool) -> WriteTarget:
         raise NotImplementedError
 
@@ -122,6 +135,13 @@ class DirectoryLocation(Location):
 
     def is_committed(self) -> bool:
         return os.path.isfile(os.path.join(self.path, COMMITTED))
+
+    def commit_marker(self) -> bytes | None:
+        try:
+            with open(os.path.join(self.path, COMMITTED), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
 
     def read_manifest(self) -> dict:
         if not os.path.exists(self.path):
@@ -144,13 +164,18 @@ class DirectoryLocation(Location):
         return self.path
 
     def check_writable(self, overwrite: bool):
-        """FileExistsError unless ``overwrite`` or nothing (or an empty directory) is at the path."""
-        if os.path.lexists(self.path) and not overwrite:
-            if self.is_committed():
+        """FileExistsError unless nothing (or an empty directory) is at the path, or a committed
+        checkpoint and ``overwrite``. Anything else (a file, a directory of other things) is never
+        replaced: ``overwrite=True`` on a mistyped path must not delete someone's data."""
+        if not os.path.lexists(self.path):
+            return
+        if self.is_committed():
+            if not overwrite:
                 raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
-            if not os.path.isdir(self.path) or os.listdir(self.path):
-                raise FileExistsError(f"{self.display} exists and is not a dispatch_io checkpoint; "
-                                      "refusing to replace it (pass overwrite=True to do so)")
+            return
+        if not os.path.isdir(self.path) or os.path.islink(self.path) or os.listdir(self.path):
+            raise FileExistsError(f"{self.display} exists and is not a dispatch_io checkpoint; refusing to "
+                                  "replace it, even with overwrite=True (remove it first if it may go)")
 
     def start_write(self, overwrite: bool) -> "DirectoryWrite":
         self.check_writable(overwrite)
@@ -166,8 +191,12 @@ class DirectoryWrite(WriteTarget):
         # One directory per save: two saves of one path never share (or delete) each other's data.
         self.tmp = os.path.join(parent, f".{name}{TMP_SUFFIX}-{uuid.uuid4().hex[:12]}")
         os.makedirs(os.path.join(self.tmp, ARRAYS))
-        with open(os.path.join(self.tmp, WRITING), "wb") as f:
-            f.write(_marker_json())
+        try:
+            with open(os.path.join(self.tmp, WRITING), "wb") as f:
+                f.write(_marker_json())
+        except BaseException:
+            self.abort()
+            raise
         self.kvstore = {"driver": "file", "path": os.path.join(self.tmp, ARRAYS)}
         self.context = None
 
@@ -187,11 +216,20 @@ class DirectoryWrite(WriteTarget):
         if os.path.lexists(final):
             old = f"{final}.dispatch_io-old-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
-        os.rename(self.tmp, final)
+        try:
+            os.rename(self.tmp, final)
+        except BaseException:
+            if old is not None:  # put the replaced checkpoint back rather than lose it
+                os.rename(old, final)
+            raise
         if fsync:
             _fsync_path(os.path.dirname(final), directory=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+        if old is None:
+            return
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # a file, or a link to a checkpoint: the link goes, the checkpoint it named stays
+            os.remove(old)
 
     def abort(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -227,6 +265,10 @@ class KvLocation(Location):
 
     def is_committed(self) -> bool:
         return self._kv().read(COMMITTED).result().state == "value"
+
+    def commit_marker(self) -> bytes | None:
+        marker = self._kv().read(COMMITTED).result()
+        return bytes(marker.value) if marker.state == "value" else None
 
     def read_manifest(self) -> dict:
         kv = self._kv()

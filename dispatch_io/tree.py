@@ -43,11 +43,19 @@ def leaf_kind(keypath: str, leaf) -> str:
     """ARRAY, KEY or SCALAR; a TypeError naming the key path for anything else."""
     if isinstance(leaf, _SCALAR_TYPES) and not isinstance(leaf, (np.number, np.bool_)):
         return SCALAR  # np.float64 / np.complex128 subclass float / complex but stay numpy
+    if isinstance(leaf, (np.ndarray, np.generic)) and _unsupported_numpy_dtype(leaf.dtype):
+        raise TypeError(f"cannot checkpoint leaf {keypath}: numpy dtype {leaf.dtype} is not supported "
+                        "(object, str, bytes and structured/void dtypes cannot be stored)")
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return KEY if is_prng_key(leaf) else ARRAY
     raise TypeError(
         f"cannot checkpoint leaf {keypath} of type {type(leaf).__module__}.{type(leaf).__qualname__}: "
         "leaves must be jax.Array, numpy arrays/scalars, or Python bool/int/float/complex/str")
+
+
+def _unsupported_numpy_dtype(dtype: np.dtype) -> bool:
+    """Object / str / bytes / structured or raw void dtypes (ml_dtypes' kind "V" types are fine)."""
+    return dtype.kind in "OSU" or issubclass(dtype.type, np.void)
 
 
 # ---- Python scalars, bit-exact in JSON -------------------------------------------------------
