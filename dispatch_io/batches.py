@@ -37,26 +37,30 @@ class Batch:
     nbytes: int
 
 
+def pack(items, nbytes, limit: int, group=lambda item: None) -> list[tuple[list, int]]:
+    """Greedy packing in order: (items, staging bytes) lists of at most ``limit`` aligned bytes
+    (one item alone may exceed it), a new list wherever ``group(item)`` changes."""
+    packs: list[tuple[list, int]] = []
+    current: list = []
+    size = 0
+    for item in items:
+        need = aligned(nbytes(item))
+        if current and (group(item) != group(current[-1]) or size + need > limit):
+            packs.append((current, size))
+            current, size = [], 0
+        current.append(item)
+        size += need
+    if current:
+        packs.append((current, size))
+    return packs
+
+
 def make_batches(plan: Plan, priorities: Sequence[Priority], limit: int, worker: int | None = None
                  ) -> tuple[Batch, ...]:
     """Batches of ``worker``'s chunks (all if None): SYNC, then HIGH, then LOW, each in tree
     order; a batch never mixes priorities and never holds more than ``limit`` staging bytes."""
-    order = sorted(
-        (i for i, c in enumerate(plan.chunks) if worker is None or c.worker == worker),
-        key=lambda i: (priorities[plan.chunks[i].leaf], i))
-    batches: list[Batch] = []
-    current: list[int] = []
-    size = 0
-    prio = None
-    for i in order:
-        chunk_prio = priorities[plan.chunks[i].leaf]
-        need = aligned(plan.chunks[i].nbytes)
-        if current and (chunk_prio != prio or size + need > limit):
-            batches.append(Batch(prio, tuple(current), size))
-            current, size = [], 0
-        current.append(i)
-        size += need
-        prio = chunk_prio
-    if current:
-        batches.append(Batch(prio, tuple(current), size))
-    return tuple(batches)
+    prio = lambda i: priorities[plan.chunks[i].leaf]  # noqa: E731
+    order = sorted((i for i, c in enumerate(plan.chunks) if worker is None or c.worker == worker),
+                   key=lambda i: (prio(i), i))
+    return tuple(Batch(prio(chunks[0]), tuple(chunks), size)
+                 for chunks, size in pack(order, lambda i: plan.chunks[i].nbytes, limit, group=prio))

@@ -108,18 +108,18 @@ def storage_chunk_shape(shard_shape: tuple[int, ...], itemsize: int, limit: int)
     return tuple(shape)
 
 
-def _index_to_region(index, shape) -> tuple[tuple[int, int], ...]:
-    return tuple((s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index))
-
-
-def _device_regions(leaf, spec, phys_shape):
-    """{region over the logical shape: [devices holding it]} in device order."""
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is None:  # host numpy leaf
-        return {tuple((0, n) for n in spec.shape): [None]}
+def device_regions(sharding, shape, *, addressable_only: bool = False) -> dict:
+    """{region ((start, stop), ...) of ``shape``: [devices holding it]}, in the sharding's device
+    order; ``sharding=None`` (host data) is one region held by device None."""
+    shape = tuple(shape)
+    if sharding is None:
+        return {tuple((0, n) for n in shape): [None]}
+    indices = sharding.addressable_devices_indices_map(shape) if addressable_only else \
+        sharding.devices_indices_map(shape)
     regions: dict[tuple, list] = {}
-    for device, index in sharding.devices_indices_map(tuple(spec.shape)).items():
-        regions.setdefault(_index_to_region(index, spec.shape), []).append(device)
+    for device, index in indices.items():
+        region = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+        regions.setdefault(region, []).append(device)
     return regions
 
 
@@ -159,11 +159,11 @@ def plan_tree(tree, chunk_limit: int) -> Plan:
     worker_load: dict[int, int] = {}
     device_load: dict[int, int] = {}
     chunks = []
-    for spec, (_, leaf) in zip(specs, flat):
+    for spec in specs:
         if spec.storage is None:
             continue
         key_dims = tuple((0, n) for n in spec.shape[len(spec.spec.shape):])
-        for region, devices in _device_regions(leaf, spec.spec, spec.shape).items():
+        for region, devices in device_regions(spec.spec.sharding, spec.spec.shape).items():
             region = region + key_dims
             nbytes = math.prod(hi - lo for lo, hi in region) * spec.dtype.itemsize
             # Write each distinct region once, from the least loaded worker, then device.

@@ -18,10 +18,10 @@ import numpy as np
 
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import tree as tree_lib
-from dispatch_io.batches import aligned
+from dispatch_io.batches import pack
 from dispatch_io.errors import TreeMismatchError, WorkerError
 from dispatch_io.manifest import Manifest, SavedLeaf
-from dispatch_io.plan import storage_chunk_shape
+from dispatch_io.plan import device_regions, storage_chunk_shape
 from workers import ChunkError, Region
 
 HOST, DEVICE = "host", "device"
@@ -137,14 +137,7 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
 
 
 def _regions(out: _Output) -> dict:
-    shape = out.saved.shape
-    if out.where == HOST:
-        return {tuple((0, n) for n in shape): [None]}
-    regions: dict = {}
-    for device, index in out.sharding.addressable_devices_indices_map(shape).items():
-        region = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
-        regions.setdefault(region, []).append(device)
-    return regions
+    return device_regions(None if out.where == HOST else out.sharding, out.saved.shape, addressable_only=True)
 
 
 def _pieces(out: _Output, region, chunk_limit: int):
@@ -170,16 +163,8 @@ def read_outputs(engine, session, outputs: list, display: str):
         out.regions = _regions(out)
         for region in out.regions:
             work += [(out, region, bounds, local) for bounds, local in _pieces(out, region, chunk_limit)]
-    batches, current, size = [], [], 0
-    for item in work:
-        nbytes = aligned(math.prod(hi - lo for lo, hi in item[2]) * item[0].saved_dtype.itemsize)
-        if current and size + nbytes > batch_limit:
-            batches.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += nbytes
-    if current:
-        batches.append(current)
+    piece_bytes = lambda item: math.prod(hi - lo for lo, hi in item[2]) * item[0].saved_dtype.itemsize  # noqa: E731
+    batches = [items for items, _ in pack(work, piece_bytes, batch_limit)]
 
     def submit(batch):
         regions = [Region(o.saved.stored, b, o.saved.keypath) for o, _, b, _ in batch]
