@@ -10,12 +10,12 @@
 from dispatch_io import tree
 from dispatch_io.batches import Priority
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
-from dispatch_io.errors import CheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
+from dispatch_io.errors import BarrierTimeoutError, CheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.options import Options
 from dispatch_io.save import SaveHandle, SaveStats
 
 __all__ = [
-    "CheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
+    "BarrierTimeoutError", "CheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
     "SaveHandle", "SaveStats", "TreeMismatchError", "WorkerError", "metadata",
 ]
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from dispatch_io import coordination
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
@@ -50,6 +51,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._closed = False
         self.io_token = object()  # marks this dispatcher's IO threads (see save.io_thread)
+        self.coordinator = coordination.for_this_job(options.barrier_timeout)
 
     @property
     def worker_id(self) -> int:
@@ -80,15 +82,15 @@ class Dispatcher:
         batches = make_batches(plan, priorities, self.options.batch_bytes, worker=self.worker_id)
         plan_seconds = time.perf_counter() - started
         self._lock_path(location.key)  # saves to one path never overlap; the run unlocks it when done
-        target = None
+        save = None
         try:
-            target = location.start_write(overwrite)
-            run = SaveRun(self, plan, leaves, batches, target, location, self._ring,
+            save = self.coordinator.start_write(location, overwrite)
+            run = SaveRun(self, plan, leaves, batches, save, location, self._ring,
                           on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
             self._start(run)
-        except BaseException:
-            if target is not None:
-                target.abort()
+        except BaseException as exc:
+            if save is not None:
+                save.abandon(exc)
             with self._lock:
                 self._unlock_path(location.key)
             raise

@@ -34,3 +34,16 @@ class WorkerError(CheckpointError):
         self.worker = worker
         self.keypath = keypath
         super().__init__(message)
+
+
+class BarrierTimeoutError(CheckpointError, TimeoutError):
+    """Processes of a multi-process job did not reach a barrier within ``barrier_timeout``.
+
+    ``processes`` lists the process indices that never arrived (empty if unknown) and
+    ``barrier`` names the barrier (checkpoint path and phase).
+    """
+
+    def __init__(self, message, *, processes=(), barrier=None):
+        self.processes = sorted(processes)
+        self.barrier = barrier
+        super().__init__(message)

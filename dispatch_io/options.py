@@ -22,6 +22,8 @@ class Options:
     keep_staging_warm: keep the staging buffer between saves. Memory freed to the OS is
         slow to touch again, so a warm buffer makes repeated saves several times faster;
         it stays bounded by the budget and is freed by ``dispatcher.close()``.
+    barrier_timeout: seconds a process of a multi-process job waits for the others at a
+        barrier (while they make no progress) before raising ``BarrierTimeoutError``.
     """
 
     host_memory_budget: int = 1 << 30
@@ -29,6 +31,7 @@ class Options:
     write_threads: int = 2
     fsync: bool = True
     keep_staging_warm: bool = True
+    barrier_timeout: float = 300.0
 
     def __post_init__(self):
         if not isinstance(self.host_memory_budget, int) or self.host_memory_budget <= 0:
@@ -36,6 +39,8 @@ class Options:
         if self.max_chunk_bytes is not None and not 0 < self.max_chunk_bytes <= self.host_memory_budget // 2:
             raise ValueError(
                 f"max_chunk_bytes must be in (0, host_memory_budget // 2], got {self.max_chunk_bytes!r}")
+        if not self.barrier_timeout > 0:
+            raise ValueError(f"barrier_timeout must be a positive number of seconds, got {self.barrier_timeout!r}")
         if self.write_threads < 1:
             raise ValueError(f"write_threads must be >= 1, got {self.write_threads!r}")
 

@@ -179,7 +179,8 @@ def plan_tree(tree, chunk_limit: int) -> Plan:
 
 
 def _process(device) -> int:
-    return jax.process_index() if device is None else device.process_index
+    # Host (numpy) data: every process has a copy; process 0's is the one saved.
+    return 0 if device is None else device.process_index
 
 
 def _id(device) -> int | None:

@@ -22,7 +22,7 @@ from dispatch_io.batches import pack
 from dispatch_io.errors import TreeMismatchError, WorkerError
 from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import device_regions, storage_chunk_shape
-from workers import ChunkError, Region
+from workers import ChunkError, Region, aligned_empty
 
 HOST, DEVICE = "host", "device"
 
@@ -77,13 +77,13 @@ def _output_for(saved: SavedLeaf, leaf) -> _Output:
     stored_dtype = None if saved.stored is None else manifest_lib.numpy_dtype(saved.stored.dtype)
     if leaf is None or isinstance(leaf, (np.ndarray, np.generic)):
         if key:  # keys have no numpy form: as key arrays on the default device
-            return _Output(saved, DEVICE, stored_dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+            return _Output(saved, DEVICE, stored_dtype, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         as_scalar = isinstance(leaf, np.generic) or (leaf is None and saved.origin == "numpy_scalar")
         dtype = saved.dtype if leaf is None else np.dtype(leaf.dtype)
         return _Output(saved, HOST, dtype, as_scalar=as_scalar)
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     dtype = stored_dtype if key else np.dtype(leaf.dtype)
     return _Output(saved, DEVICE, dtype, sharding)
 
@@ -128,13 +128,6 @@ def _scalar_output(value, leaf):
 
 
 # ---- reading ------------------------------------------------------------------------------
-
-def _aligned_empty(shape, dtype) -> np.ndarray:
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + 64, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % 64
-    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
-
 
 def _regions(out: _Output) -> dict:
     return device_regions(None if out.where == HOST else out.sharding, out.saved.shape, addressable_only=True)
@@ -191,7 +184,7 @@ def _destination(out: _Output, region, local) -> np.ndarray | None:
     64-byte aligned so ``device_put`` adopts it on CPU), or None when it must be converted."""
     if region not in out.buffers:
         shape = tuple(hi - lo for lo, hi in region) + out.saved.stored.shape[len(region):]
-        out.buffers[region] = _aligned_empty(shape, np.dtype(out.dtype))
+        out.buffers[region] = aligned_empty(shape, np.dtype(out.dtype))
     if out.dtype != out.saved_dtype:
         return None
     # ``...``: a view even for 0-d arrays (indexing one with ``()`` gives a numpy scalar).

@@ -30,7 +30,7 @@ from dispatch_io.batches import Batch, Priority
 from dispatch_io.errors import CheckpointError, WorkerError
 from dispatch_io.plan import Plan
 from dispatch_io.staging import StagingRing
-from dispatch_io.storage import Location, WriteTarget
+from dispatch_io.storage import Location
 from workers import ChunkError, Region
 
 
@@ -111,7 +111,7 @@ class Sources:
 class SaveRun:
     """One save's state; ``engine`` is the dispatcher (how to copy, where to write)."""
 
-    def __init__(self, engine, plan: Plan, leaves: list, batches: tuple[Batch, ...], target: WriteTarget,
+    def __init__(self, engine, plan: Plan, leaves: list, batches: tuple[Batch, ...], save,
                  location: Location, ring: StagingRing, on_transfer_end: Callable | None,
                  on_write_end: Callable | None, started: float, plan_seconds: float, plan_cached: bool):
         self.engine = engine
@@ -121,7 +121,7 @@ class SaveRun:
         self.scalars = [leaf if spec.kind == tree_lib.SCALAR else None for spec, leaf in zip(plan.leaves, leaves)]
         self.sources = Sources(plan, leaves)
         self.batches = batches
-        self.target = target
+        self.save = save   # coordination.LocalSave / DistributedSave: its target, and how to commit
         self.display = location.display
         self.location_key = location.key
         self.ring = ring
@@ -207,33 +207,36 @@ class SaveRun:
         writes = []
         session = None
         try:
-            for spec in self.plan.leaves:  # leaves with nothing to copy here are done already
-                if spec.kind != tree_lib.SCALAR and self._to_copy[spec.index] == 0:
-                    self._callback(self.on_transfer_end, spec.keypath)
-                    self._callback(self.on_write_end, spec.keypath)
-            if self._last_sync < 0:
-                self._sync_finished()
-            session = self.engine.open_write_session(self.target)
-            for k, batch in enumerate(self.batches):
-                ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
-                if ticket is None:
-                    break
-                accounted = None
-                try:
-                    accounted = self._transfer(k, batch, ticket, staging, session)
-                finally:
-                    if accounted is None:  # never handed to a writer: nobody else releases it
-                        self.ring.release(ticket)
-                if accounted is None:
-                    break
-                writes.append(accounted)
-                if self._failed():
-                    break
+            try:
+                for spec in self.plan.leaves:  # leaves with nothing to copy here are done already
+                    if spec.kind != tree_lib.SCALAR and self._to_copy[spec.index] == 0:
+                        self._callback(self.on_transfer_end, spec.keypath)
+                        self._callback(self.on_write_end, spec.keypath)
+                if self._last_sync < 0:
+                    self._sync_finished()
+                session = self.engine.open_write_session(self.save.target)
+                for k, batch in enumerate(self.batches):
+                    ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
+                    if ticket is None:
+                        break
+                    accounted = None
+                    try:
+                        accounted = self._transfer(k, batch, ticket, staging, session)
+                    finally:
+                        if accounted is None:  # never handed to a writer: nobody else releases it
+                            self.ring.release(ticket)
+                    if accounted is None:
+                        break
+                    writes.append(accounted)
+                    if self._failed() or self.save.peer_failed():
+                        break
+            except BaseException as exc:  # noqa: BLE001 - decided on (and surfaced) below
+                self._fail(exc)
             concurrent.futures.wait(writes)
-            if self._error is not None:
-                raise self._error
             t0 = time.perf_counter()
-            self.target.commit(manifest_lib.build(self.plan, self.scalars), fsync=self.engine.options.fsync)
+            # Commit, or remove the partial save and raise; with several processes, all agree first.
+            self.save.finish(self._error, lambda: manifest_lib.build(self.plan, self.scalars),
+                             fsync=self.engine.options.fsync)
             done = time.perf_counter()
             self.future.set_result(SaveStats(
                 path=self.display, bytes_written=self._bytes, batches=len(self.batches),
@@ -244,10 +247,6 @@ class SaveRun:
                 peak_host_bytes=self.ring.peak, plan_cached=self._plan_cached))
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
             concurrent.futures.wait(writes)
-            try:
-                self.target.abort()
-            except Exception:  # noqa: BLE001
-                logging.exception("dispatch_io: could not remove the partial save at %s", self.display)
             if not isinstance(exc, (CheckpointError, FileExistsError)):
                 err = CheckpointError(f"save to {self.display} failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
@@ -304,11 +303,16 @@ class SaveRun:
                 return
             with self._lock:
                 self._bytes += future.result()
+                written = self._bytes
                 finished = []
                 for c in chunks:
                     self._to_write[c.leaf] -= 1
                     if self._to_write[c.leaf] == 0:
                         finished.append(self.plan.leaves[c.leaf].keypath)
+            try:
+                self.save.progress(written)  # other processes wait on this, not on a clock
+            except Exception:  # noqa: BLE001 - only a liveness hint
+                logging.exception("dispatch_io: could not report progress")
             for keypath in finished:
                 self._callback(self.on_write_end, keypath)
         finally:

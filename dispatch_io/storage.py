@@ -30,24 +30,13 @@ import uuid
 import tensorstore as ts
 
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
+from workers import shared_context
 
 MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
 WRITING = "WRITING"        # ownership marker inside our temporary directories
 ARRAYS = "arrays/"
 TMP_SUFFIX = ".dispatch_io-tmp"
-
-_memory_context = None
-
-
-def _shared_memory_context() -> ts.Context:
-    """The memory kvstore lives in a TensorStore context; saves and restores of ``memory://``
-    paths must share one to see each other's data (test use only)."""
-    global _memory_context
-    if _memory_context is None:
-        _memory_context = ts.Context()
-    return _memory_context
-
 
 def _fsync_path(path: str, directory: bool = False):
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
@@ -64,10 +53,13 @@ def _marker_json() -> bytes:
 
 
 class WriteTarget:
-    """An in-progress save: workers write arrays under ``kvstore``; then :meth:`commit` or :meth:`abort`."""
+    """An in-progress save: workers write arrays under ``kvstore``; then :meth:`commit` or :meth:`abort`.
+
+    ``token`` lets other processes of a multi-process job join it (``Location.join_write``)."""
 
     kvstore: dict
     context: ts.Context | None
+    token: str
 
     def commit(self, manifest: bytes, fsync: bool = True):
         raise NotImplementedError
@@ -121,6 +113,22 @@ class Location:
 
     def start_write(self, overwrite: bool) -> WriteTarget:
         raise NotImplementedError
+
+    def join_write(self, token: str) -> WriteTarget:
+        """The save another process started (its target's ``token``): this process only
+        writes arrays into it; the process that started it commits or aborts."""
+        raise NotImplementedError
+
+
+class JoinedWrite(WriteTarget):
+    def __init__(self, kvstore: dict, context, token: str):
+        self.kvstore, self.context, self.token = kvstore, context, token
+
+    def commit(self, manifest: bytes, fsync: bool = True):
+        raise RuntimeError("only the process that started a save commits it")
+
+    def abort(self):
+        pass  # the process that started the save removes it
 
 
 # ---- local directories ------------------------------------------------------------------------
@@ -181,6 +189,14 @@ class DirectoryLocation(Location):
         self.check_writable(overwrite)
         return DirectoryWrite(self, overwrite)
 
+    def join_write(self, token: str) -> JoinedWrite:
+        parent, name = os.path.split(self.path)
+        tmp = os.path.join(parent, token)
+        if not (token.startswith(f".{name}{TMP_SUFFIX}-") and os.path.isfile(os.path.join(tmp, WRITING))):
+            raise CheckpointError(f"cannot join the save of {self.display}: {tmp} is not its temporary directory "
+                                  "(do all processes see the same file system?)")
+        return JoinedWrite({"driver": "file", "path": os.path.join(tmp, ARRAYS)}, None, token)
+
 
 class DirectoryWrite(WriteTarget):
     def __init__(self, location: DirectoryLocation, overwrite: bool):
@@ -189,7 +205,8 @@ class DirectoryWrite(WriteTarget):
         parent, name = os.path.split(location.path)
         os.makedirs(parent, exist_ok=True)
         # One directory per save: two saves of one path never share (or delete) each other's data.
-        self.tmp = os.path.join(parent, f".{name}{TMP_SUFFIX}-{uuid.uuid4().hex[:12]}")
+        self.token = f".{name}{TMP_SUFFIX}-{uuid.uuid4().hex[:12]}"
+        self.tmp = os.path.join(parent, self.token)
         os.makedirs(os.path.join(self.tmp, ARRAYS))
         try:
             with open(os.path.join(self.tmp, WRITING), "wb") as f:
@@ -249,7 +266,7 @@ class KvLocation(Location):
     def __init__(self, url: str):
         self.url = url if url.endswith("/") else url + "/"
         self.display = url
-        self.context = _shared_memory_context() if url.startswith("memory://") else None
+        self.context = shared_context(self.arrays_kvstore())
 
     def _kv(self):
         return ts.KvStore.open(self.url, context=self.context or ts.Context()).result()
@@ -287,6 +304,9 @@ class KvLocation(Location):
         kv.delete_range(ts.KvStore.KeyRange()).result()
         return KvWrite(self, kv)
 
+    def join_write(self, token: str) -> JoinedWrite:
+        return JoinedWrite(self.arrays_kvstore(), self.context, token)
+
 
 class KvWrite(WriteTarget):
     def __init__(self, location: KvLocation, kv):
@@ -294,6 +314,7 @@ class KvWrite(WriteTarget):
         self.kv = kv
         self.kvstore = location.arrays_kvstore()
         self.context = location.context
+        self.token = location.url
 
     def commit(self, manifest: bytes, fsync: bool = True):
         self.kv.write(MANIFEST, manifest).result()

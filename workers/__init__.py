@@ -10,10 +10,12 @@ from workers.tensorstore_io import (
     ChunkError,
     Region,
     Session,
+    aligned_empty,
     numpy_dtype,
     read_regions,
+    shared_context,
     storage_dtype_name,
     write_regions,
 )
 
-__all__ = ["ArraySpec", "ChunkError", "Region", "Session", "numpy_dtype", "read_regions", "storage_dtype_name", "write_regions"]
+__all__ = ["ArraySpec", "ChunkError", "Region", "Session", "aligned_empty", "shared_context", "numpy_dtype", "read_regions", "storage_dtype_name", "write_regions"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 from typing import Any, Sequence
 
@@ -84,6 +85,30 @@ class Region:
         return tuple(hi - lo for lo, hi in self.bounds)
 
 
+_memory_context = None
+
+
+def shared_context(kvstore: dict) -> ts.Context | None:
+    """The process-wide context for kvstores whose data lives in a context (``memory``):
+    writers and readers must share it to see each other's data. None for the rest."""
+    global _memory_context
+    if kvstore.get("driver") != "memory":
+        return None
+    if _memory_context is None:
+        _memory_context = ts.Context()
+    return _memory_context
+
+
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data starts on an ``alignment``-byte boundary (which
+    ``jax.device_put`` on CPU adopts without a copy)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 class Session:
     """Open arrays for one save or restore, under a TensorStore context of its own.
 
@@ -95,6 +120,9 @@ class Session:
     def __init__(self, kvstore: dict, *, context: ts.Context | None = None, fsync: bool = True,
                  io_concurrency: int = 16):
         self.kvstore = kvstore
+        self.fsync = fsync
+        if context is None:
+            context = shared_context(kvstore)
         self.context = context if context is not None else ts.Context({
             "cache_pool": {"total_bytes_limit": 0},
             "file_io_concurrency": {"limit": io_concurrency},
