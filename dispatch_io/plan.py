@@ -3,7 +3,8 @@
 A :class:`Plan` says, for every leaf, what is stored (logical spec, physical shape/dtype,
 storage name, on-disk chunk shape) and, for every distinct shard region, which chunks are
 copied from which device by which worker. Replicas are written exactly once; the replica to
-copy from is chosen so replicated bytes spread evenly over workers (processes) and devices.
+copy each chunk from is chosen so replicated bytes spread evenly over workers (processes) and
+devices.
 Shards larger than the chunk limit are split along their leading axes, so the host memory
 budget holds even for one array many times its size.
 """
@@ -165,16 +166,16 @@ def plan_tree(tree, chunk_limit: int) -> Plan:
         key_dims = tuple((0, n) for n in spec.shape[len(spec.spec.shape):])
         for region, devices in device_regions(spec.spec.sharding, spec.spec.shape).items():
             region = region + key_dims
-            nbytes = math.prod(hi - lo for lo, hi in region) * spec.dtype.itemsize
-            # Write each distinct region once, from the least loaded worker, then device.
-            device = min(devices, key=lambda d: (
-                worker_load.get(_process(d), 0), device_load.get(_id(d), 0), _id(d) or 0))
-            worker = _process(device)
-            worker_load[worker] = worker_load.get(worker, 0) + nbytes
-            device_load[_id(device)] = device_load.get(_id(device), 0) + nbytes
             for cell in _split_region(region, spec.chunk_shape):
-                cell_bytes = math.prod(hi - lo for lo, hi in cell) * spec.dtype.itemsize
-                chunks.append(Chunk(spec.index, cell, cell_bytes, _id(device), worker))
+                nbytes = math.prod(hi - lo for lo, hi in cell) * spec.dtype.itemsize
+                # Each distinct chunk is written once, by the least loaded worker (then device)
+                # holding it: replicated arrays are spread over every process that has a copy.
+                device = devices[0] if len(devices) == 1 else min(devices, key=lambda d: (
+                    worker_load.get(_process(d), 0), device_load.get(_id(d), 0), _id(d) or 0))
+                worker = _process(device)
+                worker_load[worker] = worker_load.get(worker, 0) + nbytes
+                device_load[_id(device)] = device_load.get(_id(device), 0) + nbytes
+                chunks.append(Chunk(spec.index, cell, nbytes, _id(device), worker))
     return Plan(treedef, specs, tuple(chunks))
 
 
