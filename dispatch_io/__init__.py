@@ -9,13 +9,14 @@
 
 from dispatch_io import tree
 from dispatch_io.batches import Priority
+from dispatch_io.colocated import ColocatedDispatcher
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.options import Options
 from dispatch_io.save import SaveHandle, SaveStats
 
 __all__ = [
-    "BarrierTimeoutError", "CheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
+    "BarrierTimeoutError", "CheckpointError", "ColocatedDispatcher", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
     "SaveHandle", "SaveStats", "TreeMismatchError", "WorkerError", "metadata",
 ]
 __version__ = "0.1.0"

@@ -45,7 +45,7 @@ class Dispatcher:
     def __init__(self, options: Options):
         self.options = options
         self._plans = PlanCache(options.chunk_bytes)
-        self._ring = StagingRing(options.host_memory_budget)
+        self._ring = StagingRing(options.host_memory_budget, allocate=self.host_staging)
         self._active: set[SaveRun] = set()
         self._path_locks: dict[str, list] = {}  # path key -> [lock, saves holding or waiting for it]
         self._lock = threading.Lock()
@@ -188,18 +188,25 @@ class Dispatcher:
         marker = location.commit_marker()  # a save that replaces the checkpoint changes it
         manifest = manifest_lib.parse(location.read_manifest(), location.display)
         treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
-        session = self.open_read_session(location)
         try:
-            restore_lib.read_outputs(self, session, outputs, location.display)
+            self.read_outputs(location, outputs, location.display)
         except Exception as exc:
             location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
             raise
-        finally:
-            session.close()
         location.check_commit_marker(marker)  # else the result may mix two checkpoints
         return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
 
+    def read_outputs(self, location: Location, outputs: list, display: str):
+        """Fill the outputs' region buffers (``restore.finish`` builds the arrays from them)."""
+        session = self.open_read_session(location)
+        try:
+            restore_lib.read_outputs(self, session, outputs, display)
+        finally:
+            session.close()
+
     # ---- what a concrete dispatcher provides ---------------------------------------------------
+
+    host_staging = True  # copies land in the staging ring (False: elsewhere, the ring only counts bytes)
 
     def open_write_session(self, target: WriteTarget):
         raise NotImplementedError

@@ -133,7 +133,18 @@ def _regions(out: _Output) -> dict:
     return device_regions(None if out.where == HOST else out.sharding, out.saved.shape, addressable_only=True)
 
 
-def _pieces(out: _Output, region, chunk_limit: int):
+def units(outputs: list) -> list[tuple[_Output, tuple]]:
+    """(output, region) for every distinct region this process needs; sets ``out.regions``."""
+    found = []
+    for out in outputs:
+        if not isinstance(out, _Output) or out.saved.stored is None:
+            continue
+        out.regions = _regions(out)
+        found += [(out, region) for region in out.regions]
+    return found
+
+
+def pieces(out: _Output, region, chunk_limit: int):
     """(piece bounds over the stored array, slices into the region buffer) covering ``region``."""
     stored = out.saved.stored
     full = region + tuple((0, n) for n in stored.shape[len(region):])  # trailing key dims
@@ -149,13 +160,8 @@ def read_outputs(engine, session, outputs: list, display: str):
     """Fill every _Output's buffers through ``engine.submit_read``, under the budget."""
     chunk_limit = engine.options.chunk_bytes
     batch_limit = engine.options.batch_bytes
-    work = []
-    for out in outputs:
-        if not isinstance(out, _Output) or out.saved.stored is None:
-            continue
-        out.regions = _regions(out)
-        for region in out.regions:
-            work += [(out, region, bounds, local) for bounds, local in _pieces(out, region, chunk_limit)]
+    work = [(out, region, bounds, local) for out, region in units(outputs)
+            for bounds, local in pieces(out, region, chunk_limit)]
     piece_bytes = lambda item: math.prod(hi - lo for lo, hi in item[2]) * item[0].saved_dtype.itemsize  # noqa: E731
     batches = [items for items, _ in pack(work, piece_bytes, batch_limit)]
 
@@ -205,13 +211,15 @@ def finish(out) -> Any:
     if out.where == HOST:
         array = next(iter(out.buffers.values()))
         return array[()] if out.as_scalar else array
-    key = saved.kind == tree_lib.KEY
+    wrap = saved.kind == tree_lib.KEY
     by_device = {}
     for region, devices in out.regions.items():
-        host = out.buffers.pop(region)
+        host = out.buffers.pop(region)   # numpy, or an array on a colocated CPU device
         for device in devices:
             shard = jax.device_put(host, device)
-            by_device[device] = jax.random.wrap_key_data(shard, impl=saved.key_impl) if key else shard
+            if wrap and not tree_lib.is_prng_key(shard):
+                shard = jax.random.wrap_key_data(shard, impl=saved.key_impl)
+            by_device[device] = shard
     # In the sharding's device order: JAX does not reorder the shards of key arrays.
     shards = [by_device[d] for d in out.sharding.addressable_devices_indices_map(saved.shape)]
     return jax.make_array_from_single_device_arrays(saved.shape, out.sharding, shards)

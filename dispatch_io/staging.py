@@ -15,8 +15,12 @@ import numpy as np
 
 
 class StagingRing:
-    def __init__(self, capacity: int):
+    """``allocate=False``: count bytes only (the copies live elsewhere, e.g. on colocated CPU
+    devices); ``acquire`` then returns no view."""
+
+    def __init__(self, capacity: int, allocate: bool = True):
         self.capacity = capacity
+        self.allocate = allocate
         self._buffer: np.ndarray | None = None
         self._live: collections.OrderedDict[int, list] = collections.OrderedDict()  # id -> [start, end, freed]
         self._next_id = 0
@@ -34,14 +38,14 @@ class StagingRing:
                 if cancelled():
                     return None, None
                 self._cond.wait(0.1)
-            if self._buffer is None:
+            if self.allocate and self._buffer is None:
                 self._buffer = np.empty(self.capacity, dtype=np.uint8)
             ticket = self._next_id
             self._next_id += 1
             self._live[ticket] = [start, start + nbytes, False]
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
-            return ticket, self._buffer[start:start + nbytes]
+            return ticket, (self._buffer[start:start + nbytes] if self.allocate else None)
 
     def _fit(self, n: int) -> int | None:
         if not self._live:

@@ -1,0 +1,208 @@
+"""ColocatedDispatcher: the worker code runs through ``jax.experimental.colocated_python``.
+
+On Pathways the controller holds no data; every accelerator has a CPU device on the host
+next to it (``colocated_cpu_devices``), and colocated Python functions run on those hosts.
+
+* Save: each chunk of a batch is moved to the CPU device colocated with the device it lives
+  on (``jax.device_put`` -- this *is* the device-to-host copy), then one colocated call per
+  CPU device writes them with the worker code (``workers.colocated.write_arrays``). The
+  budget, priorities, pipelining and callbacks are the shared pipeline's (``save.py``).
+* Restore: the controller builds the result specs -- per distinct shard region, a
+  ``ShapeDtypeStruct`` on the colocated CPU device of a device holding it, PRNG keys with
+  their key dtype and logical shape -- and one colocated call per CPU device and batch reads
+  them; the controller then puts each region on its target devices and assembles the array.
+  Working per region, never per sharding type, is what makes any JAX sharding work.
+
+Here (no Pathways) colocated_python runs in-process on the CPU devices; the code is the same.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+
+import jax
+import numpy as np
+
+from dispatch_io import restore as restore_lib
+from dispatch_io import tree as tree_lib
+from dispatch_io.batches import pack
+from dispatch_io.dispatcher import Dispatcher, _mark_io_thread
+from dispatch_io.errors import WorkerError
+from dispatch_io.options import Options
+from dispatch_io.plan import Chunk, Plan
+from dispatch_io.save import Sources
+from dispatch_io.storage import Location, WriteTarget
+from workers import ChunkError, Region
+from workers import colocated as remote
+
+
+class RemoteSession:
+    """What a colocated worker needs to open the checkpoint's arrays (plain, picklable data)."""
+
+    def __init__(self, kvstore: dict, fsync: bool = True):
+        self.kvstore, self.fsync = kvstore, fsync
+
+    def close(self):
+        pass
+
+
+@functools.cache
+def _cpu_sharding(device) -> jax.sharding.SingleDeviceSharding:
+    """The CPU device colocated with ``device`` (itself when it is a CPU device)."""
+    cpu = remote.colocated_python_module().colocated_cpu_devices([device])[0]
+    return jax.sharding.SingleDeviceSharding(cpu)
+
+
+class ColocatedDispatcher(Dispatcher):
+    """Runs the worker code on the CPU hosts colocated with the devices (Pathways), through
+    ``jax.experimental.colocated_python``. Same API and guarantees as :class:`LocalDispatcher`;
+    ``host_memory_budget`` bounds the bytes held on the CPU side at once.
+    """
+
+    host_staging = False  # the colocated CPU devices hold the host copies; the budget still counts them
+
+    def __init__(self, host_memory_budget: int = 1 << 30, **options):
+        remote.colocated_python_module()  # a missing cloudpickle fails here, not mid-save
+        super().__init__(Options(host_memory_budget=host_memory_budget, **options))
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.options.write_threads, thread_name_prefix="dispatch_io-colocated",
+            initializer=_mark_io_thread, initargs=(self.io_token,))
+
+    # ---- save -----------------------------------------------------------------------------------
+
+    def open_write_session(self, target: WriteTarget) -> RemoteSession:
+        return RemoteSession(target.kvstore, self.options.fsync)
+
+    def copy_to_host(self, plan: Plan, chunks, sources: Sources, staging) -> list[jax.Array]:
+        """Each chunk onto the CPU device colocated with its device; returns once all arrived."""
+        out = []
+        for chunk in chunks:
+            spec = plan.leaves[chunk.leaf]
+            try:
+                out.append(_to_colocated_cpu(chunk, sources))
+            except Exception as exc:  # noqa: BLE001
+                raise ChunkError(spec.keypath, chunk.region, exc) from exc
+        try:
+            jax.block_until_ready(out)
+        except Exception as exc:  # noqa: BLE001 - name a leaf of the batch
+            chunk = chunks[0]
+            raise ChunkError(plan.leaves[chunk.leaf].keypath, chunk.region, exc) from exc
+        return out
+
+    def submit_write(self, session: RemoteSession, regions, buffers) -> concurrent.futures.Future:
+        return self._pool.submit(_write_on_workers, session, list(regions), list(buffers))
+
+    # ---- restore --------------------------------------------------------------------------------
+
+    def read_outputs(self, location: Location, outputs: list, display: str):
+        """Fill each output's regions with arrays read by colocated calls (see module doc)."""
+        units = restore_lib.units(outputs)
+        unit_bytes = lambda u: math.prod(u[0].saved.stored.shape[len(u[1]):]) * math.prod(  # noqa: E731
+            hi - lo for lo, hi in u[1]) * u[0].saved_dtype.itemsize
+        batches = [items for items, _ in pack(units, unit_bytes, self.options.batch_bytes)]
+        kvstore = location.arrays_kvstore()
+        in_flight: list = []
+        for k in range(len(batches) + 1):  # at most two batches in flight
+            if k < len(batches):
+                in_flight.append((batches[k], self._pool.submit(self._read_batch, kvstore, batches[k])))
+            if len(in_flight) == 2 or k == len(batches):
+                if not in_flight:
+                    break
+                batch, future = in_flight.pop(0)
+                try:
+                    arrays = future.result()
+                except Exception as exc:  # noqa: BLE001
+                    for _, f in in_flight:
+                        f.exception()
+                    keypath = getattr(exc, "keypath", None) or batch[0][0].saved.keypath
+                    raise WorkerError(f"colocated worker failed reading {keypath} from {display}: "
+                                      f"{type(exc).__name__}: {exc}", worker=self.worker_id, keypath=keypath) from exc
+                for (out, region), array in zip(batch, arrays):
+                    if out.where == restore_lib.HOST:  # raw bytes -> a writable numpy array
+                        shape = tuple(hi - lo for lo, hi in region)
+                        array = np.array(array).view(out.dtype).reshape(shape)
+                    out.buffers[region] = array
+
+    def _read_batch(self, kvstore: dict, batch) -> list[jax.Array]:
+        """One colocated call per CPU device for the batch's regions; results in batch order."""
+        chunk_limit = self.options.chunk_bytes
+        groups: dict = {}
+        for i, (out, region) in enumerate(batch):
+            groups.setdefault(_cpu_sharding(_home_device(out, region)), []).append(i)
+        calls = []
+        for sharding, indices in groups.items():
+            items, specs = [], []
+            for i in indices:
+                out, region = batch[i]
+                item, spec = _read_item(out, region, chunk_limit, sharding)
+                items.append(item)
+                specs.append(spec)
+            request = remote.encode_request(remote.ReadRequest(kvstore, tuple(items)), sharding)
+            calls.append((indices, remote.reader(tuple(specs))(request)))
+        results: list = [None] * len(batch)
+        for indices, arrays in calls:
+            jax.block_until_ready(arrays)
+            for i, array in zip(indices, arrays):
+                results[i] = array
+        return results
+
+    def close(self):
+        super().close()
+        self._pool.shutdown(wait=True)
+
+
+def _to_colocated_cpu(chunk: Chunk, sources: Sources) -> jax.Array:
+    """The chunk's region as a new array on the CPU device colocated with its device."""
+    start, data = sources.shard(chunk.leaf, chunk.device)
+    local = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start))
+    if isinstance(data, np.ndarray):  # host data, as raw bytes (jax would turn float64 into float32)
+        raw = np.ascontiguousarray(data[local]).reshape(-1).view(np.uint8)
+        return jax.device_put(raw, _cpu_sharding(jax.local_devices()[0]))
+    whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(local, data.shape))
+    piece = data if whole else data[local]
+    # A copy even when the CPU device is the device itself: after on_transfer_end the trainer
+    # may donate or overwrite its buffer, and the write must not see that.
+    return jax.device_put(piece, _cpu_sharding(next(iter(data.devices()))), may_alias=False if whole else None)
+
+
+def _write_on_workers(session: RemoteSession, regions: list[Region], arrays: list[jax.Array]) -> int:
+    """One colocated write call per CPU device holding part of the batch; bytes written."""
+    groups: dict = {}
+    for i, array in enumerate(arrays):
+        groups.setdefault(array.sharding, []).append(i)
+    calls = []
+    for sharding, indices in groups.items():
+        request = remote.encode_request(
+            remote.WriteRequest(session.kvstore, session.fsync, tuple(regions[i] for i in indices)), sharding)
+        calls.append(remote.write_arrays(request, [arrays[i] for i in indices]))
+    for result in calls:
+        jax.block_until_ready(result)
+    return sum(int(a.nbytes) for a in arrays)
+
+
+def _home_device(out, region):
+    """The device a region is read for first (host outputs: this process's first device)."""
+    devices = out.regions[region]
+    return jax.local_devices()[0] if devices[0] is None else devices[0]
+
+
+def _read_item(out, region, chunk_limit: int, sharding):
+    """(worker ReadItem, result spec) for one region of one output."""
+    saved = out.saved
+    stored = saved.stored
+    pieces = tuple((Region(stored, bounds, saved.keypath), tuple((sl.start, sl.stop) for sl in local))
+                   for bounds, local in restore_lib.pieces(out, region, chunk_limit))
+    shape = tuple(hi - lo for lo, hi in region) + stored.shape[len(region):]
+    key = saved.kind == tree_lib.KEY
+    host = out.where == restore_lib.HOST
+    item = remote.ReadItem(pieces, shape, stored.dtype, np.dtype(out.dtype).name,
+                           saved.key_impl if key else None, as_bytes=host)
+    if key:  # logical shape and key dtype: colocated_python converts keys at its boundary
+        spec = jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in region), saved.dtype, sharding=sharding)
+    elif host:
+        spec = jax.ShapeDtypeStruct((math.prod(shape) * np.dtype(out.dtype).itemsize,), np.uint8, sharding=sharding)
+    else:
+        spec = jax.ShapeDtypeStruct(shape, out.dtype, sharding=sharding)
+    return item, spec

@@ -1,0 +1,146 @@
+"""The worker functions :class:`dispatch_io.ColocatedDispatcher` runs through
+``jax.experimental.colocated_python``, on the CPU host next to the accelerators.
+
+colocated_python moves only ``jax.Array`` arguments and results, so each call's plain-data
+request (kvstore spec, regions) travels as a small ``uint8`` array, pickled, on the CPU device
+the call runs on. The functions are defined once, at module level: colocated_python
+specializes a function per distinct argument signature and keeps every specialization, so
+a closure per call would grow without bound over a long training run, while a saved tree's
+batches repeat the same few signatures.
+
+* :func:`write_arrays` ``(request, arrays) -> int32 scalar`` writes the arrays (already on
+  this host: moving them here was the device-to-host step) into their regions; host (numpy)
+  data arrives as raw bytes, since a jax.Array without x64 cannot hold 64-bit dtypes.
+* :func:`reader` ``(out_specs)`` gives a function ``(request) -> [arrays]`` that reads regions
+  into new arrays on this host's CPU device, PRNG keys as key arrays (colocated_python converts
+  keys to ``key_data`` at its boundary and back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pickle
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from workers.tensorstore_io import Region, Session, aligned_empty, numpy_dtype, read_regions, write_regions
+
+_HEADER = 8  # request length, little-endian uint64
+
+
+def colocated_python_module():
+    """``jax.experimental.colocated_python``, with a clear error if its pickler is missing."""
+    try:
+        import cloudpickle  # noqa: F401 - colocated_python ships functions with it
+    except ImportError as exc:
+        raise ImportError("ColocatedDispatcher needs cloudpickle, which jax.experimental.colocated_python uses "
+                          "to ship functions to workers: pip install cloudpickle (a dispatch_io dependency)") from exc
+    from jax.experimental import colocated_python
+    return colocated_python
+
+
+def encode_request(request, device) -> jax.Array:
+    """``request`` pickled into a uint8 array on ``device``; its length is rounded up to a
+    power of two so that repeated calls share one colocated_python specialization."""
+    raw = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+    size = max(1024, 1 << (len(raw) + _HEADER - 1).bit_length())
+    buf = np.zeros(size, np.uint8)
+    buf[:_HEADER] = np.frombuffer(len(raw).to_bytes(_HEADER, "little"), np.uint8)
+    buf[_HEADER:_HEADER + len(raw)] = np.frombuffer(raw, np.uint8)
+    return jax.device_put(buf, device)
+
+
+def decode_request(request: jax.Array):
+    buf = np.asarray(request)
+    size = int.from_bytes(buf[:_HEADER].tobytes(), "little")
+    return pickle.loads(buf[_HEADER:_HEADER + size].tobytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteRequest:
+    kvstore: dict
+    fsync: bool
+    regions: tuple[Region, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadItem:
+    """One result array: ``pieces`` (stored region, (start, stop) per axis of the result)
+    fill a buffer of ``shape`` / ``stored_dtype``, converted to ``dtype`` if it differs;
+    wrapped as PRNG keys when ``key_impl`` is set, or returned as raw bytes (``as_bytes``:
+    host results, whose 64-bit dtypes a jax.Array without x64 could not hold)."""
+
+    pieces: tuple[tuple[Region, tuple[tuple[int, int], ...]], ...]
+    shape: tuple[int, ...]
+    stored_dtype: str
+    dtype: str
+    key_impl: str | None = None
+    as_bytes: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRequest:
+    kvstore: dict
+    items: tuple[ReadItem, ...]
+
+
+def _write(request: jax.Array, arrays: Sequence[jax.Array]) -> jax.Array:
+    req: WriteRequest = decode_request(request)
+    session = Session(req.kvstore, fsync=req.fsync)
+    buffers = []
+    for region, array in zip(req.regions, arrays):
+        host = np.asarray(array)
+        dtype = numpy_dtype(region.array.dtype)
+        buffers.append(host if host.dtype == dtype else host.view(dtype).reshape(region.shape))  # sent as bytes
+    try:
+        write_regions(session, req.regions, buffers)
+    finally:
+        session.close()
+    return jax.device_put(np.int32(len(req.regions)), request.sharding)
+
+
+def _write_out_spec(request, arrays):
+    return jax.ShapeDtypeStruct((), np.int32, sharding=request.sharding)
+
+
+def _read(request: jax.Array) -> list[jax.Array]:
+    req: ReadRequest = decode_request(request)
+    buffers = [aligned_empty(item.shape, numpy_dtype(item.stored_dtype)) for item in req.items]
+    regions, views = [], []
+    for item, buf in zip(req.items, buffers):
+        for region, local in item.pieces:
+            regions.append(region)
+            views.append(buf[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)])
+    session = Session(req.kvstore)
+    try:
+        read_regions(session, regions, views)
+    finally:
+        session.close()
+    out = []
+    for item, buf in zip(req.items, buffers):
+        if item.dtype != item.stored_dtype:
+            buf = buf.astype(numpy_dtype(item.dtype))
+        if item.as_bytes:
+            buf = buf.reshape(-1).view(np.uint8)
+        array = jax.device_put(buf, request.sharding)
+        out.append(jax.random.wrap_key_data(array, impl=item.key_impl) if item.key_impl else array)
+    return out
+
+
+@functools.cache
+def _write_arrays():
+    return colocated_python_module().colocated_python(_write).specialize(out_specs_fn=_write_out_spec)
+
+
+def write_arrays(request: jax.Array, arrays: Sequence[jax.Array]) -> jax.Array:
+    return _write_arrays()(request, list(arrays))
+
+
+@functools.cache
+def reader(out_specs: tuple[jax.ShapeDtypeStruct, ...]):
+    """The colocated read function for one result signature (cached: one per signature)."""
+    specs = list(out_specs)
+    return colocated_python_module().colocated_python(_read).specialize(out_specs_fn=lambda request: specs)
