@@ -99,31 +99,26 @@ class ColocatedDispatcher(Dispatcher):
     def read_outputs(self, location: Location, outputs: list, display: str):
         """Fill each output's regions with arrays read by colocated calls (see module doc)."""
         units = restore_lib.units(outputs)
-        unit_bytes = lambda u: math.prod(u[0].saved.stored.shape[len(u[1]):]) * math.prod(  # noqa: E731
-            hi - lo for lo, hi in u[1]) * u[0].saved_dtype.itemsize
-        batches = [items for items, _ in pack(units, unit_bytes, self.options.batch_bytes)]
+        batches = [items for items, _ in pack(units, _unit_bytes, self.options.batch_bytes)]
         kvstore = location.arrays_kvstore()
-        in_flight: list = []
-        for k in range(len(batches) + 1):  # at most two batches in flight
-            if k < len(batches):
-                in_flight.append((batches[k], self._pool.submit(self._read_batch, kvstore, batches[k])))
-            if len(in_flight) == 2 or k == len(batches):
-                if not in_flight:
-                    break
-                batch, future = in_flight.pop(0)
-                try:
-                    arrays = future.result()
-                except Exception as exc:  # noqa: BLE001
-                    for _, f in in_flight:
-                        f.exception()
-                    keypath = getattr(exc, "keypath", None) or batch[0][0].saved.keypath
-                    raise WorkerError(f"colocated worker failed reading {keypath} from {display}: "
-                                      f"{type(exc).__name__}: {exc}", worker=self.worker_id, keypath=keypath) from exc
-                for (out, region), array in zip(batch, arrays):
-                    if out.where == restore_lib.HOST:  # raw bytes -> a writable numpy array
-                        shape = tuple(hi - lo for lo, hi in region)
-                        array = np.array(array).view(out.dtype).reshape(shape)
-                    out.buffers[region] = array
+        submit = lambda batch: self._pool.submit(self._read_batch, kvstore, batch)  # noqa: E731
+        in_flight = [submit(batches[0])] if batches else []
+        for k, batch in enumerate(batches):
+            if k + 1 < len(batches):  # at most two batches in flight
+                in_flight.append(submit(batches[k + 1]))
+            try:
+                arrays = in_flight.pop(0).result()
+            except Exception as exc:  # noqa: BLE001
+                for f in in_flight:
+                    f.exception()
+                keypath = getattr(exc, "keypath", None) or batch[0][0].saved.keypath
+                raise WorkerError(f"colocated worker failed reading {keypath} from {display}: "
+                                  f"{type(exc).__name__}: {exc}", worker=self.worker_id, keypath=keypath) from exc
+            for (out, region), array in zip(batch, arrays):
+                if out.where == restore_lib.HOST:  # raw bytes -> a writable numpy array
+                    shape = tuple(hi - lo for lo, hi in region)
+                    array = np.array(array).view(out.dtype).reshape(shape)
+                out.buffers[region] = array
 
     def _read_batch(self, kvstore: dict, batch) -> list[jax.Array]:
         """One colocated call per CPU device for the batch's regions; results in batch order."""
@@ -180,6 +175,12 @@ def _write_on_workers(session: RemoteSession, regions: list[Region], arrays: lis
     for result in calls:
         jax.block_until_ready(result)
     return sum(int(a.nbytes) for a in arrays)
+
+
+def _unit_bytes(unit) -> int:
+    out, region = unit
+    shape = tuple(hi - lo for lo, hi in region) + out.saved.stored.shape[len(region):]
+    return math.prod(shape) * out.saved_dtype.itemsize
 
 
 def _home_device(out, region):

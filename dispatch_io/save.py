@@ -66,7 +66,9 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> SaveStats:
         try:
             return self._run.future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError:  # also the save's own TimeoutErrors (BarrierTimeoutError)
+            if self._run.future.done():
+                raise
             raise TimeoutError(f"save to {self._run.display} not finished after {timeout} s") from None
 
     def done(self) -> bool:
