@@ -11,6 +11,7 @@ on multi-process CPU)::
     leader (process 0)                         every other process
     clear old keys ─┐
                     ├─ barrier "begin" ─────────┤
+    publish plan digest ─ gather "plan" ────────┴─ publish plan digest   (differ: everyone raises)
     start_write; publish token / error  ──────▶ join the temporary directory (or raise it)
     ... every process writes its chunks, publishing progress after each batch ...
     publish status ─┴─ gather "status" ─────────┴─ publish status     (errors: everyone raises)
@@ -35,6 +36,7 @@ import jax
 from absl import logging
 
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
+from dispatch_io.plan import Plan
 from dispatch_io.storage import KvLocation, Location, WriteTarget
 
 
@@ -53,7 +55,7 @@ def for_this_job(barrier_timeout: float) -> "SingleProcess | MultiProcess":
 class SingleProcess:
     """One controller: start, write, commit; nothing to agree on."""
 
-    def start_write(self, location: Location, overwrite: bool) -> "LocalSave":
+    def start_write(self, location: Location, overwrite: bool, plan: Plan) -> "LocalSave":
         return LocalSave(location.start_write(overwrite))
 
 
@@ -97,12 +99,12 @@ class MultiProcess:
     def __init__(self, client, process: int, count: int, timeout: float):
         self.client, self.process, self.count, self.timeout = client, process, count, timeout
 
-    def start_write(self, location: Location, overwrite: bool) -> "DistributedSave":
+    def start_write(self, location: Location, overwrite: bool, plan: Plan) -> "DistributedSave":
         if isinstance(location, KvLocation) and location.url.startswith("memory://"):
             raise ValueError(f"{location.display}: memory:// lives inside one process; a multi-process "
                              "save needs storage every process sees (a directory or an object store)")
         save = DistributedSave(self, location)
-        return save.start(overwrite)
+        return save.start(overwrite, plan)
 
 
 class DistributedSave:
@@ -132,11 +134,24 @@ class DistributedSave:
         try:
             self.client.wait_at_barrier(barrier, int(self.c.timeout * 1000))
         except Exception as exc:  # noqa: BLE001 - JaxRuntimeError carries the service's status
+            if "DEADLINE_EXCEEDED" not in str(exc):
+                raise CheckpointError(f"barrier '{phase}' of the save to {self.location.display} failed (is the "
+                                      f"coordination service, on process 0, still up?): {exc}") from exc
             missing = _missing_tasks(str(exc))
             who = f"process(es) {missing}" if missing else "some processes"
             raise BarrierTimeoutError(
                 f"{who} did not reach barrier '{phase}' of the save to {self.location.display} within "
                 f"{self.c.timeout:g} s: {str(exc).splitlines()[0]}", processes=missing, barrier=barrier) from exc
+
+    def _from_leader(self, phase: str):
+        """What process 0 published for ``phase`` (waiting up to the timeout for it)."""
+        try:
+            return json.loads(self.client.blocking_key_value_get(f"{self.prefix}/{phase}",
+                                                                 int(self.c.timeout * 1000)))
+        except Exception as exc:  # noqa: BLE001 - DEADLINE_EXCEEDED, or the service is gone
+            raise BarrierTimeoutError(f"process 0 did not {phase} the save to {self.location.display} within "
+                                      f"{self.c.timeout:g} s: {exc}", processes=[0],
+                                      barrier=f"{self.prefix}/{phase}") from exc
 
     def _gather(self, phase: str) -> dict[int, object]:
         """Wait until every process has published ``phase``; the deadline moves while any
@@ -163,10 +178,11 @@ class DistributedSave:
 
     # -- the protocol ------------------------------------------------------------------------
 
-    def start(self, overwrite: bool) -> "DistributedSave":
+    def start(self, overwrite: bool, plan: Plan) -> "DistributedSave":
         if self.leader:  # keys of an earlier save of this path; nobody reads them before "begin"
             self.client.key_value_delete(self.prefix + "/")
         self._barrier("begin")
+        self._check_same_plan(plan)
         if self.leader:
             try:
                 self.target = self.location.start_write(overwrite)
@@ -175,13 +191,7 @@ class DistributedSave:
                 raise
             self._set("start", {"token": self.target.token})
             return self
-        try:
-            started = json.loads(self.client.blocking_key_value_get(f"{self.prefix}/start",
-                                                                    int(self.c.timeout * 1000)))
-        except Exception as exc:  # noqa: BLE001
-            raise BarrierTimeoutError(f"process 0 did not start the save to {self.location.display} within "
-                                      f"{self.c.timeout:g} s: {exc}", processes=[0],
-                                      barrier=f"{self.prefix}/start") from exc
+        started = self._from_leader("start")
         if "error" in started:
             kind = FileExistsError if started["type"] == "FileExistsError" else CheckpointError
             raise kind(f"process 0 could not start the save to {self.location.display}: {started['error']}")
@@ -199,6 +209,27 @@ class DistributedSave:
         finally:
             if self.leader:
                 _abort(self.target)
+
+    def _check_same_plan(self, plan: Plan):
+        """Every process must have planned the same save, or chunks would be written twice or
+        by nobody. All processes see the same digests, so all raise (before anything is written)."""
+        self._set(f"plan/{self.c.process}", plan.digest)
+        digests = self._gather("plan")
+        if len(set(digests.values())) == 1:
+            return
+        self._set(f"leaves/{self.c.process}", plan.leaf_digests)
+        leaves = self._gather("leaves")
+        differ = sorted(p for p, d in digests.items() if d != digests[0])
+        keypaths = [spec.keypath for spec in plan.leaves
+                    if any(len(l) != len(plan.leaves) or l[spec.index] != leaves[0][spec.index]
+                           for l in leaves.values())]
+        shown = ", ".join(keypaths[:5]) + (f" and {len(keypaths) - 5} more" if len(keypaths) > 5 else "")
+        raise ValueError(
+            f"the processes planned different saves of {self.location.display}: process(es) {differ} differ from "
+            f"process 0 ({f'first at {keypaths[0]}; differing leaves: {shown}' if keypaths else 'in the tree structure'}). "
+            "Every process must save the "
+            "same tree of global arrays; an array made without a sharding (e.g. jnp.ones) lives on each "
+            "process's own device -- give it a global sharding (jax.device_put / make_array_from_callback).")
 
     def peer_failed(self) -> bool:
         """True once another process reported a failure (so this one stops copying early)."""
@@ -259,13 +290,7 @@ class DistributedSave:
         self._set("commit", {"ok": True})
 
     def _await_commit(self):
-        try:
-            result = json.loads(self.client.blocking_key_value_get(f"{self.prefix}/commit",
-                                                                   int(self.c.timeout * 1000)))
-        except Exception as exc:  # noqa: BLE001
-            raise BarrierTimeoutError(f"process 0 did not commit the save to {self.location.display} within "
-                                      f"{self.c.timeout:g} s: {exc}", processes=[0],
-                                      barrier=f"{self.prefix}/commit") from exc
+        result = self._from_leader("commit")
         if "error" in result:
             raise CheckpointError(f"process 0 could not commit the save to {self.location.display}: "
                                   f"{result['error']}")

@@ -84,7 +84,7 @@ class Dispatcher:
         self._lock_path(location.key)  # saves to one path never overlap; the run unlocks it when done
         save = None
         try:
-            save = self.coordinator.start_write(location, overwrite)
+            save = self.coordinator.start_write(location, overwrite, plan)
             run = SaveRun(self, plan, leaves, batches, save, location, self._ring,
                           on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
             self._start(run)

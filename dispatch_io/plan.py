@@ -12,6 +12,8 @@ budget holds even for one array many times its size.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import itertools
 import math
 import re
@@ -71,6 +73,21 @@ class Plan:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
+
+    @functools.cached_property
+    def leaf_digests(self) -> tuple[str, ...]:
+        """Per leaf, a short hash of what is stored and who writes which chunk: the processes
+        of a job compare these to check they planned the same save."""
+        chunks: list[list] = [[] for _ in self.leaves]
+        for c in self.chunks:
+            chunks[c.leaf].append((c.region, c.device, c.worker))
+        return tuple(hashlib.sha256(repr((spec.keypath, spec.kind, spec.shape, str(spec.dtype), spec.storage,
+                                          spec.chunk_shape, chunks[spec.index])).encode()).hexdigest()[:16]
+                     for spec in self.leaves)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(repr((str(self.treedef), self.leaf_digests)).encode()).hexdigest()
 
 
 # ---- per-leaf specs ----------------------------------------------------------------------------

@@ -222,4 +222,6 @@ def finish(out) -> Any:
             by_device[device] = shard
     # In the sharding's device order: JAX does not reorder the shards of key arrays.
     shards = [by_device[d] for d in out.sharding.addressable_devices_indices_map(saved.shape)]
-    return jax.make_array_from_single_device_arrays(saved.shape, out.sharding, shards)
+    # dtype: JAX cannot infer it when this process holds no shard of the array.
+    return jax.make_array_from_single_device_arrays(saved.shape, out.sharding, shards,
+                                                    dtype=saved.dtype if wrap else out.dtype)

@@ -68,7 +68,7 @@ class SaveHandle:
             return self._run.future.result(timeout)
         except concurrent.futures.TimeoutError:  # also the save's own TimeoutErrors (BarrierTimeoutError)
             if self._run.future.done():
-                raise
+                return self._run.future.result()
             raise TimeoutError(f"save to {self._run.display} not finished after {timeout} s") from None
 
     def done(self) -> bool:

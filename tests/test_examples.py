@@ -16,3 +16,16 @@ def test_save_restore_example(tmp_path):
     assert "restored onto the same 4x2 mesh: bit-exact" in out and "restored onto a 2x4 mesh: bit-exact" in out, out
     assert out.rstrip().endswith("OK"), out
     assert os.path.isfile(tmp_path / "step_100" / "COMMITTED")
+
+
+def test_multiprocess_save_example(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets its own
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "multiprocess_save.py"), str(tmp_path / "ckpt")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    for i in (0, 1):
+        assert f"process {i} of 2: 4 local devices of 8" in out, out
+        assert f"process {i}: restored 12 leaves; every local shard is bit-exact" in out, out
+    assert out.rstrip().endswith("OK"), out
+    assert os.path.isfile(tmp_path / "ckpt" / "COMMITTED")

@@ -94,7 +94,7 @@ def _write(request: jax.Array, arrays: Sequence[jax.Array]) -> jax.Array:
     for region, array in zip(req.regions, arrays):
         host = np.asarray(array)
         dtype = numpy_dtype(region.array.dtype)
-        buffers.append(host if host.dtype == dtype else host.view(dtype).reshape(region.shape))  # sent as bytes
+        buffers.append(host.view(dtype).reshape(region.shape))  # host data arrives as raw uint8 bytes
     try:
         write_regions(session, req.regions, buffers)
     finally:

@@ -1,0 +1,342 @@
+"""One process of a multi-process dispatch_io test (run by tests/test_multiprocess.py).
+
+    python multiprocess_worker.py SCENARIO PROCESS_ID NUM_PROCESSES PORT PATH
+
+The harness sets XLA_FLAGS (devices per process) and JAX_PLATFORMS=cpu. With NUM_PROCESSES > 1
+the process joins a ``jax.distributed`` job whose coordinator (process 0) listens on
+127.0.0.1:PORT; with 1 it runs alone, without jax.distributed. Every process builds the same
+global arrays from the same host data (each supplies only its own shards), runs SCENARIO and
+prints one line ``RESULT {json}`` to stdout. Checks that need every process's view (bytes
+written, error messages) are made by the test from these results; byte comparisons of restored
+shards are made here, where the shards are, and reported as ``mismatches``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import dispatch_io as dio
+import dispatch_io.dispatcher
+from workers import ChunkError
+
+BARRIER_TIMEOUT = float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", "30"))
+
+
+# ---- the saved tree -------------------------------------------------------------------------------
+
+def entries(big: bool = False) -> dict:
+    """{name: (host data, how it is placed)}. Placement: a PartitionSpec over the (4, 2) mesh,
+    "device5" (a SingleDeviceSharding on jax.devices()[5]), "numpy" (a host leaf) or
+    ("key", impl, spec) for a typed PRNG key array whose key_data is the host data."""
+    rng = np.random.default_rng(1234)
+    # big: each of the four main arrays is 1 MiB (so 64 chunks of 16 KiB in the "shares" scenario)
+    shape = (lambda small: (512, 512)) if big else (lambda small: small)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    keys = lambda impl: rng.integers(0, 2**32, (8, 4 if impl == "rbg" else 2), dtype=np.uint32)
+    return {
+        "w": (f32(*shape((64, 32))), P("data", "model")),
+        "emb": (f32(*shape((64, 32))), P("data")),
+        "proj": (f32(*shape((16, 64))), P(None, "model")),
+        "rep": (f32(*shape((32, 64))), P()),
+        "single": (f32(6, 5), "device5"),
+        "rng": (keys("threefry2x32"), ("key", "threefry2x32", P("data"))),
+        "rng_rbg": (keys("rbg"), ("key", "rbg", P("data"))),
+        "opt": {
+            "mu": (rng.standard_normal((8, 6)).astype(jnp.bfloat16), P("data", "model")),
+            "count": (rng.integers(-128, 128, (4, 10), dtype=np.int8), P(None, "model")),
+        },
+        "mask": (rng.random((12, 4)) < 0.5, P(None, "model")),
+        "host_stats": (np.arange(5, dtype=np.float64) / 3, "numpy"),
+    }
+
+
+SCALARS = {"step": 1000, "lr": 0.1 + 2**-40, "done": False, "name": "run-α"}
+
+is_entry = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], np.ndarray)
+
+
+def _sharding(mesh, placement):
+    if isinstance(placement, tuple):  # a key: its key_data has one more (unsharded) axis
+        placement = placement[2]
+    if placement == "device5":
+        return SingleDeviceSharding(jax.devices()[5])
+    return NamedSharding(mesh, placement)
+
+
+def build(mesh, table) -> dict:
+    """The concrete tree: global arrays whose addressable shards come from the host data."""
+    def leaf(entry):
+        host, placement = entry
+        if placement == "numpy":
+            return host
+        # Only shards on this process's devices are kept (a "device5" array is global: its
+        # one shard lives on the process owning jax.devices()[5]).
+        array = jax.make_array_from_callback(host.shape, _sharding(mesh, placement), lambda index: host[index],
+                                             dtype=host.dtype)
+        if isinstance(placement, tuple):
+            array = jax.random.wrap_key_data(array, impl=placement[1])
+        return array
+    tree = jax.tree.map(leaf, table, is_leaf=is_entry)
+    tree.update(SCALARS)
+    return tree
+
+
+def abstract(mesh, table) -> dict:
+    """A restore target naming only shapes, dtypes and shardings (numpy leaves: a numpy array)."""
+    def leaf(entry):
+        host, placement = entry
+        if placement == "numpy":
+            return np.zeros_like(host)
+        if isinstance(placement, tuple):
+            dtype = jax.random.key(0, impl=placement[1]).dtype
+            return jax.ShapeDtypeStruct(host.shape[:-1], dtype, sharding=_sharding(mesh, placement))
+        return jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=_sharding(mesh, placement))
+    tree = jax.tree.map(leaf, table, is_leaf=is_entry)
+    tree.update(SCALARS)
+    return tree
+
+
+def stored_nbytes(table) -> int:
+    """Bytes the checkpoint stores for the arrays: every leaf once (keys as key_data)."""
+    return sum(host.nbytes for host, _ in jax.tree.leaves(table, is_leaf=is_entry))
+
+
+def compare(restored, mesh, table) -> tuple[int, list[str]]:
+    """(shards checked, mismatches) of the restored tree against the host data."""
+    checked, bad = 0, []
+    flat_table = dict(_flat_entries(table))
+    flat_out = dict(dio.tree.flatten(restored)[0])
+    for keypath, (host, placement) in flat_table.items():
+        out = flat_out.get(keypath)
+        if placement == "numpy":
+            checked += 1
+            if not (isinstance(out, np.ndarray) and out.dtype == host.dtype and out.tobytes() == host.tobytes()):
+                bad.append(f"{keypath}: numpy leaf differs: {out!r}")
+            continue
+        if not isinstance(out, jax.Array):
+            bad.append(f"{keypath}: restored as {type(out).__name__}")
+            continue
+        if isinstance(placement, tuple):
+            if str(jax.random.key_impl(out)) != str(jax.random.key_impl(jax.random.key(0, impl=placement[1]))):
+                bad.append(f"{keypath}: key impl {jax.random.key_impl(out)}")
+            out = jax.random.key_data(out)
+        if out.shape != host.shape or out.dtype != host.dtype:
+            bad.append(f"{keypath}: {out.dtype}{out.shape}, expected {host.dtype}{host.shape}")
+            continue
+        if not out.sharding.is_equivalent_to(_sharding(mesh, placement) if not isinstance(placement, tuple)
+                                             else NamedSharding(mesh, placement[2]), out.ndim):
+            bad.append(f"{keypath}: sharding {out.sharding}")
+        for shard in out.addressable_shards:
+            checked += 1
+            if np.asarray(shard.data).tobytes() != np.ascontiguousarray(host[shard.index]).tobytes():
+                bad.append(f"{keypath}: shard {shard.index} on {shard.device} differs")
+    for name, value in SCALARS.items():
+        got = restored.get(name)
+        if type(got) is not type(value) or got != value:
+            bad.append(f"['{name}']: scalar {got!r}, expected {value!r}")
+    return checked, bad
+
+
+def _flat_entries(table, prefix=""):
+    for name, value in table.items():
+        keypath = f"{prefix}['{name}']"
+        if is_entry(value):
+            yield keypath, value
+        else:
+            yield from _flat_entries(value, keypath)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def os_bytes_written() -> int:
+    """Bytes this process has passed to write(2)-like calls so far (all threads; Linux)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
+
+
+def error_fields(exc: BaseException) -> dict:
+    return {"error_type": type(exc).__name__, "error_message": str(exc),
+            "processes": getattr(exc, "processes", None), "worker": getattr(exc, "worker", None),
+            "keypath": getattr(exc, "keypath", None),
+            "is_worker_error": isinstance(exc, dio.WorkerError),
+            "is_barrier_timeout": isinstance(exc, dio.BarrierTimeoutError)}
+
+
+def sync(name: str):
+    """Line the processes up before a timed step (through the coordination service; device
+    collectives do not work on multi-process CPU)."""
+    if jax.process_count() > 1:
+        from jax._src.distributed import global_state
+        global_state.client.wait_at_barrier(f"dio-test/{name}", 60_000)
+
+
+def tally_writes(fail_keypath=None) -> dict:
+    """Wrap the write function LocalDispatcher calls: count the bytes written per key path,
+    and (``fail_keypath``) fail a batch holding that leaf with ValueError("injected")."""
+    written: dict[str, int] = {}
+    original = dispatch_io.dispatcher.write_regions
+
+    def write_regions(session, regions, buffers):
+        for region in regions:  # fail as the real write_regions does: a ChunkError naming the leaf
+            if region.keypath == fail_keypath:
+                raise ChunkError(region.keypath, region.bounds, ValueError("injected")) from ValueError("injected")
+        result = original(session, regions, buffers)
+        for region, buf in zip(regions, buffers):
+            written[region.keypath] = written.get(region.keypath, 0) + int(buf.nbytes)
+        return result
+
+    dispatch_io.dispatcher.write_regions = write_regions
+    return written
+
+
+def restore_and_compare(d, path, target, mesh, table) -> dict:
+    """Restore ``target`` and compare it with the host data, reported as checked / mismatches.
+    (The "device5" leaf has no shard on most processes: they get a global array all the same.)"""
+    restored = d.restore(path, target)
+    checked, bad = compare(restored, mesh, table)
+    without = [k for k, x in dio.tree.flatten(restored)[0] if isinstance(x, jax.Array) and not x.addressable_shards]
+    return {"checked": checked, "mismatches": bad, "without_local_shards": without}
+
+
+# ---- scenarios ----------------------------------------------------------------------------------
+
+def roundtrip(mesh, path):
+    """Save, then restore with the tree itself as target; compare every addressable shard."""
+    table = entries()
+    tree = build(mesh, table)
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        stats = d.save(path, tree).wait()
+        checks = restore_and_compare(d, path, tree, mesh, table)
+    return {"bytes_written": stats.bytes_written, "total_bytes": stored_nbytes(table), **checks}
+
+
+def save_only(mesh, path):
+    table = entries()
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        stats = d.save(path, build(mesh, table)).wait()
+    return {"bytes_written": stats.bytes_written, "total_bytes": stored_nbytes(table)}
+
+
+def restore_only(mesh, path):
+    """Restore onto ShapeDtypeStructs over this job's own mesh (whatever saved it)."""
+    table = entries()
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        return restore_and_compare(d, path, abstract(mesh, table), mesh, table)
+
+
+def shares(mesh, path):
+    """A 4 MiB tree in 16 KiB chunks: who writes what, by dispatch_io's count and the OS's."""
+    table = entries(big=True)
+    tree = build(mesh, table)
+    written = tally_writes()
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=16 << 10,
+                             barrier_timeout=BARRIER_TIMEOUT) as d:
+        sync("shares")
+        before = os_bytes_written()
+        stats = d.save(path, tree).wait()
+        os_written = os_bytes_written() - before
+        checks = restore_and_compare(d, path, tree, mesh, table)
+    return {"bytes_written": stats.bytes_written, "batches": stats.batches, "os_written": os_written,
+            "per_keypath": written, "total_bytes": stored_nbytes(table),
+            "array_bytes": {k: h.nbytes for k, (h, _) in _flat_entries(table)}, **checks}
+
+
+def write_fails(mesh, path):
+    """Process 1's write of ['w'] raises; every process must raise from wait()."""
+    tree = build(mesh, entries())
+    if jax.process_index() == 1:
+        tally_writes(fail_keypath="['w']")
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        sync("write_fails")
+        start = time.monotonic()
+        try:
+            d.save(path, tree).wait()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {**error_fields(exc), "elapsed": time.monotonic() - start}
+    return {"elapsed": time.monotonic() - start}
+
+
+def _sleeper(where):
+    """Process 1 stalls (``where``: "before_save" or "in_write") for BARRIER_TIMEOUT + 3 s."""
+    def scenario(mesh, path):
+        tree = build(mesh, entries())
+        stall = jax.process_index() == 1
+        slept = []
+
+        def on_write_end(keypath):
+            if stall and where == "in_write" and keypath == "['w']" and not slept:
+                slept.append(keypath)
+                time.sleep(BARRIER_TIMEOUT + 3)
+
+        d = dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT)
+        sync("sleep")
+        start = time.monotonic()
+        try:
+            if stall and where == "before_save":
+                time.sleep(BARRIER_TIMEOUT + 3)
+            d.save(path, tree, on_write_end=on_write_end).wait()
+        except Exception as exc:  # noqa: BLE001
+            return {**error_fields(exc), "elapsed": time.monotonic() - start, "clean_exit": False}
+        return {"elapsed": time.monotonic() - start, "clean_exit": False}
+    return scenario
+
+
+def process_local_leaf(mesh, path):
+    """A leaf that is not a global array (jnp.ones: on this process's default device) next to a
+    replicated array in chunks. Each process plans its own tree, so the plans disagree."""
+    host = np.arange(64 * 128, dtype=np.float32).reshape(64, 128)
+    rep = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P()), lambda index: host[index])
+    tree = {"a_local": jnp.ones(8), "rep": rep}
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=8 << 10,
+                             barrier_timeout=BARRIER_TIMEOUT) as d:
+        try:
+            stats = d.save(path, tree).wait()
+        except Exception as exc:  # noqa: BLE001 - refusing such a tree is a correct outcome
+            return {"save_error": f"{type(exc).__name__}: {exc}"}
+        try:
+            restored = d.restore(path, {"rep": rep}, partial=True)["rep"]
+        except Exception as exc:  # noqa: BLE001
+            return {"bytes_written": stats.bytes_written, "restore_error": f"{type(exc).__name__}: {exc}"}
+    same = all(np.asarray(s.data).tobytes() == host[s.index].tobytes() for s in restored.addressable_shards)
+    return {"bytes_written": stats.bytes_written, "restored_equal": same}
+
+
+SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only, "shares": shares,
+             "write_fails": write_fails, "sleep_before_save": _sleeper("before_save"),
+             "sleep_in_write": _sleeper("in_write")}
+
+
+def main():
+    scenario, pid, count, port, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    if count > 1:
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=count, process_id=pid,
+                                   initialization_timeout=60, shutdown_timeout_seconds=20)
+    result = {"process": pid}
+    clean = True
+    try:
+        assert jax.device_count() == 8, jax.devices()
+        mesh = jax.make_mesh((4, 2), ("data", "model"))
+        result.update(SCENARIOS[scenario](mesh, path))
+        clean = result.pop("clean_exit", True)
+    except BaseException as exc:  # noqa: BLE001 - the test shows it
+        result.update(error_fields(exc), traceback=traceback.format_exc())
+        clean = False
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stderr.flush()
+    if count > 1 and clean:  # a peer that is gone or stuck would make shutdown wait
+        jax.distributed.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Multi-process saves under jax.distributed: real processes on one machine, CPU devices.
+
+Each test starts N Python processes running ``tests/multiprocess_worker.py`` (one scenario,
+same program everywhere, a coordinator on a free loopback port), waits for them under a hard
+time limit (a hang fails the test, with every process's stderr tail, instead of blocking CI)
+and checks the JSON results they print. The processes of one test run concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+WORKER = os.path.join(TESTS, "multiprocess_worker.py")
+HARD_LIMIT = 90.0   # seconds for every process of a test to exit; then all are killed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(devices: int, barrier_timeout: float | None) -> dict:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("DIO_TEST_BARRIER_TIMEOUT", None)
+    if barrier_timeout is not None:
+        env["DIO_TEST_BARRIER_TIMEOUT"] = str(barrier_timeout)
+    return env
+
+
+class Job:
+    """The processes of one jax.distributed job (or one lone process) running a scenario."""
+
+    def __init__(self, logs, scenario: str, path, processes: int, devices: int, *,
+                 barrier_timeout: float | None = None):
+        self.name = f"{scenario}-{processes}x{devices}"
+        self.logs = logs
+        port = free_port() if processes > 1 else 0
+        env = child_env(devices, barrier_timeout)
+        self.procs, self.files = [], []
+        for pid in range(processes):
+            out = open(logs / f"{self.name}.{pid}.out", "w+")
+            err = open(logs / f"{self.name}.{pid}.err", "w+")
+            self.files += [out, err]
+            self.procs.append(subprocess.Popen(
+                [sys.executable, WORKER, scenario, str(pid), str(processes), str(port), str(path)],
+                stdout=out, stderr=err, env=env, cwd=ROOT, stdin=subprocess.DEVNULL))
+        self.killed: set[int] = set()
+
+    def kill(self, pids=None):
+        for pid, proc in enumerate(self.procs):
+            if (pids is None or pid in pids) and proc.poll() is None:
+                proc.kill()
+                self.killed.add(pid)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _tail(self, pid: int, kind: str, n: int = 3000) -> str:
+        with open(self.logs / f"{self.name}.{pid}.{kind}") as f:
+            return f.read()[-n:]
+
+    def report(self) -> str:
+        return "\n".join(f"--- {self.name} process {pid} (exit {proc.returncode}"
+                         f"{', killed' if pid in self.killed else ''})\nstdout: {self._tail(pid, 'out', 1500)}\n"
+                         f"stderr: {self._tail(pid, 'err')}" for pid, proc in enumerate(self.procs))
+
+    def wait(self, deadline: float, *, needed=None, grace: float | None = None) -> list[dict | None]:
+        """Wait for the processes (all, or only ``needed`` ones plus ``grace`` seconds for the
+        rest, which are then killed) until ``deadline`` (time.monotonic()); return each one's
+        RESULT (None for a process that printed none). Past the deadline: kill all, fail."""
+        needed = range(len(self.procs)) if needed is None else needed
+        give_up = None
+        while any(p.poll() is None for p in self.procs):
+            now = time.monotonic()
+            if now > deadline:
+                self.kill()
+                pytest.fail(f"{self.name}: processes still running after the hard limit of {HARD_LIMIT:g} s; "
+                            f"all killed\n{self.report()}")
+            if give_up is None and all(self.procs[i].poll() is not None for i in needed):
+                give_up = now + (grace or 0.0)
+            if give_up is not None and now > give_up:
+                self.kill()
+                break
+            time.sleep(0.05)
+        results = []
+        for pid in range(len(self.procs)):
+            lines = [line for line in self._tail(pid, "out", 10**7).splitlines() if line.startswith("RESULT ")]
+            results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
+        for pid in needed:
+            if results[pid] is None or self.procs[pid].returncode != 0:
+                pytest.fail(f"{self.name}: process {pid} gave no result\n{self.report()}")
+        return results
+
+    def close(self):
+        self.kill()
+        for f in self.files:
+            f.close()
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    """Starts jobs (``jobs(scenario, path, processes, devices)``); kills whatever is left at the end."""
+    started = []
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(*args, **kwargs) -> Job:
+        job = Job(logs, *args, **kwargs)
+        started.append(job)
+        return job
+    yield start
+    for job in started:
+        job.close()
+
+
+def deadline() -> float:
+    return time.monotonic() + HARD_LIMIT
+
+
+def assert_restored(results, job):
+    for r in results:
+        assert r.get("error_type") is None, f"process {r['process']}: {r.get('traceback')}\n{job.report()}"
+        assert r["mismatches"] == [], f"process {r['process']}: {r['mismatches']}"
+        assert r["checked"] > 0
+
+
+def assert_saved(results, job):
+    for r in results:
+        assert r.get("error_type") is None, f"process {r['process']}: {r.get('traceback')}\n{job.report()}"
+    total = results[0]["total_bytes"]
+    assert sum(r["bytes_written"] for r in results) == total  # every stored byte once, replicas once
+    if len(results) > 1:
+        assert all(0 < r["bytes_written"] < total for r in results)
+
+
+def committed(path) -> bool:
+    return os.path.isfile(os.path.join(path, "COMMITTED"))
+
+
+def leftovers(parent) -> list[str]:
+    return sorted(os.listdir(parent))
+
+
+# ---- round trips ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("processes, devices", [(2, 4), (4, 2)])
+def test_roundtrip(jobs, tmp_path, processes, devices):
+    """Mixed shardings, PRNG keys (threefry, rbg), bfloat16 / int8 / bool, numpy, scalars."""
+    job = jobs("roundtrip", tmp_path / "ckpt", processes, devices)
+    results = job.wait(deadline())
+    assert_saved(results, job)
+    assert_restored(results, job)
+    assert committed(tmp_path / "ckpt")
+    # The array on jax.devices()[5] has no shard on the other processes: they restore it as a
+    # global array all the same (compared for shape, dtype and sharding).
+    owner = 5 // devices
+    assert [r["without_local_shards"] for r in results] == [
+        [] if pid == owner else ["['single']"] for pid in range(processes)]
+
+
+def test_checkpoints_move_between_process_counts(jobs, tmp_path):
+    """Saved by 2 processes x 4 devices -> restored by 1 process x 8, and the reverse."""
+    by_two, by_one = tmp_path / "by_two", tmp_path / "by_one"
+    limit = deadline()
+    save_two, save_one = jobs("save", by_two, 2, 4), jobs("save", by_one, 1, 8)
+    assert_saved(save_two.wait(limit), save_two)
+    assert_saved(save_one.wait(limit), save_one)
+    restore_one, restore_two = jobs("restore", by_two, 1, 8), jobs("restore", by_one, 2, 4)
+    assert_restored(restore_one.wait(limit), restore_one)
+    assert_restored(restore_two.wait(limit), restore_two)
+
+
+# ---- who writes what ---------------------------------------------------------------------------
+
+def test_each_process_writes_only_its_share(jobs, tmp_path):
+    job = jobs("shares", tmp_path / "ckpt", 2, 4)
+    results = job.wait(deadline())
+    assert_saved(results, job)
+    assert_restored(results, job)
+    total = results[0]["total_bytes"]
+    assert total >= 4 << 20
+    for r in results:
+        # dispatch_io's count is what went through write_regions, leaf by leaf
+        assert sum(r["per_keypath"].values()) == r["bytes_written"]
+        # The OS saw at least those bytes written, and far fewer than the whole checkpoint
+        # (each process wrote about half; the rest is metadata, manifest and RPC traffic).
+        assert r["bytes_written"] <= r["os_written"] < 0.75 * total, r
+    sizes = results[0]["array_bytes"]
+    for keypath in ["['w']", "['emb']", "['proj']", "['rep']"]:  # sharded, or replicated, 1 MiB each
+        per_process = [r["per_keypath"].get(keypath, 0) for r in results]
+        assert sum(per_process) == sizes[keypath], (keypath, per_process)
+        assert all(n > 0 for n in per_process), (keypath, per_process)
+    # the replicated array is split (its 64 chunks of 16 KiB spread over both processes)
+    rep = [r["per_keypath"]["['rep']"] for r in results]
+    assert abs(rep[0] - rep[1]) <= sizes["['rep']"] // 4, rep
+    # host (numpy) data and the array on device 5 are written by their one owner
+    assert [("['host_stats']" in r["per_keypath"]) for r in results] == [True, False]
+    assert [("['single']" in r["per_keypath"]) for r in results] == [False, True]
+
+
+def test_processes_that_planned_different_saves_all_refuse_it(jobs, tmp_path):
+    """A leaf that is not a global array (jnp.ones: on each process's own device) makes the plans
+    differ; every process refuses the save, naming the leaf, before anything is written."""
+    job = jobs("process_local_leaf", tmp_path / "ckpt", 2, 4)
+    results = job.wait(deadline())
+    for r in results:
+        assert r.get("save_error", "").startswith("ValueError"), results
+        assert "first at ['a_local']" in r["save_error"] and "process(es) [1]" in r["save_error"], r["save_error"]
+    assert not committed(tmp_path / "ckpt") and leftovers(tmp_path) == ["logs"], leftovers(tmp_path)
+
+
+# ---- failures ------------------------------------------------------------------------------------
+
+def test_write_failure_in_one_process_fails_every_process(jobs, tmp_path):
+    path = tmp_path / "ckpt"
+    job = jobs("write_fails", path, 2, 4, barrier_timeout=30)
+    results = job.wait(deadline())
+    failing, other = results[1], results[0]
+    assert failing["is_worker_error"] and failing["worker"] == 1 and failing["keypath"] == "['w']", failing
+    assert "['w']" in failing["error_message"] and "injected" in failing["error_message"], failing
+    assert other["is_worker_error"], other
+    assert other["error_message"].startswith(f"process 1 failed, so the save to {path} was not committed"), other
+    assert "injected" in other["error_message"]
+    assert other["worker"] == 1 and other["keypath"] == "['w']", other
+    for r in results:  # a failure is reported at once, not after a barrier timeout
+        assert r["elapsed"] < 10, r
+    assert leftovers(tmp_path) == ["logs"]  # nothing committed, no temporary directory left
+
+
+@pytest.mark.parametrize("where", ["sleep_before_save", "sleep_in_write"])
+def test_stalled_process_times_out(jobs, tmp_path, where):
+    """Process 1 stalls for barrier_timeout + 3 s (before save(), or in an on_write_end
+    callback): process 0 raises BarrierTimeoutError naming it after about the timeout."""
+    timeout = 3.0
+    path = tmp_path / "ckpt"
+    job = jobs(where, path, 2, 4, barrier_timeout=timeout)
+    # Process 1 is left to fail however it does once it wakes (its coordinator is gone); it is
+    # killed if it has not exited 15 s after process 0.
+    results = job.wait(deadline(), needed=[0], grace=15)
+    leader = results[0]
+    assert leader["is_barrier_timeout"], leader
+    assert leader["processes"] == [1], leader
+    assert "process(es) [1]" in leader["error_message"], leader
+    assert timeout * 0.9 <= leader["elapsed"] < timeout + 7, leader
+    assert all(p.poll() is not None for p in job.procs)
+    assert not committed(path)
+    assert [n for n in leftovers(tmp_path) if n != "logs"] == []
