@@ -49,10 +49,18 @@ class RemoteSession:
 
 
 @functools.cache
+def _colocated_cpus() -> dict:
+    """{device: its colocated CPU device} for this process's devices. Asked for all at once:
+    without Pathways, JAX pairs CPU devices with devices by position in the list asked about,
+    so asking one device at a time would put everything on the first CPU device."""
+    devices = tuple(jax.local_devices())
+    return dict(zip(devices, remote.colocated_python_module().colocated_cpu_devices(devices)))
+
+
+@functools.cache
 def _cpu_sharding(device) -> jax.sharding.SingleDeviceSharding:
-    """The CPU device colocated with ``device`` (itself when it is a CPU device)."""
-    cpu = remote.colocated_python_module().colocated_cpu_devices([device])[0]
-    return jax.sharding.SingleDeviceSharding(cpu)
+    """A sharding on the CPU device colocated with ``device``."""
+    return jax.sharding.SingleDeviceSharding(_colocated_cpus()[device])
 
 
 class ColocatedDispatcher(Dispatcher):
@@ -94,6 +102,16 @@ class ColocatedDispatcher(Dispatcher):
     def submit_write(self, session: RemoteSession, regions, buffers) -> concurrent.futures.Future:
         return self._pool.submit(_write_on_workers, session, list(regions), list(buffers))
 
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        """Run ``fn`` on the pool under the caller's x64 setting (``jax.enable_x64`` is
+        thread-local, and colocated results are built with ``jax.device_put``)."""
+        x64 = bool(jax.config.jax_enable_x64)
+
+        def run():
+            with jax.enable_x64(x64):
+                return fn(*args)
+        return self._pool.submit(run)
+
     # ---- restore --------------------------------------------------------------------------------
 
     def read_outputs(self, location: Location, outputs: list, display: str):
@@ -101,7 +119,7 @@ class ColocatedDispatcher(Dispatcher):
         units = restore_lib.units(outputs)
         batches = [items for items, _ in pack(units, _unit_bytes, self.options.batch_bytes)]
         kvstore = location.arrays_kvstore()
-        submit = lambda batch: self._pool.submit(self._read_batch, kvstore, batch)  # noqa: E731
+        submit = lambda batch: self._submit(self._read_batch, kvstore, batch)  # noqa: E731
         in_flight = [submit(batches[0])] if batches else []
         for k, batch in enumerate(batches):
             if k + 1 < len(batches):  # at most two batches in flight

@@ -12,6 +12,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import dispatch_io as dio  # noqa: E402
+import dispatch_io.dispatcher  # noqa: E402
+import workers.colocated  # noqa: E402
 
 
 def host_bytes(x) -> bytes:
@@ -48,8 +50,30 @@ def mesh():
     return jax.make_mesh((4, 2), ("data", "model"))
 
 
+DISPATCHERS = [dio.LocalDispatcher, dio.ColocatedDispatcher]
+DISPATCHER_IDS = ["local", "colocated"]
+
+
+@pytest.fixture(params=DISPATCHERS, ids=DISPATCHER_IDS)
+def dispatcher_cls(request):
+    """Each dispatcher class with the same API: the behaviour tests run against both."""
+    return request.param
+
+
+def worker_module(dispatcher_cls):
+    """The module whose ``write_regions`` / ``read_regions`` the dispatcher's worker code calls,
+    so that a test can make the worker fail by patching them there. LocalDispatcher's pool
+    calls them through ``dispatch_io.dispatcher``; ColocatedDispatcher's colocated functions
+    (module-level ``workers.colocated._write`` / ``_read``, run in-process here) look them up
+    in ``workers.colocated`` at call time."""
+    if dispatcher_cls is dio.ColocatedDispatcher:
+        return workers.colocated
+    assert dispatcher_cls is dio.LocalDispatcher, dispatcher_cls
+    return dispatch_io.dispatcher
+
+
 @pytest.fixture
-def dispatcher():
-    d = dio.LocalDispatcher(host_memory_budget=1 << 20)
+def dispatcher(dispatcher_cls):
+    d = dispatcher_cls(host_memory_budget=1 << 20)
     yield d
     d.close()

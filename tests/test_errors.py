@@ -13,10 +13,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-import dispatch_io.dispatcher
 import dispatch_io.save
 import workers.tensorstore_io
-from conftest import assert_trees_bit_equal
+from conftest import assert_trees_bit_equal, worker_module
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60
@@ -54,9 +53,9 @@ def assert_not_committed(path):
 # ---- 1. budget ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", [0, -1, -(1 << 20)])
-def test_non_positive_budget_is_rejected(budget):
+def test_non_positive_budget_is_rejected(dispatcher_cls, budget):
     with pytest.raises(ValueError, match="host_memory_budget"):
-        dio.LocalDispatcher(host_memory_budget=budget)
+        dispatcher_cls(host_memory_budget=budget)
 
 
 # ---- 2. unsupported leaves ---------------------------------------------------------------------------
@@ -246,24 +245,25 @@ def priority_isolating(victim):
     return lambda keypath, spec: dio.Priority.HIGH if keypath == victim else dio.Priority.SYNC
 
 
-def fail_writes_of(monkeypatch, victim):
+def fail_writes_of(monkeypatch, dispatcher_cls, victim):
     """Make the worker write function fail with ENOSPC for batches holding ``victim``."""
-    real = dispatch_io.dispatcher.write_regions
+    module = worker_module(dispatcher_cls)
+    real = module.write_regions
 
     def write_regions(session, regions, buffers):
         if any(r.keypath == victim for r in regions):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(session, regions, buffers)
 
-    monkeypatch.setattr(dispatch_io.dispatcher, "write_regions", write_regions)
+    monkeypatch.setattr(module, "write_regions", write_regions)
 
 
 @pytest.mark.parametrize("layer", ["worker_function", "tensorstore"])
-def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, layer):
+def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, layer, dispatcher_cls):
     victim = "['victim']"
     path = tmp_path / "ckpt"
     if layer == "worker_function":   # the worker function itself fails, as a remote worker might
-        fail_writes_of(monkeypatch, victim)
+        fail_writes_of(monkeypatch, dispatcher_cls, victim)
     else:                            # TensorStore fails inside the real worker function
         real_array = workers.tensorstore_io.Session.array
 
@@ -275,7 +275,7 @@ def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, la
         monkeypatch.setattr(workers.tensorstore_io.Session, "array", array)
 
     tree = failing_tree(mesh)
-    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
         handle = d.save(path, tree, priority=priority_isolating(victim))
         with pytest.raises(dio.WorkerError) as info:
             handle.wait(TIMEOUT)
@@ -298,18 +298,19 @@ def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, la
         assert_trees_bit_equal(d.restore(path), jax.device_get(tree))
 
 
-def test_failing_write_of_a_mixed_batch_names_its_leaves(tmp_path, monkeypatch):
+def test_failing_write_of_a_mixed_batch_names_its_leaves(tmp_path, monkeypatch, dispatcher_cls):
     """A worker failure that names no leaf is attributed to the leaves of the batch it wrote."""
-    real = dispatch_io.dispatcher.write_regions
+    module = worker_module(dispatcher_cls)
+    real = module.write_regions
 
     def write_regions(session, regions, buffers):
         if any(r.keypath == "['b']" for r in regions):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(session, regions, buffers)
 
-    monkeypatch.setattr(dispatch_io.dispatcher, "write_regions", write_regions)
+    monkeypatch.setattr(module, "write_regions", write_regions)
     tree = {"a": np.ones(4, np.float32), "b": np.zeros(4, np.float32)}   # one batch
-    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+    with dispatcher_cls(host_memory_budget=MiB) as d:
         with pytest.raises(dio.WorkerError) as info:
             d.save(tmp_path / "ckpt", tree, priority=lambda k, s: dio.Priority.LOW).wait(TIMEOUT)
     assert "['a']" in str(info.value) and "['b']" in str(info.value), str(info.value)
@@ -317,7 +318,7 @@ def test_failing_write_of_a_mixed_batch_names_its_leaves(tmp_path, monkeypatch):
     assert_not_committed(tmp_path / "ckpt")
 
 
-def test_failure_after_sync_copies_surfaces_from_wait_only(tmp_path, mesh, monkeypatch):
+def test_failure_after_sync_copies_surfaces_from_wait_only(tmp_path, mesh, monkeypatch, dispatcher_cls):
     """Once every SYNC leaf is copied, save() returns a handle even if the save has failed by the
     time the caller's thread wakes up; the error comes from wait()."""
     real_wait = dispatch_io.save.SaveRun.wait_until_sync_copied
@@ -328,8 +329,8 @@ def test_failure_after_sync_copies_surfaces_from_wait_only(tmp_path, mesh, monke
 
     monkeypatch.setattr(dispatch_io.save.SaveRun, "wait_until_sync_copied", late_wakeup)
     victim = "['victim']"
-    fail_writes_of(monkeypatch, victim)
-    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+    fail_writes_of(monkeypatch, dispatcher_cls, victim)
+    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
         handle = d.save(tmp_path / "ckpt", failing_tree(mesh), priority=priority_isolating(victim))
         assert handle.done()
         with pytest.raises(dio.WorkerError, match=r"\['victim'\]"):
@@ -350,7 +351,7 @@ def test_failing_read_names_key_path(saved, dispatcher):
 
 # ---- 7. a failing device -> host copy -----------------------------------------------------------------
 
-def test_deleted_low_leaf_fails_the_copy(tmp_path, mesh):
+def test_deleted_low_leaf_fails_the_copy(tmp_path, mesh, dispatcher_cls):
     tree = {
         "sync": put(mesh, random_array(0, (128, 128)), "data", "model"),
         "high": put(mesh, random_array(1, (128, 128)), "data"),
@@ -367,7 +368,7 @@ def test_deleted_low_leaf_fails_the_copy(tmp_path, mesh):
             waited.append(deleted.wait(TIMEOUT))
 
     path = tmp_path / "ckpt"
-    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
         handle = d.save(path, tree, priority=lambda k, s: prio[k],
                         on_transfer_end=on_transfer_end, on_write_end=written.append)
         try:
@@ -413,14 +414,14 @@ def test_priority_callback_garbage(tmp_path, dispatcher, garbage):
 
 # ---- overlapping saves and lost files --------------------------------------------------------
 
-def test_overlapping_saves_to_one_path_never_mix(tmp_path, mesh):
+def test_overlapping_saves_to_one_path_never_mix(tmp_path, mesh, dispatcher_cls):
     """A second save to a path whose first save is still writing waits for it, then replaces it."""
     path = tmp_path / "latest"
     first = {"w": put(mesh, random_array(1, (256, 256)), "data", "model")}
     second = {"w": put(mesh, random_array(2, (256, 256)), "data", "model")}
     low = lambda keypath, spec: dio.Priority.LOW  # noqa: E731
     release = threading.Event()
-    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
         h1 = d.save(path, first, priority=low, on_transfer_end=lambda k: release.wait(TIMEOUT))
         assert not h1.done()
         threading.Timer(0.2, release.set).start()
@@ -432,14 +433,14 @@ def test_overlapping_saves_to_one_path_never_mix(tmp_path, mesh):
     assert leftovers == [], leftovers
 
 
-def test_two_dispatchers_saving_one_path_keep_separate_temporaries(tmp_path, mesh):
+def test_two_dispatchers_saving_one_path_keep_separate_temporaries(tmp_path, mesh, dispatcher_cls):
     """Without overwrite, the save that commits second fails cleanly; the first stays intact."""
     path = tmp_path / "ckpt"
     a = {"w": put(mesh, random_array(3, (256, 256)), "data", "model")}
     b = {"w": put(mesh, random_array(4, (256, 256)), "data", "model")}
     low = lambda keypath, spec: dio.Priority.LOW  # noqa: E731
     gate = threading.Event()
-    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d1, dio.LocalDispatcher(host_memory_budget=64 * KiB) as d2:
+    with dispatcher_cls(host_memory_budget=64 * KiB) as d1, dispatcher_cls(host_memory_budget=64 * KiB) as d2:
         h1 = d1.save(path, a, priority=low, on_transfer_end=lambda k: gate.wait(TIMEOUT))
         h2 = d2.save(path, b, priority=low)
         h2.wait(TIMEOUT)       # commits first
@@ -461,11 +462,11 @@ def test_missing_chunk_file_is_an_error_not_zeros(tmp_path, mesh, dispatcher):
         dispatcher.restore(tmp_path / "ckpt", tree)
 
 
-def test_saves_to_one_path_from_two_threads_are_serialized(tmp_path, mesh):
+def test_saves_to_one_path_from_two_threads_are_serialized(tmp_path, mesh, dispatcher_cls):
     trees = [{"w": put(mesh, random_array(10 + i, (128, 128)), "data", "model")} for i in range(4)]
     low = lambda keypath, spec: dio.Priority.LOW  # noqa: E731
     path = tmp_path / "latest"
-    with dio.LocalDispatcher(host_memory_budget=64 * KiB) as d:
+    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             handles = list(pool.map(lambda t: d.save(path, t, priority=low, overwrite=True), trees))
         for h in handles:

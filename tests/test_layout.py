@@ -44,7 +44,7 @@ ONE_DEVICE_READER = textwrap.dedent("""
     import dispatch_io as dio
     assert jax.device_count() == 1, jax.devices()
     abstract = dio.metadata(sys.argv[1])
-    with dio.LocalDispatcher(host_memory_budget=1 << 20) as d:
+    with getattr(dio, sys.argv[2])(host_memory_budget=1 << 20) as d:
         on_host = d.restore(sys.argv[1])
         on_device = d.restore(sys.argv[1], abstract)
     print(json.dumps({
@@ -64,7 +64,8 @@ def test_a_one_device_process_reads_an_eight_device_checkpoint(tmp_path, mesh, d
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-c", ONE_DEVICE_READER, str(tmp_path / "ckpt")], env=env,
+    proc = subprocess.run([sys.executable, "-c", ONE_DEVICE_READER, str(tmp_path / "ckpt"),
+                           type(dispatcher).__name__], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

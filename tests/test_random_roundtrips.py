@@ -27,6 +27,7 @@ import dispatch_io as dio
 from conftest import assert_trees_bit_equal
 
 N_CASES = int(os.environ.get("DISPATCH_IO_RANDOM_CASES", 80))
+COLOCATED_EVERY = int(os.environ.get("DISPATCH_IO_COLOCATED_EVERY", 4))   # ColocatedDispatcher: every 4th case
 KiB = 1 << 10
 MAX_LEAF_BYTES = 256 * KiB
 TIMEOUT = 60
@@ -338,19 +339,24 @@ class Recorder:
             return [k for e, k in self.log if e == kind]
 
 
-@pytest.mark.parametrize("seed", range(N_CASES), ids=lambda s: f"seed-{s}")
-def test_random_roundtrip(seed, tmp_path):
+CASES = [pytest.param(seed, dio.LocalDispatcher, id=f"seed-{seed}") for seed in range(N_CASES)] + [
+    pytest.param(seed, dio.ColocatedDispatcher, id=f"seed-{seed}-colocated")
+    for seed in range(0, N_CASES, COLOCATED_EVERY)]
+
+
+@pytest.mark.parametrize("seed, dispatcher_cls", CASES)
+def test_random_roundtrip(seed, dispatcher_cls, tmp_path):
     case = Case(seed)
     # memory:// data lives as long as the process: a fresh prefix per case and run.
     path = f"memory://{tmp_path.name}/ckpt" if case.memory else tmp_path / "ckpt"
     try:
-        run_case(case, path)
+        run_case(case, path, dispatcher_cls)
     except Exception as exc:
         exc.add_note(f"random round trip case {case!r}")
         raise
 
 
-def run_case(case: Case, path):
+def run_case(case: Case, path, dispatcher_cls):
     arrays = {k for k, leaf in case.leaves.items() if leaf.kind != "python"}
     asked = []
 
@@ -362,7 +368,7 @@ def run_case(case: Case, path):
 
     rec = Recorder()
     options = {} if case.max_chunk is None else {"max_chunk_bytes": case.max_chunk}
-    with dio.LocalDispatcher(case.budget, write_threads=case.write_threads, fsync=case.fsync, **options) as d:
+    with dispatcher_cls(case.budget, write_threads=case.write_threads, fsync=case.fsync, **options) as d:
         handle = d.save(path, case.tree, priority=priority, on_transfer_end=rec.transfer,
                         on_write_end=rec.write)
         transferred_at_return = set(rec.of("transfer"))
@@ -402,7 +408,7 @@ def run_case(case: Case, path):
             elif leaf.kind == "key":
                 assert dio.tree.is_prng_key(r), jax.tree_util.keystr(p)
 
-    with dio.LocalDispatcher(case.restore_budget) as d:
+    with dispatcher_cls(case.restore_budget) as d:
         # (b) the other layout, same PartitionSpecs where valid there (else replicated).
         target = case.other_target()
         restored = d.restore(path, target)

@@ -258,7 +258,8 @@ def test_dtype_numpy_leaf(dispatcher, tmp_path, name):
 @pytest.mark.parametrize("name", DEVICE_DTYPES)
 def test_dtype_sharded_jax_leaf(dispatcher, mesh, tmp_path, name):
     host = random_bits(name, (16, 6), seed=len(name) + 1)
-    with jax.enable_x64(dtype_of(name).itemsize >= 8 and name != "complex64"):
+    x64 = dtype_of(name).itemsize >= 8 and name != "complex64"
+    with jax.enable_x64(x64):
         x = jax.device_put(host, ns(mesh, "data", "model"))
         y = jax.device_put(host[:5], SingleDeviceSharding(jax.devices()[3]))
         assert np.dtype(x.dtype) == host.dtype and host_bytes(x) == host.tobytes()
@@ -581,8 +582,8 @@ BUDGET = 64 << 10
 
 
 @pytest.fixture
-def small_dispatcher():
-    d = dio.LocalDispatcher(host_memory_budget=BUDGET)
+def small_dispatcher(dispatcher_cls):
+    d = dispatcher_cls(host_memory_budget=BUDGET)
     yield d
     d.close()
 
