@@ -11,12 +11,13 @@ from dispatch_io import tree
 from dispatch_io.batches import Priority
 from dispatch_io.colocated import ColocatedDispatcher
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
-from dispatch_io.errors import BarrierTimeoutError, CheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
+from dispatch_io.manager import CheckpointManager
+from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.options import Options
 from dispatch_io.save import SaveHandle, SaveStats
 
 __all__ = [
-    "BarrierTimeoutError", "CheckpointError", "ColocatedDispatcher", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
+    "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "CorruptCheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
     "SaveHandle", "SaveStats", "TreeMismatchError", "WorkerError", "metadata",
 ]
 __version__ = "0.1.0"

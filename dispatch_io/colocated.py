@@ -41,8 +41,8 @@ from workers import colocated as remote
 class RemoteSession:
     """What a colocated worker needs to open the checkpoint's arrays (plain, picklable data)."""
 
-    def __init__(self, kvstore: dict, fsync: bool = True):
-        self.kvstore, self.fsync = kvstore, fsync
+    def __init__(self, kvstore: dict, fsync: bool = True, checksums: bool = False):
+        self.kvstore, self.fsync, self.checksums = kvstore, fsync, checksums
 
     def close(self):
         pass
@@ -81,7 +81,7 @@ class ColocatedDispatcher(Dispatcher):
     # ---- save -----------------------------------------------------------------------------------
 
     def open_write_session(self, target: WriteTarget) -> RemoteSession:
-        return RemoteSession(target.kvstore, self.options.fsync)
+        return RemoteSession(target.kvstore, self.options.fsync, self.options.checksums)
 
     def copy_to_host(self, plan: Plan, chunks, sources: Sources, staging) -> list[jax.Array]:
         """Each chunk onto the CPU device colocated with its device; returns once all arrived."""
@@ -161,6 +161,18 @@ class ColocatedDispatcher(Dispatcher):
                 results[i] = array
         return results
 
+    def open_read_session(self, location: Location) -> RemoteSession:
+        return RemoteSession(location.arrays_kvstore())
+
+    def submit_checksums(self, session: RemoteSession, regions) -> concurrent.futures.Future:
+        """CRC-32C of stored regions, computed by a colocated call next to this process's first device."""
+        sharding = _cpu_sharding(jax.local_devices()[0])
+
+        def run():
+            request = remote.encode_request((session.kvstore, tuple(regions)), sharding)
+            return np.asarray(remote.checksummer(len(regions), sharding)(request)).tolist()
+        return self._pool.submit(run)
+
     def close(self):
         super().close()
         self._pool.shutdown(wait=True)
@@ -171,7 +183,7 @@ def _to_colocated_cpu(chunk: Chunk, sources: Sources) -> jax.Array:
     start, data = sources.shard(chunk.leaf, chunk.device)
     local = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start))
     if isinstance(data, np.ndarray):  # host data, as raw bytes (jax would turn float64 into float32)
-        raw = np.ascontiguousarray(data[local]).reshape(-1).view(np.uint8)
+        raw = np.array(data[local], order="C").reshape(-1).view(np.uint8)  # a copy: CPU device_put may alias aligned numpy
         return jax.device_put(raw, _cpu_sharding(jax.local_devices()[0]))
     whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(local, data.shape))
     piece = data if whole else data[local]
@@ -180,19 +192,22 @@ def _to_colocated_cpu(chunk: Chunk, sources: Sources) -> jax.Array:
     return jax.device_put(piece, _cpu_sharding(next(iter(data.devices()))), may_alias=False if whole else None)
 
 
-def _write_on_workers(session: RemoteSession, regions: list[Region], arrays: list[jax.Array]) -> int:
-    """One colocated write call per CPU device holding part of the batch; bytes written."""
+def _write_on_workers(session: RemoteSession, regions: list[Region], arrays: list[jax.Array]) -> list:
+    """One colocated write call per CPU device holding part of the batch; returns the
+    CRC-32C per region (None without checksums), like ``workers.write_regions``."""
     groups: dict = {}
     for i, array in enumerate(arrays):
         groups.setdefault(array.sharding, []).append(i)
     calls = []
     for sharding, indices in groups.items():
-        request = remote.encode_request(
-            remote.WriteRequest(session.kvstore, session.fsync, tuple(regions[i] for i in indices)), sharding)
-        calls.append(remote.write_arrays(request, [arrays[i] for i in indices]))
-    for result in calls:
-        jax.block_until_ready(result)
-    return sum(int(a.nbytes) for a in arrays)
+        request = remote.encode_request(remote.WriteRequest(
+            session.kvstore, session.fsync, session.checksums, tuple(regions[i] for i in indices)), sharding)
+        calls.append((indices, remote.write_arrays(request, [arrays[i] for i in indices])))
+    sums: list = [None] * len(arrays)
+    for indices, result in calls:
+        for i, crc in zip(indices, np.asarray(result).tolist()):
+            sums[i] = crc if session.checksums else None
+    return sums
 
 
 def _unit_bytes(unit) -> int:

@@ -74,13 +74,14 @@ class LocalSave:
     def progress(self, nbytes: int):
         pass
 
-    def finish(self, error: BaseException | None, manifest: Callable[[], bytes], fsync: bool):
-        """Commit (``error`` None) or remove the partial save and raise ``error``."""
+    def finish(self, error: BaseException | None, checksums: dict, manifest: Callable[[dict], bytes], fsync: bool):
+        """Commit (``error`` None) or remove the partial save and raise ``error``. ``checksums``
+        (chunk index -> CRC-32C) are this process's; ``manifest(all checksums)`` builds the manifest."""
         if error is not None:
             _abort(self.target)
             raise error
         try:
-            self.target.commit(manifest(), fsync=fsync)
+            self.target.commit(manifest(checksums), fsync=fsync)
         except BaseException:
             _abort(self.target)
             raise
@@ -198,7 +199,7 @@ class DistributedSave:
         try:
             self.target = self.location.join_write(started["token"])
         except Exception as exc:  # the others are writing already: fail the save everywhere
-            self.finish(exc, None, False)
+            self.finish(exc, {}, None, False)
         return self
 
     def abandon(self, error: BaseException):
@@ -244,13 +245,13 @@ class DistributedSave:
     def progress(self, nbytes: int):
         self._set(f"progress/{self.c.process}", nbytes)
 
-    def finish(self, error: BaseException | None, manifest: Callable[[], bytes], fsync: bool):
+    def finish(self, error: BaseException | None, checksums: dict, manifest: Callable[[dict], bytes], fsync: bool):
         if error is not None:
             self._set("failed", self.c.process)
             self._set(f"status/{self.c.process}", {"error": _describe(error),
                                                    "keypath": getattr(error, "keypath", None)})
         else:
-            self._set(f"status/{self.c.process}", {"ok": True})
+            self._set(f"status/{self.c.process}", {"ok": True, "checksums": checksums})
         try:
             statuses = self._gather("status")
         except BarrierTimeoutError:
@@ -268,7 +269,8 @@ class DistributedSave:
                               f"committed: {status['error']}", worker=process, keypath=status["keypath"])
         try:
             if self.leader:
-                self._commit(manifest, fsync)
+                merged = {int(i): crc for s in statuses.values() for i, crc in s["checksums"].items()}
+                self._commit(lambda: manifest(merged), fsync)
             else:
                 self._await_commit()
         finally:

@@ -27,7 +27,7 @@ from dispatch_io.plan import Chunk, Plan, PlanCache
 from dispatch_io.save import SaveHandle, SaveRun, Sources, io_thread
 from dispatch_io.staging import StagingRing
 from dispatch_io.storage import Location, WriteTarget
-from workers import ChunkError, Region, Session, read_regions, write_regions
+from workers import ChunkError, Region, Session, checksum_regions, read_regions, write_regions
 
 PriorityFn = Callable[[str, jax.ShapeDtypeStruct], Priority]
 
@@ -173,7 +173,7 @@ class Dispatcher:
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def restore(self, path, target=None, *, partial: bool = False, cast: bool = False):
+    def restore(self, path, target=None, *, partial: bool = False, cast: bool = False, verify: bool = False):
         """Read the checkpoint at ``path``.
 
         ``target`` (a pytree) says what to build: ``jax.ShapeDtypeStruct`` leaves with a
@@ -182,6 +182,8 @@ class Dispatcher:
         arrays and PRNG keys as key arrays on the default device. Strict: every mismatch is
         reported at once (``TreeMismatchError``) before anything is read; ``partial=True``
         lets the target name a subset of the leaves, ``cast=True`` allows dtype changes.
+        ``verify=True`` first checks every stored chunk it reads against the CRC-32C saved with
+        it (``Options(checksums=True)``): ``CorruptCheckpointError`` names each bad chunk.
         """
         self._check_usable("restore")
         location = Location.parse(path)
@@ -189,6 +191,8 @@ class Dispatcher:
         manifest = manifest_lib.parse(location.read_manifest(), location.display)
         treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
         try:
+            if verify:
+                self.verify_outputs(location, outputs, location.display)
             self.read_outputs(location, outputs, location.display)
         except Exception as exc:
             location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
@@ -201,6 +205,15 @@ class Dispatcher:
         session = self.open_read_session(location)
         try:
             restore_lib.read_outputs(self, session, outputs, display)
+        finally:
+            session.close()
+
+    def verify_outputs(self, location: Location, outputs: list, display: str):
+        """Check the chunks the outputs need against their saved checksums."""
+        session = self.open_read_session(location)
+        try:
+            restore_lib.verify_checksums(outputs, display, self.options.batch_bytes,
+                                         lambda regions: self.submit_checksums(session, regions))
         finally:
             session.close()
 
@@ -223,6 +236,9 @@ class Dispatcher:
 
     def submit_read(self, session, regions: Sequence[Region], out: Sequence[np.ndarray | None]
                     ) -> concurrent.futures.Future:
+        raise NotImplementedError
+
+    def submit_checksums(self, session, regions: Sequence[Region]) -> concurrent.futures.Future:
         raise NotImplementedError
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -309,7 +325,8 @@ class LocalDispatcher(Dispatcher):
             initializer=_mark_io_thread, initargs=(self.io_token,))
 
     def open_write_session(self, target: WriteTarget) -> Session:
-        return Session(target.kvstore, context=target.context, fsync=self.options.fsync)
+        return Session(target.kvstore, context=target.context, fsync=self.options.fsync,
+                       checksums=self.options.checksums)
 
     def open_read_session(self, location: Location) -> Session:
         return Session(location.arrays_kvstore(), context=location.context)
@@ -322,6 +339,9 @@ class LocalDispatcher(Dispatcher):
 
     def submit_read(self, session, regions, out):
         return self._pool.submit(read_regions, session, regions, out)
+
+    def submit_checksums(self, session, regions):
+        return self._pool.submit(checksum_regions, session, regions)
 
     def close(self):
         super().close()

@@ -47,3 +47,14 @@ class BarrierTimeoutError(CheckpointError, TimeoutError):
         self.processes = sorted(processes)
         self.barrier = barrier
         super().__init__(message)
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes do not match the checksum saved with them (``restore(verify=True)``).
+
+    ``keypath`` names the leaf, ``chunk`` the chunk grid index; the message lists every bad chunk."""
+
+    def __init__(self, message, *, keypath=None, chunk=None):
+        self.keypath = keypath
+        self.chunk = chunk
+        super().__init__(message)

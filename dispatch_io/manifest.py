@@ -9,7 +9,9 @@
                  "shape": [...], "dtype": "bfloat16",    # logical; keys: "key<fry>"
                  "key_impl": "threefry2x32" | null,
                  "stored": {"name": "00003.params.w", "shape": [...], "dtype": "bfloat16",
-                            "chunk_shape": [...]} | null,   # null: scalars and zero-size arrays
+                            "chunk_shape": [...],
+                            "crc32c": {"0,1": "8c3f0a1e", ...}} | null,  # crc32c: Options(checksums=True);
+                                                                         # null: scalars, zero-size arrays
                  "sharding": {...} | null,               # as saved, for people (inspect)
                  "value": {...}},                         # Python scalars only
                 ...],
@@ -47,8 +49,14 @@ def describe_sharding(sharding) -> dict | None:
     return {"type": type(sharding).__name__, "repr": repr(sharding)}
 
 
-def build(plan: Plan, leaves: list) -> bytes:
-    """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values."""
+def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None) -> bytes:
+    """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values,
+    ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed."""
+    by_leaf: dict[int, dict[str, str]] = {}
+    for i, crc in (checksums or {}).items():
+        chunk = plan.chunks[i]
+        grid = (lo // step for (lo, _), step in zip(chunk.region, plan.leaves[chunk.leaf].chunk_shape))
+        by_leaf.setdefault(chunk.leaf, {})[",".join(map(str, grid))] = f"{crc:08x}"
     entries = []
     for spec, leaf in zip(plan.leaves, leaves):
         entry: dict[str, Any] = {"keypath": spec.keypath, "kind": spec.kind, "origin": spec.origin}
@@ -61,6 +69,8 @@ def build(plan: Plan, leaves: list) -> bytes:
                 stored=None if spec.storage is None else {
                     "name": spec.storage, "shape": list(spec.shape), "dtype": spec.dtype.name,
                     "chunk_shape": list(spec.chunk_shape)})
+            if spec.index in by_leaf:  # chunk grid index "i,j,..." -> CRC-32C, hex
+                entry["stored"]["crc32c"] = dict(sorted(by_leaf[spec.index].items()))
         entries.append(entry)
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION,
            "structure": tree_lib.encode_structure(plan.treedef), "leaves": entries,
@@ -86,6 +96,7 @@ class SavedLeaf:
     key_impl: str | None = None
     stored: ArraySpec | None = None
     value: Any = None              # Python scalars
+    checksums: dict | None = None  # chunk grid index (tuple) -> CRC-32C, when saved with checksums
 
     @property
     def abstract(self):
@@ -126,7 +137,9 @@ def parse(doc: dict, where: str) -> Manifest:
         leaves.append(SavedLeaf(
             e["keypath"], e["kind"], e["origin"], tuple(e["shape"]), dtype, e.get("key_impl"),
             None if stored is None else ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"],
-                                                  tuple(stored["chunk_shape"]))))
+                                                  tuple(stored["chunk_shape"])),
+            checksums=None if stored is None or "crc32c" not in stored else {
+                tuple(int(i) for i in grid.split(",") if i): int(crc, 16) for grid, crc in stored["crc32c"].items()}))
     treedef = tree_lib.decode_structure(doc["structure"])
     return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)))
 

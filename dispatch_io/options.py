@@ -22,6 +22,7 @@ class Options:
     keep_staging_warm: keep the staging buffer between saves. Memory freed to the OS is
         slow to touch again, so a warm buffer makes repeated saves several times faster;
         it stays bounded by the budget and is freed by ``dispatcher.close()``.
+    checksums: store a CRC-32C of every chunk in the manifest, for ``restore(verify=True)``.
     barrier_timeout: seconds a process of a multi-process job waits for the others at a
         barrier (while they make no progress) before raising ``BarrierTimeoutError``.
     """
@@ -31,6 +32,7 @@ class Options:
     write_threads: int = 2
     fsync: bool = True
     keep_staging_warm: bool = True
+    checksums: bool = False
     barrier_timeout: float = 300.0
 
     def __post_init__(self):

@@ -19,7 +19,7 @@ import numpy as np
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import pack
-from dispatch_io.errors import TreeMismatchError, WorkerError
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import device_regions, storage_chunk_shape
 from workers import ChunkError, Region, aligned_empty
@@ -225,3 +225,48 @@ def finish(out) -> Any:
     # dtype: JAX cannot infer it when this process holds no shard of the array.
     return jax.make_array_from_single_device_arrays(saved.shape, out.sharding, shards,
                                                     dtype=saved.dtype if wrap else out.dtype)
+
+
+# ---- verify=True ------------------------------------------------------------------------------
+
+def _stored_cells(out: _Output, region):
+    """(grid index, bounds) of every stored chunk overlapping ``region`` (whole chunks)."""
+    stored = out.saved.stored
+    full = region + tuple((0, n) for n in stored.shape[len(region):])
+    axes = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(full, stored.chunk_shape)]
+    for grid in itertools.product(*axes):
+        yield grid, tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, stored.chunk_shape, stored.shape))
+
+
+def verify_checksums(outputs: list, display: str, batch_limit: int, submit_checksums):
+    """Check every stored chunk the restore reads against the CRC-32C saved in the manifest.
+
+    ``submit_checksums(regions)`` returns a future of the regions' CRC-32C, computed where the
+    worker code runs. Raises CorruptCheckpointError naming every bad chunk's key path."""
+    cells = {}
+    for out, region in units(outputs):
+        if out.saved.checksums is None:
+            raise CheckpointError(f"{display} was saved without checksums (Options(checksums=True)): "
+                                  f"cannot verify {out.saved.keypath}")
+        for grid, bounds in _stored_cells(out, region):
+            cells[(out.saved.keypath, grid)] = (out, bounds)
+    work = [(keypath, grid, out, bounds) for (keypath, grid), (out, bounds) in cells.items()]
+    nbytes = lambda item: math.prod(hi - lo for lo, hi in item[3]) * item[2].saved_dtype.itemsize  # noqa: E731
+    bad = []
+    futures = [(batch, submit_checksums([Region(o.saved.stored, b, k) for k, _, o, b in batch]))
+               for batch, _ in pack(work, nbytes, batch_limit)]
+    for batch, future in futures:
+        try:
+            sums = future.result()
+        except ChunkError as exc:
+            raise CorruptCheckpointError(f"cannot read {exc.keypath} from {display} to verify it: {exc}",
+                                         keypath=exc.keypath) from exc
+        for (keypath, grid, out, bounds), crc in zip(batch, sums):
+            expected = out.saved.checksums.get(tuple(grid))
+            if expected != crc:
+                bad.append((keypath, grid, bounds, expected, crc))
+    if bad:
+        lines = "\n".join(f"  {k} chunk {list(g)} (region {[list(b) for b in r]}): saved crc32c "
+                           f"{'none' if e is None else f'{e:08x}'}, read {c:08x}" for k, g, r, e, c in bad)
+        raise CorruptCheckpointError(f"{display}: {len(bad)} chunk(s) do not match their checksums:\n{lines}",
+                                     keypath=bad[0][0], chunk=bad[0][1])

@@ -139,6 +139,7 @@ class SaveRun:
         self._transfer_seconds = 0.0
         self._first_write = self._last_write = None
         self._bytes = 0
+        self._checksums: dict[int, int] = {}   # chunk index -> CRC-32C (Options.checksums)
         # Chunks of each leaf still to copy / write *by this worker*.
         self._to_copy = [0] * len(plan.leaves)
         for b in batches:
@@ -237,7 +238,9 @@ class SaveRun:
             concurrent.futures.wait(writes)
             t0 = time.perf_counter()
             # Commit, or remove the partial save and raise; with several processes, all agree first.
-            self.save.finish(self._error, lambda: manifest_lib.build(self.plan, self.scalars),
+            # Every process contributes its chunks' checksums; the committing one writes them all.
+            self.save.finish(self._error, self._checksums,
+                             lambda checksums: manifest_lib.build(self.plan, self.scalars, checksums),
                              fsync=self.engine.options.fsync)
             done = time.perf_counter()
             self.future.set_result(SaveStats(
@@ -285,7 +288,7 @@ class SaveRun:
         # Wait on this, not on the write: waiters wake before done-callbacks run, and the
         # bookkeeping (errors, bytes, staging, on_write_end) must be complete first.
         accounted: concurrent.futures.Future = concurrent.futures.Future()
-        future.add_done_callback(lambda f: self._written(f, chunks, ticket, accounted))
+        future.add_done_callback(lambda f: self._written(f, batch.chunks, ticket, accounted))
         return accounted
 
     def _copied(self, chunks):
@@ -295,7 +298,8 @@ class SaveRun:
                 self.sources.drop(c.leaf)
                 self._callback(self.on_transfer_end, self.plan.leaves[c.leaf].keypath)
 
-    def _written(self, future, chunks, ticket, accounted: concurrent.futures.Future):
+    def _written(self, future, indices, ticket, accounted: concurrent.futures.Future):
+        chunks = [self.plan.chunks[i] for i in indices]
         try:
             self.ring.release(ticket)
             self._last_write = time.perf_counter()
@@ -304,7 +308,10 @@ class SaveRun:
                 self._fail(self._worker_error("writing", exc, chunks))
                 return
             with self._lock:
-                self._bytes += future.result()
+                self._bytes += sum(c.nbytes for c in chunks)
+                for i, crc in zip(indices, future.result()):
+                    if crc is not None:
+                        self._checksums[i] = crc
                 written = self._bytes
                 finished = []
                 for c in chunks:

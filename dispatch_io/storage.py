@@ -46,10 +46,34 @@ def _fsync_path(path: str, directory: bool = False):
         os.close(fd)
 
 
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None if there is no such
+    process. With the pid it identifies a process even after its pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def _marker_json() -> bytes:
     """Who wrote a marker; ``id`` makes every commit's ``COMMITTED`` unique."""
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                       "id": uuid.uuid4().hex}).encode()
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
+                       "time": time.time(), "id": uuid.uuid4().hex}).encode()
+
+
+def writer_is_gone(marker_path: str) -> bool:
+    """True only if the marker at ``marker_path`` is one of ours and the process that wrote it
+    provably no longer runs (same host; that pid is gone or belongs to a later process)."""
+    try:
+        with open(marker_path, "rb") as f:
+            marker = json.loads(f.read())
+        host, pid, started = marker["host"], int(marker["pid"]), marker["started"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname() or started is None:
+        return False
+    return _process_start(pid) != started
 
 
 class WriteTarget:

@@ -11,6 +11,8 @@ from workers.tensorstore_io import (
     Region,
     Session,
     aligned_empty,
+    checksum_regions,
+    crc32c,
     numpy_dtype,
     read_regions,
     shared_context,
@@ -18,4 +20,4 @@ from workers.tensorstore_io import (
     write_regions,
 )
 
-__all__ = ["ArraySpec", "ChunkError", "Region", "Session", "aligned_empty", "shared_context", "numpy_dtype", "read_regions", "storage_dtype_name", "write_regions"]
+__all__ = ["ArraySpec", "ChunkError", "Region", "Session", "aligned_empty", "checksum_regions", "crc32c", "shared_context", "numpy_dtype", "read_regions", "storage_dtype_name", "write_regions"]

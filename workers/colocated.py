@@ -8,7 +8,7 @@ specializes a function per distinct argument signature and keeps every specializ
 a closure per call would grow without bound over a long training run, while a saved tree's
 batches repeat the same few signatures.
 
-* :func:`write_arrays` ``(request, arrays) -> int32 scalar`` writes the arrays (already on
+* :func:`write_arrays` ``(request, arrays) -> uint32[n]`` (CRC-32C per array, 0 without checksums) writes the arrays (already on
   this host: moving them here was the device-to-host step) into their regions; host (numpy)
   data arrives as raw bytes, since a jax.Array without x64 cannot hold 64-bit dtypes.
 * :func:`reader` ``(out_specs)`` gives a function ``(request) -> [arrays]`` that reads regions
@@ -26,7 +26,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from workers.tensorstore_io import Region, Session, aligned_empty, numpy_dtype, read_regions, write_regions
+from workers.tensorstore_io import (Region, Session, aligned_empty, checksum_regions, numpy_dtype, read_regions,
+                                    write_regions)
 
 _HEADER = 8  # request length, little-endian uint64
 
@@ -63,6 +64,7 @@ def decode_request(request: jax.Array):
 class WriteRequest:
     kvstore: dict
     fsync: bool
+    checksums: bool
     regions: tuple[Region, ...]
 
 
@@ -89,21 +91,21 @@ class ReadRequest:
 
 def _write(request: jax.Array, arrays: Sequence[jax.Array]) -> jax.Array:
     req: WriteRequest = decode_request(request)
-    session = Session(req.kvstore, fsync=req.fsync)
+    session = Session(req.kvstore, fsync=req.fsync, checksums=req.checksums)
     buffers = []
     for region, array in zip(req.regions, arrays):
         host = np.asarray(array)
         dtype = numpy_dtype(region.array.dtype)
         buffers.append(host.view(dtype).reshape(region.shape))  # host data arrives as raw uint8 bytes
     try:
-        write_regions(session, req.regions, buffers)
+        sums = write_regions(session, req.regions, buffers)
     finally:
         session.close()
-    return jax.device_put(np.int32(len(req.regions)), request.sharding)
+    return jax.device_put(np.array([s or 0 for s in sums], np.uint32), request.sharding)
 
 
 def _write_out_spec(request, arrays):
-    return jax.ShapeDtypeStruct((), np.int32, sharding=request.sharding)
+    return jax.ShapeDtypeStruct((len(arrays),), np.uint32, sharding=request.sharding)
 
 
 def _read(request: jax.Array) -> list[jax.Array]:
@@ -144,3 +146,20 @@ def reader(out_specs: tuple[jax.ShapeDtypeStruct, ...]):
     """The colocated read function for one result signature (cached: one per signature)."""
     specs = list(out_specs)
     return colocated_python_module().colocated_python(_read).specialize(out_specs_fn=lambda request: specs)
+
+
+def _checksum(request: jax.Array) -> jax.Array:
+    kvstore, regions = decode_request(request)
+    session = Session(kvstore)
+    try:
+        sums = checksum_regions(session, regions)
+    finally:
+        session.close()
+    return jax.device_put(np.array(sums, np.uint32), request.sharding)
+
+
+@functools.cache
+def checksummer(count: int, sharding):
+    """The colocated function returning the CRC-32C of ``count`` stored regions."""
+    spec = jax.ShapeDtypeStruct((count,), np.uint32, sharding=sharding)
+    return colocated_python_module().colocated_python(_checksum).specialize(out_specs_fn=lambda request: spec)

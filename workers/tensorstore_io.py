@@ -118,9 +118,10 @@ class Session:
     """
 
     def __init__(self, kvstore: dict, *, context: ts.Context | None = None, fsync: bool = True,
-                 io_concurrency: int = 16):
+                 checksums: bool = False, io_concurrency: int = 16):
         self.kvstore = kvstore
         self.fsync = fsync
+        self.checksums = checksums  # write_regions returns each region's crc32c
         if context is None:
             context = shared_context(kvstore)
         self.context = context if context is not None else ts.Context({
@@ -175,8 +176,19 @@ def _wait_all(futures, regions):
     return results
 
 
-def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> int:
-    """Write each host buffer into its region; returns bytes written once all are durable.
+def crc32c(buffer: np.ndarray) -> int:
+    """CRC-32C of an array's bytes (in memory order; C-contiguous arrays)."""
+    import google_crc32c
+
+    view = np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)
+    view.flags.writeable = False  # google_crc32c takes read-only buffers only
+    return google_crc32c.value(view)
+
+
+def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence[np.ndarray]
+                  ) -> list[int | None]:
+    """Write each host buffer into its region; returns once all are durable, with each
+    region's CRC-32C when the session computes checksums (else None per region).
 
     The buffers are referenced, not copied: the caller keeps them unchanged until this returns.
     """
@@ -190,8 +202,9 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
         except Exception as exc:  # noqa: BLE001
             _wait_all(futures, regions)
             raise ChunkError(region.keypath, region.bounds, exc) from exc
+    sums = [crc32c(b) if session.checksums else None for b in buffers]  # overlaps the writes
     _wait_all(futures, regions)
-    return sum(int(b.nbytes) for b in buffers)
+    return sums
 
 
 def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.ndarray | None] | None = None
@@ -231,3 +244,11 @@ def numpy_dtype(name: str) -> np.dtype:
     except TypeError:
         import ml_dtypes
         return np.dtype(getattr(ml_dtypes, name))
+
+
+def checksum_regions(session: Session, regions: Sequence[Region]) -> list[int]:
+    """Read each region (whole stored chunks, for ``restore(verify=True)``) and return the
+    CRC-32C of its bytes as stored."""
+    buffers = [aligned_empty(r.shape, numpy_dtype(r.array.dtype)) for r in regions]
+    read_regions(session, regions, buffers)
+    return [crc32c(b) for b in buffers]

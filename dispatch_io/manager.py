@@ -1,0 +1,229 @@
+"""CheckpointManager: numbered steps under one root directory, for a training loop.
+
+    with dio.CheckpointManager("ckpts", max_to_keep=3, keep_every_n_steps=1000) as manager:
+        for step in range(start, steps):
+            state = train_step(state)
+            if step % 100 == 0:
+                manager.save(step, state)           # async; returns once SYNC leaves are off the device
+        ...
+    state = manager.restore(target=abstract_state)  # the latest committed step
+
+Layout: ``<root>/<step>/`` is an ordinary dispatch_io checkpoint (so ``dio.metadata`` and
+``dispatcher.restore`` read it directly, and a copy of it elsewhere restores as well).
+
+What the manager guarantees, built only on the dispatcher's atomic commit:
+
+* A step is listed (``all_steps``, ``latest_step``, ``restore``) only once committed; a save
+  that failed or was killed never is. Leftovers of killed saves are removed when a manager
+  opens the root -- only those it can prove are its own and dead (a ``WRITING`` marker naming
+  a process of this host that no longer runs). A replaced step that a crash left moved aside
+  is put back.
+* Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises
+  from its own handle and, once, from the next ``save()`` / ``wait()``; the manager stays usable.
+* Retention (``max_to_keep`` most recent, plus every step divisible by ``keep_every_n_steps``)
+  runs after a newer step committed, on the manager's thread, never inside ``save()``. It
+  deletes only committed dispatch_io checkpoints with step names; anything else in the root
+  (``notes/``, a numeric directory without a manifest, someone else's temporary directory) is
+  neither listed nor deleted. A deleted step is first renamed away, so a crash mid-delete never
+  leaves a listed but broken step. With several processes, process 0 alone decides and deletes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import shutil
+import threading
+import uuid
+
+import jax
+from absl import logging
+
+from dispatch_io import manifest as manifest_lib
+from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
+from dispatch_io.save import SaveHandle
+from dispatch_io.storage import COMMITTED, MANIFEST, TMP_SUFFIX, WRITING, writer_is_gone
+
+_STEP = re.compile(r"^(0|[1-9][0-9]*)$")
+_OLD = re.compile(r"^(0|[1-9][0-9]*)\.dispatch_io-old-[0-9a-f]+$")
+_TMP = re.compile(r"^\.(0|[1-9][0-9]*)" + re.escape(TMP_SUFFIX) + r"-[0-9a-f]+$")
+_DELETING = re.compile(r"^\.(0|[1-9][0-9]*)\.dispatch_io-deleting-[0-9a-f]+$")
+
+
+def _is_checkpoint(path: str) -> bool:
+    """A committed checkpoint written by dispatch_io (commit marker and our manifest)."""
+    if not (os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, COMMITTED))):
+        return False
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    return f'"format": "{manifest_lib.FORMAT}"'.encode() in head
+
+
+class CheckpointManager:
+    """Numbered steps under ``root`` (a directory), saved through ``dispatcher`` (a
+    :class:`LocalDispatcher` with default options if None; the manager then owns and closes it).
+
+    ``max_to_keep``: keep only this many most recent steps (None: all). ``keep_every_n_steps``:
+    also keep, forever, every step divisible by it. ``barrier_timeout`` applies to the
+    dispatcher the manager creates (a given dispatcher keeps its own options).
+    """
+
+    def __init__(self, root, dispatcher: Dispatcher | None = None, *, max_to_keep: int | None = None,
+                 keep_every_n_steps: int | None = None, barrier_timeout: float | None = None):
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+        if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
+            raise ValueError(f"keep_every_n_steps must be a positive int or None, got {keep_every_n_steps!r}")
+        self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        if "://" in os.fspath(root) and not os.fspath(root).startswith("file://"):
+            raise ValueError(f"CheckpointManager root must be a directory, got {root!r}")
+        self.max_to_keep = max_to_keep
+        self.keep_every_n_steps = keep_every_n_steps
+        self._owns_dispatcher = dispatcher is None
+        if dispatcher is None:
+            extra = {} if barrier_timeout is None else {"barrier_timeout": barrier_timeout}
+            dispatcher = LocalDispatcher(**extra)
+        self.dispatcher = dispatcher
+        self._leader = jax.process_index() == 0
+        self._lock = threading.Lock()
+        self._in_flight: concurrent.futures.Future | None = None  # the last save + its retention
+        self._unreported: BaseException | None = None            # a failure not raised by save()/wait() yet
+        self._closed = False
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
+        os.makedirs(self.root, exist_ok=True)
+        if self._leader:
+            self._remove_leftovers()
+
+    # ---- listing ------------------------------------------------------------------------------
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.root, str(step))
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return sorted(int(name) for name in os.listdir(self.root)
+                      if _STEP.match(name) and _is_checkpoint(os.path.join(self.root, name)))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ---- save / restore --------------------------------------------------------------------------
+
+    def save(self, step: int, tree, *, overwrite: bool = False, **save_kwargs) -> SaveHandle:
+        """Save ``tree`` as ``step`` (after the save in flight, if any, has finished). Same
+        keyword arguments as ``Dispatcher.save``. ``FileExistsError`` if the step exists and
+        not ``overwrite``; an earlier save's failure, not yet raised, is raised here (once)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._check_open("save")
+        self.wait()
+        handle = self.dispatcher.save(self.step_path(step), tree, overwrite=overwrite, **save_kwargs)
+        with self._lock:
+            self._in_flight = self._thread.submit(self._finish_save, handle)
+        return handle
+
+    def _finish_save(self, handle: SaveHandle):
+        """On the manager's thread: wait for the save, then apply retention."""
+        try:
+            handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised by the next save()/wait()
+            with self._lock:
+                self._unreported = exc
+            return
+        if self._leader and (self.max_to_keep is not None or self.keep_every_n_steps is not None):
+            try:
+                self._apply_retention()
+            except Exception:  # noqa: BLE001 - never fail a committed save over clean-up
+                logging.exception("dispatch_io: retention under %s failed", self.root)
+
+    def wait(self):
+        """Wait for the save in flight (and its retention); raise a failure not yet raised."""
+        with self._lock:
+            pending = self._in_flight
+        if pending is not None:
+            pending.result()
+        with self._lock:
+            error, self._unreported = self._unreported, None
+        if error is not None:
+            raise error
+
+    def restore(self, step: int | None = None, target=None, **restore_kwargs):
+        """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore``."""
+        self._check_open("restore")
+        return self.dispatcher.restore(self.step_path(self._resolve(step)), target, **restore_kwargs)
+
+    def metadata(self, step: int | None = None):
+        return metadata(self.step_path(self._resolve(step)))
+
+    def _resolve(self, step: int | None) -> int:
+        if step is not None:
+            return step
+        latest = self.latest_step()
+        if latest is None:
+            raise FileNotFoundError(f"no committed step under {self.root}")
+        return latest
+
+    # ---- retention and clean-up ------------------------------------------------------------------
+
+    def steps_to_delete(self, steps: list[int]) -> list[int]:
+        """Which of the committed ``steps`` the retention policy drops (the newest is always kept)."""
+        if self.max_to_keep is None:
+            return []
+        recent = set(steps[-self.max_to_keep:])
+        every = self.keep_every_n_steps
+        return [s for s in steps if s not in recent and not (every and s % every == 0)]
+
+    def _apply_retention(self):
+        for step in self.steps_to_delete(self.all_steps()):
+            path = self.step_path(step)
+            doomed = os.path.join(self.root, f".{step}.dispatch_io-deleting-{uuid.uuid4().hex[:8]}")
+            os.rename(path, doomed)  # unlisted at once; a crash in rmtree leaves only a hidden leftover
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def _remove_leftovers(self):
+        """Remove what killed saves left behind, when provably ours and dead (see module doc)."""
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            try:
+                if _TMP.match(name) and writer_is_gone(os.path.join(path, WRITING)):
+                    shutil.rmtree(path)
+                elif _DELETING.match(name) and _is_checkpoint(path):
+                    shutil.rmtree(path)
+                elif _OLD.match(name) and _is_checkpoint(path):
+                    final = os.path.join(self.root, name.split(".", 1)[0])
+                    if not os.path.lexists(final):  # killed between the two renames: put it back
+                        os.rename(path, final)
+                    elif _is_checkpoint(final):
+                        shutil.rmtree(path)
+            except OSError:
+                logging.exception("dispatch_io: could not clean up %s", path)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def _check_open(self, what: str):
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager.{what}() called after close()")
+
+    def close(self):
+        """Wait for the save in flight (raising its failure, if not raised yet), then release
+        the manager's thread and, if the manager made it, the dispatcher."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
+            if self._owns_dispatcher:
+                self.dispatcher.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
