@@ -78,7 +78,7 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
             raise ValueError(f"keep_every_n_steps must be a positive int or None, got {keep_every_n_steps!r}")
-        self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        self.root = os.path.abspath(os.path.expanduser(os.fspath(root).removeprefix("file://")))
         if "://" in os.fspath(root) and not os.fspath(root).startswith("file://"):
             raise ValueError(f"CheckpointManager root must be a directory, got {root!r}")
         self.max_to_keep = max_to_keep

@@ -180,16 +180,17 @@ def sync(name: str):
         global_state.client.wait_at_barrier(f"dio-test/{name}", 60_000)
 
 
-def tally_writes(fail_keypath=None) -> dict:
+def tally_writes(fail_keypath=None, error=lambda: ValueError("injected")) -> dict:
     """Wrap the write function LocalDispatcher calls: count the bytes written per key path,
-    and (``fail_keypath``) fail a batch holding that leaf with ValueError("injected")."""
+    and (``fail_keypath``) fail a batch holding that leaf with ``error()``."""
     written: dict[str, int] = {}
     original = dispatch_io.dispatcher.write_regions
 
     def write_regions(session, regions, buffers):
         for region in regions:  # fail as the real write_regions does: a ChunkError naming the leaf
             if region.keypath == fail_keypath:
-                raise ChunkError(region.keypath, region.bounds, ValueError("injected")) from ValueError("injected")
+                cause = error()
+                raise ChunkError(region.keypath, region.bounds, cause) from cause
         result = original(session, regions, buffers)
         for region, buf in zip(regions, buffers):
             written[region.keypath] = written.get(region.keypath, 0) + int(buf.nbytes)
@@ -266,6 +267,51 @@ def write_fails(mesh, path):
     return {"elapsed": time.monotonic() - start}
 
 
+def manager_write_fails(mesh, path):
+    """A CheckpointManager (max_to_keep=1) on a shared root: step 1 saved by both processes; at
+    step 2 process 1's write of ['w'] fails with ENOSPC; step 3 saved without a fault."""
+    import errno
+
+    table = entries()
+    tree, target = build(mesh, table), abstract(mesh, table)
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[name] = error_fields(exc)
+
+    with dio.CheckpointManager(path, max_to_keep=1, barrier_timeout=BARRIER_TIMEOUT) as manager:
+        manager.save(1, tree).wait()
+        manager.wait()
+        sync("manager/1")
+        out["steps_after_1"] = manager.all_steps()
+
+        real_write = dispatch_io.dispatcher.write_regions
+        if jax.process_index() == 1:
+            tally_writes(fail_keypath="['w']", error=lambda: OSError(errno.ENOSPC, "No space left on device"))
+        sync("manager/2")
+        start = time.monotonic()
+        attempt("step_2", lambda: manager.save(2, tree).wait())
+        out["elapsed"] = time.monotonic() - start
+        attempt("manager_wait", manager.wait)          # the failure, once more
+        attempt("manager_wait_again", manager.wait)    # and no more
+        dispatch_io.dispatcher.write_regions = real_write
+        sync("manager/2-failed")
+        out["steps_after_2"] = manager.all_steps()
+        out["step_2_exists"] = os.path.lexists(manager.step_path(2))
+        out["restore_1"] = compare(manager.restore(1, target), mesh, table)
+
+        attempt("step_3", lambda: manager.save(3, tree).wait())
+        attempt("manager_wait_3", manager.wait)        # process 0: retention ran by now
+        sync("manager/3")
+        out["steps_after_3"] = manager.all_steps()
+        out["restore_latest"] = compare(manager.restore(target=target), mesh, table)
+    return out
+
+
 def _sleeper(where):
     """Process 1 stalls (``where``: "before_save" or "in_write") for BARRIER_TIMEOUT + 3 s."""
     def scenario(mesh, path):
@@ -312,7 +358,7 @@ def process_local_leaf(mesh, path):
 
 
 SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only, "shares": shares,
-             "write_fails": write_fails, "sleep_before_save": _sleeper("before_save"),
+             "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),
              "sleep_in_write": _sleeper("in_write")}
 
 

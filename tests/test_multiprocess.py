@@ -244,6 +244,44 @@ def test_write_failure_in_one_process_fails_every_process(jobs, tmp_path):
     assert leftovers(tmp_path) == ["logs"]  # nothing committed, no temporary directory left
 
 
+def test_checkpoint_manager_survives_a_failed_step_on_one_process(jobs, tmp_path):
+    """Two processes share a CheckpointManager root (max_to_keep=1). Step 2 fails with ENOSPC in
+    process 1's write of ['w']: both raise from wait() (process 0 naming process 1 and the
+    leaf), once more from the manager, and step 2 is not committed; step 1 restores bit-exact
+    on both; step 3 succeeds and retention (process 0 alone) leaves only step 3."""
+    root = tmp_path / "root"
+    job = jobs("manager_write_fails", root, 2, 4, barrier_timeout=30)
+    results = job.wait(deadline())
+    for r in results:
+        assert r.get("traceback") is None, f"process {r['process']}: {r.get('traceback')}\n{job.report()}"
+    failing, other = results[1], results[0]
+    step2 = os.path.join(root, "2")
+    assert failing["step_2"]["is_worker_error"], failing
+    assert failing["step_2"]["worker"] == 1 and failing["step_2"]["keypath"] == "['w']", failing
+    assert "worker 1 failed writing ['w']" in failing["step_2"]["error_message"], failing
+    assert other["step_2"]["is_worker_error"], other
+    assert other["step_2"]["error_message"].startswith(
+        f"process 1 failed, so the save to {step2} was not committed"), other
+    assert other["step_2"]["worker"] == 1 and other["step_2"]["keypath"] == "['w']", other
+    for r in results:
+        where = f"process {r['process']}: {r}"
+        assert r["steps_after_1"] == [1], where
+        message = r["step_2"]["error_message"]
+        assert "['w']" in message and "No space left on device" in message and "[Errno 28]" in message, where
+        assert r["elapsed"] < 10, where                      # at once, not after a barrier timeout
+        assert r["manager_wait"] == r["step_2"], where       # the manager raises it once more...
+        assert r["manager_wait_again"] is None, where        # ...and only once
+        assert r["steps_after_2"] == [1] and not r["step_2_exists"], where
+        checked, mismatches = r["restore_1"]
+        assert checked > 0 and mismatches == [], where
+        assert r["step_3"] is None and r["manager_wait_3"] is None, where   # no errors, process 1 included
+        assert r["steps_after_3"] == [3], where
+        checked, mismatches = r["restore_latest"]
+        assert checked > 0 and mismatches == [], where
+        assert "retention" not in job._tail(r["process"], "err", 10**6), job.report()   # nothing logged
+    assert leftovers(root) == ["3"]
+
+
 @pytest.mark.parametrize("where", ["sleep_before_save", "sleep_in_write"])
 def test_stalled_process_times_out(jobs, tmp_path, where):
     """Process 1 stalls for barrier_timeout + 3 s (before save(), or in an on_write_end
