@@ -31,6 +31,7 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ import threading
 import uuid
 
 import jax
+import numpy as np
 from absl import logging
 
 from dispatch_io import manifest as manifest_lib
@@ -49,6 +51,19 @@ _STEP = re.compile(r"^(0|[1-9][0-9]*)$")
 _OLD = re.compile(r"^(0|[1-9][0-9]*)\.dispatch_io-old-[0-9a-f]+$")
 _TMP = re.compile(r"^\.(0|[1-9][0-9]*)" + re.escape(TMP_SUFFIX) + r"-[0-9a-f]+$")
 _DELETING = re.compile(r"^\.(0|[1-9][0-9]*)\.dispatch_io-deleting-[0-9a-f]+$")
+
+
+def _step_number(step) -> int:
+    """A step as a non-negative Python int (numpy / jax integer scalars accepted; not bool)."""
+    try:
+        if isinstance(step, (bool, np.bool_)):
+            raise TypeError
+        number = operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}") from None
+    if number < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    return number
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -90,6 +105,7 @@ class CheckpointManager:
         self.dispatcher = dispatcher
         self._leader = jax.process_index() == 0
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
         self._in_flight: concurrent.futures.Future | None = None  # the last save + its retention
         self._unreported: BaseException | None = None            # a failure not raised by save()/wait() yet
         self._closed = False
@@ -118,13 +134,13 @@ class CheckpointManager:
         """Save ``tree`` as ``step`` (after the save in flight, if any, has finished). Same
         keyword arguments as ``Dispatcher.save``. ``FileExistsError`` if the step exists and
         not ``overwrite``; an earlier save's failure, not yet raised, is raised here (once)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = _step_number(step)
         self._check_open("save")
-        self.wait()
-        handle = self.dispatcher.save(self.step_path(step), tree, overwrite=overwrite, **save_kwargs)
-        with self._lock:
-            self._in_flight = self._thread.submit(self._finish_save, handle)
+        with self._save_lock:  # saves from several threads still run one after the other
+            self.wait()
+            handle = self.dispatcher.save(self.step_path(step), tree, overwrite=overwrite, **save_kwargs)
+            with self._lock:
+                self._in_flight = self._thread.submit(self._finish_save, handle)
         return handle
 
     def _finish_save(self, handle: SaveHandle):
@@ -162,7 +178,7 @@ class CheckpointManager:
 
     def _resolve(self, step: int | None) -> int:
         if step is not None:
-            return step
+            return _step_number(step)
         latest = self.latest_step()
         if latest is None:
             raise FileNotFoundError(f"no committed step under {self.root}")
