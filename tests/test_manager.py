@@ -536,4 +536,4 @@ def test_api_edge_cases(tmp_path, mesh):
         manager.restore()
     with pytest.raises(RuntimeError):                            # the owned dispatcher is closed too
         manager.dispatcher.save(root / "9", small)
-    assert listing(root) == {"1", "2"}
+    assert listing(root) == {"1", "2", "3", "4"}
