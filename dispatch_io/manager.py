@@ -45,12 +45,23 @@ from absl import logging
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
 from dispatch_io.save import SaveHandle
-from dispatch_io.storage import COMMITTED, MANIFEST, TMP_SUFFIX, WRITING, writer_is_gone
+from dispatch_io.storage import COMMITTED, MANIFEST, TMP_SUFFIX, WRITING, is_our_marker, writer_is_gone
 
 _STEP = re.compile(r"^(0|[1-9][0-9]*)$")
 _OLD = re.compile(r"^(0|[1-9][0-9]*)\.dispatch_io-old-[0-9a-f]+$")
 _TMP = re.compile(r"^\.(0|[1-9][0-9]*)" + re.escape(TMP_SUFFIX) + r"-[0-9a-f]+$")
 _DELETING = re.compile(r"^\.(0|[1-9][0-9]*)\.dispatch_io-deleting-[0-9a-f]+$")
+
+
+def _delete_checkpoint(path: str):
+    """Delete a checkpoint directory, its COMMITTED marker last: whatever a crash leaves
+    still proves itself ours (or is an empty directory)."""
+    shutil.rmtree(os.path.join(path, "arrays"), ignore_errors=True)
+    for name in os.listdir(path):
+        if name != COMMITTED:
+            full = os.path.join(path, name)
+            shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(full)
+    shutil.rmtree(path)
 
 
 def _step_number(step) -> int:
@@ -198,18 +209,20 @@ class CheckpointManager:
         for step in self.steps_to_delete(self.all_steps()):
             path = self.step_path(step)
             doomed = os.path.join(self.root, f".{step}.dispatch_io-deleting-{uuid.uuid4().hex[:8]}")
-            os.rename(path, doomed)  # unlisted at once; a crash in rmtree leaves only a hidden leftover
-            shutil.rmtree(doomed, ignore_errors=True)
+            os.rename(path, doomed)  # unlisted at once; a crash below leaves only a hidden leftover
+            _delete_checkpoint(doomed)
 
     def _remove_leftovers(self):
         """Remove what killed saves left behind, when provably ours and dead (see module doc)."""
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
             try:
-                if _TMP.match(name) and writer_is_gone(os.path.join(path, WRITING)):
-                    shutil.rmtree(path)
-                elif _DELETING.match(name) and _is_checkpoint(path):
-                    shutil.rmtree(path)
+                if _TMP.match(name) and (writer_is_gone(os.path.join(path, WRITING)) or
+                                         writer_is_gone(os.path.join(path, COMMITTED))):
+                    shutil.rmtree(path)  # (killed while committing: only COMMITTED names the writer)
+                elif _DELETING.match(name) and (is_our_marker(os.path.join(path, COMMITTED)) or
+                                                not os.listdir(path)):
+                    _delete_checkpoint(path)
                 elif _OLD.match(name) and _is_checkpoint(path):
                     final = os.path.join(self.root, name.split(".", 1)[0])
                     if not os.path.lexists(final):  # killed between the two renames: put it back

@@ -62,6 +62,16 @@ def _marker_json() -> bytes:
                        "time": time.time(), "id": uuid.uuid4().hex}).encode()
 
 
+def is_our_marker(marker_path: str) -> bool:
+    """A WRITING / COMMITTED marker written by dispatch_io."""
+    try:
+        with open(marker_path, "rb") as f:
+            marker = json.loads(f.read())
+        return {"host", "pid", "id"} <= set(marker)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def writer_is_gone(marker_path: str) -> bool:
     """True only if the marker at ``marker_path`` is one of ours and the process that wrote it
     provably no longer runs (same host; that pid is gone or belongs to a later process)."""
@@ -243,13 +253,15 @@ class DirectoryWrite(WriteTarget):
 
     def commit(self, manifest: bytes, fsync: bool = True):
         final = self.location.path
-        os.remove(os.path.join(self.tmp, WRITING))
         _write_file(os.path.join(self.tmp, MANIFEST), manifest, fsync)
         if fsync:
             for root, dirs, _ in os.walk(self.tmp):
                 for d in dirs:
                     _fsync_path(os.path.join(root, d), directory=True)
         _write_file(os.path.join(self.tmp, COMMITTED), _marker_json(), fsync)
+        # Only now: until the rename, one of the two markers always names this process, so a
+        # manager can prove the directory a leftover if this process is killed.
+        os.remove(os.path.join(self.tmp, WRITING))
         if fsync:
             _fsync_path(self.tmp, directory=True)
         self.location.check_writable(self.overwrite)  # again: another save may have committed meanwhile

@@ -200,10 +200,10 @@ def tally_writes(fail_keypath=None, error=lambda: ValueError("injected")) -> dic
     return written
 
 
-def restore_and_compare(d, path, target, mesh, table) -> dict:
+def restore_and_compare(d, path, target, mesh, table, verify=False) -> dict:
     """Restore ``target`` and compare it with the host data, reported as checked / mismatches.
     (The "device5" leaf has no shard on most processes: they get a global array all the same.)"""
-    restored = d.restore(path, target)
+    restored = d.restore(path, target, verify=verify)
     checked, bad = compare(restored, mesh, table)
     without = [k for k, x in dio.tree.flatten(restored)[0] if isinstance(x, jax.Array) and not x.addressable_shards]
     return {"checked": checked, "mismatches": bad, "without_local_shards": without}
@@ -222,17 +222,19 @@ def roundtrip(mesh, path):
 
 
 def save_only(mesh, path):
+    """Save with per-chunk checksums (each process computes its own chunks'; process 0 writes all)."""
     table = entries()
-    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT, checksums=True) as d:
         stats = d.save(path, build(mesh, table)).wait()
     return {"bytes_written": stats.bytes_written, "total_bytes": stored_nbytes(table)}
 
 
 def restore_only(mesh, path):
-    """Restore onto ShapeDtypeStructs over this job's own mesh (whatever saved it)."""
+    """Restore onto ShapeDtypeStructs over this job's own mesh (whatever saved it), verifying
+    every chunk read against the checksums in the manifest."""
     table = entries()
     with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
-        return restore_and_compare(d, path, abstract(mesh, table), mesh, table)
+        return restore_and_compare(d, path, abstract(mesh, table), mesh, table, verify=True)
 
 
 def shares(mesh, path):

@@ -176,12 +176,20 @@ def test_roundtrip(jobs, tmp_path, processes, devices):
 
 
 def test_checkpoints_move_between_process_counts(jobs, tmp_path):
-    """Saved by 2 processes x 4 devices -> restored by 1 process x 8, and the reverse."""
+    """Saved by 2 processes x 4 devices -> restored by 1 process x 8, and the reverse. The saves
+    store per-chunk checksums (each process its own chunks'; the manifest holds all of them) and
+    the restores verify every chunk they read."""
     by_two, by_one = tmp_path / "by_two", tmp_path / "by_one"
     limit = deadline()
     save_two, save_one = jobs("save", by_two, 2, 4), jobs("save", by_one, 1, 8)
     assert_saved(save_two.wait(limit), save_two)
     assert_saved(save_one.wait(limit), save_one)
+    for path in (by_two, by_one):
+        manifest = json.loads((path / "manifest.json").read_text())
+        for leaf in manifest["leaves"]:
+            if leaf.get("stored"):
+                files = [n for _, _, names in os.walk(path / "arrays" / leaf["stored"]["name"] / "c") for n in names]
+                assert len(leaf["stored"]["crc32c"]) == max(len(files), 1), leaf["keypath"]
     restore_one, restore_two = jobs("restore", by_two, 1, 8), jobs("restore", by_one, 2, 4)
     assert_restored(restore_one.wait(limit), restore_one)
     assert_restored(restore_two.wait(limit), restore_two)
