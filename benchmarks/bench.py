@@ -57,9 +57,10 @@ class DispatchIO:
     """dispatch_io.LocalDispatcher with the given host memory budget; one dispatcher per process."""
 
     name = "dispatch_io"
+    dispatcher_cls = dio.LocalDispatcher
 
     def __init__(self, budget: int):
-        self.dispatcher = dio.LocalDispatcher(host_memory_budget=budget)
+        self.dispatcher = self.dispatcher_cls(host_memory_budget=budget)
 
     def save(self, tree, path):
         return self.dispatcher.save(path, tree).wait()
@@ -73,6 +74,13 @@ class DispatchIO:
 
     def close(self):
         self.dispatcher.close()
+
+
+class DispatchIOColocated(DispatchIO):
+    """dispatch_io.ColocatedDispatcher (colocated_python, in-process on the CPU devices here)."""
+
+    name = "dispatch_io_colocated"
+    dispatcher_cls = dio.ColocatedDispatcher
 
 
 class Orbax:
@@ -99,11 +107,11 @@ class Orbax:
         self.checkpointer.close()
 
 
-SYSTEMS = {"dispatch_io": DispatchIO, "orbax": Orbax}
+SYSTEMS = {"dispatch_io": DispatchIO, "dispatch_io_colocated": DispatchIOColocated, "orbax": Orbax}
 
 
 def available_systems() -> list[str]:
-    out = ["dispatch_io"]
+    out = ["dispatch_io", "dispatch_io_colocated"]
     try:
         importlib.metadata.version("orbax-checkpoint")
         import orbax.checkpoint  # noqa: F401
