@@ -79,7 +79,13 @@ class Dispatcher:
         plan_cached = self._plans.hits > hits
         leaves = jax.tree_util.tree_leaves(tree)
         priorities = self._priorities(plan, priority)
-        batches = make_batches(plan, priorities, self.options.batch_bytes, worker=self.worker_id)
+        batch_key = ("batches", tuple(priorities), self.options.batch_bytes, self.worker_id)
+        batches = plan.memo.get(batch_key)
+        if batches is None:  # a training loop saving the same state batches once
+            if len(plan.memo) >= 8:
+                plan.memo.clear()
+            batches = plan.memo[batch_key] = make_batches(plan, priorities, self.options.batch_bytes,
+                                                          worker=self.worker_id)
         plan_seconds = time.perf_counter() - started
         self._lock_path(location.key)  # saves to one path never overlap; the run unlocks it when done
         save = None

@@ -69,6 +69,8 @@ class Plan:
     treedef: Any
     leaves: tuple[LeafSpec, ...]
     chunks: tuple[Chunk, ...]
+    # Derived results worth keeping with a cached plan (e.g. batches per priority assignment).
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +215,7 @@ def plan_key(tree) -> tuple:
     sig = []
     for leaf in leaves:
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-            sig.append((type(leaf), tuple(leaf.shape), str(leaf.dtype), getattr(leaf, "sharding", None)))
+            sig.append((type(leaf), tuple(leaf.shape), leaf.dtype, getattr(leaf, "sharding", None)))
         else:
             sig.append(type(leaf))
     return treedef, tuple(sig)
