@@ -168,9 +168,10 @@ class DistributedSave:
                 last_progress, deadline = progress, time.monotonic() + self.c.timeout
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.c.count)) - set(entries))
+                doing = "finish writing their part of" if phase == "status" else f"reach '{phase}' of"
                 raise BarrierTimeoutError(
-                    f"process(es) {missing} did not finish writing their part of the save to "
-                    f"{self.location.display} and made no progress for {self.c.timeout:g} s",
+                    f"process(es) {missing} did not {doing} the save to {self.location.display} "
+                    f"and made no progress for {self.c.timeout:g} s",
                     processes=missing, barrier=f"{self.prefix}/{phase}")
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
