@@ -130,7 +130,7 @@ class ColocatedDispatcher(Dispatcher):
                 for f in in_flight:
                     f.exception()
                 keypath = getattr(exc, "keypath", None) or batch[0][0].saved.keypath
-                raise WorkerError(f"colocated worker failed reading {keypath} from {display}: "
+                raise WorkerError(f"worker {self.worker_id} (colocated) failed reading {keypath} from {display}: "
                                   f"{type(exc).__name__}: {exc}", worker=self.worker_id, keypath=keypath) from exc
             for (out, region), array in zip(batch, arrays):
                 if out.where == restore_lib.HOST:  # raw bytes -> a writable numpy array
