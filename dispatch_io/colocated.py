@@ -28,7 +28,7 @@ import numpy as np
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import pack
-from dispatch_io.dispatcher import Dispatcher, _mark_io_thread
+from dispatch_io.dispatcher import Dispatcher
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, Plan
@@ -70,13 +70,11 @@ class ColocatedDispatcher(Dispatcher):
     """
 
     host_staging = False  # the colocated CPU devices hold the host copies; the budget still counts them
+    thread_name = "dispatch_io-colocated"
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         remote.colocated_python_module()  # a missing cloudpickle fails here, not mid-save
         super().__init__(Options(host_memory_budget=host_memory_budget, **options))
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.options.write_threads, thread_name_prefix="dispatch_io-colocated",
-            initializer=_mark_io_thread, initargs=(self.io_token,))
 
     # ---- save -----------------------------------------------------------------------------------
 
@@ -172,10 +170,6 @@ class ColocatedDispatcher(Dispatcher):
             request = remote.encode_request((session.kvstore, tuple(regions)), sharding)
             return np.asarray(remote.checksummer(len(regions), sharding)(request)).tolist()
         return self._pool.submit(run)
-
-    def close(self):
-        super().close()
-        self._pool.shutdown(wait=True)
 
 
 def _to_colocated_cpu(chunk: Chunk, sources: Sources) -> jax.Array:

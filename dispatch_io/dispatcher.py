@@ -52,6 +52,11 @@ class Dispatcher:
         self._closed = False
         self.io_token = object()  # marks this dispatcher's IO threads (see save.io_thread)
         self.coordinator = coordination.for_this_job(options.barrier_timeout)
+        # Where writes and reads are handed out (LocalDispatcher runs the worker functions here;
+        # ColocatedDispatcher issues its colocated calls from here).
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            options.write_threads, thread_name_prefix=self.thread_name,
+            initializer=_mark_io_thread, initargs=(self.io_token,))
 
     @property
     def worker_id(self) -> int:
@@ -226,6 +231,7 @@ class Dispatcher:
     # ---- what a concrete dispatcher provides ---------------------------------------------------
 
     host_staging = True  # copies land in the staging ring (False: elsewhere, the ring only counts bytes)
+    thread_name = "dispatch_io-worker"
 
     def open_write_session(self, target: WriteTarget):
         raise NotImplementedError
@@ -265,6 +271,7 @@ class Dispatcher:
         with self._lock:
             self._closed = True
         self.wait_all()
+        self._pool.shutdown(wait=True)
         self._ring.drop_buffer()
 
     def __enter__(self):
@@ -326,9 +333,6 @@ class LocalDispatcher(Dispatcher):
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         super().__init__(Options(host_memory_budget=host_memory_budget, **options))
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.options.write_threads, thread_name_prefix="dispatch_io-worker",
-            initializer=_mark_io_thread, initargs=(self.io_token,))
 
     def open_write_session(self, target: WriteTarget) -> Session:
         return Session(target.kvstore, context=target.context, fsync=self.options.fsync,
@@ -348,7 +352,3 @@ class LocalDispatcher(Dispatcher):
 
     def submit_checksums(self, session, regions):
         return self._pool.submit(checksum_regions, session, regions)
-
-    def close(self):
-        super().close()
-        self._pool.shutdown(wait=True)
