@@ -174,8 +174,7 @@ class ColocatedDispatcher(Dispatcher):
 
 def _to_colocated_cpu(chunk: Chunk, sources: Sources) -> jax.Array:
     """The chunk's region as a new array on the CPU device colocated with its device."""
-    start, data = sources.shard(chunk.leaf, chunk.device)
-    local = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start))
+    data, local = sources.locate(chunk)
     if isinstance(data, np.ndarray):  # host data, as raw bytes (jax would turn float64 into float32)
         raw = np.array(data[local], order="C").reshape(-1).view(np.uint8)  # a copy: CPU device_put may alias aligned numpy
         return jax.device_put(raw, _cpu_sharding(jax.local_devices()[0]))

@@ -292,8 +292,7 @@ def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources: Sources, s
     for chunk in chunks:
         spec = plan.leaves[chunk.leaf]
         try:
-            start, data = sources.shard(chunk.leaf, chunk.device)
-            local = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start))
+            data, local = sources.locate(chunk)
             shape = tuple(hi - lo for lo, hi in chunk.region)
             dst = staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape)
             offset += aligned(chunk.nbytes)

@@ -90,8 +90,14 @@ class Sources:
         self._leaves = list(leaves)
         self._shards: dict[int, dict] = {}
 
-    def shard(self, leaf: int, device: int | None):
-        """(start offsets, data) of the shard on ``device``; data is a jax.Array or np.ndarray."""
+    def locate(self, chunk) -> tuple:
+        """(data, index): the shard holding ``chunk`` (a jax.Array or np.ndarray) and the
+        slices of it that are the chunk's region."""
+        start, data = self._shard(chunk.leaf, chunk.device)
+        return data, tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start))
+
+    def _shard(self, leaf: int, device: int | None):
+        """(start offsets, data) of the shard on ``device``."""
         shards = self._shards.get(leaf)
         if shards is None:
             value, spec = self._leaves[leaf], self._plan.leaves[leaf]
