@@ -205,8 +205,7 @@ def _write_on_workers(session: RemoteSession, regions: list[Region], arrays: lis
 
 def _unit_bytes(unit) -> int:
     out, region = unit
-    shape = tuple(hi - lo for lo, hi in region) + out.saved.stored.shape[len(region):]
-    return math.prod(shape) * out.saved_dtype.itemsize
+    return math.prod(out.buffer_shape(region)) * out.saved_dtype.itemsize
 
 
 def _home_device(out, region):
@@ -221,7 +220,7 @@ def _read_item(out, region, chunk_limit: int, sharding):
     stored = saved.stored
     pieces = tuple((Region(stored, bounds, saved.keypath), tuple((sl.start, sl.stop) for sl in local))
                    for bounds, local in restore_lib.pieces(out, region, chunk_limit))
-    shape = tuple(hi - lo for lo, hi in region) + stored.shape[len(region):]
+    shape = out.buffer_shape(region)
     key = saved.kind == tree_lib.KEY
     host = out.where == restore_lib.HOST
     item = remote.ReadItem(pieces, shape, stored.dtype, np.dtype(out.dtype).name,

@@ -39,6 +39,15 @@ class _Output:
     regions: dict = dataclasses.field(default_factory=dict)  # region -> [devices] (DEVICE) / [None]
     buffers: dict = dataclasses.field(default_factory=dict)  # region -> host array
 
+    def stored_bounds(self, region) -> tuple:
+        """``region`` (over the logical shape) as bounds over the stored array: PRNG keys'
+        trailing ``key_data`` dimensions are read whole."""
+        return region + tuple((0, n) for n in self.saved.stored.shape[len(region):])
+
+    def buffer_shape(self, region) -> tuple[int, ...]:
+        """Shape of the host buffer holding ``region`` as stored."""
+        return tuple(hi - lo for lo, hi in self.stored_bounds(region))
+
     @property
     def saved_dtype(self) -> np.dtype:
         """Element dtype of what is stored (``key_data``'s for keys)."""
@@ -146,9 +155,8 @@ def units(outputs: list) -> list[tuple[_Output, tuple]]:
 
 def pieces(out: _Output, region, chunk_limit: int):
     """(piece bounds over the stored array, slices into the region buffer) covering ``region``."""
-    stored = out.saved.stored
-    full = region + tuple((0, n) for n in stored.shape[len(region):])  # trailing key dims
-    shape = tuple(hi - lo for lo, hi in full)
+    full = out.stored_bounds(region)
+    shape = out.buffer_shape(region)
     step = storage_chunk_shape(shape, np.dtype(out.dtype).itemsize, chunk_limit)
     for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]):
         local = tuple(slice(s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
@@ -189,8 +197,7 @@ def _destination(out: _Output, region, local) -> np.ndarray | None:
     """Where a piece is read to: a view of its region's buffer (allocated on first use,
     64-byte aligned so ``device_put`` adopts it on CPU), or None when it must be converted."""
     if region not in out.buffers:
-        shape = tuple(hi - lo for lo, hi in region) + out.saved.stored.shape[len(region):]
-        out.buffers[region] = aligned_empty(shape, np.dtype(out.dtype))
+        out.buffers[region] = aligned_empty(out.buffer_shape(region), np.dtype(out.dtype))
     if out.dtype != out.saved_dtype:
         return None
     # ``...``: a view even for 0-d arrays (indexing one with ``()`` gives a numpy scalar).
@@ -232,8 +239,7 @@ def finish(out) -> Any:
 def _stored_cells(out: _Output, region):
     """(grid index, bounds) of every stored chunk overlapping ``region`` (whole chunks)."""
     stored = out.saved.stored
-    full = region + tuple((0, n) for n in stored.shape[len(region):])
-    axes = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(full, stored.chunk_shape)]
+    axes = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(out.stored_bounds(region), stored.chunk_shape)]
     for grid in itertools.product(*axes):
         yield grid, tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, stored.chunk_shape, stored.shape))
 
