@@ -64,3 +64,18 @@ def make_batches(plan: Plan, priorities: Sequence[Priority], limit: int, worker:
                    key=lambda i: (prio(i), i))
     return tuple(Batch(prio(chunks[0]), tuple(chunks), size)
                  for chunks, size in pack(order, lambda i: plan.chunks[i].nbytes, limit, group=prio))
+
+
+def sync_overflow(plan: Plan, batches: Sequence[Batch], capacity: int) -> set[int]:
+    """The jax-array leaves of SYNC batches beyond the first ``capacity`` staging bytes: copying
+    them to host before ``save()`` returns would have to wait for earlier batches' writes."""
+    used = 0
+    over: set[int] = set()
+    for batch in batches:
+        if batch.priority != Priority.SYNC:
+            break
+        used += batch.nbytes
+        if used > capacity:
+            over.update(leaf for leaf in (plan.chunks[i].leaf for i in batch.chunks)
+                        if plan.leaves[leaf].origin == "jax")
+    return over

@@ -28,21 +28,29 @@ import numpy as np
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import pack
-from dispatch_io.dispatcher import Dispatcher
+from dispatch_io.dispatcher import Dispatcher, arrays_of
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, Plan
 from dispatch_io.save import Sources
 from dispatch_io.storage import Location, WriteTarget
-from workers import ChunkError, Region
+from workers import ChunkError, Region, Session, layout_kvstore
 from workers import colocated as remote
 
 
 class RemoteSession:
-    """What a colocated worker needs to open the checkpoint's arrays (plain, picklable data)."""
+    """What a colocated worker needs to open the checkpoint's arrays (plain, picklable data).
+    ``kvstore`` is where the arrays are read; writers write ``writer_kvstore(cpu)``."""
 
-    def __init__(self, kvstore: dict, fsync: bool = True, checksums: bool = False):
+    def __init__(self, kvstore: dict, fsync: bool = True, checksums: bool = False,
+                 base: dict | None = None, layout: str = "files"):
         self.kvstore, self.fsync, self.checksums = kvstore, fsync, checksums
+        self.base, self.layout = base, layout
+        self.arrays_created = None  # a future: writes wait for it
+
+    def writer_kvstore(self, cpu) -> dict:
+        """The kvstore the colocated host of CPU device ``cpu`` writes (OCDBT: a database of its own)."""
+        return layout_kvstore(self.base, self.layout, writer=f"cpu{cpu.id}")
 
     def close(self):
         pass
@@ -78,8 +86,23 @@ class ColocatedDispatcher(Dispatcher):
 
     # ---- save -----------------------------------------------------------------------------------
 
-    def open_write_session(self, target: WriteTarget) -> RemoteSession:
-        return RemoteSession(target.kvstore, self.options.fsync, self.options.checksums)
+    def open_write_session(self, target: WriteTarget, chunks, plan: Plan) -> RemoteSession:
+        session = RemoteSession(target.kvstore, self.options.fsync, self.options.checksums, base=target.kvstore,
+                                layout=self.options.layout)
+        # Each colocated host writes the chunks of its devices; their arrays are created first,
+        # from here, so that the hosts' concurrent writes only ever add chunks.
+        devices = {d.id: d for d in jax.local_devices()}
+        by_cpu: dict = {}
+        for chunk in chunks:
+            device = devices[chunk.device] if chunk.device is not None else jax.local_devices()[0]
+            by_cpu.setdefault(_colocated_cpus()[device], []).append(chunk)
+
+        def create():
+            for cpu, mine in by_cpu.items():
+                Session(session.writer_kvstore(cpu), context=target.context,
+                        fsync=self.options.fsync).create_arrays(arrays_of(mine, plan))
+        session.arrays_created = self._pool.submit(create)  # SYNC copies need not wait for it
+        return session
 
     def copy_to_host(self, plan: Plan, chunks, sources: Sources, staging) -> list[jax.Array]:
         """Each chunk onto the CPU device colocated with its device; returns once all arrived."""
@@ -112,11 +135,11 @@ class ColocatedDispatcher(Dispatcher):
 
     # ---- restore --------------------------------------------------------------------------------
 
-    def read_outputs(self, location: Location, outputs: list, display: str):
+    def read_outputs(self, location: Location, layout: str, outputs: list, display: str):
         """Fill each output's regions with arrays read by colocated calls (see module doc)."""
         units = restore_lib.units(outputs)
         batches = [items for items, _ in pack(units, _unit_bytes, self.options.batch_bytes)]
-        kvstore = location.arrays_kvstore()
+        kvstore = layout_kvstore(location.arrays_kvstore(), layout)
         submit = lambda batch: self._submit(self._read_batch, kvstore, batch)  # noqa: E731
         in_flight = [submit(batches[0])] if batches else []
         for k, batch in enumerate(batches):
@@ -159,8 +182,8 @@ class ColocatedDispatcher(Dispatcher):
                 results[i] = array
         return results
 
-    def open_read_session(self, location: Location) -> RemoteSession:
-        return RemoteSession(location.arrays_kvstore())
+    def open_read_session(self, location: Location, layout: str) -> RemoteSession:
+        return RemoteSession(layout_kvstore(location.arrays_kvstore(), layout))
 
     def submit_checksums(self, session: RemoteSession, regions) -> concurrent.futures.Future:
         """CRC-32C of stored regions, computed by a colocated call next to this process's first device."""
@@ -188,13 +211,14 @@ def _to_colocated_cpu(chunk: Chunk, sources: Sources) -> jax.Array:
 def _write_on_workers(session: RemoteSession, regions: list[Region], arrays: list[jax.Array]) -> list:
     """One colocated write call per CPU device holding part of the batch; returns the
     CRC-32C per region (None without checksums), like ``workers.write_regions``."""
+    session.arrays_created.result()
     groups: dict = {}
     for i, array in enumerate(arrays):
         groups.setdefault(array.sharding, []).append(i)
     calls = []
     for sharding, indices in groups.items():
         request = remote.encode_request(remote.WriteRequest(
-            session.kvstore, session.fsync, session.checksums, tuple(regions[i] for i in indices)), sharding)
+            session.writer_kvstore(next(iter(sharding.device_set))), session.fsync, session.checksums, tuple(regions[i] for i in indices)), sharding)
         calls.append((indices, remote.write_arrays(request, [arrays[i] for i in indices])))
     sums: list = [None] * len(arrays)
     for indices, result in calls:

@@ -21,13 +21,14 @@ from dispatch_io import coordination
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
-from dispatch_io.batches import Priority, aligned, make_batches
+from dispatch_io.batches import Priority, aligned, make_batches, sync_overflow
+from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, Plan, PlanCache
 from dispatch_io.save import SaveHandle, SaveRun, Sources, io_thread
 from dispatch_io.staging import StagingRing
 from dispatch_io.storage import Location, WriteTarget
-from workers import ChunkError, Region, Session, checksum_regions, read_regions, write_regions
+from workers import ChunkError, Region, Session, checksum_regions, layout_kvstore, read_regions, write_regions
 
 PriorityFn = Callable[[str, jax.ShapeDtypeStruct], Priority]
 
@@ -84,13 +85,15 @@ class Dispatcher:
         plan_cached = self._plans.hits > hits
         leaves = jax.tree_util.tree_leaves(tree)
         priorities = self._priorities(plan, priority)
-        batch_key = ("batches", tuple(priorities), self.options.batch_bytes, self.worker_id)
-        batches = plan.memo.get(batch_key)
-        if batches is None:  # a training loop saving the same state batches once
-            if len(plan.memo) >= 8:
-                plan.memo.clear()
-            batches = plan.memo[batch_key] = make_batches(plan, priorities, self.options.batch_bytes,
-                                                          worker=self.worker_id)
+        batches = self._batches(plan, priorities)
+        overflow = ()
+        if self.options.device_snapshots:
+            overflow = {i for i in sync_overflow(plan, batches, self.options.host_memory_budget)
+                        if _platform(leaves[i]) not in NO_SNAPSHOT_PLATFORMS}
+        if overflow:  # copied on device now, to host later with HIGH priority
+            self._snapshot(plan, leaves, sorted(overflow))
+            priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
+            batches = self._batches(plan, priorities)
         plan_seconds = time.perf_counter() - started
         self._lock_path(location.key)  # saves to one path never overlap; the run unlocks it when done
         save = None
@@ -98,6 +101,7 @@ class Dispatcher:
             save = self.coordinator.start_write(location, overwrite, plan)
             run = SaveRun(self, plan, leaves, batches, save, location, self._ring,
                           on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
+            run.snapshot_bytes = sum(plan.leaves[i].nbytes for i in overflow)
             self._start(run)
         except BaseException as exc:
             if save is not None:
@@ -107,6 +111,33 @@ class Dispatcher:
             raise
         run.wait_until_sync_copied()
         return SaveHandle(run)
+
+    def _snapshot(self, plan: Plan, leaves: list, indices: list[int]):
+        """Replace ``leaves[i]`` by a copy on the same devices, and wait for the copies."""
+        def failed(i, exc):
+            keypath = plan.leaves[i].keypath
+            return WorkerError(f"worker {self.worker_id} failed copying {keypath} on its devices: "
+                               f"{type(exc).__name__}: {exc}", worker=self.worker_id, keypath=keypath)
+
+        for i in indices:  # all dispatched first (asynchronous), then waited for
+            try:
+                leaves[i] = jax.device_put(leaves[i], leaves[i].sharding, may_alias=False)
+            except Exception as exc:  # noqa: BLE001 - e.g. a deleted or donated array
+                raise failed(i, exc) from exc
+        for i in indices:
+            try:
+                leaves[i].block_until_ready()
+            except Exception as exc:  # noqa: BLE001
+                raise failed(i, exc) from exc
+
+    def _batches(self, plan: Plan, priorities: list[Priority]):
+        key = ("batches", tuple(priorities), self.options.batch_bytes, self.worker_id)
+        batches = plan.memo.get(key)
+        if batches is None:  # a training loop saving the same state batches once
+            if len(plan.memo) >= 8:
+                plan.memo.clear()
+            batches = plan.memo[key] = make_batches(plan, priorities, self.options.batch_bytes, worker=self.worker_id)
+        return batches
 
     def _start(self, run: SaveRun):
         """Register ``run`` (unless the dispatcher was closed meanwhile) and start its driver."""
@@ -203,25 +234,25 @@ class Dispatcher:
         treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
         try:
             if verify:
-                self.verify_outputs(location, outputs, location.display)
-            self.read_outputs(location, outputs, location.display)
+                self.verify_outputs(location, manifest.layout, outputs, location.display)
+            self.read_outputs(location, manifest.layout, outputs, location.display)
         except Exception as exc:
             location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
             raise
         location.check_commit_marker(marker)  # else the result may mix two checkpoints
         return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
 
-    def read_outputs(self, location: Location, outputs: list, display: str):
+    def read_outputs(self, location: Location, layout: str, outputs: list, display: str):
         """Fill the outputs' region buffers (``restore.finish`` builds the arrays from them)."""
-        session = self.open_read_session(location)
+        session = self.open_read_session(location, layout)
         try:
             restore_lib.read_outputs(self, session, outputs, display)
         finally:
             session.close()
 
-    def verify_outputs(self, location: Location, outputs: list, display: str):
+    def verify_outputs(self, location: Location, layout: str, outputs: list, display: str):
         """Check the chunks the outputs need against their saved checksums."""
-        session = self.open_read_session(location)
+        session = self.open_read_session(location, layout)
         try:
             restore_lib.verify_checksums(outputs, display, self.options.batch_bytes,
                                          lambda regions: self.submit_checksums(session, regions))
@@ -233,10 +264,11 @@ class Dispatcher:
     host_staging = True  # copies land in the staging ring (False: elsewhere, the ring only counts bytes)
     thread_name = "dispatch_io-worker"
 
-    def open_write_session(self, target: WriteTarget):
+    def open_write_session(self, target: WriteTarget, chunks: Sequence[Chunk], plan: Plan):
+        """A session writing ``chunks`` (this process's) into ``target``, their arrays created."""
         raise NotImplementedError
 
-    def open_read_session(self, location: Location):
+    def open_read_session(self, location: Location, layout: str):
         raise NotImplementedError
 
     def copy_to_host(self, plan: Plan, chunks: Sequence[Chunk], sources: Sources, staging: np.ndarray
@@ -315,8 +347,21 @@ def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources: Sources, s
     return out
 
 
+# A CPU device's memory is host memory: a snapshot there would be host memory outside the budget.
+NO_SNAPSHOT_PLATFORMS = ("cpu",)
+
+
+def _platform(array) -> str:
+    return next(iter(array.sharding.device_set)).platform
+
+
+def arrays_of(chunks: Sequence[Chunk], plan: Plan) -> list:
+    """The stored arrays (``ArraySpec``) the chunks belong to, each once, in order."""
+    return list(dict.fromkeys(plan.leaves[c.leaf].array for c in chunks))
+
+
 def _on_cpu(array) -> bool:
-    return next(iter(array.devices())).platform == "cpu"
+    return _platform(array) == "cpu"
 
 
 def _mark_io_thread(token):
@@ -333,12 +378,15 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         super().__init__(Options(host_memory_budget=host_memory_budget, **options))
 
-    def open_write_session(self, target: WriteTarget) -> Session:
-        return Session(target.kvstore, context=target.context, fsync=self.options.fsync,
-                       checksums=self.options.checksums)
+    def open_write_session(self, target: WriteTarget, chunks: Sequence[Chunk], plan: Plan) -> Session:
+        kvstore = layout_kvstore(target.kvstore, self.options.layout, writer=f"p{self.worker_id}")
+        session = Session(kvstore, context=target.context, fsync=self.options.fsync, checksums=self.options.checksums)
+        # In the background: the SYNC copies need not wait for it, only the writes.
+        session.arrays_created = self._pool.submit(session.create_arrays, arrays_of(chunks, plan))
+        return session
 
-    def open_read_session(self, location: Location) -> Session:
-        return Session(location.arrays_kvstore(), context=location.context)
+    def open_read_session(self, location: Location, layout: str) -> Session:
+        return Session(layout_kvstore(location.arrays_kvstore(), layout), context=location.context)
 
     def copy_to_host(self, plan, chunks, sources, staging):
         return copy_chunks_to_host(plan, chunks, sources, staging)

@@ -3,6 +3,7 @@
 ::
 
     {"format": "dispatch_io", "format_version": 1,
+     "layout": "ocdbt" | "files",           # how arrays/ stores chunks (absent: "files")
      "structure": {...},                   # tree.encode_structure
      "leaves": [{"keypath": "['params']['w']", "kind": "array" | "key" | "scalar",
                  "origin": "jax" | "numpy" | "numpy_scalar" | "python",
@@ -32,7 +33,7 @@ import jax
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError
 from dispatch_io.plan import Plan
-from workers import ArraySpec, numpy_dtype
+from workers import LAYOUTS, ArraySpec, numpy_dtype
 
 FORMAT = "dispatch_io"
 FORMAT_VERSION = 1
@@ -49,9 +50,10 @@ def describe_sharding(sharding) -> dict | None:
     return {"type": type(sharding).__name__, "repr": repr(sharding)}
 
 
-def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None) -> bytes:
+def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, layout: str = "ocdbt") -> bytes:
     """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values,
-    ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed."""
+    ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed, ``layout``
+    the chunk layout of ``arrays/``."""
     by_leaf: dict[int, dict[str, str]] = {}
     for i, crc in (checksums or {}).items():
         chunk = plan.chunks[i]
@@ -72,7 +74,7 @@ def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None) -> 
             if spec.index in by_leaf:  # chunk grid index "i,j,..." -> CRC-32C, hex
                 entry["stored"]["crc32c"] = dict(sorted(by_leaf[spec.index].items()))
         entries.append(entry)
-    doc = {"format": FORMAT, "format_version": FORMAT_VERSION,
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout,
            "structure": tree_lib.encode_structure(plan.treedef), "leaves": entries,
            "total_bytes": plan.nbytes, "jax_version": jax.__version__}
     return json.dumps(doc, indent=1).encode()
@@ -111,6 +113,7 @@ class Manifest:
     treedef: Any
     leaves: tuple[SavedLeaf, ...]
     total_bytes: int
+    layout: str = "files"
 
     @functools.cached_property
     def by_keypath(self) -> dict[str, SavedLeaf]:
@@ -141,7 +144,10 @@ def parse(doc: dict, where: str) -> Manifest:
             checksums=None if stored is None or "crc32c" not in stored else {
                 tuple(int(i) for i in grid.split(",") if i): int(crc, 16) for grid, crc in stored["crc32c"].items()}))
     treedef = tree_lib.decode_structure(doc["structure"])
-    return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)))
+    layout = doc.get("layout", "files")
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"{where}: unknown chunk layout {layout!r} (this dispatch_io reads {LAYOUTS})")
+    return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)), layout)
 
 
 def abstract_tree(manifest: Manifest):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from workers import LAYOUTS
+
 MiB = 1 << 20
 
 
@@ -22,6 +24,16 @@ class Options:
     keep_staging_warm: keep the staging buffer between saves. Memory freed to the OS is
         slow to touch again, so a warm buffer makes repeated saves several times faster;
         it stays bounded by the budget and is freed by ``dispatcher.close()``.
+    layout: how chunks are stored. ``"ocdbt"`` (default): packed into a few large data files
+        of one OCDBT database (about one file per batch and writer), which object stores and
+        file systems handle far better than one file per chunk at the same speed.
+        ``"files"``: one file per chunk under ``arrays/<leaf>/``, readable by any zarr v3 reader
+        with no OCDBT support. Restores read either; the manifest records which.
+    device_snapshots: when the SYNC leaves do not fit in the host budget at once, copy the
+        ones that do not fit on their own accelerators first (it costs their size in device
+        memory until each is copied to host), so that ``save()`` returns after one device-side
+        copy instead of waiting for writes to free host memory. Never on CPU devices, whose
+        memory is host memory. False: ``save()`` waits.
     checksums: store a CRC-32C of every chunk in the manifest, for ``restore(verify=True)``.
     barrier_timeout: seconds a process of a multi-process job waits for the others at a
         barrier (while they make no progress) before raising ``BarrierTimeoutError``.
@@ -32,6 +44,8 @@ class Options:
     write_threads: int = 2
     fsync: bool = True
     keep_staging_warm: bool = True
+    layout: str = "ocdbt"
+    device_snapshots: bool = True
     checksums: bool = False
     barrier_timeout: float = 300.0
 
@@ -43,6 +57,8 @@ class Options:
                 f"max_chunk_bytes must be in (0, host_memory_budget // 2], got {self.max_chunk_bytes!r}")
         if not self.barrier_timeout > 0:
             raise ValueError(f"barrier_timeout must be a positive number of seconds, got {self.barrier_timeout!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.write_threads < 1:
             raise ValueError(f"write_threads must be >= 1, got {self.write_threads!r}")
 

@@ -31,7 +31,7 @@ from dispatch_io.errors import CheckpointError, WorkerError
 from dispatch_io.plan import Plan
 from dispatch_io.staging import StagingRing
 from dispatch_io.storage import Location
-from workers import ChunkError, Region
+from workers import ChunkError, Region, merge_writers
 
 
 # ``io_thread.owner`` is set on every thread a dispatcher runs its IO on (save drivers, pool
@@ -54,6 +54,7 @@ class SaveStats:
     total_seconds: float       # save() called -> committed
     peak_host_bytes: int       # most staging bytes held at once (<= host_memory_budget)
     plan_cached: bool
+    snapshot_bytes: int = 0    # SYNC bytes copied on their devices first (Options.device_snapshots)
 
 
 class SaveHandle:
@@ -145,6 +146,7 @@ class SaveRun:
         self._transfer_seconds = 0.0
         self._first_write = self._last_write = None
         self._bytes = 0
+        self.snapshot_bytes = 0
         self._checksums: dict[int, int] = {}   # chunk index -> CRC-32C (Options.checksums)
         # Chunks of each leaf still to copy / write *by this worker*.
         self._to_copy = [0] * len(plan.leaves)
@@ -223,7 +225,8 @@ class SaveRun:
                         self._callback(self.on_write_end, spec.keypath)
                 if self._last_sync < 0:
                     self._sync_finished()
-                session = self.engine.open_write_session(self.save.target)
+                session = self.engine.open_write_session(
+                    self.save.target, [self.plan.chunks[i] for batch in self.batches for i in batch.chunks], self.plan)
                 for k, batch in enumerate(self.batches):
                     ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
                     if ticket is None:
@@ -241,13 +244,11 @@ class SaveRun:
                         break
             except BaseException as exc:  # noqa: BLE001 - decided on (and surfaced) below
                 self._fail(exc)
-            concurrent.futures.wait(writes)
+            self._settle(writes, session)
             t0 = time.perf_counter()
             # Commit, or remove the partial save and raise; with several processes, all agree first.
             # Every process contributes its chunks' checksums; the committing one writes them all.
-            self.save.finish(self._error, self._checksums,
-                             lambda checksums: manifest_lib.build(self.plan, self.scalars, checksums),
-                             fsync=self.engine.options.fsync)
+            self.save.finish(self._error, self._checksums, self._seal, fsync=self.engine.options.fsync)
             done = time.perf_counter()
             self.future.set_result(SaveStats(
                 path=self.display, bytes_written=self._bytes, batches=len(self.batches),
@@ -255,9 +256,9 @@ class SaveRun:
                 transfer_seconds=self._transfer_seconds,
                 write_seconds=(self._last_write - self._first_write) if self._first_write else 0.0,
                 commit_seconds=done - t0, total_seconds=done - self._started,
-                peak_host_bytes=self.ring.peak, plan_cached=self._plan_cached))
+                peak_host_bytes=self.ring.peak, plan_cached=self._plan_cached, snapshot_bytes=self.snapshot_bytes))
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
-            concurrent.futures.wait(writes)
+            self._settle(writes, session)
             if not isinstance(exc, (CheckpointError, FileExistsError)):
                 err = CheckpointError(f"save to {self.display} failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
@@ -269,6 +270,23 @@ class SaveRun:
             self.sources = None
             self.sync_done.set()
             self.engine.save_finished(self)
+
+    @staticmethod
+    def _settle(writes, session):
+        """Wait until nothing of this save writes any more (the writes, and the arrays' creation,
+        which runs in the background): only then may a failed save's files be removed."""
+        pending = list(writes)
+        if session is not None and session.arrays_created is not None:
+            pending.append(session.arrays_created)
+        concurrent.futures.wait(pending)
+
+    def _seal(self, checksums: dict) -> bytes:
+        """Run by the committing process once every process has written: the arrays in their
+        final form (writer databases merged) and the manifest that describes them."""
+        layout = self.engine.options.layout
+        if layout == "ocdbt":
+            merge_writers(self.save.target.kvstore, self.save.target.context)
+        return manifest_lib.build(self.plan, self.scalars, checksums, layout)
 
     def _transfer(self, k: int, batch: Batch, ticket: int, staging: np.ndarray, session
                   ) -> concurrent.futures.Future | None:

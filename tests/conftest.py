@@ -77,3 +77,12 @@ def dispatcher(dispatcher_cls):
     d = dispatcher_cls(host_memory_budget=1 << 20)
     yield d
     d.close()
+
+
+LAYOUTS = ["ocdbt", "files"]
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request):
+    """Each chunk layout (``Options.layout``): behaviour that must hold for both runs with both."""
+    return request.param

@@ -1,6 +1,8 @@
-"""Optional per-chunk CRC-32C: stored in the manifest, checked by ``restore(verify=True)``."""
+"""Optional per-chunk CRC-32C: stored in the manifest, checked by ``restore(verify=True)``.
 
-import glob
+Every test that corrupts stored bytes runs with both chunk layouts: ``storage_helpers`` finds a
+chunk's bytes (its own file, or its byte range in an OCDBT data file) and flips one of them."""
+
 import json
 import os
 import shutil
@@ -13,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+import storage_helpers as sh
 from conftest import assert_trees_bit_equal
 
 
@@ -28,59 +31,33 @@ def make_tree(mesh):
     }
 
 
-def array_dir(path, keypath_hint):
-    (found,) = glob.glob(os.path.join(path, "arrays", f"*.{keypath_hint}"))
-    return found
-
-
-def chunk_files(path, keypath_hint):
-    """The chunk files of one stored leaf, sorted (zarr3 keys: c/<i>/<j>..., or just c for 0-d)."""
-    root = array_dir(path, keypath_hint)
-    return sorted(f for f in glob.glob(os.path.join(root, "c", "**"), recursive=True) + [os.path.join(root, "c")]
-                  if os.path.isfile(f))
-
-
-def grid_of(path, keypath_hint, chunk_file) -> tuple[int, ...]:
-    rel = os.path.relpath(chunk_file, os.path.join(array_dir(path, keypath_hint), "c"))
-    return () if rel == "." else tuple(int(p) for p in rel.split(os.sep))
-
-
-def flip_byte(path, offset=5):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
-def test_manifest_holds_the_crc32c_of_every_stored_chunk(tmp_path, mesh, dispatcher_cls):
+def test_manifest_holds_the_crc32c_of_every_stored_chunk(tmp_path, mesh, dispatcher_cls, layout):
     tree = make_tree(mesh)
-    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True) as d:
+    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
         d.save(tmp_path / "ckpt", tree).wait()
         assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree, verify=True), tree)
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     stored = {leaf["keypath"]: leaf["stored"] for leaf in manifest["leaves"] if leaf.get("stored")}
     assert set(stored) == {"['w']", "['rep']", "['key']", "['host']", "['scalar']"}
+    assert manifest["layout"] == layout
     for keypath, entry in stored.items():
-        hint = keypath.strip("[]'")
-        files = chunk_files(tmp_path / "ckpt", hint)
-        assert len(entry["crc32c"]) == len(files), keypath   # one checksum per chunk file, replicas once
-        for f in files:  # zarr3 raw chunks: the file is exactly the chunk's bytes
-            grid = ",".join(map(str, grid_of(tmp_path / "ckpt", hint, f)))
-            data = open(f, "rb").read()
-            assert entry["crc32c"][grid] == f"{google_crc32c.value(data):08x}", (keypath, grid)
+        chunks = sh.chunks(tmp_path / "ckpt", keypath)
+        assert len(entry["crc32c"]) == len(chunks), keypath   # one checksum per stored chunk, replicas once
+        for grid, value in chunks.items():  # zarr3 raw chunks: the stored value is exactly the chunk's bytes
+            data = value.read()
+            assert entry["crc32c"][",".join(map(str, grid))] == f"{google_crc32c.value(data):08x}", (keypath, grid)
 
 
-def test_flipped_byte_is_reported_with_key_path_and_chunk(tmp_path, mesh, dispatcher_cls):
+def test_flipped_byte_is_reported_with_key_path_and_chunk(tmp_path, mesh, dispatcher_cls, layout):
     tree = make_tree(mesh)
-    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True) as d:
+    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
         d.save(tmp_path / "ckpt", tree).wait()
-        files = chunk_files(tmp_path / "ckpt", "w")
-        assert len(files) == 8
-        flip_byte(files[2])
+        chunks = sh.chunks(tmp_path / "ckpt", "['w']")
+        assert sorted(chunks) == [(i, j) for i in range(4) for j in range(2)]
+        chunk = (1, 0)
+        sh.flip_byte(chunks[chunk])
         with pytest.raises(dio.CorruptCheckpointError) as info:
             d.restore(tmp_path / "ckpt", tree, verify=True)
-        chunk = grid_of(tmp_path / "ckpt", "w", files[2])
         assert info.value.keypath == "['w']" and info.value.chunk == chunk, (info.value, chunk)
         assert "['w']" in str(info.value) and f"chunk {list(chunk)}" in str(info.value)
         assert "1 chunk(s)" in str(info.value)
@@ -92,13 +69,13 @@ def test_flipped_byte_is_reported_with_key_path_and_chunk(tmp_path, mesh, dispat
         assert_trees_bit_equal(d.restore(tmp_path / "ckpt", subset, partial=True, verify=True), subset)
 
 
-def test_verify_covers_only_what_this_restore_reads_and_every_bad_chunk(tmp_path, mesh):
+def test_verify_covers_only_what_this_restore_reads_and_every_bad_chunk(tmp_path, mesh, layout):
     tree = make_tree(mesh)
-    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True) as d:
+    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
         d.save(tmp_path / "ckpt", tree).wait()
-        files = chunk_files(tmp_path / "ckpt", "w")
-        flip_byte(files[0])
-        flip_byte(files[7], offset=100)
+        chunks = sh.chunks(tmp_path / "ckpt", "['w']")
+        sh.flip_byte(chunks[(0, 0)])
+        sh.flip_byte(chunks[(3, 1)], offset=100)
         one_device = jax.sharding.SingleDeviceSharding(jax.devices()[1])
         target = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=one_device)}
         with pytest.raises(dio.CorruptCheckpointError, match=r"2 chunk\(s\)") as info:
@@ -106,13 +83,15 @@ def test_verify_covers_only_what_this_restore_reads_and_every_bad_chunk(tmp_path
         assert "chunk [0, 0]" in str(info.value) and "chunk [3, 1]" in str(info.value)
 
 
-def test_copied_checkpoint_verifies_and_a_corrupted_copy_is_caught(tmp_path, mesh):
+def test_copied_checkpoint_verifies_and_a_corrupted_copy_is_caught(tmp_path, mesh, layout):
     tree = make_tree(mesh)
-    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True) as d:
+    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
         d.save(tmp_path / "a" / "ckpt", tree).wait()
         shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt")   # cp -r
         assert_trees_bit_equal(d.restore(tmp_path / "b" / "ckpt", tree, verify=True), tree)
-        flip_byte(chunk_files(tmp_path / "b" / "ckpt", "rep")[0])
+        (rep,) = sh.chunks(tmp_path / "b" / "ckpt", "['rep']").values()
+        assert rep.file.startswith(str(tmp_path / "b" / "ckpt")), rep   # the copy references its own files
+        sh.flip_byte(rep)
         with pytest.raises(dio.CorruptCheckpointError, match=r"\['rep'\]"):
             d.restore(tmp_path / "b" / "ckpt", tree, verify=True)
         assert_trees_bit_equal(d.restore(tmp_path / "a" / "ckpt", tree, verify=True), tree)  # original intact
@@ -126,17 +105,17 @@ def test_verify_without_saved_checksums_is_a_clear_error(tmp_path, mesh, dispatc
     assert_trees_bit_equal(dispatcher.restore(tmp_path / "ckpt", tree), tree)
 
 
-def test_chunks_split_under_a_small_budget_each_get_a_checksum(tmp_path, mesh):
+def test_chunks_split_under_a_small_budget_each_get_a_checksum(tmp_path, mesh, layout):
     big = {"x": jax.device_put(np.arange(256 * 256, dtype=np.float32).reshape(256, 256), NamedSharding(mesh, P("data")))}
-    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True) as d:
+    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
         d.save(tmp_path / "ckpt", big).wait()
         manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
         (entry,) = [leaf["stored"] for leaf in manifest["leaves"]]
-        assert len(entry["crc32c"]) == len(chunk_files(tmp_path / "ckpt", "x")) > 8
+        assert len(entry["crc32c"]) == len(sh.chunks(tmp_path / "ckpt", "['x']")) > 8
         assert_trees_bit_equal(d.restore(tmp_path / "ckpt", big, verify=True), big)
 
 
-def test_directory_checkpoint_copied_into_a_kvstore_restores_and_verifies(tmp_path, mesh, dispatcher_cls):
+def test_directory_checkpoint_copied_into_a_kvstore_restores_and_verifies(tmp_path, mesh, dispatcher_cls, layout):
     """An object store has no rename: copying a committed checkpoint key by key (commit marker
     first, the rest in reverse order) into a kvstore still restores bit-exact, with verify."""
     import tensorstore as ts
@@ -144,13 +123,13 @@ def test_directory_checkpoint_copied_into_a_kvstore_restores_and_verifies(tmp_pa
     from workers import shared_context
 
     tree = make_tree(mesh)
-    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True) as d:
+    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
         d.save(tmp_path / "ckpt", tree).wait()
         files = sorted((os.path.relpath(os.path.join(root, n), tmp_path / "ckpt")
                         for root, _, names in os.walk(tmp_path / "ckpt") for n in names),
                        key=lambda rel: (rel != "COMMITTED", [-ord(c) for c in rel]))
         assert files[0] == "COMMITTED"
-        url = "memory://copied_from_disk/"
+        url = f"memory://copied_from_disk_{layout}/"
         kv = ts.KvStore.open(url, context=shared_context({"driver": "memory"})).result()
         for rel in files:
             kv.write(rel.replace(os.sep, "/"), (tmp_path / "ckpt" / rel).read_bytes()).result()

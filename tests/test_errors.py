@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
 import dispatch_io.save
 import workers.tensorstore_io
+import storage_helpers as stored
 from conftest import assert_trees_bit_equal, worker_module
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -338,15 +339,33 @@ def test_failure_after_sync_copies_surfaces_from_wait_only(tmp_path, mesh, monke
     assert_not_committed(tmp_path / "ckpt")
 
 
-def test_failing_read_names_key_path(saved, dispatcher):
-    path, tree = saved
-    meta = json.loads((path / "manifest.json").read_text())
-    name = next(e["stored"]["name"] for e in meta["leaves"] if e["keypath"] == "['c']['e']")
-    shutil.rmtree(path / "arrays" / name)
-    with pytest.raises(dio.WorkerError) as info:
-        dispatcher.restore(path)
-    assert "['c']['e']" in str(info.value) and info.value.keypath == "['c']['e']"
-    assert info.value.worker == 0
+def test_failing_read_names_key_path(tmp_path, mesh, dispatcher_cls, layout):
+    """The files holding one leaf's chunks are lost (files: its array directory; OCDBT: the data
+    files its chunks are packed in, which hold nothing else: it is saved in batches of its own)."""
+    tree = {
+        "a": put(mesh, random_array(0, (64, 4)), "data"),
+        "b": np.arange(60, dtype=np.int32),
+        "c": {"d": put(mesh, random_array(1, (64,)), None), "e": random_array(2, (32, 32))},
+        "k": jax.random.key(7),
+        "step": 12,
+    }
+    path = tmp_path / "ckpt"
+    # One writer thread: batches commit one after the other, so no OCDBT data file mixes two.
+    with dispatcher_cls(host_memory_budget=MiB, layout=layout, write_threads=1) as d:
+        d.save(path, tree, priority=priority_isolating("['c']['e']")).wait(TIMEOUT)
+        assert_trees_bit_equal(d.restore(path), jax.device_get(tree))
+        if layout == "files":
+            shutil.rmtree(path / "arrays" / stored.stored_name(path, "['c']['e']"))
+        else:
+            for file in stored.files_holding(path, "['c']['e']"):
+                os.remove(file)
+        with pytest.raises(dio.WorkerError) as info:
+            d.restore(path)
+        assert "['c']['e']" in str(info.value) and info.value.keypath == "['c']['e']"
+        assert info.value.worker == 0
+        # The other leaves still read.
+        others = {"a": tree["a"], "c": {"d": tree["c"]["d"]}}
+        assert_trees_bit_equal(d.restore(path, others, partial=True), others)
 
 
 # ---- 7. a failing device -> host copy -----------------------------------------------------------------
@@ -451,15 +470,25 @@ def test_two_dispatchers_saving_one_path_keep_separate_temporaries(tmp_path, mes
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
-def test_missing_chunk_file_is_an_error_not_zeros(tmp_path, mesh, dispatcher):
-    tree = {"w": put(mesh, random_array(5, (64, 64)), "data", "model")}
-    dispatcher.save(tmp_path / "ckpt", tree).wait(TIMEOUT)
-    chunk_files = [os.path.join(root, n) for root, _, names in os.walk(tmp_path / "ckpt" / "arrays")
-                   for n in names if n != "zarr.json"]
-    assert len(chunk_files) == 8
-    os.remove(chunk_files[3])
-    with pytest.raises(dio.WorkerError, match=r"\['w'\]"):
-        dispatcher.restore(tmp_path / "ckpt", tree)
+def test_missing_chunk_file_is_an_error_not_zeros(tmp_path, mesh, dispatcher_cls, layout):
+    """Every chunk is stored, all-zero ones too, so a chunk missing from storage (files: its file;
+    OCDBT: its key in the database) is lost data and reads fail instead of returning zeros."""
+    tree = {"w": put(mesh, random_array(5, (64, 64)), "data", "model"),
+            "z": put(mesh, np.zeros((64, 64), np.float32), "data", "model")}
+    with dispatcher_cls(host_memory_budget=MiB, layout=layout) as d:
+        d.save(tmp_path / "ckpt", tree).wait(TIMEOUT)
+        assert len(stored.chunks(tmp_path / "ckpt", "['w']")) == 8
+        assert len(stored.chunks(tmp_path / "ckpt", "['z']")) == 8   # all-zero chunks are stored too
+        if layout == "files":
+            chunk_files = [os.path.join(root, n) for root, _, names in os.walk(tmp_path / "ckpt" / "arrays")
+                           for n in names if n != "zarr.json"]
+            assert len(chunk_files) == 16
+        stored.remove_chunk(tmp_path / "ckpt", "['w']", (1, 1))
+        stored.remove_chunk(tmp_path / "ckpt", "['z']", (2, 0))
+        with pytest.raises(dio.WorkerError, match=r"\['w'\]"):
+            d.restore(tmp_path / "ckpt", {"w": tree["w"]}, partial=True)
+        with pytest.raises(dio.WorkerError, match=r"\['z'\]"):
+            d.restore(tmp_path / "ckpt", {"z": tree["z"]}, partial=True)
 
 
 def test_saves_to_one_path_from_two_threads_are_serialized(tmp_path, mesh, dispatcher_cls):

@@ -3,6 +3,7 @@ with a single CPU device (tools, converters, a laptop)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+import storage_helpers as stored
 from conftest import assert_trees_bit_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,23 +21,36 @@ HOSTILE_KEYS = ["../../escape", "/etc/passwd", "a/b", "..", ".", "", " spaces an
                 "COMMITTED", "manifest.json"]
 
 
-def test_hostile_key_paths_stay_inside_the_checkpoint(tmp_path, mesh, dispatcher):
+# What an OCDBT checkpoint's arrays/ holds: the merged database (manifest and its B-tree data
+# files) and each writer's database (a process p<k> or colocated CPU device cpu<id>), whose data
+# files the merged one references. Data files are named by TensorStore (hex), never by a key path.
+OCDBT_FILE = re.compile(r"^arrays/(?:(?:p|cpu)\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$")
+
+
+def test_hostile_key_paths_stay_inside_the_checkpoint(tmp_path, mesh, dispatcher_cls, layout):
     tree = {k: jax.device_put(np.full((8, 4), i, np.int32), NamedSharding(mesh, P("data")))
             for i, k in enumerate(HOSTILE_KEYS)}
     path = tmp_path / "inner" / "ckpt"
-    dispatcher.save(path, tree).wait(60)
-    assert sorted(os.listdir(tmp_path)) == ["inner"]
-    assert sorted(os.listdir(tmp_path / "inner")) == ["ckpt"]
-    assert sorted(os.listdir(path)) == ["COMMITTED", "arrays", "manifest.json"]
-    names = os.listdir(path / "arrays")
-    assert len(names) == len(HOSTILE_KEYS)
-    for name in names:
-        assert name == os.path.basename(name) and not name.startswith(".") and len(name) <= 100, name
-        assert all(c.isalnum() or c in "._-" for c in name), name
-    with open(path / "manifest.json") as f:
-        keypaths = [leaf["keypath"] for leaf in json.load(f)["leaves"]]
-    assert sorted(keypaths) == sorted(jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in HOSTILE_KEYS)
-    assert_trees_bit_equal(dispatcher.restore(path, tree), tree)
+    with dispatcher_cls(host_memory_budget=1 << 20, layout=layout) as dispatcher:
+        dispatcher.save(path, tree).wait(60)
+        assert sorted(os.listdir(tmp_path)) == ["inner"]
+        assert sorted(os.listdir(tmp_path / "inner")) == ["ckpt"]
+        assert sorted(os.listdir(path)) == ["COMMITTED", "arrays", "manifest.json"]
+        names = stored.array_names(path)   # files: directories under arrays/; OCDBT: keys' first component
+        assert len(names) == len(HOSTILE_KEYS)
+        for name in names:
+            assert name == os.path.basename(name) and not name.startswith(".") and len(name) <= 100, name
+            assert all(c.isalnum() or c in "._-" for c in name), name
+        for rel in stored.all_files(path / "arrays"):
+            rel = "arrays/" + rel.replace(os.sep, "/")
+            if layout == "files":
+                assert rel.split("/")[1] in names, rel
+            else:
+                assert OCDBT_FILE.match(rel), rel
+        with open(path / "manifest.json") as f:
+            keypaths = [leaf["keypath"] for leaf in json.load(f)["leaves"]]
+        assert sorted(keypaths) == sorted(jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in HOSTILE_KEYS)
+        assert_trees_bit_equal(dispatcher.restore(path, tree), tree)
 
 
 ONE_DEVICE_READER = textwrap.dedent("""

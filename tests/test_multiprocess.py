@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+import storage_helpers as stored
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 WORKER = os.path.join(TESTS, "multiprocess_worker.py")
@@ -184,12 +186,19 @@ def test_checkpoints_move_between_process_counts(jobs, tmp_path):
     save_two, save_one = jobs("save", by_two, 2, 4), jobs("save", by_one, 1, 8)
     assert_saved(save_two.wait(limit), save_two)
     assert_saved(save_one.wait(limit), save_one)
-    for path in (by_two, by_one):
+    for path, processes in ((by_two, 2), (by_one, 1)):
         manifest = json.loads((path / "manifest.json").read_text())
+        assert manifest["layout"] == "ocdbt"   # the default: one database merged from each process's
+        writers = set()
         for leaf in manifest["leaves"]:
             if leaf.get("stored"):
-                files = [n for _, _, names in os.walk(path / "arrays" / leaf["stored"]["name"] / "c") for n in names]
-                assert len(leaf["stored"]["crc32c"]) == max(len(files), 1), leaf["keypath"]
+                chunks = stored.chunks(path, leaf["keypath"])   # keys of the merged database
+                assert len(chunks) >= 1, leaf["keypath"]
+                assert len(leaf["stored"]["crc32c"]) == len(chunks), leaf["keypath"]
+                assert {",".join(map(str, grid)) for grid in chunks} == set(leaf["stored"]["crc32c"]), leaf["keypath"]
+                writers |= {os.path.relpath(v.file, path / "arrays").split(os.sep)[0]
+                            for v in chunks.values() if v.file is not None}
+        assert writers == {f"p{k}" for k in range(processes)}, writers   # every process's chunks merged
     restore_one, restore_two = jobs("restore", by_two, 1, 8), jobs("restore", by_one, 2, 4)
     assert_restored(restore_one.wait(limit), restore_one)
     assert_restored(restore_two.wait(limit), restore_two)

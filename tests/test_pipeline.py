@@ -496,3 +496,60 @@ def test_low_priority_save_runs_in_the_background(tmp_path, mesh, dispatcher_cls
         assert handle.wait(0) == stats                       # a finished handle answers again
         assert collections.Counter(rec.of("write")) == collections.Counter(array_keypaths(tree))
         assert_trees_bit_equal(d.restore(tmp_path / "ckpt", abstract(tree)), tree)
+
+
+# ---- SYNC leaves beyond the host budget: device snapshots -------------------------------------------
+
+def sync_tree(mesh):
+    """Eight 256 KiB SYNC leaves: 2 MiB, eight times a 256 KiB budget."""
+    return {f"w{i}": put(mesh, random_array(100 + i, (256, 256)), "data", "model") for i in range(8)}
+
+
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_sync_leaves_beyond_the_budget_are_snapshotted_on_their_devices(tmp_path, mesh, dispatcher_cls,
+                                                                       monkeypatch, snapshots):
+    """With device snapshots, SYNC leaves that do not fit in the budget are copied on their
+    devices and save() returns without waiting for writes; the caller may delete the originals
+    at once. CPU devices are excluded in production (their memory is host memory); here the
+    exclusion is lifted to exercise the accelerator path on the simulated devices."""
+    monkeypatch.setattr(dio.dispatcher, "NO_SNAPSHOT_PLATFORMS", ())
+    tree = sync_tree(mesh)
+    expected = numpy_copy(tree)
+    transferred_at_return = []
+    transferred = []
+    with dispatcher_cls(host_memory_budget=256 * KiB, device_snapshots=snapshots) as d:
+        handle = d.save(tmp_path / "ckpt", tree, on_transfer_end=transferred.append)
+        transferred_at_return = list(transferred)
+        for x in tree.values():
+            x.delete()  # allowed for SYNC leaves as soon as save() returns
+        stats = handle.wait(60)
+        restored = d.restore(tmp_path / "ckpt")
+    assert_matches_copy(restored, expected)
+    keypaths = sorted(f"['{k}']" for k in expected)
+    assert sorted(transferred) == keypaths
+    if snapshots:
+        # the budget holds one leaf's worth of SYNC copies at once; the other 7 leaves were snapshotted
+        assert stats.snapshot_bytes == 7 * 256 * KiB
+        assert len(transferred_at_return) < len(keypaths)
+    else:
+        assert stats.snapshot_bytes == 0
+        assert sorted(transferred_at_return) == keypaths
+
+
+def test_no_snapshots_on_cpu_devices(tmp_path, mesh, dispatcher_cls):
+    """On CPU devices a snapshot would be host memory outside the budget: never taken."""
+    tree = sync_tree(mesh)
+    with dispatcher_cls(host_memory_budget=256 * KiB) as d:
+        stats = d.save(tmp_path / "ckpt", tree).wait(60)
+    assert stats.snapshot_bytes == 0
+
+
+def test_snapshot_of_a_deleted_leaf_names_it(tmp_path, mesh, dispatcher_cls, monkeypatch):
+    monkeypatch.setattr(dio.dispatcher, "NO_SNAPSHOT_PLATFORMS", ())
+    tree = sync_tree(mesh)
+    tree["w5"].delete()
+    with dispatcher_cls(host_memory_budget=256 * KiB) as d:
+        with pytest.raises(dio.WorkerError, match=r"\['w5'\]") as info:
+            d.save(tmp_path / "ckpt", tree)
+        assert info.value.keypath == "['w5']"
+        assert not os.path.exists(tmp_path / "ckpt")

@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+import storage_helpers as stored
 from conftest import assert_trees_bit_equal, worker_module
 from dispatch_io.staging import StagingRing
 
@@ -434,16 +435,15 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
     """)
 
 
-def test_restore_failing_midway_leaves_no_work_behind(tmp_path, mesh, dispatcher_cls):
+def test_restore_failing_midway_leaves_no_work_behind(tmp_path, mesh, dispatcher_cls, layout):
     tree = {f"w{i}": put(mesh, np.full((64, 64), i, np.float32), "data") for i in range(6)}
-    with dispatcher_cls(host_memory_budget=16 * KiB, write_threads=1) as d:
+    with dispatcher_cls(host_memory_budget=16 * KiB, write_threads=1, layout=layout) as d:
         d.save(tmp_path / "ckpt", tree).wait(TIMEOUT)
         d.restore(tmp_path / "ckpt", tree)
         threads = threading.active_count()
-        victim = next(n for n in os.listdir(tmp_path / "ckpt" / "arrays") if n.endswith("w3"))
-        chunk = next(os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "ckpt" / "arrays" / victim)
-                     for f in fs if f != "zarr.json")
-        os.remove(chunk)
+        # One file holding a chunk of w3 and nothing else (files: a chunk file; OCDBT: a data file
+        # of one batch, which under this budget holds w3's chunks only) is lost.
+        os.remove(sorted(stored.files_holding(tmp_path / "ckpt", "['w3']"))[0])
         finished, error = in_daemon(lambda: d.restore(tmp_path / "ckpt", tree))
         assert finished and isinstance(error, dio.WorkerError) and "['w3']" in str(error), error
         assert threading.active_count() == threads

@@ -6,6 +6,7 @@ run in-process, in a colocated Python worker, or in another ``jax.distributed`` 
 """
 
 from workers.tensorstore_io import (
+    LAYOUTS,
     ArraySpec,
     ChunkError,
     Region,
@@ -13,6 +14,8 @@ from workers.tensorstore_io import (
     aligned_empty,
     checksum_regions,
     crc32c,
+    layout_kvstore,
+    merge_writers,
     numpy_dtype,
     read_regions,
     shared_context,
@@ -20,4 +23,4 @@ from workers.tensorstore_io import (
     write_regions,
 )
 
-__all__ = ["ArraySpec", "ChunkError", "Region", "Session", "aligned_empty", "checksum_regions", "crc32c", "shared_context", "numpy_dtype", "read_regions", "storage_dtype_name", "write_regions"]
+__all__ = ["LAYOUTS", "ArraySpec", "ChunkError", "Region", "Session", "aligned_empty", "checksum_regions", "crc32c", "layout_kvstore", "merge_writers", "shared_context", "numpy_dtype", "read_regions", "storage_dtype_name", "write_regions"]

@@ -85,6 +85,55 @@ class Region:
         return tuple(hi - lo for lo, hi in self.bounds)
 
 
+# ---- layouts: where the zarr arrays of a checkpoint keep their chunks --------------------------
+
+LAYOUTS = ("ocdbt", "files")
+_WRITER_MANIFEST = "/manifest.ocdbt"
+# OCDBT's B-tree nodes get a small cache of their own (array chunks are never cached): without
+# it every chunk read walks the tree from storage again.
+_NODE_CACHE = {"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}}
+
+
+def layout_kvstore(base: dict, layout: str, writer: str | None = None) -> dict:
+    """The kvstore holding a checkpoint's zarr arrays, given ``base``, its ``arrays/`` kvstore.
+
+    ``"files"``: ``base`` itself, one file (key) per stored chunk. ``"ocdbt"``: an OCDBT
+    database in ``base``: chunks packed into a few large data files. Each writer (a process,
+    a colocated host) writes a database of its own under ``base/<writer>/``, and
+    :func:`merge_writers` makes them one database at ``base`` before the commit: the merge copies
+    references to the data files, not the data.
+    """
+    if layout == "files":
+        return base
+    if layout != "ocdbt":
+        raise ValueError(f"unknown checkpoint layout {layout!r}; expected one of {LAYOUTS}")
+    if writer is not None:
+        base = {**base, "path": base.get("path", "") + writer + "/"}
+    return {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
+
+
+def merge_writers(base: dict, context: ts.Context | None = None):
+    """Merge every writer database under ``base`` (see :func:`layout_kvstore`) into the
+    database at ``base``, in one transaction."""
+    context = ts.Context(_NODE_CACHE, parent=context) if context is not None else ts.Context(_NODE_CACHE)
+    listing = ts.KvStore.open(base, context=context).result().list().result()
+    writers = sorted(key.decode()[:-len(_WRITER_MANIFEST)] for key in listing
+                     if key.decode().endswith(_WRITER_MANIFEST) and key.decode().count("/") == 1)
+    target = ts.KvStore.open(layout_kvstore(base, "ocdbt"), context=context).result()
+    txn = ts.Transaction()
+    for writer in writers:
+        source = ts.KvStore.open(layout_kvstore(base, "ocdbt", writer), context=context).result()
+        source.experimental_copy_range_to(target.with_transaction(txn)).result()
+    txn.commit_async().result()
+
+
+def _storage_driver(kvstore: dict) -> str:
+    """The kvstore driver that holds the bytes (under any OCDBT database)."""
+    while kvstore.get("driver") == "ocdbt":
+        kvstore = kvstore["base"]
+    return kvstore.get("driver")
+
+
 _memory_context = None
 
 
@@ -92,7 +141,7 @@ def shared_context(kvstore: dict) -> ts.Context | None:
     """The process-wide context for kvstores whose data lives in a context (``memory``):
     writers and readers must share it to see each other's data. None for the rest."""
     global _memory_context
-    if kvstore.get("driver") != "memory":
+    if _storage_driver(kvstore) != "memory":
         return None
     if _memory_context is None:
         _memory_context = ts.Context()
@@ -124,16 +173,37 @@ class Session:
         self.checksums = checksums  # write_regions returns each region's crc32c
         if context is None:
             context = shared_context(kvstore)
-        self.context = context if context is not None else ts.Context({
-            "cache_pool": {"total_bytes_limit": 0},
+        # OCDBT commits once per transaction: write_regions makes each call one transaction, so
+        # a batch becomes one data file instead of a file per chunk.
+        self.transactional = kvstore.get("driver") == "ocdbt"
+        # A shared context (the memory kvstore's) is a parent: this session still gets OCDBT
+        # caches of its own, which cannot be stale from an earlier save to the same place.
+        self.context = ts.Context(_NODE_CACHE, parent=context) if context is not None else ts.Context({
+            "cache_pool": {"total_bytes_limit": 0}, **_NODE_CACHE,
             "file_io_concurrency": {"limit": io_concurrency},
             "file_io_sync": fsync,
         })
         # The memory kvstore keeps written values by reference: they must not alias the
         # caller's buffers (reused staging), so TensorStore copies them there.
-        self.reference_sources = kvstore.get("driver") != "memory"
+        self.reference_sources = _storage_driver(kvstore) != "memory"
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
+        # Set by a writer that creates the arrays in the background (create_arrays on another
+        # thread): writes wait for it.
+        self.arrays_created = None
+
+    def create_arrays(self, arrays: Sequence[ArraySpec]):
+        """Create the arrays this session will write (their metadata), before any data: in one
+        transaction (one commit, OCDBT), so that later batches' transactions only add chunks."""
+        txn = ts.Transaction() if self.transactional else None
+        futures = []
+        for spec in arrays:
+            tspec = spec.tensorstore_spec(self.kvstore)
+            futures.append(ts.open(tspec, create=True, open=True, context=self.context, transaction=txn))
+        for future in futures:
+            future.result()
+        if txn is not None:
+            txn.commit_async().result()
 
     def array(self, spec: ArraySpec, *, create: bool):
         """The opened TensorStore (opened once per session, shared by threads)."""
@@ -191,19 +261,27 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
     region's CRC-32C when the session computes checksums (else None per region).
 
     The buffers are referenced, not copied: the caller keeps them unchanged until this returns.
+    A transactional session (OCDBT) writes them in one transaction: one commit per call.
     """
+    if session.arrays_created is not None:
+        session.arrays_created.result()
+    txn = ts.Transaction() if session.transactional else None
     futures = []
     for region, buf in zip(regions, buffers):
         try:
             store = session.array(region.array, create=True)
+            if txn is not None:
+                store = store.with_transaction(txn)
             data = buf.view(region.array.storage_dtype) if buf.dtype.name != region.array.storage_dtype else buf
-            futures.append(store[region.index].write(
-                data, can_reference_source_data_indefinitely=session.reference_sources).commit)
+            write = store[region.index].write(data, can_reference_source_data_indefinitely=session.reference_sources)
+            futures.append(write.copy if txn else write.commit)
         except Exception as exc:  # noqa: BLE001
             _wait_all(futures, regions)
             raise ChunkError(region.keypath, region.bounds, exc) from exc
     sums = [crc32c(b) if session.checksums else None for b in buffers]  # overlaps the writes
     _wait_all(futures, regions)
+    if txn is not None:
+        txn.commit_async().result()  # a failure here names the batch's key paths (the caller's)
     return sums
 
 

@@ -1,0 +1,337 @@
+"""The OCDBT chunk layout (``Options.layout="ocdbt"``, the default).
+
+Each writer (a process ``p<k>``, a colocated CPU device ``cpu<id>``) writes an OCDBT database of
+its own under ``arrays/<writer>/``, one transaction per batch; the committing process merges them
+into one database at ``arrays/`` (references to the writers' data files, no data copied). These
+tests look inside with ``storage_helpers`` (``tensorstore.ocdbt.dump``) and compare bytes."""
+
+import collections
+import json
+import os
+import threading
+import time
+import uuid
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dispatch_io as dio
+import storage_helpers as stored
+import workers
+from conftest import LAYOUTS, assert_trees_bit_equal, worker_module
+
+KiB, MiB = 1 << 10, 1 << 20
+TIMEOUT = 60
+WRITER_DIR = ("p", "cpu")   # arrays/p<k>/ (LocalDispatcher), arrays/cpu<id>/ (ColocatedDispatcher)
+
+
+def put(mesh, value, *spec):
+    return jax.device_put(value, NamedSharding(mesh, P(*spec)))
+
+
+def values(seed, shape, dtype):
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind in "iu":
+        return rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, shape, dtype=dtype, endpoint=True)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def writer_of(path, file) -> str:
+    """The writer directory (``p0``, ``cpu3``) of a data file under ``arrays/<writer>/d/``."""
+    rel = os.path.relpath(file, os.path.join(path, "arrays")).split(os.sep)
+    assert len(rel) == 3 and rel[1] == "d" and rel[0].startswith(WRITER_DIR), rel
+    return rel[0]
+
+
+# ---- the default, and what the manifest records --------------------------------------------------
+
+def test_default_layout_is_ocdbt_and_recorded_in_the_manifest(tmp_path, mesh, dispatcher_cls):
+    assert dio.Options().layout == "ocdbt"
+    assert sorted(workers.LAYOUTS) == sorted(LAYOUTS)   # the `layout` fixture covers every layout
+    with pytest.raises(ValueError, match="layout"):
+        dispatcher_cls(host_memory_budget=MiB, layout="zip")
+    tree = {"w": put(mesh, values(0, (64, 32), np.float32), "data", "model"), "step": 3}
+    with dispatcher_cls(host_memory_budget=MiB) as d:
+        assert d.options.layout == "ocdbt"
+        d.save(tmp_path / "ckpt", tree).wait(TIMEOUT)
+        assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree), tree)
+    assert stored.manifest(tmp_path / "ckpt")["layout"] == "ocdbt"
+    arrays = tmp_path / "ckpt" / "arrays"
+    assert (arrays / "manifest.ocdbt").is_file()
+    # No zarr array directories: the zarr keys live inside the database.
+    files = stored.all_files(arrays)
+    assert not any(f.endswith("zarr.json") or f"{os.sep}c{os.sep}" in f for f in files), files
+    name = stored.stored_name(tmp_path / "ckpt", "['w']")
+    assert f"{name}/zarr.json" in stored.stored_values(tmp_path / "ckpt")
+    assert sorted(stored.chunks(tmp_path / "ckpt", "['w']")) == [(i, j) for i in range(4) for j in range(2)]
+    with dispatcher_cls(host_memory_budget=MiB, layout="files") as d:
+        d.save(tmp_path / "files", tree).wait(TIMEOUT)
+    assert stored.manifest(tmp_path / "files")["layout"] == "files"
+    assert (tmp_path / "files" / "arrays" / name / "zarr.json").is_file()
+
+
+# ---- a training state: few files, bit-exact --------------------------------------------------------
+
+SMALL_DTYPES = (np.float32, ml_dtypes.bfloat16, np.int32)
+SMALL_SPECS = (P(), P("data", None), P(None, "model"), P("data", "model"))
+LARGE = [((1024, 1024), np.float32, P("data", "model")),      # 4 MiB
+         ((1024, 2048), ml_dtypes.bfloat16, P("data", None)),  # 4 MiB
+         ((1024, 1024), np.int8, P(None, "model")),            # 1 MiB
+         ((2048, 512), np.float16, P()),                       # 2 MiB, replicated
+         ((512, 256), np.bool_, P("data"))]                    # 128 KiB
+
+
+def training_state(mesh, seed=0):
+    """Like the benchmark's training state, smaller: 32 leaves of 4 KiB .. 1 MiB (dtypes cycling
+    f32 / bf16 / i32, shardings cycling replicated | rows | columns | both), 5 larger ones of mixed
+    dtypes and shardings, a PRNG key and a step scalar: 39 leaves, about 17 MiB."""
+    tree = {"params": {}, "opt_state": {}}
+    for i in range(32):
+        dtype = np.dtype(SMALL_DTYPES[i % 3])
+        rows = (4096 << (i % 9)) // dtype.itemsize // 128
+        tree["params" if i % 2 == 0 else "opt_state"][f"small_{i:02d}"] = jax.device_put(
+            values((seed, i), (rows, 128), dtype), NamedSharding(mesh, SMALL_SPECS[i % 4]))
+    for i, (shape, dtype, spec) in enumerate(LARGE):
+        tree["params" if i % 2 == 0 else "opt_state"][f"big_{i:02d}"] = jax.device_put(
+            values((seed, 100 + i), shape, dtype), NamedSharding(mesh, spec))
+    tree["step"] = jax.device_put(np.int32(1000 + seed), NamedSharding(mesh, P()))
+    tree["rng"] = jax.random.key(seed)
+    return tree
+
+
+def test_training_state_is_a_few_files_and_round_trips_bit_exact(tmp_path, mesh):
+    tree = training_state(mesh)
+    assert len(jax.tree.leaves(tree)) == 39
+    path = tmp_path / "ckpt"
+    with dio.LocalDispatcher(host_memory_budget=16 * MiB) as d:   # below the tree's size: several batches
+        stats = d.save(path, tree).wait(TIMEOUT)
+        assert stats.batches >= 2
+        assert_trees_bit_equal(d.restore(path, tree), tree)
+        assert_trees_bit_equal(d.restore(path), jax.device_get(tree))
+    assert dio.metadata(path) == jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    files = stored.all_files(path)
+    assert len(files) <= 20, files   # the "files" layout: one per chunk (the keys below) + one per leaf
+    keys = stored.stored_values(path)
+    arrays = [leaf["stored"]["name"] for leaf in stored.manifest(path)["leaves"] if leaf.get("stored")]
+    assert len(arrays) == 39
+    assert sorted(k for k in keys if k.endswith("/zarr.json")) == sorted(f"{a}/zarr.json" for a in arrays)
+    chunk_keys = [k for k in keys if not k.endswith("/zarr.json")]
+    assert len(chunk_keys) > 100, len(chunk_keys)
+    # The merged database references the writer's data files: its own files are only the
+    # manifest and B-tree nodes, a few KiB for ~17 MiB of data.
+    assert {writer_of(path, v.file) for v in keys.values() if v.file is not None} == {"p0"}
+    own = [f for f in files if f == os.path.join("arrays", "manifest.ocdbt") or f.startswith(os.path.join("arrays", "d", ""))]
+    assert own and sum(os.path.getsize(path / f) for f in own) < 64 * KiB, own
+    data = sum(os.path.getsize(path / f) for f in files if f.startswith(os.path.join("arrays", "p0", "d", "")))
+    assert data >= stats.bytes_written >= 16 * MiB
+
+
+# ---- either layout reads the other ------------------------------------------------------------------
+
+def test_restore_reads_the_layout_the_manifest_records(tmp_path, mesh, dispatcher_cls):
+    tree = {"w": put(mesh, values(1, (128, 64), ml_dtypes.bfloat16), "data", "model"),
+            "rep": put(mesh, values(2, (16, 16), np.int32)),
+            "key": jax.random.split(jax.random.key(4, impl="rbg"), 4),
+            "host": values(3, (5, 7), np.float64), "step": 9}
+    with dispatcher_cls(host_memory_budget=256 * KiB, layout="files") as files, \
+            dispatcher_cls(host_memory_budget=256 * KiB) as ocdbt:
+        files.save(tmp_path / "by_files", tree).wait(TIMEOUT)
+        ocdbt.save(tmp_path / "by_ocdbt", tree).wait(TIMEOUT)
+        assert stored.layout(tmp_path / "by_files") == "files" and stored.layout(tmp_path / "by_ocdbt") == "ocdbt"
+        for d in (files, ocdbt):
+            for path in ("by_files", "by_ocdbt"):
+                assert_trees_bit_equal(d.restore(tmp_path / path, tree), tree)
+                assert_trees_bit_equal(d.restore(tmp_path / path), jax.device_get(tree))
+        assert dio.metadata(tmp_path / "by_files") == dio.metadata(tmp_path / "by_ocdbt")
+        # A manifest written before layouts existed (no "layout") is a "files" checkpoint.
+        manifest = stored.manifest(tmp_path / "by_files")
+        del manifest["layout"]
+        (tmp_path / "by_files" / "manifest.json").write_text(json.dumps(manifest))
+        assert_trees_bit_equal(ocdbt.restore(tmp_path / "by_files", tree), tree)
+        # One this dispatch_io does not know is refused, not guessed.
+        manifest["layout"] = "zip"
+        (tmp_path / "by_files" / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(dio.CheckpointError, match="zip"):
+            ocdbt.restore(tmp_path / "by_files", tree)
+
+
+# ---- many batches, concurrent transactions --------------------------------------------------------
+
+def hold_until_concurrent(monkeypatch, dispatcher_cls, hold_seconds=5.0):
+    """Make the worker's first write wait (up to ``hold_seconds``) until a second one is in
+    flight, so that two transactions really overlap. Returns a Counter: the most writes in flight
+    at once into each writer database (keyed by its kvstore spec), and in all (key None)."""
+    module = worker_module(dispatcher_cls)
+    real = module.write_regions
+    lock = threading.Lock()
+    in_flight, most = collections.Counter(), collections.Counter()
+
+    def write_regions(session, regions, buffers):
+        database = json.dumps(session.kvstore, sort_keys=True)
+        with lock:
+            for key in (database, None):
+                in_flight[key] += 1
+                most[key] = max(most[key], in_flight[key])
+        try:
+            deadline = time.monotonic() + hold_seconds
+            while most[None] < 2 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return real(session, regions, buffers)
+        finally:
+            with lock:
+                in_flight[database] -= 1
+                in_flight[None] -= 1
+
+    monkeypatch.setattr(module, "write_regions", write_regions)
+    return most
+
+
+def test_small_budget_many_batches_and_concurrent_transactions(tmp_path, mesh, dispatcher_cls, monkeypatch):
+    """Leaves split over many batches, written by two threads. LocalDispatcher: two batches'
+    transactions into the one database of this process at once. ColocatedDispatcher: each
+    colocated host commits into a database of its own, several hosts at once."""
+    tree = {
+        "a": put(mesh, values(10, (256, 256), np.float32), "data", "model"),   # 256 KiB
+        "b": put(mesh, values(11, (512, 128), ml_dtypes.bfloat16), "data"),    # 128 KiB
+        "c": put(mesh, values(12, (128, 512), np.int8), None, "model"),        # 64 KiB
+        "r": put(mesh, values(13, (96, 96), np.float32)),                       # replicated, 36 KiB
+        "h": values(14, (64, 100), np.uint16),                                  # numpy, 12.5 KiB
+        "k": jax.random.key(5), "step": 41,
+    }
+    most = hold_until_concurrent(monkeypatch, dispatcher_cls)
+    path = tmp_path / "ckpt"
+    with dispatcher_cls(host_memory_budget=64 * KiB, write_threads=2) as d:
+        stats = d.save(path, tree).wait(TIMEOUT)
+        assert stats.batches >= 16 and stats.peak_host_bytes <= 64 * KiB, stats
+        databases = {k: n for k, n in most.items() if k is not None}
+        if dispatcher_cls is dio.LocalDispatcher:
+            (database,) = databases
+            assert "/arrays/p0/" in database and most[database] >= 2, most   # two transactions at once
+        else:
+            assert len(databases) == 8 and most[None] >= 2, most   # a database per colocated CPU device
+        assert_trees_bit_equal(d.restore(path, tree), tree)
+    with dispatcher_cls(host_memory_budget=MiB) as other:   # a fresh reader, another budget
+        assert_trees_bit_equal(other.restore(path), jax.device_get(tree))
+    # Every chunk of every leaf made it into the merged database, from some writer.
+    manifest = stored.manifest(path)
+    assert manifest["layout"] == "ocdbt"
+    for leaf in manifest["leaves"]:
+        if leaf.get("stored"):
+            grid = [-(-n // c) for n, c in zip(leaf["stored"]["shape"], leaf["stored"]["chunk_shape"])]
+            assert len(stored.chunks(path, leaf["keypath"])) == int(np.prod(grid)), leaf["keypath"]
+
+
+def test_leaf_split_over_many_batches_is_one_array_after_the_merge(tmp_path, mesh, dispatcher_cls):
+    x = put(mesh, values(20, (512, 256), np.float32), "data", "model")   # 512 KiB: 32 chunks of 16 KiB
+    path = tmp_path / "ckpt"
+    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
+        stats = d.save(path, {"x": x}).wait(TIMEOUT)
+        assert stats.batches >= 16, stats
+        chunks = stored.chunks(path, "['x']")
+        stored_spec = stored.manifest(path)["leaves"][0]["stored"]
+        grid = [n // c for n, c in zip(stored_spec["shape"], stored_spec["chunk_shape"])]
+        assert sorted(chunks) == [(i, j) for i in range(grid[0]) for j in range(grid[1])] and len(chunks) == 32
+        # The chunks come from many transactions (data files), all now under one zarr array.
+        assert len({v.file for v in chunks.values()}) >= 8
+        name = stored.stored_name(path, "['x']")
+        assert [k for k in stored.stored_values(path) if not k.startswith(f"{name}/c/")] == [f"{name}/zarr.json"]
+        # Any zarr v3 reader with OCDBT support sees one array: TensorStore on its own.
+        array = ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{path}/arrays/",
+                                                        "path": f"{name}/"}}, open=True).result()
+        assert array.shape == (512, 256) and array.dtype == ts.float32
+        assert array.read().result().tobytes() == np.asarray(x).tobytes()
+        # And dispatch_io reads it onto other layouts: regions across chunk boundaries, one device.
+        for target in (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(None, "data"))),
+                       jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[3]))):
+            restored = d.restore(path, {"x": target})["x"]
+            assert restored.sharding == target.sharding
+            assert np.asarray(restored).tobytes() == np.asarray(x).tobytes()
+
+
+# ---- lost data files, stale caches ---------------------------------------------------------------
+
+def test_lost_writer_data_file_names_the_key_path(tmp_path, mesh, dispatcher_cls):
+    tree = {"a": put(mesh, values(30, (64, 64), np.float32), "data", "model"),
+            "victim": put(mesh, values(31, (128, 64), np.float32), "data"),
+            "c": values(32, (32, 32), np.int32), "step": 3}
+    victim = "['victim']"
+    path = tmp_path / "ckpt"
+    isolate = lambda keypath, spec: dio.Priority.HIGH if keypath == victim else dio.Priority.SYNC  # noqa: E731
+    # One writer thread: batches commit one after the other, so no data file mixes two batches.
+    with dispatcher_cls(host_memory_budget=MiB, write_threads=1) as d:
+        d.save(path, tree, priority=isolate).wait(TIMEOUT)
+        # The writers' own manifests are not needed once merged: restore reads the merged database.
+        for writer in os.listdir(path / "arrays"):
+            if writer.startswith(WRITER_DIR):
+                os.remove(path / "arrays" / writer / "manifest.ocdbt")
+        assert_trees_bit_equal(d.restore(path, tree), tree)
+        lost = stored.files_holding(path, victim)   # data files holding the victim's chunks, and nothing else
+        assert all(writer_of(path, f) for f in lost)
+        for f in lost:
+            os.remove(f)
+        with pytest.raises(dio.WorkerError) as info:
+            d.restore(path, tree)
+        assert info.value.keypath == victim and victim in str(info.value), info.value
+        others = {k: v for k, v in tree.items() if k != "victim"}
+        assert_trees_bit_equal(d.restore(path, others, partial=True), others)
+
+
+def test_overwriting_a_memory_checkpoint_again_and_again_reads_the_latest(mesh, dispatcher_cls):
+    """memory:// keeps one kvstore for the whole process: the same keys are written again by
+    every overwrite. Each restore (by the saving dispatcher, and by a new one) sees the latest
+    save, never a cached OCDBT manifest, B-tree node or chunk of an earlier one."""
+    url = f"memory://ocdbt_overwrite_{uuid.uuid4().hex[:8]}/ckpt"
+    shapes = [(64, 32), (64, 32), (128, 16), (64, 32), (32, 8)]
+    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
+        for i, shape in enumerate(shapes):
+            tree = {"w": put(mesh, values(40 + i, shape, np.float32 if i % 2 else np.int32), "data"),
+                    "h": values(50 + i, (i + 1, 3), np.float64), "step": i}
+            if i % 2:
+                tree[f"only_{i}"] = put(mesh, values(60 + i, (16,), np.uint8))
+            d.save(url, tree, overwrite=True).wait(TIMEOUT)
+            assert_trees_bit_equal(d.restore(url, tree), tree)
+            assert_trees_bit_equal(d.restore(url), jax.device_get(tree))
+            with dispatcher_cls(host_memory_budget=MiB) as fresh:
+                assert_trees_bit_equal(fresh.restore(url, tree), tree)
+            assert dio.metadata(url)["w"] == jax.ShapeDtypeStruct(shape, tree["w"].dtype)
+
+
+def test_failing_merge_commits_nothing_and_keeps_the_previous_checkpoint(tmp_path, mesh, dispatcher_cls,
+                                                                         monkeypatch):
+    """The merge is the last step before the manifest: if it fails, the save raises, its temporary
+    directory goes, and the checkpoint it was replacing is still there, intact."""
+    import errno
+
+    import dispatch_io.save
+
+    old = {"w": put(mesh, values(70, (64, 64), np.float32), "data", "model"), "step": 1}
+    new = {"w": put(mesh, values(71, (64, 64), np.float32), "data", "model"), "step": 2}
+    path = tmp_path / "ckpt"
+    with dispatcher_cls(host_memory_budget=MiB) as d:
+        d.save(path, old).wait(TIMEOUT)
+        before = (path / "COMMITTED").read_bytes()
+        real = dispatch_io.save.merge_writers
+        merges = []
+
+        def failing_merge(*args, **kwargs):
+            merges.append(args)
+            raise OSError(errno.EIO, "merge failed")
+
+        monkeypatch.setattr(dispatch_io.save, "merge_writers", failing_merge)
+        with pytest.raises(dio.CheckpointError, match="merge failed"):
+            d.save(path, new, overwrite=True).wait(TIMEOUT)
+        assert len(merges) == 1
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+        assert (path / "COMMITTED").read_bytes() == before
+        assert_trees_bit_equal(d.restore(path, old), old)
+        monkeypatch.setattr(dispatch_io.save, "merge_writers", real)
+        d.save(path, new, overwrite=True).wait(TIMEOUT)
+        assert_trees_bit_equal(d.restore(path, new), new)
