@@ -1,7 +1,8 @@
-"""A deterministic synthetic training state on 8 forced CPU devices (a 4x2 ('data', 'model') mesh).
+"""Deterministic synthetic training states on 8 forced CPU devices (a 4x2 ('data', 'model') mesh).
 
-Import this module before jax (it sets XLA_FLAGS for 8 host devices). ``total_mib`` is the
-logical size: what a checkpoint has to write, replicas counted once. Layout:
+Import this module before jax (it sets XLA_FLAGS for 8 host devices). A tree is named by its
+``size``: a number of logical MiB (what a checkpoint has to write, replicas counted once) for
+the training state, or ``"10k"`` for the many-small-leaves tree. Training state layout:
 
 * 32 small leaves of 4 KiB .. 1 MiB (about 6 MiB together), dtypes cycling f32 / bf16 / i32,
   shardings cycling P() | P('data', None) | P(None, 'model') | P('data', 'model');
@@ -10,11 +11,14 @@ logical size: what a checkpoint has to write, replicas counted once. Layout:
   cycling P('data', 'model') | P('data', None) | P(None, 'model'); 4096 columns;
 * ``step``: a replicated int32 scalar, ``rng``: a replicated ``jax.random.key``.
 
-Even leaves live under ``params``, odd ones under ``opt_state``. Floats look like weights
-(random sign and mantissa, |x| in [2^-7, 2^-3)); int32 leaves are random bits. The same
-(total_mib, seed) always gives the same bytes; :func:`digest` checks a restore bit for bit.
+Even leaves live under ``params``, odd ones under ``opt_state``. The ``"10k"`` tree has 10 000
+leaves of 1 to 8 KiB (32 columns, 8 to 64 rows; about 31 MiB together) nested as
+``params|opt_state / layer_NNN / w_NNNNN``, dtypes and shardings cycling as for the small
+leaves above, plus the same ``step`` and ``rng``. Floats look like weights (random sign and
+mantissa, |x| in [2^-7, 2^-3)); int32 leaves are random bits. The same (size, seed) always
+gives the same bytes; :func:`digest` checks a restore bit for bit.
 
-    python benchmarks/tree.py [TOTAL_MIB]    # prints the leaf inventory
+    python benchmarks/tree.py [SIZE]    # prints the leaf inventory (MiB, or 10k)
 """
 
 import os
@@ -42,11 +46,15 @@ SMALL_SPECS = (P(), P("data", None), P(None, "model"), P("data", "model"))
 LARGE_MIB = (256, 128, 64, 192, 256, 128)
 LARGE_DTYPES = (np.float32, ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float32, np.int32)
 LARGE_SPECS = (P("data", "model"), P("data", None), P(None, "model"))
+MANY = "10k"           # size name of the many-small-leaves tree
+MANY_COUNT = 10_000
+MANY_COLS = 32
+MANY_PER_LAYER = 50
 
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    path: tuple[str, str]
+    path: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: np.dtype
     spec: P
@@ -62,8 +70,29 @@ def mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((4, 2), ("data", "model"))
 
 
-def layout(total_mib: int) -> list[Leaf]:
-    """The array leaves (without step and rng) for a tree of ``total_mib`` logical MiB."""
+def parse_size(text: str) -> int | str:
+    """A tree size from the command line: logical MiB, or ``10k``."""
+    return MANY if text.lower() == MANY else int(text)
+
+
+def layout(size: int | str) -> list[Leaf]:
+    """The array leaves (without step and rng) of the tree named ``size``."""
+    return many_layout() if size == MANY else training_layout(size)
+
+
+def many_layout(count: int = MANY_COUNT) -> list[Leaf]:
+    """``count`` leaves of 1 to 8 KiB in nested layers (the "10k" tree)."""
+    leaves = []
+    for i in range(count):
+        top = "params" if i % 2 == 0 else "opt_state"
+        path = (top, f"layer_{i // MANY_PER_LAYER:03d}", f"w_{i:05d}")
+        rows = 8 << (i // 4 % 4)  # 8..64, not in step with the 4 shardings
+        leaves.append(Leaf(path, (rows, MANY_COLS), np.dtype(SMALL_DTYPES[i % 3]), SMALL_SPECS[i % 4]))
+    return leaves
+
+
+def training_layout(total_mib: int) -> list[Leaf]:
+    """The array leaves for a training state of ``total_mib`` logical MiB."""
     leaves = []
     for i in range(SMALL_COUNT):
         dtype = np.dtype(SMALL_DTYPES[i % 3])
@@ -114,11 +143,11 @@ def host_values(leaf: Leaf, seed) -> np.ndarray:
     return u.view(leaf.dtype).reshape(leaf.shape)
 
 
-def build(total_mib: int = 1024, seed: int = 0) -> dict:
+def build(size: int | str = 1024, seed: int = 0) -> dict:
     """The concrete sharded tree (blocks until every array is on its devices)."""
     m = mesh()
     items = []
-    for k, leaf in enumerate(layout(total_mib)):
+    for k, leaf in enumerate(layout(size)):
         host = host_values(leaf, (seed, k))
         items.append((leaf.path, jax.make_array_from_callback(leaf.shape, NamedSharding(m, leaf.spec),
                                                               lambda index, host=host: host[index])))
@@ -129,11 +158,11 @@ def build(total_mib: int = 1024, seed: int = 0) -> dict:
     return jax.block_until_ready(_nest(items))
 
 
-def abstract(total_mib: int = 1024) -> dict:
+def abstract(size: int | str = 1024) -> dict:
     """The same tree as ``jax.ShapeDtypeStruct`` leaves carrying the shardings."""
     m = mesh()
     items = [(leaf.path, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(m, leaf.spec)))
-             for leaf in layout(total_mib)]
+             for leaf in layout(size)]
     replicated = NamedSharding(m, P())
     key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
     items.append((("step",), jax.ShapeDtypeStruct((), np.int32, sharding=replicated)))
@@ -145,13 +174,26 @@ def is_key(x) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _data_shape(x):
+    """x itself, or the shape and dtype of its key data when x holds PRNG keys."""
+    return jax.eval_shape(jax.random.key_data, x) if is_key(x) else x
+
+
 def nbytes(tree) -> int:
     """Logical bytes (replicas once; a key counts its key data)."""
     total = 0
-    for x in jax.tree.leaves(tree):
-        if is_key(x):
-            x = jax.eval_shape(jax.random.key_data, x)
+    for x in map(_data_shape, jax.tree.leaves(tree)):
         total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def device_bytes(tree) -> int:
+    """Bytes held on the devices: every replica counted (arrays or abstract arrays with shardings)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        data = _data_shape(x)
+        shard = x.sharding.shard_shape(data.shape[:len(x.shape)]) + data.shape[len(x.shape):]
+        total += len(x.sharding.device_set) * int(np.prod(shard)) * np.dtype(data.dtype).itemsize
     return total
 
 
@@ -172,9 +214,8 @@ def digest(tree) -> str:
 
 
 if __name__ == "__main__":
-    total = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-    state = build(total)
+    state = build(parse_size(sys.argv[1]) if len(sys.argv) > 1 else 1024)
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        print(f"{jax.tree_util.keystr(path):28s} {str(x.shape):>14s} {str(x.dtype):>10s} "
+        print(f"{jax.tree_util.keystr(path):42s} {str(x.shape):>14s} {str(x.dtype):>10s} "
               f"{str(x.sharding.spec):>22s}")
     print(f"{len(jax.tree.leaves(state))} leaves, {nbytes(state) / MiB:.1f} MiB logical, digest {digest(state)}")
