@@ -43,9 +43,9 @@ class RemoteSession:
     ``kvstore`` is where the arrays are read; writers write ``writer_kvstore(cpu)``."""
 
     def __init__(self, kvstore: dict, fsync: bool = True, checksums: bool = False,
-                 base: dict | None = None, layout: str = "files"):
+                 base: dict | None = None, layout: str = "files", keep_page_cache: bool = False):
         self.kvstore, self.fsync, self.checksums = kvstore, fsync, checksums
-        self.base, self.layout = base, layout
+        self.base, self.layout, self.keep_page_cache = base, layout, keep_page_cache
         self.arrays_created = None  # a future: writes wait for it
 
     def writer_kvstore(self, cpu) -> dict:
@@ -88,7 +88,7 @@ class ColocatedDispatcher(Dispatcher):
 
     def open_write_session(self, target: WriteTarget, chunks, plan: Plan) -> RemoteSession:
         session = RemoteSession(target.kvstore, self.options.fsync, self.options.checksums, base=target.kvstore,
-                                layout=self.options.layout)
+                                layout=self.options.layout, keep_page_cache=self.options.keep_page_cache)
         # Each colocated host writes the chunks of its devices; their arrays are created first,
         # from here, so that the hosts' concurrent writes only ever add chunks.
         devices = {d.id: d for d in jax.local_devices()}
@@ -173,7 +173,8 @@ class ColocatedDispatcher(Dispatcher):
                 item, spec = _read_item(out, region, chunk_limit, sharding)
                 items.append(item)
                 specs.append(spec)
-            request = remote.encode_request(remote.ReadRequest(kvstore, tuple(items)), sharding)
+            request = remote.encode_request(
+                remote.ReadRequest(kvstore, tuple(items), self.options.keep_page_cache), sharding)
             calls.append((indices, remote.reader(tuple(specs))(request)))
         results: list = [None] * len(batch)
         for indices, arrays in calls:
@@ -218,7 +219,8 @@ def _write_on_workers(session: RemoteSession, regions: list[Region], arrays: lis
     calls = []
     for sharding, indices in groups.items():
         request = remote.encode_request(remote.WriteRequest(
-            session.writer_kvstore(next(iter(sharding.device_set))), session.fsync, session.checksums, tuple(regions[i] for i in indices)), sharding)
+            session.writer_kvstore(next(iter(sharding.device_set))), session.fsync, session.checksums,
+            tuple(regions[i] for i in indices), session.keep_page_cache), sharding)
         calls.append((indices, remote.write_arrays(request, [arrays[i] for i in indices])))
     sums: list = [None] * len(arrays)
     for indices, result in calls:

@@ -380,13 +380,15 @@ class LocalDispatcher(Dispatcher):
 
     def open_write_session(self, target: WriteTarget, chunks: Sequence[Chunk], plan: Plan) -> Session:
         kvstore = layout_kvstore(target.kvstore, self.options.layout, writer=f"p{self.worker_id}")
-        session = Session(kvstore, context=target.context, fsync=self.options.fsync, checksums=self.options.checksums)
+        session = Session(kvstore, context=target.context, fsync=self.options.fsync, checksums=self.options.checksums,
+                          keep_page_cache=self.options.keep_page_cache)
         # In the background: the SYNC copies need not wait for it, only the writes.
         session.arrays_created = self._pool.submit(session.create_arrays, arrays_of(chunks, plan))
         return session
 
     def open_read_session(self, location: Location, layout: str) -> Session:
-        return Session(layout_kvstore(location.arrays_kvstore(), layout), context=location.context)
+        return Session(layout_kvstore(location.arrays_kvstore(), layout), context=location.context,
+                       keep_page_cache=self.options.keep_page_cache)
 
     def copy_to_host(self, plan, chunks, sources, staging):
         return copy_chunks_to_host(plan, chunks, sources, staging)

@@ -34,6 +34,11 @@ class Options:
         memory until each is copied to host), so that ``save()`` returns after one device-side
         copy instead of waiting for writes to free host memory. Never on CPU devices, whose
         memory is host memory. False: ``save()`` waits.
+    keep_page_cache: leave the checkpoint's files in the OS page cache. By default the page
+        cache of each batch's files is dropped once written (durable) or read: a checkpoint's
+        bytes are used once, and recycling those pages makes IO much faster where fresh memory
+        is slow (VMs returning freed memory to the host). Keep it when several processes on one
+        host restore the same replicated data.
     checksums: store a CRC-32C of every chunk in the manifest, for ``restore(verify=True)``.
     barrier_timeout: seconds a process of a multi-process job waits for the others at a
         barrier (while they make no progress) before raising ``BarrierTimeoutError``.
@@ -46,6 +51,7 @@ class Options:
     keep_staging_warm: bool = True
     layout: str = "ocdbt"
     device_snapshots: bool = True
+    keep_page_cache: bool = False
     checksums: bool = False
     barrier_timeout: float = 300.0
 

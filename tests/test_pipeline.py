@@ -553,3 +553,56 @@ def test_snapshot_of_a_deleted_leaf_names_it(tmp_path, mesh, dispatcher_cls, mon
             d.save(tmp_path / "ckpt", tree)
         assert info.value.keypath == "['w5']"
         assert not os.path.exists(tmp_path / "ckpt")
+
+
+# ---- page cache: a checkpoint's bytes are not left cached --------------------------------------------
+
+def resident_bytes(folder) -> int:
+    """Bytes of the files under ``folder`` that are in the OS page cache (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = mmap.PAGESIZE
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            if size == 0:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+                pages = (size + page - 1) // page
+                vec = (ctypes.c_ubyte * pages)()
+                assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+                total += sum(v & 1 for v in vec) * page
+                libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+    return total
+
+
+@pytest.mark.parametrize("layout", ["ocdbt", "files"])
+@pytest.mark.parametrize("keep", [False, True])
+def test_checkpoint_files_leave_the_page_cache(tmp_path, mesh, dispatcher_cls, layout, keep):
+    """By default written (durable) and read files are dropped from the page cache batch by batch;
+    keep_page_cache=True leaves them there."""
+    tree = {f"w{i}": put(mesh, random_array(200 + i, (512, 512)), "data", "model") for i in range(4)}  # 4 MiB
+    path = tmp_path / "ckpt"
+    with dispatcher_cls(host_memory_budget=2 * MiB, layout=layout, keep_page_cache=keep) as d:
+        d.save(path, tree).wait(60)
+        after_save = resident_bytes(path / "arrays")
+        restored = d.restore(path, abstract(tree))
+        after_restore = resident_bytes(path / "arrays")
+    assert_trees_bit_equal(tree, restored)
+    if keep:  # the restore has just read every byte through the page cache
+        assert after_restore >= 4 * MiB
+    else:
+        assert after_save < 256 * KiB and after_restore < 256 * KiB  # metadata and B-tree nodes at most

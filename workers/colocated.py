@@ -66,6 +66,7 @@ class WriteRequest:
     fsync: bool
     checksums: bool
     regions: tuple[Region, ...]
+    keep_page_cache: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +88,12 @@ class ReadItem:
 class ReadRequest:
     kvstore: dict
     items: tuple[ReadItem, ...]
+    keep_page_cache: bool = False
 
 
 def _write(request: jax.Array, arrays: Sequence[jax.Array]) -> jax.Array:
     req: WriteRequest = decode_request(request)
-    session = Session(req.kvstore, fsync=req.fsync, checksums=req.checksums)
+    session = Session(req.kvstore, fsync=req.fsync, checksums=req.checksums, keep_page_cache=req.keep_page_cache)
     buffers = []
     for region, array in zip(req.regions, arrays):
         host = np.asarray(array)
@@ -116,7 +118,7 @@ def _read(request: jax.Array) -> list[jax.Array]:
         for region, local in item.pieces:
             regions.append(region)
             views.append(buf[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)])
-    session = Session(req.kvstore)
+    session = Session(req.kvstore, keep_page_cache=req.keep_page_cache)
     try:
         read_regions(session, regions, views)
     finally:

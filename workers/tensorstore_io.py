@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import threading
 from typing import Any, Sequence
 
@@ -127,6 +128,43 @@ def merge_writers(base: dict, context: ts.Context | None = None):
     txn.commit_async().result()
 
 
+def _local_directory(kvstore: dict) -> str | None:
+    """The local directory of a ``file`` kvstore (under any OCDBT database), else None."""
+    while kvstore.get("driver") == "ocdbt":
+        kvstore = kvstore["base"]
+    return kvstore.get("path") if kvstore.get("driver") == "file" else None
+
+
+def release_page_cache(session: "Session", regions: Sequence[Region]):
+    """Ask the kernel to drop the page cache of the files the regions were written to (after
+    fsync) or read from.
+
+    A checkpoint's bytes are written or read once; kept cached, they push out pages the program
+    needs, and every batch's IO needs fresh page-cache memory. Dropped, the next batch's IO reuses
+    the same, still warm, pages — on hosts that hand freed memory back to a hypervisor (this VM:
+    ~0.4 GB/s to touch such memory again) that doubles save speed. Best effort: errors are ignored.
+    """
+    if session.directory is None:
+        return
+    if session.transactional:  # OCDBT: the database's few files
+        folders = [session.directory]
+    else:  # one array directory per region's array
+        folders = {os.path.join(session.directory, r.array.name) for r in regions}
+    for folder in folders:
+        for root, _, names in os.walk(folder):
+            for name in names:
+                try:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+
+
 def _storage_driver(kvstore: dict) -> str:
     """The kvstore driver that holds the bytes (under any OCDBT database)."""
     while kvstore.get("driver") == "ocdbt":
@@ -167,9 +205,11 @@ class Session:
     """
 
     def __init__(self, kvstore: dict, *, context: ts.Context | None = None, fsync: bool = True,
-                 checksums: bool = False, io_concurrency: int = 16):
+                 checksums: bool = False, io_concurrency: int = 16, keep_page_cache: bool = False):
         self.kvstore = kvstore
         self.fsync = fsync
+        # Local files only: the directory whose page cache write_regions / read_regions drop.
+        self.directory = None if keep_page_cache else _local_directory(kvstore)
         self.checksums = checksums  # write_regions returns each region's crc32c
         if context is None:
             context = shared_context(kvstore)
@@ -282,6 +322,8 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
     _wait_all(futures, regions)
     if txn is not None:
         txn.commit_async().result()  # a failure here names the batch's key paths (the caller's)
+    if session.fsync:  # clean pages only: unsynced ones would stay anyway
+        release_page_cache(session, regions)
     return sums
 
 
@@ -305,6 +347,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
             _wait_all(futures, regions)
             raise ChunkError(region.keypath, region.bounds, exc) from exc
     arrays = _wait_all(futures, regions)
+    release_page_cache(session, regions)
     results = []
     for region, dst, arr in zip(regions, out, arrays):
         if dst is not None:
