@@ -82,6 +82,7 @@ class ColocatedDispatcher(Dispatcher):
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         remote.colocated_python_module()  # a missing cloudpickle fails here, not mid-save
+        remote.release_large_buffers_at_once()  # the host copies are made in this process here
         super().__init__(Options(host_memory_budget=host_memory_budget, **options))
 
     # ---- save -----------------------------------------------------------------------------------
