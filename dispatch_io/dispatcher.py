@@ -86,12 +86,8 @@ class Dispatcher:
         leaves = jax.tree_util.tree_leaves(tree)
         priorities = self._priorities(plan, priority)
         batches = self._batches(plan, priorities)
-        overflow = ()
-        if self.options.device_snapshots:
-            overflow = {i for i in sync_overflow(plan, batches, self.options.host_memory_budget)
-                        if _platform(leaves[i]) not in NO_SNAPSHOT_PLATFORMS}
-        if overflow:  # copied on device now, to host later with HIGH priority
-            self._snapshot(plan, leaves, sorted(overflow))
+        overflow = self._snapshot_sync_overflow(plan, leaves, batches)
+        if overflow:  # on their devices now: to host later, with HIGH priority
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
             batches = self._batches(plan, priorities)
         plan_seconds = time.perf_counter() - started
@@ -112,8 +108,14 @@ class Dispatcher:
         run.wait_until_sync_copied()
         return SaveHandle(run)
 
-    def _snapshot(self, plan: Plan, leaves: list, indices: list[int]):
-        """Replace ``leaves[i]`` by a copy on the same devices, and wait for the copies."""
+    def _snapshot_sync_overflow(self, plan: Plan, leaves: list, batches) -> set[int]:
+        """``Options.device_snapshots``: replace the SYNC leaves beyond the host budget (on
+        accelerators) by copies on the same devices, wait for the copies, return their indices."""
+        if not self.options.device_snapshots:
+            return set()
+        indices = sorted(i for i in sync_overflow(plan, batches, self.options.host_memory_budget)
+                         if _platform(leaves[i]) not in NO_SNAPSHOT_PLATFORMS)
+
         def failed(i, exc):
             keypath = plan.leaves[i].keypath
             return WorkerError(f"worker {self.worker_id} failed copying {keypath} on its devices: "
@@ -129,6 +131,7 @@ class Dispatcher:
                 leaves[i].block_until_ready()
             except Exception as exc:  # noqa: BLE001
                 raise failed(i, exc) from exc
+        return set(indices)
 
     def _batches(self, plan: Plan, priorities: list[Priority]):
         key = ("batches", tuple(priorities), self.options.batch_bytes, self.worker_id)

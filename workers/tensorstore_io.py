@@ -128,13 +128,6 @@ def merge_writers(base: dict, context: ts.Context | None = None):
     txn.commit_async().result()
 
 
-def _local_directory(kvstore: dict) -> str | None:
-    """The local directory of a ``file`` kvstore (under any OCDBT database), else None."""
-    while kvstore.get("driver") == "ocdbt":
-        kvstore = kvstore["base"]
-    return kvstore.get("path") if kvstore.get("driver") == "file" else None
-
-
 def release_page_cache(session: "Session", regions: Sequence[Region]):
     """Ask the kernel to drop the page cache of the files the regions were written to (after
     fsync) or read from.
@@ -165,11 +158,11 @@ def release_page_cache(session: "Session", regions: Sequence[Region]):
                     os.close(fd)
 
 
-def _storage_driver(kvstore: dict) -> str:
-    """The kvstore driver that holds the bytes (under any OCDBT database)."""
+def _storage(kvstore: dict) -> dict:
+    """The kvstore that holds the bytes (under any OCDBT database)."""
     while kvstore.get("driver") == "ocdbt":
         kvstore = kvstore["base"]
-    return kvstore.get("driver")
+    return kvstore
 
 
 _memory_context = None
@@ -179,7 +172,7 @@ def shared_context(kvstore: dict) -> ts.Context | None:
     """The process-wide context for kvstores whose data lives in a context (``memory``):
     writers and readers must share it to see each other's data. None for the rest."""
     global _memory_context
-    if _storage_driver(kvstore) != "memory":
+    if _storage(kvstore).get("driver") != "memory":
         return None
     if _memory_context is None:
         _memory_context = ts.Context()
@@ -208,8 +201,9 @@ class Session:
                  checksums: bool = False, io_concurrency: int = 16, keep_page_cache: bool = False):
         self.kvstore = kvstore
         self.fsync = fsync
+        storage = _storage(kvstore)
         # Local files only: the directory whose page cache write_regions / read_regions drop.
-        self.directory = None if keep_page_cache else _local_directory(kvstore)
+        self.directory = storage.get("path") if storage.get("driver") == "file" and not keep_page_cache else None
         self.checksums = checksums  # write_regions returns each region's crc32c
         if context is None:
             context = shared_context(kvstore)
@@ -225,7 +219,7 @@ class Session:
         })
         # The memory kvstore keeps written values by reference: they must not alias the
         # caller's buffers (reused staging), so TensorStore copies them there.
-        self.reference_sources = _storage_driver(kvstore) != "memory"
+        self.reference_sources = storage.get("driver") != "memory"
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
         # Set by a writer that creates the arrays in the background (create_arrays on another
