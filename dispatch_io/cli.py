@@ -2,6 +2,7 @@
 
     dispatch-io inspect PATH [--json]   key path, shape, dtype, saved sharding, bytes; totals
     dispatch-io verify PATH             read every stored byte (and check the CRC-32Cs, if saved)
+    dispatch-io bench [ARGS...]         run benchmarks/bench.py (a source checkout) with ARGS
 
 Both read the manifest only through the library, work on a machine with a single CPU device, and
 answer a bad path, an uncommitted save or a foreign directory with one line and exit status 2
@@ -109,6 +110,19 @@ def verify(path: str) -> int:
     return 0
 
 
+def bench(args: list[str]) -> int:
+    """Run the benchmark of a source checkout (benchmarks/ is not installed with the package)."""
+    import os
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench.py")
+    if not os.path.isfile(script):
+        print(f"dispatch-io bench: no {script}: the benchmark ships with the source checkout, not the package",
+              file=sys.stderr)
+        return EXIT_UNUSABLE
+    return subprocess.call([sys.executable, script, *args])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dispatch-io", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = commands.add_parser("verify", help="read every byte of a checkpoint and check its checksums")
     p.add_argument("path")
+    p = commands.add_parser("bench", help="run benchmarks/bench.py; --help there lists its options",
+                            add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after it is the benchmark's, --help included
+        return bench(argv[1:])
     args = parser.parse_args(argv)
     from dispatch_io.errors import CheckpointError
 

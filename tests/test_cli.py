@@ -93,3 +93,9 @@ def test_bad_paths_are_one_line_and_a_nonzero_exit(tmp_path, make):
         assert code == 2, (command, make, out, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         assert str(path) in err or "not a dispatch_io manifest" in err, err
+
+
+def test_bench_runs_the_benchmark_of_the_checkout():
+    code, out, err = cli("bench", "--help")
+    assert code == 0, err
+    assert "--sizes" in out and "--budgets-mib" in out and "--systems" in out
