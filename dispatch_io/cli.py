@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import humanize
@@ -48,10 +49,7 @@ def _rows(doc: dict) -> list[dict]:
         stored = leaf.get("stored")
         nbytes = 0
         if stored is not None:
-            count = 1
-            for n in stored["shape"]:
-                count *= n
-            nbytes = count * numpy_dtype(stored["dtype"]).itemsize
+            nbytes = math.prod(stored["shape"]) * numpy_dtype(stored["dtype"]).itemsize
         dtype = leaf["dtype"] + (f" ({leaf['key_impl']})" if leaf.get("key_impl") else "")
         rows.append({"keypath": leaf["keypath"], "kind": leaf["kind"], "shape": leaf["shape"], "dtype": dtype,
                      "sharding": leaf.get("sharding"), "bytes": nbytes})
@@ -68,14 +66,17 @@ def _read_manifest(path: str):
     return doc, manifest_lib.parse(doc, location.display)
 
 
+def _has_checksums(manifest) -> bool:
+    return any(leaf.checksums for leaf in manifest.leaves)
+
+
 def inspect(path: str, as_json: bool) -> int:
-    doc, _ = _read_manifest(path)
+    doc, manifest = _read_manifest(path)
     rows = _rows(doc)
     total = sum(r["bytes"] for r in rows)
     if as_json:
         print(json.dumps({"path": path, "layout": doc.get("layout", "files"), "leaves": rows,
-                          "total_bytes": total, "checksums": any("crc32c" in (leaf.get("stored") or {})
-                                                                  for leaf in doc["leaves"])}, indent=1))
+                          "total_bytes": total, "checksums": _has_checksums(manifest)}, indent=1))
         return 0
     table = [("key path", "shape", "dtype", "saved sharding", "bytes")]
     for r in rows:
@@ -97,7 +98,7 @@ def verify(path: str) -> int:
     import dispatch_io as dio
 
     _, manifest = _read_manifest(path)
-    manifest_checksums = any(leaf.checksums for leaf in manifest.leaves)
+    manifest_checksums = _has_checksums(manifest)
     with dio.LocalDispatcher(host_memory_budget=256 << 20) as dispatcher:
         try:
             dispatcher.restore(path, verify=manifest_checksums)

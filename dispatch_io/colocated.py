@@ -40,17 +40,18 @@ from workers import colocated as remote
 
 class RemoteSession:
     """What a colocated worker needs to open the checkpoint's arrays (plain, picklable data).
-    ``kvstore`` is where the arrays are read; writers write ``writer_kvstore(cpu)``."""
+    Reads use ``kvstore`` as is; a save's session holds the ``arrays/`` kvstore, and the host
+    of each CPU device writes ``writer_kvstore(cpu)`` under it."""
 
     def __init__(self, kvstore: dict, fsync: bool = True, checksums: bool = False,
-                 base: dict | None = None, layout: str = "files", keep_page_cache: bool = False):
+                 layout: str = "files", keep_page_cache: bool = False):
         self.kvstore, self.fsync, self.checksums = kvstore, fsync, checksums
-        self.base, self.layout, self.keep_page_cache = base, layout, keep_page_cache
+        self.layout, self.keep_page_cache = layout, keep_page_cache
         self.arrays_created = None  # a future: writes wait for it
 
     def writer_kvstore(self, cpu) -> dict:
         """The kvstore the colocated host of CPU device ``cpu`` writes (OCDBT: a database of its own)."""
-        return layout_kvstore(self.base, self.layout, writer=f"cpu{cpu.id}")
+        return layout_kvstore(self.kvstore, self.layout, writer=f"cpu{cpu.id}")
 
     def close(self):
         pass
@@ -88,15 +89,13 @@ class ColocatedDispatcher(Dispatcher):
     # ---- save -----------------------------------------------------------------------------------
 
     def open_write_session(self, target: WriteTarget, chunks, plan: Plan) -> RemoteSession:
-        session = RemoteSession(target.kvstore, self.options.fsync, self.options.checksums, base=target.kvstore,
+        session = RemoteSession(target.kvstore, self.options.fsync, self.options.checksums,
                                 layout=self.options.layout, keep_page_cache=self.options.keep_page_cache)
         # Each colocated host writes the chunks of its devices; their arrays are created first,
         # from here, so that the hosts' concurrent writes only ever add chunks.
-        devices = {d.id: d for d in jax.local_devices()}
         by_cpu: dict = {}
         for chunk in chunks:
-            device = devices[chunk.device] if chunk.device is not None else jax.local_devices()[0]
-            by_cpu.setdefault(_colocated_cpus()[device], []).append(chunk)
+            by_cpu.setdefault(_colocated_cpus()[_chunk_device(chunk)], []).append(chunk)
 
         def create():
             for cpu, mine in by_cpu.items():
@@ -200,14 +199,25 @@ class ColocatedDispatcher(Dispatcher):
 def _to_colocated_cpu(chunk: Chunk, sources: Sources) -> jax.Array:
     """The chunk's region as a new array on the CPU device colocated with its device."""
     data, local = sources.locate(chunk)
+    cpu = _cpu_sharding(_chunk_device(chunk))
     if isinstance(data, np.ndarray):  # host data, as raw bytes (jax would turn float64 into float32)
         raw = np.array(data[local], order="C").reshape(-1).view(np.uint8)  # a copy: CPU device_put may alias aligned numpy
-        return jax.device_put(raw, _cpu_sharding(jax.local_devices()[0]))
+        return jax.device_put(raw, cpu)
     whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(local, data.shape))
     piece = data if whole else data[local]
     # A copy even when the CPU device is the device itself: after on_transfer_end the trainer
     # may donate or overwrite its buffer, and the write must not see that.
-    return jax.device_put(piece, _cpu_sharding(next(iter(data.devices()))), may_alias=False if whole else None)
+    return jax.device_put(piece, cpu, may_alias=False if whole else None)
+
+
+def _chunk_device(chunk: Chunk):
+    """The local device whose colocated host copies and writes ``chunk`` (host data: the first)."""
+    return _local_devices_by_id()[chunk.device] if chunk.device is not None else jax.local_devices()[0]
+
+
+@functools.cache
+def _local_devices_by_id() -> dict:
+    return {d.id: d for d in jax.local_devices()}
 
 
 def _write_on_workers(session: RemoteSession, regions: list[Region], arrays: list[jax.Array]) -> list:
