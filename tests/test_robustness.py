@@ -209,7 +209,8 @@ def test_resource_use_is_flat_across_saves(tmp_path, dispatcher_cls):
     ColocatedDispatcher's host copies are fresh XLA buffers, allocated on XLA's threads: glibc
     gives those threads arenas of their own, which fill over the first ~15 saves (RSS then
     stays flat at about twice the start, over 40 saves too): a plateau, not a leak. With the
-    arenas capped, RSS settles within ~10 saves. Its many short TensorStore sessions also
+    arenas capped, RSS settles within ~10 saves. (The dispatcher now also fixes glibc's mmap
+    threshold, so freed copies leave RSS at once and single samples jitter with timing.) Its many short TensorStore sessions also
     make TensorStore start pool workers over ~50 saves (17 -> 29, then flat over 80 saves),
     so for it the thread check leaves TensorStore's workers out."""
     env = {"MALLOC_ARENA_MAX": "2"} if dispatcher_cls is dio.ColocatedDispatcher else None
@@ -252,7 +253,13 @@ def test_resource_use_is_flat_across_saves(tmp_path, dispatcher_cls):
             assert seen[20][2] <= seen[10][2] + 2, seen          # all threads, TensorStore's (its pools
                                                                  # fill up lazily over the first saves)
         assert seen[20][4] <= seen[3][4] + 2, seen               # all threads but TensorStore's workers
-        assert seen[20][3] <= seen[10 if colocated else 3][3] * 1.05, seen
+        if colocated:  # freed host copies go back to the OS at once (release_large_buffers_at_once), so
+                       # one sample's RSS depends on which copies are live at that instant (+-6%):
+                       # compare the highest of the last five saves with the highest of saves 6-10
+            rss = lambda saves: max(seen[i][3] for i in saves)  # noqa: E731
+            assert rss(range(16, 21)) <= rss(range(6, 11)) * 1.05, seen
+        else:
+            assert seen[20][3] <= seen[3][3] * 1.05, seen
         assert not d._path_locks                                 # no per-path state kept
         d.close()
         assert threading.active_count() == base_threads
