@@ -1,6 +1,7 @@
 """The examples are documentation: run them as a user would, so they keep working."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -30,3 +31,38 @@ def test_multiprocess_save_example(tmp_path):
         assert f"process {i}: restored 12 leaves; every local shard is bit-exact" in out, out
     assert out.rstrip().endswith("OK"), out
     assert os.path.isfile(tmp_path / "ckpt" / "COMMITTED")
+
+
+def _losses(out: str) -> dict[int, str]:
+    """{step: the loss exactly as printed} from the example's ``step N loss X`` lines."""
+    return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) loss (\S+)$", out, re.M)}
+
+
+def _digest(out: str) -> str:
+    return re.search(r"^params sha256 ([0-9a-f]{64})$", out, re.M)[1]
+
+
+def test_train_and_checkpoint_example(tmp_path):
+    """Stopped after step 25 and restarted, training resumes from step 20 and gives the same
+    loss curve, bit for bit, and the same final params as an uninterrupted run."""
+    args = ("--steps", "30", "--every", "10", "--keep", "2")
+    full = run_example("train_and_checkpoint.py", "--root", str(tmp_path / "full"), *args, cwd=tmp_path)
+    assert sorted(_losses(full)) == list(range(1, 31)), full
+    for step in (10, 20):  # params SYNC, opt_state LOW: the next step waits before donating it
+        waited = rf"^  step {step + 1} waited [0-9.]+ ms for the LOW optimizer state of step {step} "
+        assert re.search(waited, full, re.M), full
+    assert sorted(os.listdir(tmp_path / "full")) == ["20", "30"], full  # max_to_keep=2
+    assert full.rstrip().endswith("OK"), full
+
+    root = tmp_path / "resumed"
+    stopped = run_example("train_and_checkpoint.py", "--root", str(root), *args, "--stop-after", "25", cwd=tmp_path)
+    assert "no checkpoint under" in stopped and "stopping after step 25" in stopped, stopped
+    assert _losses(stopped) == {s: loss for s, loss in _losses(full).items() if s <= 25}, stopped
+    assert sorted(os.listdir(root)) == ["10", "20"], stopped
+
+    resumed = run_example("train_and_checkpoint.py", "--root", str(root), *args, cwd=tmp_path)
+    assert re.search(r"^restored step 20 in .* held as \(32, 256\) shards on 8 devices$", resumed, re.M), resumed
+    assert _losses(resumed) == {s: loss for s, loss in _losses(full).items() if s > 20}, resumed
+    assert _digest(resumed) == _digest(full), resumed
+    assert sorted(os.listdir(root)) == ["20", "30"], resumed
+    assert resumed.rstrip().endswith("OK"), resumed
