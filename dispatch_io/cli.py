@@ -1,7 +1,9 @@
 """``dispatch-io``: look inside a checkpoint and check it, from a shell.
 
     dispatch-io inspect PATH [--json]   key path, shape, dtype, saved sharding, bytes; totals
-    dispatch-io verify PATH             read every stored byte (and check the CRC-32Cs, if saved)
+    dispatch-io verify PATH [--budget-mib N]
+                                        read every stored byte (and check the CRC-32Cs, if saved),
+                                        holding at most N MiB (default 256) of it at once
     dispatch-io bench [ARGS...]         run benchmarks/bench.py (a source checkout) with ARGS
 
 Both read the manifest only through the library, work on a machine with a single CPU device, and
@@ -94,14 +96,16 @@ def inspect(path: str, as_json: bool) -> int:
     return 0
 
 
-def verify(path: str) -> int:
+def verify(path: str, budget_mib: int = 256) -> int:
+    """``Dispatcher.verify``: chunk by chunk, so memory stays within the budget whatever the
+    checkpoint's size (progress on stderr when it is a terminal)."""
     import dispatch_io as dio
 
-    _, manifest = _read_manifest(path)
+    _, manifest = _read_manifest(path)  # an unusable path is exit status 2, before reading
     manifest_checksums = _has_checksums(manifest)
-    with dio.LocalDispatcher(host_memory_budget=256 << 20) as dispatcher:
+    with dio.LocalDispatcher(host_memory_budget=budget_mib << 20) as dispatcher:
         try:
-            dispatcher.restore(path, verify=manifest_checksums)
+            dispatcher.verify(path)
         except (dio.CorruptCheckpointError, dio.WorkerError, dio.CheckpointError) as exc:
             print(f"dispatch-io verify: {path} is NOT sound: {exc}", file=sys.stderr)
             return EXIT_UNSOUND
@@ -124,6 +128,13 @@ def bench(args: list[str]) -> int:
     return subprocess.call([sys.executable, script, *args])
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dispatch-io", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = commands.add_parser("verify", help="read every byte of a checkpoint and check its checksums")
     p.add_argument("path")
+    p.add_argument("--budget-mib", type=_positive_int, default=256,
+                   help="host memory the reads may hold at once, in MiB (default 256)")
     p = commands.add_parser("bench", help="run benchmarks/bench.py; --help there lists its options",
                             add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return inspect(args.path, args.json)
-        return verify(args.path)
+        return verify(args.path, args.budget_mib)
     except (CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError) as exc:
         print(f"dispatch-io {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE

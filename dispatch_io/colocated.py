@@ -32,6 +32,7 @@ from dispatch_io.dispatcher import Dispatcher, arrays_of
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, Plan
+from dispatch_io.progress import Progress
 from dispatch_io.save import Sources
 from dispatch_io.storage import Location, WriteTarget
 from workers import ChunkError, Region, Session, layout_kvstore
@@ -135,10 +136,13 @@ class ColocatedDispatcher(Dispatcher):
 
     # ---- restore --------------------------------------------------------------------------------
 
-    def read_outputs(self, location: Location, layout: str, outputs: list, display: str):
-        """Fill each output's regions with arrays read by colocated calls (see module doc)."""
+    def read_outputs(self, location: Location, layout: str, outputs: list, progress: Progress):
+        """Fill each output's regions with arrays read by colocated calls (see module doc);
+        count each batch on ``progress``."""
+        display = progress.path
         units = restore_lib.units(outputs)
         batches = [items for items, _ in pack(units, _unit_bytes, self.options.batch_bytes)]
+        progress.phase("read", len(batches), sum(map(_unit_bytes, units)))
         kvstore = layout_kvstore(location.arrays_kvstore(), layout)
         submit = lambda batch: self._submit(self._read_batch, kvstore, batch)  # noqa: E731
         in_flight = [submit(batches[0])] if batches else []
@@ -158,6 +162,7 @@ class ColocatedDispatcher(Dispatcher):
                     shape = tuple(hi - lo for lo, hi in region)
                     array = np.array(array).view(out.dtype).reshape(shape)
                 out.buffers[region] = array
+            progress.advance(sum(map(_unit_bytes, batch)))
 
     def _read_batch(self, kvstore: dict, batch) -> list[jax.Array]:
         """One colocated call per CPU device for the batch's regions; results in batch order."""

@@ -16,15 +16,19 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 
 from dispatch_io import coordination
 from dispatch_io import manifest as manifest_lib
+from dispatch_io import progress as progress_lib
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Priority, aligned, make_batches, sync_overflow
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, Plan, PlanCache
+from dispatch_io.progress import Progress
+from dispatch_io.restore import RestoreStats
 from dispatch_io.save import SaveHandle, SaveRun, Sources, io_thread
 from dispatch_io.staging import StagingRing
 from dispatch_io.storage import Location, WriteTarget
@@ -52,6 +56,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._closed = False
         self.io_token = object()  # marks this dispatcher's IO threads (see save.io_thread)
+        # RestoreStats of the restore that finished last on this dispatcher (from any thread).
+        self.last_restore_stats: RestoreStats | None = None
         self.coordinator = coordination.for_this_job(options.barrier_timeout)
         # Where writes and reads are handed out (LocalDispatcher runs the worker functions here;
         # ColocatedDispatcher issues its colocated calls from here).
@@ -229,36 +235,84 @@ class Dispatcher:
         lets the target name a subset of the leaves, ``cast=True`` allows dtype changes.
         ``verify=True`` first checks every stored chunk it reads against the CRC-32C saved with
         it (``Options(checksums=True)``): ``CorruptCheckpointError`` names each bad chunk.
+
+        What it did (bytes, batches, seconds per stage) is then ``self.last_restore_stats``.
         """
         self._check_usable("restore")
+        started = time.perf_counter()
         location = Location.parse(path)
         marker = location.commit_marker()  # a save that replaces the checkpoint changes it
         manifest = manifest_lib.parse(location.read_manifest(), location.display)
         treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
-        try:
-            if verify:
-                self.verify_outputs(location, manifest.layout, outputs, location.display)
-            self.read_outputs(location, manifest.layout, outputs, location.display)
-        except Exception as exc:
-            location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
-            raise
-        location.check_commit_marker(marker)  # else the result may mix two checkpoints
-        return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
+        progress = Progress("restore", location.display, enabled=self.options.progress)
+        times = [time.perf_counter()]  # planned | verified | read
+        with progress:  # a terminal line is ended if this raises
+            try:
+                if verify:
+                    self.verify_outputs(location, manifest.layout, outputs, progress)
+                times.append(time.perf_counter())
+                self.read_outputs(location, manifest.layout, outputs, progress)
+                times.append(time.perf_counter())
+            except Exception as exc:
+                location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
+                raise
+            location.check_commit_marker(marker)  # else the result may mix two checkpoints
+            result = jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
+        stats = _read_stats(progress, location.display, verify, started, times)
+        self.last_restore_stats = stats
+        _report("restore", progress, progress_lib.restore_summary(stats), stats)
+        return result
 
-    def read_outputs(self, location: Location, layout: str, outputs: list, display: str):
-        """Fill the outputs' region buffers (``restore.finish`` builds the arrays from them)."""
+    def verify(self, path) -> RestoreStats:
+        """Read every stored chunk of the checkpoint at ``path`` once and, if it was saved with
+        checksums, check each against its CRC-32C; returns what it did (``verify_seconds``).
+
+        Chunk by chunk, two budget halves at a time: host memory stays within the budget however
+        large the checkpoint or its leaves. Every chunk is read whole, as a restore would decode
+        it. Raises ``CorruptCheckpointError`` naming each bad chunk's key path, ``WorkerError`` /
+        ``CheckpointError`` for what cannot be read, before that ``FileNotFoundError`` /
+        ``IncompleteCheckpointError`` for a path that holds no committed checkpoint. Reads the
+        whole checkpoint in every process (``dispatch-io verify`` calls it).
+        """
+        self._check_usable("verify")
+        started = time.perf_counter()
+        location = Location.parse(path)
+        marker = location.commit_marker()
+        manifest = manifest_lib.parse(location.read_manifest(), location.display)
+        _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
+        checksums = any(leaf.checksums for leaf in manifest.leaves)
+        progress = Progress("verify", location.display, enabled=self.options.progress)
+        times = [time.perf_counter()]
+        with progress:
+            try:
+                self.verify_outputs(location, manifest.layout, outputs, progress, compare=checksums)
+                times += [time.perf_counter()] * 2  # nothing read into a result
+            except Exception as exc:
+                location.check_commit_marker(marker, exc)
+                raise
+            location.check_commit_marker(marker)
+        stats = _read_stats(progress, location.display, checksums, started, times)
+        _report("verify", progress, progress_lib.verify_summary(stats), stats)
+        return stats
+
+    def read_outputs(self, location: Location, layout: str, outputs: list, progress: Progress):
+        """Fill the outputs' region buffers (``restore.finish`` builds the arrays from them);
+        count each batch on ``progress`` (its phase ``read``)."""
         session = self.open_read_session(location, layout)
         try:
-            restore_lib.read_outputs(self, session, outputs, display)
+            restore_lib.read_outputs(self, session, outputs, progress)
         finally:
             session.close()
 
-    def verify_outputs(self, location: Location, layout: str, outputs: list, display: str):
-        """Check the chunks the outputs need against their saved checksums."""
+    def verify_outputs(self, location: Location, layout: str, outputs: list, progress: Progress, *,
+                       compare: bool = True):
+        """Check the chunks the outputs need against their saved checksums (``compare=False``:
+        only read them); count each batch on ``progress`` (its phase ``verify``)."""
         session = self.open_read_session(location, layout)
         try:
-            restore_lib.verify_checksums(outputs, display, self.options.batch_bytes,
-                                         lambda regions: self.submit_checksums(session, regions))
+            restore_lib.verify_checksums(outputs, self.options.batch_bytes,
+                                         lambda regions: self.submit_checksums(session, regions),
+                                         progress, compare=compare)
         finally:
             session.close()
 
@@ -314,6 +368,25 @@ class Dispatcher:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _read_stats(progress: Progress, path: str, verified: bool, started: float, times: list) -> RestoreStats:
+    """RestoreStats from a restore's / verify's progress counts and its stage boundaries
+    ``times`` = [planned, verified, read]."""
+    phases = progress.phases.values()
+    return RestoreStats(
+        path=path, bytes_read=sum(p.bytes_done for p in phases), batches=sum(p.batches_done for p in phases),
+        plan_seconds=times[0] - started, verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
+        total_seconds=time.perf_counter() - started, verified=verified)
+
+
+def _report(kind: str, progress: Progress, summary: str, stats: RestoreStats):
+    """The summary line and jax.monitoring events of a finished restore / verify (never raises)."""
+    try:
+        progress.finish(summary)
+        progress_lib.record(kind, stats)
+    except Exception:  # noqa: BLE001 - the result is there; reporting is a courtesy
+        logging.exception("dispatch_io: could not report the %s of %s", kind, stats.path)
 
 
 def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources: Sources, staging: np.ndarray

@@ -42,6 +42,10 @@ class Options:
     checksums: store a CRC-32C of every chunk in the manifest, for ``restore(verify=True)``.
     barrier_timeout: seconds a process of a multi-process job waits for the others at a
         barrier (while they make no progress) before raising ``BarrierTimeoutError``.
+    progress: report saves and restores as they run: absl INFO lines (one summary line per
+        operation, plus one every 2 s while a long one runs) or, when stderr is a terminal, one
+        line rewritten in place. False: silent. ``SaveStats`` / ``RestoreStats`` and the
+        ``jax.monitoring`` events (``dispatch_io.progress.EVENTS``) are there either way.
     """
 
     host_memory_budget: int = 1 << 30
@@ -54,6 +58,7 @@ class Options:
     keep_page_cache: bool = False
     checksums: bool = False
     barrier_timeout: float = 300.0
+    progress: bool = True
 
     def __post_init__(self):
         if not isinstance(self.host_memory_budget, int) or self.host_memory_budget <= 0:

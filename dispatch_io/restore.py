@@ -22,9 +22,28 @@ from dispatch_io.batches import pack
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import device_regions, storage_chunk_shape
+from dispatch_io.progress import Progress
 from workers import ChunkError, Region, aligned_empty
 
 HOST, DEVICE = "host", "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreStats:
+    """What one restore (or ``Dispatcher.verify``) did, in this process. Seconds are wall time.
+
+    The same numbers go to ``jax.monitoring`` (``dispatch_io.progress.EVENTS``) and, in short,
+    to the INFO line it logs. A restore's are kept as ``dispatcher.last_restore_stats``.
+    """
+
+    path: str
+    bytes_read: int         # stored bytes read, every pass (verify=True reads whole chunks first)
+    batches: int            # batches of reads, every pass
+    plan_seconds: float     # manifest read and the target checked against it
+    verify_seconds: float   # reading stored chunks and checking their CRC-32C (verify=True / verify())
+    read_seconds: float     # reading the regions into the result's host buffers
+    total_seconds: float    # called -> result built (arrays on their devices) / verified
+    verified: bool          # every chunk read was checked against its saved CRC-32C
 
 
 @dataclasses.dataclass
@@ -164,14 +183,17 @@ def pieces(out: _Output, region, chunk_limit: int):
         yield bounds, local
 
 
-def read_outputs(engine, session, outputs: list, display: str):
-    """Fill every _Output's buffers through ``engine.submit_read``, under the budget."""
+def read_outputs(engine, session, outputs: list, progress: Progress):
+    """Fill every _Output's buffers through ``engine.submit_read``, under the budget; each
+    batch counted on ``progress`` (phase ``read``)."""
+    display = progress.path
     chunk_limit = engine.options.chunk_bytes
     batch_limit = engine.options.batch_bytes
     work = [(out, region, bounds, local) for out, region in units(outputs)
             for bounds, local in pieces(out, region, chunk_limit)]
     piece_bytes = lambda item: math.prod(hi - lo for lo, hi in item[2]) * item[0].saved_dtype.itemsize  # noqa: E731
     batches = [items for items, _ in pack(work, piece_bytes, batch_limit)]
+    progress.phase("read", len(batches), sum(map(piece_bytes, work)))
 
     def submit(batch):
         regions = [Region(o.saved.stored, b, o.saved.keypath) for o, _, b, _ in batch]
@@ -191,6 +213,7 @@ def read_outputs(engine, session, outputs: list, display: str):
         for (out, region, _, local), piece in zip(batch, arrays):
             if out.dtype != out.saved_dtype:  # cast=True: read as saved, converted here
                 np.copyto(out.buffers[region][local + (Ellipsis,)], piece, casting="unsafe")
+        progress.advance(sum(map(piece_bytes, batch)))
 
 
 def _destination(out: _Output, region, local) -> np.ndarray | None:
@@ -244,14 +267,20 @@ def _stored_cells(out: _Output, region):
         yield grid, tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, stored.chunk_shape, stored.shape))
 
 
-def verify_checksums(outputs: list, display: str, batch_limit: int, submit_checksums):
+def verify_checksums(outputs: list, batch_limit: int, submit_checksums, progress: Progress, *,
+                     compare: bool = True):
     """Check every stored chunk the restore reads against the CRC-32C saved in the manifest.
 
     ``submit_checksums(regions)`` returns a future of the regions' CRC-32C, computed where the
-    worker code runs. Raises CorruptCheckpointError naming every bad chunk's key path."""
+    worker code runs; at most ``batch_limit`` bytes a call and two calls at a time, so host
+    memory stays within the budget however large the leaves. Raises CorruptCheckpointError naming every bad chunk's key
+    path. ``compare=False`` (a checkpoint saved without checksums): only read every chunk, which
+    still finds what cannot be read or decoded. Batches are counted on ``progress`` (phase
+    ``verify``)."""
+    display = progress.path
     cells = {}
     for out, region in units(outputs):
-        if out.saved.checksums is None:
+        if compare and out.saved.checksums is None:
             raise CheckpointError(f"{display} was saved without checksums (Options(checksums=True)): "
                                   f"cannot verify {out.saved.keypath}")
         for grid, bounds in _stored_cells(out, region):
@@ -259,18 +288,29 @@ def verify_checksums(outputs: list, display: str, batch_limit: int, submit_check
     work = [(keypath, grid, out, bounds) for (keypath, grid), (out, bounds) in cells.items()]
     nbytes = lambda item: math.prod(hi - lo for lo, hi in item[3]) * item[2].saved_dtype.itemsize  # noqa: E731
     bad = []
-    futures = [(batch, submit_checksums([Region(o.saved.stored, b, k) for k, _, o, b in batch]))
-               for batch, _ in pack(work, nbytes, batch_limit)]
-    for batch, future in futures:
+    batches = [batch for batch, _ in pack(work, nbytes, batch_limit)]
+    progress.phase("verify", len(batches), sum(map(nbytes, work)))
+    submit = lambda batch: submit_checksums([Region(o.saved.stored, b, k) for k, _, o, b in batch])  # noqa: E731
+    in_flight = [submit(batches[0])] if batches else []
+    for k, batch in enumerate(batches):
+        if k + 1 < len(batches):  # the next batch reads while this one's CRC-32Cs are compared
+            in_flight.append(submit(batches[k + 1]))
         try:
-            sums = future.result()
-        except ChunkError as exc:
-            raise CorruptCheckpointError(f"cannot read {exc.keypath} from {display} to verify it: {exc}",
-                                         keypath=exc.keypath) from exc
+            sums = in_flight.pop(0).result()
+        except Exception as exc:
+            for f in in_flight:  # nothing may still read once this raises (the session closes)
+                f.exception()
+            if isinstance(exc, ChunkError):
+                raise CorruptCheckpointError(f"cannot read {exc.keypath} from {display} to verify it: {exc}",
+                                             keypath=exc.keypath) from exc
+            raise
         for (keypath, grid, out, bounds), crc in zip(batch, sums):
+            if not compare:
+                continue
             expected = out.saved.checksums.get(tuple(grid))
             if expected != crc:
                 bad.append((keypath, grid, bounds, expected, crc))
+        progress.advance(sum(map(nbytes, batch)))
     if bad:
         lines = "\n".join(f"  {k} chunk {list(g)} (region {[list(b) for b in r]}): saved crc32c "
                            f"{'none' if e is None else f'{e:08x}'}, read {c:08x}" for k, g, r, e, c in bad)

@@ -25,6 +25,7 @@ import numpy as np
 from absl import logging
 
 from dispatch_io import manifest as manifest_lib
+from dispatch_io import progress as progress_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Batch, Priority
 from dispatch_io.errors import CheckpointError, WorkerError
@@ -41,7 +42,9 @@ io_thread = threading.local()
 
 @dataclasses.dataclass(frozen=True)
 class SaveStats:
-    """What one save did. Seconds are wall time; transfer and write overlap."""
+    """What one save did (this process's part of it). Seconds are wall time; transfer and
+    write overlap. The same numbers go to ``jax.monitoring`` (``dispatch_io.progress.EVENTS``)
+    and, in short, to the INFO line a committed save logs."""
 
     path: str
     bytes_written: int
@@ -143,6 +146,7 @@ class SaveRun:
         self._error: BaseException | None = None
         self._started, self._plan_seconds, self._plan_cached = started, plan_seconds, plan_cached
         self._blocked = None
+        self._sync_at = None  # when the last SYNC batch was copied (save() returns soon after)
         self._transfer_seconds = 0.0
         self._first_write = self._last_write = None
         self._bytes = 0
@@ -155,6 +159,8 @@ class SaveRun:
                 self._to_copy[plan.chunks[i].leaf] += 1
         self._to_write = list(self._to_copy)
         self._last_sync = max((k for k, b in enumerate(batches) if b.priority == Priority.SYNC), default=-1)
+        self.progress = progress_lib.Progress("save", self.display, enabled=engine.options.progress)
+        self.progress.phase("", len(batches), sum(plan.chunks[i].nbytes for b in batches for i in b.chunks))
         self._thread = threading.Thread(target=self._run, name=f"dispatch_io-save:{self.display}")
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -176,6 +182,7 @@ class SaveRun:
             raise self.future.exception()
 
     def _sync_finished(self):
+        self._sync_at = time.perf_counter()
         self.sync_copied = True
         self.sync_done.set()
 
@@ -250,14 +257,17 @@ class SaveRun:
             # Every process contributes its chunks' checksums; the committing one writes them all.
             self.save.finish(self._error, self._checksums, self._seal, fsync=self.engine.options.fsync)
             done = time.perf_counter()
-            self.future.set_result(SaveStats(
+            stats = SaveStats(
                 path=self.display, bytes_written=self._bytes, batches=len(self.batches),
-                plan_seconds=self._plan_seconds, blocked_seconds=self._blocked or 0.0,
+                plan_seconds=self._plan_seconds, blocked_seconds=self._blocked_seconds(),
                 transfer_seconds=self._transfer_seconds,
                 write_seconds=(self._last_write - self._first_write) if self._first_write else 0.0,
                 commit_seconds=done - t0, total_seconds=done - self._started,
-                peak_host_bytes=self.ring.peak, plan_cached=self._plan_cached, snapshot_bytes=self.snapshot_bytes))
+                peak_host_bytes=self.ring.peak, plan_cached=self._plan_cached, snapshot_bytes=self.snapshot_bytes)
+            self._report(stats)
+            self.future.set_result(stats)
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
+            self.progress.fail()
             self._settle(writes, session)
             if not isinstance(exc, (CheckpointError, FileExistsError)):
                 err = CheckpointError(f"save to {self.display} failed: {type(exc).__name__}: {exc}")
@@ -270,6 +280,21 @@ class SaveRun:
             self.sources = None
             self.sync_done.set()
             self.engine.save_finished(self)
+
+    def _blocked_seconds(self) -> float:
+        """How long save() blocked its caller: measured there once it returned; if the save
+        committed before the caller's thread woke up, until the last SYNC batch was copied."""
+        if self._blocked is not None:
+            return self._blocked
+        return (self._sync_at or self._started) - self._started
+
+    def _report(self, stats: SaveStats):
+        """The committed save's summary line and jax.monitoring events (never raises)."""
+        try:
+            self.progress.finish(progress_lib.save_summary(stats))
+            progress_lib.record("save", stats)
+        except Exception:  # noqa: BLE001 - the checkpoint is committed; reporting is a courtesy
+            logging.exception("dispatch_io: could not report the save to %s", self.display)
 
     @staticmethod
     def _settle(writes, session):
@@ -342,6 +367,7 @@ class SaveRun:
                     self._to_write[c.leaf] -= 1
                     if self._to_write[c.leaf] == 0:
                         finished.append(self.plan.leaves[c.leaf].keypath)
+            self.progress.advance(sum(c.nbytes for c in chunks))
             try:
                 self.save.progress(written)  # other processes wait on this, not on a clock
             except Exception:  # noqa: BLE001 - only a liveness hint

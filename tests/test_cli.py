@@ -99,3 +99,78 @@ def test_bench_runs_the_benchmark_of_the_checkout():
     code, out, err = cli("bench", "--help")
     assert code == 0, err
     assert "--sizes" in out and "--budgets-mib" in out and "--systems" in out
+
+
+def test_verify_without_checksums_still_reads_every_byte(tmp_path, mesh):
+    path = tmp_path / "plain"
+    with dio.LocalDispatcher(host_memory_budget=1 << 20) as d:
+        d.save(path, {"w": jax.device_put(np.ones((64, 32), np.float32), NamedSharding(mesh, P("data")))}).wait(60)
+    code, out, err = cli("verify", path)
+    assert code == 0, err
+    assert out.strip() == f"{path}: sound (every stored byte read (saved without checksums: Options(checksums=True) adds them))"
+
+
+# Runs ``dispatch-io ARGS`` in-process after JAX is up, and prints how much its run grew the
+# process's peak memory (VmHWM, reset first) over the resident set before it.
+VMHWM_SCRIPT = r"""
+import json, sys
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+import jax
+import dispatch_io.cli as cli
+jax.devices()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
+code = cli.main(sys.argv[1:])
+print(json.dumps({"code": code, "growth": status("VmHWM") - before}))
+"""
+
+
+def test_verify_holds_about_its_budget_not_the_checkpoint(tmp_path):
+    """One 128 MiB leaf, verified with an 8 MiB budget: memory grows by far less than the leaf
+    (restoring it to host, as verify once did, grows it by more than the leaf)."""
+    MiB = 1 << 20
+    path = tmp_path / "big"
+    with dio.LocalDispatcher(host_memory_budget=16 * MiB, checksums=True) as d:
+        d.save(path, {"big": np.arange(32 * MiB, dtype=np.float32), "step": 1}).wait(120)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-c", VMHWM_SCRIPT, "verify", "--budget-mib", "8", str(path)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.startswith(f"{path}: sound (every stored byte read and its CRC-32C checked)")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["code"] == 0 and r["growth"] < 64 * MiB, f"verify grew the peak RSS by {r['growth'] / MiB:.1f} MiB"
+
+
+def test_verify_shows_its_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
+    import io
+
+    from dispatch_io import cli as cli_lib
+    from dispatch_io import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    path = tmp_path / "ckpt"
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, checksums=True) as d:   # 256 KiB chunks
+        d.save(path, {"v": np.arange(3 << 18, dtype=np.float32)}).wait(60)       # 3 MiB
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(progress, "TTY_AFTER_SECS", 0.0)   # draw even this short verify
+    monkeypatch.setattr(progress, "TTY_EVERY_SECS", 0.0)
+    assert cli_lib.main(["verify", "--budget-mib", "1", str(path)]) == 0   # 512 KiB batches: 6
+    assert capsys.readouterr().out == f"{path}: sound (every stored byte read and its CRC-32C checked)\n"
+    *lines, last = terminal.getvalue().split("\r")[1:]
+    assert len(lines) == 5   # one per batch but the last, whose line is the summary
+    for k, line in enumerate(lines, 1):
+        head, rate = line.rstrip().split("%), ")
+        assert head == f"dispatch_io: verify {path}: batch {k}/6, {progress.size(k << 19)} / 3.0 MiB ({k * 100 // 6}"
+        assert rate.endswith(" MiB/s") or rate.endswith(" GiB/s") or rate.endswith(" KiB/s"), line
+    assert last.endswith("\n") and last.rstrip().startswith(f"dispatch_io: verified {path}: 3.0 MiB read in 6 batches, ")
+    assert last.rstrip().endswith("CRC-32C checked")
