@@ -7,17 +7,18 @@
     restored = dispatcher.restore("ckpt/step_100", dio.metadata("ckpt/step_100"))
 """
 
-from dispatch_io import tree
+from dispatch_io import sharding, tree
 from dispatch_io.batches import Priority
 from dispatch_io.colocated import ColocatedDispatcher
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
 from dispatch_io.manager import CheckpointManager
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.options import Options
+from dispatch_io.restore import RestoreStats
 from dispatch_io.save import SaveHandle, SaveStats
 
 __all__ = [
     "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "CorruptCheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
-    "SaveHandle", "SaveStats", "TreeMismatchError", "WorkerError", "metadata",
+    "RestoreStats", "SaveHandle", "SaveStats", "TreeMismatchError", "WorkerError", "metadata", "sharding",
 ]
 __version__ = "0.1.0"

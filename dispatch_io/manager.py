@@ -1,4 +1,4 @@
-"""CheckpointManager: numbered steps under one root directory, for a training loop.
+"""CheckpointManager: numbered steps under one root, for a training loop.
 
     with dio.CheckpointManager("ckpts", max_to_keep=3, keep_every_n_steps=1000) as manager:
         for step in range(start, steps):
@@ -9,7 +9,8 @@
     state = manager.restore(target=abstract_state)  # the latest committed step
 
 Layout: ``<root>/<step>/`` is an ordinary dispatch_io checkpoint (so ``dio.metadata`` and
-``dispatcher.restore`` read it directly, and a copy of it elsewhere restores as well).
+``dispatcher.restore`` read it directly, and a copy of it elsewhere restores as well). The root
+is a directory or an object-store prefix (``s3://bucket/run1``, ``gs://...``; see roots.py).
 
 What the manager guarantees, built only on the dispatcher's atomic commit:
 
@@ -24,44 +25,23 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
   runs after a newer step committed, on the manager's thread, never inside ``save()``. It
   deletes only committed dispatch_io checkpoints with step names; anything else in the root
   (``notes/``, a numeric directory without a manifest, someone else's temporary directory) is
-  neither listed nor deleted. A deleted step is first renamed away, so a crash mid-delete never
-  leaves a listed but broken step. With several processes, process 0 alone decides and deletes.
+  neither listed nor deleted. A deleted step is first unlisted (renamed away; on object stores,
+  its marker deleted), so a crash mid-delete never leaves a listed but broken step. With several processes, process 0 alone decides and deletes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import operator
-import os
-import re
-import shutil
 import threading
-import uuid
 
 import jax
 import numpy as np
 from absl import logging
 
-from dispatch_io import manifest as manifest_lib
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
+from dispatch_io.roots import StepRoot
 from dispatch_io.save import SaveHandle
-from dispatch_io.storage import COMMITTED, MANIFEST, TMP_SUFFIX, WRITING, is_our_marker, writer_is_gone
-
-_STEP = re.compile(r"^(0|[1-9][0-9]*)$")
-_OLD = re.compile(r"^(0|[1-9][0-9]*)\.dispatch_io-old-[0-9a-f]+$")
-_TMP = re.compile(r"^\.(0|[1-9][0-9]*)" + re.escape(TMP_SUFFIX) + r"-[0-9a-f]+$")
-_DELETING = re.compile(r"^\.(0|[1-9][0-9]*)\.dispatch_io-deleting-[0-9a-f]+$")
-
-
-def _delete_checkpoint(path: str):
-    """Delete a checkpoint directory, its COMMITTED marker last: whatever a crash leaves
-    still proves itself ours (or is an empty directory)."""
-    shutil.rmtree(os.path.join(path, "arrays"), ignore_errors=True)
-    for name in os.listdir(path):
-        if name != COMMITTED:
-            full = os.path.join(path, name)
-            shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(full)
-    shutil.rmtree(path)
 
 
 def _step_number(step) -> int:
@@ -77,20 +57,8 @@ def _step_number(step) -> int:
     return number
 
 
-def _is_checkpoint(path: str) -> bool:
-    """A committed checkpoint written by dispatch_io (commit marker and our manifest)."""
-    if not (os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, COMMITTED))):
-        return False
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            head = f.read(256)
-    except OSError:
-        return False
-    return f'"format": "{manifest_lib.FORMAT}"'.encode() in head
-
-
 class CheckpointManager:
-    """Numbered steps under ``root`` (a directory), saved through ``dispatcher`` (a
+    """Numbered steps under ``root`` (a directory or kvstore URL), saved through ``dispatcher`` (a
     :class:`LocalDispatcher` with default options if None; the manager then owns and closes it).
 
     ``max_to_keep``: keep only this many most recent steps (None: all). ``keep_every_n_steps``:
@@ -104,9 +72,8 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
             raise ValueError(f"keep_every_n_steps must be a positive int or None, got {keep_every_n_steps!r}")
-        self.root = os.path.abspath(os.path.expanduser(os.fspath(root).removeprefix("file://")))
-        if "://" in os.fspath(root) and not os.fspath(root).startswith("file://"):
-            raise ValueError(f"CheckpointManager root must be a directory, got {root!r}")
+        self._root = StepRoot.open(root)
+        self.root = self._root.display
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
         self._owns_dispatcher = dispatcher is None
@@ -121,19 +88,17 @@ class CheckpointManager:
         self._unreported: BaseException | None = None            # a failure not raised by save()/wait() yet
         self._closed = False
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
-        os.makedirs(self.root, exist_ok=True)
         if self._leader:
-            self._remove_leftovers()
+            self._root.remove_leftovers()
 
     # ---- listing ------------------------------------------------------------------------------
 
     def step_path(self, step: int) -> str:
-        return os.path.join(self.root, str(step))
+        return self._root.step_path(step)
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return sorted(int(name) for name in os.listdir(self.root)
-                      if _STEP.match(name) and _is_checkpoint(os.path.join(self.root, name)))
+        return self._root.committed_steps()
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -207,30 +172,7 @@ class CheckpointManager:
 
     def _apply_retention(self):
         for step in self.steps_to_delete(self.all_steps()):
-            path = self.step_path(step)
-            doomed = os.path.join(self.root, f".{step}.dispatch_io-deleting-{uuid.uuid4().hex[:8]}")
-            os.rename(path, doomed)  # unlisted at once; a crash below leaves only a hidden leftover
-            _delete_checkpoint(doomed)
-
-    def _remove_leftovers(self):
-        """Remove what killed saves left behind, when provably ours and dead (see module doc)."""
-        for name in os.listdir(self.root):
-            path = os.path.join(self.root, name)
-            try:
-                if _TMP.match(name) and (writer_is_gone(os.path.join(path, WRITING)) or
-                                         writer_is_gone(os.path.join(path, COMMITTED))):
-                    shutil.rmtree(path)  # (killed while committing: only COMMITTED names the writer)
-                elif _DELETING.match(name) and (is_our_marker(os.path.join(path, COMMITTED)) or
-                                                not os.listdir(path)):
-                    _delete_checkpoint(path)
-                elif _OLD.match(name) and _is_checkpoint(path):
-                    final = os.path.join(self.root, name.split(".", 1)[0])
-                    if not os.path.lexists(final):  # killed between the two renames: put it back
-                        os.rename(path, final)
-                    elif _is_checkpoint(final):
-                        shutil.rmtree(path)
-            except OSError:
-                logging.exception("dispatch_io: could not clean up %s", path)
+            self._root.delete(step)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 

@@ -7,9 +7,10 @@ A path maps to a :class:`Location`:
   a ``WRITING`` file that says who made it), files and directories are
   fsynced, ``manifest.json`` then ``COMMITTED`` are written last, and the directory is renamed
   into place. Nothing at ``path`` is ever half-written.
-* any other TensorStore kvstore URL (``memory://`` for tests; object stores later): there is no
-  rename, so data goes to its final keys and the ``COMMITTED`` marker, written last, is what makes
-  it visible. Readers ignore a prefix without it.
+* a kvstore URL: ``s3://bucket/prefix``, ``gs://bucket/prefix`` (object stores) or ``memory://``
+  (tests): there is no rename, so data goes to its final keys (``WRITING`` marks the save under
+  way) and the ``COMMITTED`` marker, written last, is what makes it visible. Readers and
+  listings ignore a prefix without it; an overwrite deletes the old marker first.
 
 Both layouts are identical once committed::
 
@@ -62,28 +63,41 @@ def _marker_json() -> bytes:
                        "time": time.time(), "id": uuid.uuid4().hex}).encode()
 
 
-def is_our_marker(marker_path: str) -> bool:
-    """A WRITING / COMMITTED marker written by dispatch_io."""
+def _read(path: str) -> bytes | None:
     try:
-        with open(marker_path, "rb") as f:
-            marker = json.loads(f.read())
-        return {"host", "pid", "id"} <= set(marker)
-    except (OSError, ValueError, TypeError):
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def marker_is_ours(marker: bytes | None) -> bool:
+    """The bytes of a WRITING / COMMITTED marker written by dispatch_io."""
+    try:
+        return {"host", "pid", "id"} <= set(json.loads(marker))
+    except (ValueError, TypeError):
         return False
 
 
-def writer_is_gone(marker_path: str) -> bool:
-    """True only if the marker at ``marker_path`` is one of ours and the process that wrote it
-    provably no longer runs (same host; that pid is gone or belongs to a later process)."""
+def marker_is_stale(marker: bytes | None) -> bool:
+    """True only if ``marker`` is one of ours and the process that wrote it provably no longer
+    runs (same host; that pid is gone or belongs to a later process)."""
     try:
-        with open(marker_path, "rb") as f:
-            marker = json.loads(f.read())
-        host, pid, started = marker["host"], int(marker["pid"]), marker["started"]
-    except (OSError, ValueError, KeyError, TypeError):
+        fields = json.loads(marker)
+        host, pid, started = fields["host"], int(fields["pid"]), fields["started"]
+    except (ValueError, KeyError, TypeError):
         return False
     if host != socket.gethostname() or started is None:
         return False
     return _process_start(pid) != started
+
+
+def is_our_marker(marker_path: str) -> bool:
+    return marker_is_ours(_read(marker_path))
+
+
+def writer_is_gone(marker_path: str) -> bool:
+    return marker_is_stale(_read(marker_path))
 
 
 class WriteTarget:
@@ -179,11 +193,7 @@ class DirectoryLocation(Location):
         return os.path.isfile(os.path.join(self.path, COMMITTED))
 
     def commit_marker(self) -> bytes | None:
-        try:
-            with open(os.path.join(self.path, COMMITTED), "rb") as f:
-                return f.read()
-        except OSError:
-            return None
+        return _read(os.path.join(self.path, COMMITTED))
 
     def read_manifest(self) -> dict:
         if not os.path.exists(self.path):
@@ -296,28 +306,65 @@ def _write_file(path: str, data: bytes, fsync: bool):
             os.fsync(f.fileno())
 
 
-# ---- kvstore URLs (memory://, object stores) -----------------------------------------------------
+# ---- kvstore URLs (memory://, s3://, gs://) --------------------------------------------------------
+
+def kvstore_spec(url: str) -> dict:
+    """The TensorStore kvstore spec of a checkpoint URL, with its path ending in ``/``.
+
+    ``s3://bucket/prefix`` also takes the endpoint and region from the environment variables
+    boto3 reads (``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``; ``AWS_REGION`` or
+    ``AWS_DEFAULT_REGION``), so S3-compatible servers (MinIO, moto, ...) work as with other AWS
+    tools; credentials come from TensorStore's usual AWS chain (environment, ~/.aws, metadata).
+    """
+    url = url if url.endswith("/") else url + "/"
+    try:
+        spec = ts.KvStore.Spec(url).to_json()
+    except ValueError as exc:
+        raise ValueError(f"unsupported checkpoint URL {url!r}: use a directory, memory://, s3://bucket/prefix "
+                         f"or gs://bucket/prefix ({exc})") from None
+    if spec["driver"] == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint:
+            spec["endpoint"] = endpoint.rstrip("/")
+        if region:
+            spec["aws_region"] = region
+    return spec
+
+
+def child_spec(spec: dict, key: str) -> dict:
+    """``spec`` with ``key`` appended to its path."""
+    return {**spec, "path": spec.get("path", "") + key}
+
+
+def is_ours(keys) -> bool:
+    """Keys (relative to a checkpoint prefix) that only a dispatch_io save writes."""
+    return all(k in (MANIFEST, COMMITTED, WRITING) or k.startswith(ARRAYS) for k in keys)
+
 
 class KvLocation(Location):
+    """A checkpoint under a kvstore prefix. There is no rename: data goes to its final keys and
+    the ``COMMITTED`` marker, written last, makes it visible; ``WRITING`` marks a save under way."""
+
     def __init__(self, url: str):
+        self.spec = kvstore_spec(url)
         self.url = url if url.endswith("/") else url + "/"
         self.display = url
-        self.context = shared_context(self.arrays_kvstore())
+        self.context = shared_context(self.spec)
+        self._own_context = self.context or ts.Context()  # one S3/GCS client for the markers
 
     def _kv(self):
-        return ts.KvStore.open(self.url, context=self.context or ts.Context()).result()
+        return ts.KvStore.open(self.spec, context=self._own_context).result()
 
     @property
     def key(self) -> str:
         return self.url
 
     def arrays_kvstore(self) -> dict:
-        spec = ts.KvStore.Spec(self.url).to_json()
-        spec["path"] = spec.get("path", "") + ARRAYS
-        return spec
+        return child_spec(self.spec, ARRAYS)
 
     def is_committed(self) -> bool:
-        return self._kv().read(COMMITTED).result().state == "value"
+        return self.commit_marker() is not None
 
     def commit_marker(self) -> bytes | None:
         marker = self._kv().read(COMMITTED).result()
@@ -328,16 +375,28 @@ class KvLocation(Location):
         if kv.read(COMMITTED).result().state != "value":
             if not kv.list().result():
                 raise FileNotFoundError(f"no checkpoint at {self.display}: nothing stored under it")
-            raise IncompleteCheckpointError(f"{self.display} holds no committed checkpoint (no {COMMITTED} marker)")
-        return json.loads(kv.read(MANIFEST).result().value)
+            raise IncompleteCheckpointError(f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
+                                            "the save failed, was interrupted, is still running, or this is not a "
+                                            "dispatch_io checkpoint")
+        try:
+            return json.loads(kv.read(MANIFEST).result().value)
+        except ValueError as exc:
+            raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
+                                            f"cannot be read: {exc}") from exc
 
     def start_write(self, overwrite: bool) -> "KvWrite":
+        """Like a directory: a committed checkpoint is replaced only with ``overwrite``, leftovers
+        of an unfinished save always, anything else never."""
         kv = self._kv()
         if kv.read(COMMITTED).result().state == "value":
             if not overwrite:
                 raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
             kv.write(COMMITTED, None).result()  # uncommit first: a crash from here on leaves nothing visible
+        elif not is_ours(k.decode() for k in kv.list().result()):
+            raise FileExistsError(f"{self.display} holds data that is not a dispatch_io checkpoint; refusing to "
+                                  "replace it, even with overwrite=True (remove it first if it may go)")
         kv.delete_range(ts.KvStore.KeyRange()).result()
+        kv.write(WRITING, _marker_json()).result()
         return KvWrite(self, kv)
 
     def join_write(self, token: str) -> JoinedWrite:
@@ -355,6 +414,7 @@ class KvWrite(WriteTarget):
     def commit(self, manifest: bytes, fsync: bool = True):
         self.kv.write(MANIFEST, manifest).result()
         self.kv.write(COMMITTED, _marker_json()).result()
+        self.kv.write(WRITING, None).result()
 
     def abort(self):
         self.kv.delete_range(ts.KvStore.KeyRange()).result()

@@ -86,3 +86,28 @@ LAYOUTS = ["ocdbt", "files"]
 def layout(request):
     """Each chunk layout (``Options.layout``): behaviour that must hold for both runs with both."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on loopback for the whole session, with bucket ``ckpts``; TensorStore
+    (through dispatch_io's ``s3://`` paths) is pointed at it by the usual AWS variables."""
+    from s3_server import MotoServer, s3_environment
+
+    server = MotoServer()
+    saved = dict(os.environ)
+    os.environ.update(s3_environment(server.endpoint))
+    try:
+        server.create_bucket("ckpts")
+        yield server
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        server.stop()
+
+
+@pytest.fixture
+def s3_prefix(s3_server, request):
+    """A fresh ``s3://ckpts/<test>-<id>`` prefix."""
+    import uuid
+    return f"s3://ckpts/{request.node.name.replace('[', '-').rstrip(']')}-{uuid.uuid4().hex[:6]}"

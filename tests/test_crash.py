@@ -68,7 +68,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 faulthandler.dump_traceback_later(240, exit=True)   # never outlive a test that forgot us
 import jax, numpy as np
 import dispatch_io as dio
-import dispatch_io.dispatcher, dispatch_io.manager, dispatch_io.storage
+import dispatch_io.dispatcher, dispatch_io.manager, dispatch_io.roots, dispatch_io.storage
 root, marker, where, kill_at = {root!r}, {marker!r}, {where!r}, {kill_at!r}
 mesh = jax.make_mesh((4, 2), ("data", "model"))
 {tree_source}
@@ -111,7 +111,7 @@ elif where == "rename":            # COMMITTED written in the temporary director
         return real_rename(src, dst)
     dispatch_io.storage.os.rename = rename
 elif where == "retention":         # step 2 committed; deleting step 1, at the kill_at-th file removed
-    real_rmtree, real_unlink, unlinks = dispatch_io.manager.shutil.rmtree, os.unlink, itertools.count(1)
+    real_rmtree, real_unlink, unlinks = dispatch_io.roots.shutil.rmtree, os.unlink, itertools.count(1)
     def unlink(path, *args, **kwargs):
         if next(unlinks) == kill_at:
             stop_here(f"deleting step 1: unlink {{kill_at}}")
@@ -122,7 +122,7 @@ elif where == "retention":         # step 2 committed; deleting step 1, at the k
             return real_rmtree(path, *args, **kwargs)
         finally:
             os.unlink = real_unlink
-    dispatch_io.manager.shutil.rmtree = rmtree
+    dispatch_io.roots.shutil.rmtree = rmtree
 print("saving step 2", flush=True)
 manager.save(2, tree).wait()
 manager.wait()

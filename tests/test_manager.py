@@ -488,8 +488,8 @@ def test_api_edge_cases(tmp_path, mesh):
                 dict(keep_every_n_steps=0), dict(keep_every_n_steps=-4)):
         with pytest.raises(ValueError):
             dio.CheckpointManager(root, **bad)
-    with pytest.raises(ValueError):
-        dio.CheckpointManager("memory://somewhere")
+    with pytest.raises(ValueError, match="unsupported checkpoint URL 'nosuch://somewhere/'"):
+        dio.CheckpointManager("nosuch://somewhere")
     with dio.CheckpointManager(f"file://{tmp_path}/url") as by_url:       # file:// is a directory
         assert by_url.root == os.fspath(tmp_path / "url") and os.path.isdir(tmp_path / "url")
         by_url.save(0, {"z": np.zeros(3, np.int8)})

@@ -1,0 +1,138 @@
+"""A real S3-compatible server on loopback for tests: moto in server mode, in a child process,
+and a small HTTP proxy in front of it that can answer chosen requests with 503 / 429 the way a
+throttling object store does."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    """``python -m moto.server`` on a free loopback port, up until :meth:`stop`."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        # Its request log goes to a file: a pipe nobody reads fills up and stalls the server.
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).close()
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    self.log.seek(0)
+                    raise RuntimeError(f"moto server did not start: {self.log.read().decode()[-2000:]}")
+                time.sleep(0.1)
+
+    def create_bucket(self, name: str):
+        request = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT")
+        urllib.request.urlopen(request, timeout=10).close()
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+class FaultyProxy(http.server.ThreadingHTTPServer):
+    """Forwards every request to ``upstream``; :meth:`fail` makes the next requests (optionally
+    only those of one HTTP method) answer ``status`` without reaching the server, each fault
+    on a different object (so a retry after backoff gets through)."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream_port: int):
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.upstream_port = upstream_port
+        self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
+        self.lock = threading.Lock()
+        self.to_fail: list[tuple[str | None, int]] = []
+        self.failed: list[tuple[str, str, int]] = []   # (method, path, status) answered with a fault
+        self.forwarded = 0
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    def fail(self, count: int, status: int = 503, method: str | None = None):
+        with self.lock:
+            self.to_fail += [(method, status)] * count
+
+    def fault_for(self, method: str, path: str) -> int | None:
+        with self.lock:
+            for i, (only, status) in enumerate(self.to_fail):
+                if only in (None, method) and not any(p == path for _, p, _ in self.failed):
+                    del self.to_fail[i]
+                    self.failed.append((method, path, status))
+                    return status
+            self.forwarded += 1
+            return None
+
+    def stop(self):
+        self.shutdown()
+        self.server_close()
+
+
+class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FaultyProxy
+
+    def log_message(self, *args):
+        pass
+
+    def _relay(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status = self.server.fault_for(self.command, self.path)
+        if status is not None:
+            reply = b"<Error><Code>SlowDown</Code><Message>injected by the test proxy</Message></Error>"
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+            return
+        upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
+        try:
+            upstream.request(self.command, self.path, body=body or None, headers=dict(self.headers.items()))
+            response = upstream.getresponse()
+            data = response.read()
+        finally:
+            upstream.close()
+        self.send_response(response.status)
+        for name, value in response.getheaders():
+            if name.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+
+def s3_environment(endpoint: str) -> dict[str, str]:
+    """What TensorStore (through dispatch_io) needs to talk to the test server."""
+    return {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
