@@ -77,8 +77,9 @@ class Dispatcher:
         """Save ``tree`` to ``path``; returns once every SYNC leaf is off the device.
 
         ``priority(keypath, spec)`` gives each array leaf a :class:`Priority` (default SYNC).
-        ``on_transfer_end(keypath)`` fires once a leaf's device data is no longer needed,
-        ``on_write_end(keypath)`` once its bytes are written; each exactly once per array leaf.
+        ``on_transfer_end(keypath)`` fires exactly once per array leaf, once its device data is
+        no longer needed (copied, or the save failed first); ``on_write_end(keypath)`` once its
+        bytes are written (not for leaves a failed save did not write).
         Raises ``TypeError`` (unsupported leaf, naming its key path) or ``FileExistsError``
         before anything is written; ``RuntimeError`` after ``close()`` or from this dispatcher's
         own callbacks. Call ``.wait()`` on the handle for durability and errors.

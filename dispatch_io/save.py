@@ -269,6 +269,7 @@ class SaveRun:
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
             self.progress.fail()
             self._settle(writes, session)
+            self._let_go_of_uncopied()
             if not isinstance(exc, (CheckpointError, FileExistsError)):
                 err = CheckpointError(f"save to {self.display} failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
@@ -339,6 +340,14 @@ class SaveRun:
         accounted: concurrent.futures.Future = concurrent.futures.Future()
         future.add_done_callback(lambda f: self._written(f, batch.chunks, ticket, accounted))
         return accounted
+
+    def _let_go_of_uncopied(self):
+        """A failed save copies no more: the leaves it never finished copying are released too,
+        so a trainer waiting for ``on_transfer_end`` before donating a buffer never hangs."""
+        for spec in self.plan.leaves:
+            if self._to_copy[spec.index] > 0:
+                self._to_copy[spec.index] = 0
+                self._callback(self.on_transfer_end, spec.keypath)
 
     def _copied(self, chunks):
         for c in chunks:
