@@ -16,8 +16,11 @@ import sys
 import time
 
 import pytest
+import tensorstore as ts
 
+import dispatch_io as dio
 import storage_helpers as stored
+from dispatch_io.storage import kvstore_spec
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -175,6 +178,20 @@ def test_roundtrip(jobs, tmp_path, processes, devices):
     owner = 5 // devices
     assert [r["without_local_shards"] for r in results] == [
         [] if pid == owner else ["['single']"] for pid in range(processes)]
+
+
+def test_roundtrip_on_s3(jobs, s3_prefix):
+    """Two processes save into one S3 prefix (each its own OCDBT database), process 0 merges and
+    commits with the marker; both restore their own regions. The server is the moto fixture's."""
+    path = f"{s3_prefix}/ckpt"
+    job = jobs("roundtrip", path, 2, 4)
+    results = job.wait(deadline())
+    assert_saved(results, job)
+    assert_restored(results, job)
+    assert dio.metadata(path)["step"] == 1000
+    keys = {k.decode() for k in ts.KvStore.open(kvstore_spec(path)).result().list().result()}
+    assert {"COMMITTED", "manifest.json", "arrays/manifest.ocdbt"} <= keys and "WRITING" not in keys, keys
+    assert {k.split("/")[1] for k in keys if k.count("/") >= 2} >= {"p0", "p1"}, keys  # one database per process
 
 
 def test_checkpoints_move_between_process_counts(jobs, tmp_path):
