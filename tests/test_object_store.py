@@ -214,8 +214,11 @@ def test_cli_reads_s3(s3_prefix, mesh):
 def test_urls_map_to_kvstores(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9/")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
     assert kvstore_spec("s3://bucket/a/b") == {"driver": "s3", "bucket": "bucket", "path": "a/b/",
                                                "endpoint": "http://127.0.0.1:9", "aws_region": "eu-west-1"}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    assert kvstore_spec("s3://bucket/a/b")["aws_credentials"] == {"type": "environment"}
     assert kvstore_spec("gs://bucket/run/7") == {"driver": "gcs", "bucket": "bucket", "path": "run/7/"}
     assert kvstore_spec("memory://x/y")["driver"] == "memory"
     with pytest.raises(ValueError, match="unsupported checkpoint URL 'ftp://host/x/'"):
