@@ -308,13 +308,21 @@ def _write_file(path: str, data: bytes, fsync: bool):
 
 # ---- kvstore URLs (memory://, s3://, gs://) --------------------------------------------------------
 
+# How often, and how patiently, a request to an object store is retried (429, 5xx, connection
+# errors) before the save or restore fails: ~80 s of backoff in all, doubling from 1 s. Without a
+# bound TensorStore tries 32 times, up to 32 s apart: a dead endpoint would look like a hang for
+# a quarter of an hour.
+OBJECT_STORE_RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "16s"}
+_RETRY_RESOURCE = {"s3": "s3_request_retries", "gcs": "gcs_request_retries"}
+
+
 def kvstore_spec(url: str) -> dict:
     """The TensorStore kvstore spec of a checkpoint URL, with its path ending in ``/``.
 
     ``s3://bucket/prefix`` also takes the endpoint and region from the environment variables
     boto3 reads (``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``; ``AWS_REGION`` or
     ``AWS_DEFAULT_REGION``), so S3-compatible servers (MinIO, moto, ...) work as with other AWS
-    tools. Credentials: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` when set (what the AWS
+    tools. Requests are retried as :data:`OBJECT_STORE_RETRIES` says. Credentials: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` when set (what the AWS
     chain would pick first; naming them spares the chain's error lines about files it does not
     find), else TensorStore's AWS chain (~/.aws, instance metadata).
     """
@@ -333,6 +341,8 @@ def kvstore_spec(url: str) -> dict:
             spec["aws_region"] = region
         if os.environ.get("AWS_ACCESS_KEY_ID"):
             spec["aws_credentials"] = {"type": "environment"}
+    if spec["driver"] in _RETRY_RESOURCE:
+        spec["context"] = {_RETRY_RESOURCE[spec["driver"]]: dict(OBJECT_STORE_RETRIES)}
     return spec
 
 
@@ -360,6 +370,21 @@ class KvLocation(Location):
     def _kv(self):
         return ts.KvStore.open(self.spec, context=self._own_context).result()
 
+    def _wait(self, future, what: str):
+        """A store operation's result; its failure (unreachable, denied, retries exhausted) as a
+        CheckpointError naming the checkpoint."""
+        try:
+            return future.result()
+        except ValueError as exc:
+            raise CheckpointError(f"{self.display}: could not {what}: {exc}") from exc
+
+    def _get(self, key: str) -> bytes | None:
+        result = self._wait(self._kv().read(key), f"read {key}")
+        return bytes(result.value) if result.state == "value" else None
+
+    def _keys(self) -> list[str]:
+        return [k.decode() for k in self._wait(self._kv().list(), "list its keys")]
+
     @property
     def key(self) -> str:
         return self.url
@@ -371,20 +396,19 @@ class KvLocation(Location):
         return self.commit_marker() is not None
 
     def commit_marker(self) -> bytes | None:
-        marker = self._kv().read(COMMITTED).result()
-        return bytes(marker.value) if marker.state == "value" else None
+        return self._get(COMMITTED)
 
     def read_manifest(self) -> dict:
-        kv = self._kv()
-        if kv.read(COMMITTED).result().state != "value":
-            if not kv.list().result():
+        if self._get(COMMITTED) is None:
+            if not self._keys():
                 raise FileNotFoundError(f"no checkpoint at {self.display}: nothing stored under it")
             raise IncompleteCheckpointError(f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
                                             "the save failed, was interrupted, is still running, or this is not a "
                                             "dispatch_io checkpoint")
+        manifest = self._get(MANIFEST)
         try:
-            return json.loads(kv.read(MANIFEST).result().value)
-        except ValueError as exc:
+            return json.loads(manifest)
+        except (ValueError, TypeError) as exc:
             raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
                                             f"cannot be read: {exc}") from exc
 
@@ -392,15 +416,15 @@ class KvLocation(Location):
         """Like a directory: a committed checkpoint is replaced only with ``overwrite``, leftovers
         of an unfinished save always, anything else never."""
         kv = self._kv()
-        if kv.read(COMMITTED).result().state == "value":
+        if self._get(COMMITTED) is not None:
             if not overwrite:
                 raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
-            kv.write(COMMITTED, None).result()  # uncommit first: a crash from here on leaves nothing visible
-        elif not is_ours(k.decode() for k in kv.list().result()):
+            self._wait(kv.write(COMMITTED, None), "uncommit it")  # first: a crash from here on leaves nothing visible
+        elif not is_ours(self._keys()):
             raise FileExistsError(f"{self.display} holds data that is not a dispatch_io checkpoint; refusing to "
                                   "replace it, even with overwrite=True (remove it first if it may go)")
-        kv.delete_range(ts.KvStore.KeyRange()).result()
-        kv.write(WRITING, _marker_json()).result()
+        self._wait(kv.delete_range(ts.KvStore.KeyRange()), "clear it")
+        self._wait(kv.write(WRITING, _marker_json()), f"write {WRITING}")
         return KvWrite(self, kv)
 
     def join_write(self, token: str) -> JoinedWrite:

@@ -215,11 +215,35 @@ def test_urls_map_to_kvstores(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9/")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    retries = {"max_retries": 8, "initial_delay": "1s", "max_delay": "16s"}
     assert kvstore_spec("s3://bucket/a/b") == {"driver": "s3", "bucket": "bucket", "path": "a/b/",
-                                               "endpoint": "http://127.0.0.1:9", "aws_region": "eu-west-1"}
+                                               "endpoint": "http://127.0.0.1:9", "aws_region": "eu-west-1",
+                                               "context": {"s3_request_retries": retries}}
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
     assert kvstore_spec("s3://bucket/a/b")["aws_credentials"] == {"type": "environment"}
-    assert kvstore_spec("gs://bucket/run/7") == {"driver": "gcs", "bucket": "bucket", "path": "run/7/"}
+    assert kvstore_spec("gs://bucket/run/7") == {"driver": "gcs", "bucket": "bucket", "path": "run/7/",
+                                                 "context": {"gcs_request_retries": retries}}
     assert kvstore_spec("memory://x/y")["driver"] == "memory"
     with pytest.raises(ValueError, match="unsupported checkpoint URL 'ftp://host/x/'"):
         dio.metadata("ftp://host/x")
+
+
+def test_an_unreachable_store_fails_clearly_and_soon(monkeypatch, mesh):
+    """No server at the endpoint: every entry point raises an error naming the path once the
+    (bounded) retries are spent, instead of retrying for a quarter of an hour."""
+    import dispatch_io.storage
+    from s3_server import free_port
+    monkeypatch.setattr(dispatch_io.storage, "OBJECT_STORE_RETRIES",
+                        {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"})
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    path = "s3://ckpts/nowhere/step_1"
+    with pytest.raises(dio.CheckpointError, match="s3://ckpts/nowhere/step_1: could not read COMMITTED: .*retry attempts"):
+        dio.metadata(path)
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        with pytest.raises(dio.CheckpointError, match="s3://ckpts/nowhere/step_1: could not"):
+            d.save(path, make_tree(mesh))
+        with pytest.raises(dio.CheckpointError, match="s3://ckpts/nowhere/step_1: could not"):
+            d.restore(path)
