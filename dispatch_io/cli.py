@@ -158,8 +158,28 @@ def main(argv: list[str] | None = None) -> int:
             return inspect(args.path, args.json)
         return verify(args.path, args.budget_mib)
     except (CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError) as exc:
-        print(f"dispatch-io {args.command}: {exc}", file=sys.stderr)
+        print(f"dispatch-io {args.command}: {exc}{_steps_hint(args.path)}", file=sys.stderr)
         return EXIT_UNUSABLE
+
+
+def _steps_hint(path: str) -> str:
+    """For a CheckpointManager root given where a checkpoint was expected: which steps it holds."""
+    import os
+
+    from dispatch_io.roots import StepRoot
+
+    try:
+        if "://" not in path.removeprefix("file://") and not os.path.isdir(path.removeprefix("file://")):
+            return ""  # (opening a directory root would create it)
+        root = StepRoot.open(path)
+        steps = root.committed_steps()
+    except Exception:  # noqa: BLE001 - only a hint; the error above stands
+        return ""
+    if not steps:
+        return ""
+    shown = ", ".join(map(str, steps[-5:]))
+    return (f" (it is a CheckpointManager root with committed steps {'..., ' if len(steps) > 5 else ''}{shown}: "
+            f"try {root.step_path(steps[-1])})")
 
 
 if __name__ == "__main__":

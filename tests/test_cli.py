@@ -95,6 +95,19 @@ def test_bad_paths_are_one_line_and_a_nonzero_exit(tmp_path, make):
         assert str(path) in err or "not a dispatch_io manifest" in err, err
 
 
+def test_a_manager_root_names_its_steps(tmp_path):
+    root = tmp_path / "run"
+    with dio.CheckpointManager(root) as manager:
+        for step in (10, 20):
+            manager.save(step, {"x": np.arange(4)})
+    code, out, err = cli("inspect", root)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"CheckpointManager root with committed steps 10, 20: try {root / '20'}" in err, err
+    assert cli("inspect", root / "20")[0] == 0
+    code, out, err = cli("inspect", tmp_path / "missing")
+    assert code == 2 and "CheckpointManager" not in err and not (tmp_path / "missing").exists(), err
+
+
 def test_bench_runs_the_benchmark_of_the_checkout():
     code, out, err = cli("bench", "--help")
     assert code == 0, err
