@@ -72,6 +72,7 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.to_fail: list[tuple[str | None, int]] = []
         self.failed: list[tuple[str, str, int]] = []   # (method, path, status) answered with a fault
+        self.requests: list[tuple[str, str]] = []      # (method, path without query) of every request
         self.forwarded = 0
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
@@ -82,6 +83,7 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
 
     def fault_for(self, method: str, path: str) -> int | None:
         with self.lock:
+            self.requests.append((method, path.split("?")[0]))
             for i, (only, status) in enumerate(self.to_fail):
                 if only in (None, method) and not any(p == path for _, p, _ in self.failed):
                     del self.to_fail[i]

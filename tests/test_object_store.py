@@ -194,6 +194,25 @@ def test_transient_503_and_429_are_retried(s3_server, s3_prefix, mesh, monkeypat
         proxy.stop()
 
 
+@pytest.mark.parametrize("dispatcher_cls", [dio.LocalDispatcher, dio.ColocatedDispatcher], ids=["local", "colocated"])
+def test_no_object_is_written_twice_in_a_save(s3_server, s3_prefix, mesh, monkeypatch, dispatcher_cls):
+    """GCS takes about one write per second to an object name: a save (many batches, each an
+    OCDBT commit) must never rewrite an object -- numbered OCDBT manifests on object stores."""
+    proxy = FaultyProxy(s3_server.port)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        path = f"{s3_prefix}/ckpt"
+        tree = make_tree(mesh)
+        with dispatcher_cls(host_memory_budget=64 << 10) as d:
+            stats = d.save(path, tree).wait()
+            puts = [p for method, p in proxy.requests if method == "PUT"]
+            assert stats.batches >= 5
+            assert len(puts) == len(set(puts)), sorted(p for p in puts if puts.count(p) > 1)
+            assert_trees_bit_equal(d.restore(path, like(tree)), tree)
+    finally:
+        proxy.stop()
+
+
 def test_cli_reads_s3(s3_prefix, mesh):
     path = f"{s3_prefix}/ckpt"
     tree = make_tree(mesh)

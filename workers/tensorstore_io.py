@@ -95,6 +95,9 @@ _WRITER_MANIFEST = "/manifest.ocdbt"
 _NODE_CACHE = {"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}}
 
 
+_OBJECT_STORES = ("s3", "gcs")
+
+
 def layout_kvstore(base: dict, layout: str, writer: str | None = None) -> dict:
     """The kvstore holding a checkpoint's zarr arrays, given ``base``, its ``arrays/`` kvstore.
 
@@ -108,9 +111,21 @@ def layout_kvstore(base: dict, layout: str, writer: str | None = None) -> dict:
         return base
     if layout != "ocdbt":
         raise ValueError(f"unknown checkpoint layout {layout!r}; expected one of {LAYOUTS}")
+    spec = {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
     if writer is not None:
-        base = {**base, "path": base.get("path", "") + writer + "/"}
-    return {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
+        spec = _created({**spec, "base": {**base, "path": base.get("path", "") + writer + "/"}})
+    return spec
+
+
+def _created(spec: dict) -> dict:
+    """The spec of an OCDBT database this save creates. Each commit of a database rewrites its
+    manifest.ocdbt, and creating one writes it twice; GCS allows about one write per second to
+    an object name (429s beyond), and a writer commits once per batch. On object stores,
+    numbered manifests make every commit a new object. (Readers pass no config: they read what
+    is stored, so a checkpoint copied from disk, with a single manifest, reads the same.)"""
+    if _storage(spec["base"]).get("driver") in _OBJECT_STORES:
+        return {**spec, "config": {"manifest_kind": "numbered"}}
+    return spec
 
 
 def merge_writers(base: dict, context: ts.Context | None = None):
@@ -120,7 +135,7 @@ def merge_writers(base: dict, context: ts.Context | None = None):
     listing = ts.KvStore.open(base, context=context).result().list().result()
     writers = sorted(key.decode()[:-len(_WRITER_MANIFEST)] for key in listing
                      if key.decode().endswith(_WRITER_MANIFEST) and key.decode().count("/") == 1)
-    target = ts.KvStore.open(layout_kvstore(base, "ocdbt"), context=context).result()
+    target = ts.KvStore.open(_created(layout_kvstore(base, "ocdbt")), context=context).result()
     txn = ts.Transaction()
     for writer in writers:
         source = ts.KvStore.open(layout_kvstore(base, "ocdbt", writer), context=context).result()
