@@ -4,6 +4,7 @@
     dispatch-io verify PATH [--budget-mib N]
                                         read every stored byte (and check the CRC-32Cs, if saved),
                                         holding at most N MiB (default 256) of it at once
+                                        (or two stored chunks, where those are larger)
     dispatch-io bench [ARGS...]         run benchmarks/bench.py (a source checkout) with ARGS
 
 Both read the manifest only through the library, work on a machine with a single CPU device, and
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             return inspect(args.path, args.json)
         return verify(args.path, args.budget_mib)
-    except (CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError) as exc:
+    except (CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError,
+            TypeError) as exc:
         print(f"dispatch-io {args.command}: {exc}{_steps_hint(args.path)}", file=sys.stderr)
         return EXIT_UNUSABLE
 

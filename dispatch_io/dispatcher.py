@@ -269,8 +269,8 @@ class Dispatcher:
         checksums, check each against its CRC-32C; returns what it did (``verify_seconds``).
 
         Chunk by chunk, two budget halves at a time: host memory stays within the budget however
-        large the checkpoint or its leaves. Every chunk is read whole, as a restore would decode
-        it. Raises ``CorruptCheckpointError`` naming each bad chunk's key path, ``WorkerError`` /
+        large the checkpoint -- or two stored chunks, for chunks larger than half the budget:
+        every chunk is read whole, as a restore would decode it. Raises ``CorruptCheckpointError`` naming each bad chunk's key path, ``WorkerError`` /
         ``CheckpointError`` for what cannot be read, before that ``FileNotFoundError`` /
         ``IncompleteCheckpointError`` for a path that holds no committed checkpoint. Reads the
         whole checkpoint in every process (``dispatch-io verify`` calls it).

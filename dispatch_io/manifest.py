@@ -121,8 +121,21 @@ class Manifest:
 
 
 def parse(doc: dict, where: str) -> Manifest:
-    if doc.get("format") != FORMAT:
+    """The manifest ``doc`` (JSON-decoded) as a Manifest; ``CheckpointError`` naming ``where``
+    for anything this version cannot read, malformed documents included."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not a dispatch_io manifest")
+    try:
+        manifest = _parse(doc, where)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+        raise CheckpointError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+    if manifest.treedef.num_leaves != len(manifest.leaves):
+        raise CheckpointError(f"{where}: malformed manifest: its structure has {manifest.treedef.num_leaves} "
+                              f"leaves, its leaf list {len(manifest.leaves)}")
+    return manifest
+
+
+def _parse(doc: dict, where: str) -> Manifest:
     version = doc.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{where}: manifest format version {version} is not supported "

@@ -273,7 +273,7 @@ def verify_checksums(outputs: list, batch_limit: int, submit_checksums, progress
 
     ``submit_checksums(regions)`` returns a future of the regions' CRC-32C, computed where the
     worker code runs; at most ``batch_limit`` bytes a call and two calls at a time, so host
-    memory stays within the budget however large the leaves. Raises CorruptCheckpointError naming every bad chunk's key
+    memory stays within the budget (or two chunks, for chunks over half of it) however large the leaves. Raises CorruptCheckpointError naming every bad chunk's key
     path. ``compare=False`` (a checkpoint saved without checksums): only read every chunk, which
     still finds what cannot be read or decoded. Batches are counted on ``progress`` (phase
     ``verify``)."""

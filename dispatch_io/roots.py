@@ -24,8 +24,9 @@ import tensorstore as ts
 from absl import logging
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io.storage import (COMMITTED, MANIFEST, TMP_SUFFIX, WRITING, child_spec, is_our_marker, is_ours,
-                                 kvstore_spec, marker_is_ours, marker_is_stale, writer_is_gone)
+from dispatch_io.storage import (COMMITTED, DELETING, MANIFEST, TMP_SUFFIX, WRITING, marker_json, child_spec,
+                                 clear_checkpoint, is_our_marker, kvstore_spec, marker_is_ours, marker_is_stale,
+                                 writer_is_gone)
 from workers import shared_context
 
 STEP = re.compile(r"^(0|[1-9][0-9]*)$")
@@ -156,18 +157,20 @@ class KvRoot(StepRoot):
 
     def delete(self, step: int):
         kv = ts.KvStore.open(child_spec(self.spec, f"{step}/"), context=self.context).result()
-        kv.write(COMMITTED, None).result()  # unlisted at once
-        kv.delete_range(ts.KvStore.KeyRange()).result()
+        kv.write(DELETING, marker_json()).result()  # what a crash leaves is still provably ours
+        clear_checkpoint(kv, DELETING)               # COMMITTED first: unlisted at once
 
     def remove_leftovers(self):
-        """Uncommitted step prefixes holding only our keys: an unfinished delete (no markers
-        left) or a save whose writer is provably gone."""
-        steps = {step: keys for step, keys in self._steps().items() if COMMITTED not in keys and is_ours(keys)}
-        writing = [step for step, keys in steps.items() if WRITING in keys]
-        alive = {step for step, marker in zip(writing, self._read_all([f"{s}/{WRITING}" for s in writing]))
-                 if not marker_is_stale(marker)}
-        for step in steps.keys() - alive:
-            try:
-                self.delete(step)
-            except ValueError:
-                logging.exception("dispatch_io: could not clean up %s%s/", self.url, step)
+        """Uncommitted step prefixes our markers prove ours and abandoned: an unfinished delete
+        (``DELETING``) or a save whose writer provably no longer runs (``WRITING``). Only our own
+        keys are removed."""
+        steps = [step for step, keys in self._steps().items()
+                 if COMMITTED not in keys and (DELETING in keys or WRITING in keys)]
+        deleting = self._read_all([f"{step}/{DELETING}" for step in steps])
+        writing = self._read_all([f"{step}/{WRITING}" for step in steps])
+        for step, d, w in zip(steps, deleting, writing):
+            if marker_is_ours(d) or marker_is_stale(w):
+                try:
+                    self.delete(step)
+                except ValueError:
+                    logging.exception("dispatch_io: could not clean up %s%s/", self.url, step)

@@ -29,13 +29,15 @@ import time
 import uuid
 
 import tensorstore as ts
+from absl import logging
 
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from workers import shared_context
 
 MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
-WRITING = "WRITING"        # ownership marker inside our temporary directories
+WRITING = "WRITING"        # ownership marker inside our temporary directories / of a save under way
+DELETING = "DELETING"      # kvstores: a checkpoint being deleted (what is left is provably ours)
 ARRAYS = "arrays/"
 TMP_SUFFIX = ".dispatch_io-tmp"
 
@@ -57,7 +59,7 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
-def _marker_json() -> bytes:
+def marker_json() -> bytes:
     """Who wrote a marker; ``id`` makes every commit's ``COMMITTED`` unique."""
     return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
                        "time": time.time(), "id": uuid.uuid4().hex}).encode()
@@ -254,7 +256,7 @@ class DirectoryWrite(WriteTarget):
         os.makedirs(os.path.join(self.tmp, ARRAYS))
         try:
             with open(os.path.join(self.tmp, WRITING), "wb") as f:
-                f.write(_marker_json())
+                f.write(marker_json())
         except BaseException:
             self.abort()
             raise
@@ -268,7 +270,7 @@ class DirectoryWrite(WriteTarget):
             for root, dirs, _ in os.walk(self.tmp):
                 for d in dirs:
                     _fsync_path(os.path.join(root, d), directory=True)
-        _write_file(os.path.join(self.tmp, COMMITTED), _marker_json(), fsync)
+        _write_file(os.path.join(self.tmp, COMMITTED), marker_json(), fsync)
         # Only now: until the rename, one of the two markers always names this process, so a
         # manager can prove the directory a leftover if this process is killed.
         os.remove(os.path.join(self.tmp, WRITING))
@@ -351,14 +353,32 @@ def child_spec(spec: dict, key: str) -> dict:
     return {**spec, "path": spec.get("path", "") + key}
 
 
-def is_ours(keys) -> bool:
-    """Keys (relative to a checkpoint prefix) that only a dispatch_io save writes."""
-    return all(k in (MANIFEST, COMMITTED, WRITING) or k.startswith(ARRAYS) for k in keys)
+def is_own_key(key: str) -> bool:
+    """A key (relative to a checkpoint prefix) that a dispatch_io save or delete writes."""
+    return key in (MANIFEST, COMMITTED, WRITING, DELETING) or key.startswith(ARRAYS)
+
+
+def _arrays_range() -> "ts.KvStore.KeyRange":
+    return ts.KvStore.KeyRange(ARRAYS, ARRAYS[:-1] + chr(ord(ARRAYS[-1]) + 1))
+
+
+def clear_checkpoint(kv, marker_key: str):
+    """Delete a checkpoint's own keys under ``kv`` (never anyone else's): ``COMMITTED`` first, so
+    it is unlisted at once, then the manifest and arrays, and ``marker_key`` (``WRITING`` of the
+    save being undone, or ``DELETING``) last: until then it proves that what is left is ours."""
+    kv.write(COMMITTED, None).result()
+    kv.write(MANIFEST, None).result()
+    kv.delete_range(_arrays_range()).result()
+    for key in (WRITING, DELETING):
+        if key != marker_key:
+            kv.write(key, None).result()
+    kv.write(marker_key, None).result()
 
 
 class KvLocation(Location):
-    """A checkpoint under a kvstore prefix. There is no rename: data goes to its final keys and
-    the ``COMMITTED`` marker, written last, makes it visible; ``WRITING`` marks a save under way."""
+    """A checkpoint under a kvstore prefix. There is no rename: a save writes ``WRITING`` (who,
+    with an id of its own), its data to the final keys, the manifest, then ``COMMITTED``, which
+    makes it visible. Ownership is proven by markers, never guessed from key names."""
 
     def __init__(self, url: str):
         self.spec = kvstore_spec(url)
@@ -413,36 +433,85 @@ class KvLocation(Location):
                                             f"cannot be read: {exc}") from exc
 
     def start_write(self, overwrite: bool) -> "KvWrite":
-        """Like a directory: a committed checkpoint is replaced only with ``overwrite``, leftovers
-        of an unfinished save always, anything else never."""
+        """Like a directory: a committed checkpoint is replaced only with ``overwrite``, what a
+        dead save left always, anything else never -- ours is what our markers prove ours.
+
+        A save in progress in a live process of this host is never taken over. One whose
+        ``WRITING`` names another host cannot be proven dead: it is taken over (a preempted job's
+        step is saved again after a restart), and if it does go on, whichever of the two commits
+        second finds the other's marker and fails without deleting anything."""
+        keys = self._keys()
+        if not keys:
+            return KvWrite(self, self._kv())
+        foreign = [k for k in keys if not is_own_key(k)]
+        committed, writing = self._get(COMMITTED), self._get(WRITING)
+        proof = committed if committed is not None else writing if writing is not None else self._get(DELETING)
+        if foreign or not marker_is_ours(proof):
+            shown = ", ".join(sorted(foreign or keys)[:3]) + (", ..." if len(foreign or keys) > 3 else "")
+            raise FileExistsError(f"{self.display} holds data that is not part of a dispatch_io checkpoint ({shown}); "
+                                  "refusing to replace it, even with overwrite=True (remove it first if it may go)")
+        if committed is not None and not overwrite:
+            raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
+        if committed is None and writing is not None and _writer_is_alive_here(writing):
+            raise FileExistsError(f"another save to {self.display} is in progress ({WRITING}: {writing.decode()}); "
+                                  "saves to one path never overlap")
+        if committed is None and writing is not None and not marker_is_stale(writing):
+            logging.warning("dispatch_io: taking over %s from a save that cannot be proven dead (%s: %s)",
+                            self.display, WRITING, writing.decode())
         kv = self._kv()
-        if self._get(COMMITTED) is not None:
-            if not overwrite:
-                raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
-            self._wait(kv.write(COMMITTED, None), "uncommit it")  # first: a crash from here on leaves nothing visible
-        elif not is_ours(self._keys()):
-            raise FileExistsError(f"{self.display} holds data that is not a dispatch_io checkpoint; refusing to "
-                                  "replace it, even with overwrite=True (remove it first if it may go)")
-        self._wait(kv.delete_range(ts.KvStore.KeyRange()), "clear it")
-        self._wait(kv.write(WRITING, _marker_json()), f"write {WRITING}")
+        try:
+            kv.write(DELETING, marker_json()).result()  # proof of ownership while it is cleared
+            clear_checkpoint(kv, DELETING)
+        except ValueError as exc:
+            raise CheckpointError(f"{self.display}: could not clear it: {exc}") from exc
         return KvWrite(self, kv)
 
     def join_write(self, token: str) -> JoinedWrite:
         return JoinedWrite(self.arrays_kvstore(), self.context, token)
 
 
+def _writer_is_alive_here(marker: bytes) -> bool:
+    try:
+        fields = json.loads(marker)
+        return fields["host"] == socket.gethostname() and _process_start(int(fields["pid"])) == fields["started"]
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class KvWrite(WriteTarget):
+    """One save's ``WRITING`` marker is its claim on the prefix: commit and abort act only while
+    the claim is still theirs."""
+
     def __init__(self, location: KvLocation, kv):
         self.location = location
         self.kv = kv
         self.kvstore = location.arrays_kvstore()
         self.context = location.context
         self.token = location.url
+        self.marker = marker_json()
+        location._wait(kv.write(WRITING, self.marker), f"write {WRITING}")
+
+    def _still_ours(self) -> bool:
+        return self.location._get(WRITING) == self.marker
 
     def commit(self, manifest: bytes, fsync: bool = True):
-        self.kv.write(MANIFEST, manifest).result()
-        self.kv.write(COMMITTED, _marker_json()).result()
-        self.kv.write(WRITING, None).result()
+        where = self.location.display
+        if not self._still_ours():
+            raise CheckpointError(f"another save to {where} started while this one was writing; "
+                                  "nothing was committed (saves to one path must not overlap)")
+        if self.location._get(COMMITTED) is not None:
+            raise CheckpointError(f"another save committed {where} while this one was writing; nothing was committed")
+        self.location._wait(self.kv.write(MANIFEST, manifest), f"write {MANIFEST}")
+        self.location._wait(self.kv.write(COMMITTED, marker_json()), f"write {COMMITTED}")
+        try:  # committed: a WRITING left behind is harmless (the next save clears it)
+            self.kv.write(WRITING, None).result()
+        except ValueError:
+            logging.warning("dispatch_io: %s is committed, but its %s marker could not be removed", where, WRITING)
 
     def abort(self):
-        self.kv.delete_range(ts.KvStore.KeyRange()).result()
+        """Remove what this save wrote -- unless another save has claimed the prefix since."""
+        if not self._still_ours():
+            logging.warning("dispatch_io: not removing the failed save's data at %s: another save claimed it",
+                            self.location.display)
+            return
+        clear_checkpoint(self.kv, WRITING)

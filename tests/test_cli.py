@@ -187,3 +187,23 @@ def test_verify_shows_its_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
         assert rate.endswith(" MiB/s") or rate.endswith(" GiB/s") or rate.endswith(" KiB/s"), line
     assert last.endswith("\n") and last.rstrip().startswith(f"dispatch_io: verified {path}: 3.0 MiB read in 6 batches, ")
     assert last.rstrip().endswith("CRC-32C checked")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: [d],                                                      # not an object
+    lambda d: {**d, "leaves": None},
+    lambda d: {**d, "leaves": [{**e, "dtype": "float99"} if e["kind"] == "array" else e for e in d["leaves"]]},
+    lambda d: {**d, "leaves": d["leaves"][:-1]},                        # fewer leaves than the structure
+], ids=["list", "leaves-null", "unknown-dtype", "leaf-missing"])
+def test_a_malformed_manifest_is_one_line_and_exit_2_everywhere(tmp_path, edit):
+    path = tmp_path / "ckpt"
+    with dio.LocalDispatcher(host_memory_budget=1 << 20) as d:
+        d.save(path, {"w": np.arange(8.0), "v": np.arange(4.0), "s": 1}).wait(60)
+        doc = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps(edit(doc)))
+        for call in (lambda: dio.metadata(path), lambda: d.restore(path), lambda: d.verify(path)):
+            with pytest.raises(dio.CheckpointError, match="manifest"):
+                call()
+    for command in ("inspect", "verify"):
+        code, out, err = cli(command, path)
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (command, err)

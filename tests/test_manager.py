@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal, worker_module
-from dispatch_io.storage import COMMITTED, MANIFEST, WRITING, _marker_json
+from dispatch_io.storage import COMMITTED, MANIFEST, WRITING, marker_json
 from workers import aligned_empty
 
 KiB = 1 << 10
@@ -97,9 +97,9 @@ def fail_writes(monkeypatch, dispatcher_cls=dio.LocalDispatcher):
 
 
 def write_marker_from_dead_process(marker_path):
-    """A genuine ``WRITING`` marker (``storage._marker_json``) written by a process that then exits."""
-    code = ("import sys; from dispatch_io.storage import _marker_json; "
-            "open(sys.argv[1], 'wb').write(_marker_json())")
+    """A genuine ``WRITING`` marker (``storage.marker_json``) written by a process that then exits."""
+    code = ("import sys; from dispatch_io.storage import marker_json; "
+            "open(sys.argv[1], 'wb').write(marker_json())")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code, os.fspath(marker_path)], cwd=REPO, env=env,
@@ -353,8 +353,8 @@ def test_leftovers_are_cleaned_only_when_provably_ours_and_dead(tmp_path, mesh):
 
     dead = interrupted(".3.dispatch_io-tmp-0123456789ab", None)
     write_marker_from_dead_process(dead / WRITING)
-    interrupted(".4.dispatch_io-tmp-abcdef012345", _marker_json())          # this live process
-    other = json.loads(_marker_json())
+    interrupted(".4.dispatch_io-tmp-abcdef012345", marker_json())          # this live process
+    other = json.loads(marker_json())
     other["host"] = socket.gethostname() + "-elsewhere"
     other["pid"] = 999_999_999
     interrupted(".4.dispatch_io-tmp-0000000000ff", json.dumps(other).encode())   # another host

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal
-from dispatch_io.storage import kvstore_spec
+from dispatch_io.storage import kvstore_spec, marker_json
 from s3_server import FaultyProxy
 
 MiB = 1 << 20
@@ -110,7 +111,7 @@ def test_overwrite_and_foreign_data(s3_prefix, mesh):
 
         foreign = f"{s3_prefix}/someone_elses"
         put(foreign, "data.bin", b"precious")
-        with pytest.raises(FileExistsError, match="not a dispatch_io checkpoint"):
+        with pytest.raises(FileExistsError, match=r"not part of a dispatch_io checkpoint \(data.bin\)"):
             d.save(foreign, first, overwrite=True)
         assert keys_under(foreign) == {"data.bin"}
         with pytest.raises(dio.IncompleteCheckpointError, match="no committed checkpoint"):
@@ -128,8 +129,7 @@ def test_manager_on_s3_lists_retains_and_cleans_up(s3_prefix, mesh):
     gone = json.dumps({"host": os.uname().nodename, "pid": 2 ** 22 + 1, "started": "1", "time": 0, "id": "x"}).encode()
     put(root, "40/WRITING", gone)
     put(root, "40/arrays/manifest.ocdbt", b"partial")
-    from dispatch_io.storage import _marker_json
-    put(root, "41/WRITING", _marker_json())
+    put(root, "41/WRITING", marker_json())
     put(root, "41/arrays/manifest.ocdbt", b"partial")
 
     trees = {step: make_tree(mesh, step) for step in range(5)}
@@ -266,3 +266,95 @@ def test_an_unreachable_store_fails_clearly_and_soon(monkeypatch, mesh):
             d.save(path, make_tree(mesh))
         with pytest.raises(dio.CheckpointError, match="s3://ckpts/nowhere/step_1: could not"):
             d.restore(path)
+
+
+# ---- ownership: markers prove what is ours; two saves to one prefix never commit a mix ----------------
+
+def memory_url(name: str) -> str:
+    return f"memory://{name}-{uuid.uuid4().hex[:8]}/ckpt"
+
+
+def mem_keys(url: str) -> set[str]:
+    from dispatch_io.storage import KvLocation
+    return set(KvLocation(url)._keys())
+
+
+def mem_put(url: str, key: str, value: bytes):
+    from dispatch_io.storage import KvLocation
+    KvLocation(url)._kv().write(key, value).result()
+
+
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_a_save_started_over_a_live_one_never_commits_a_mix(where, request, mesh):
+    """A second save to a prefix while a first writes there (two dispatchers, a zombie job): on
+    this host it is refused at once; whatever ends up committed restores bit-exactly."""
+    url = memory_url("overlap") if where == "memory" else f"{request.getfixturevalue('s3_prefix')}/ckpt"
+    first, second = make_tree(mesh, 1), make_tree(mesh, 2)
+    refused = []
+    with dio.LocalDispatcher(host_memory_budget=MiB) as a, dio.LocalDispatcher(host_memory_budget=MiB) as b:
+        def second_save(keypath):
+            if not refused:
+                with pytest.raises(FileExistsError, match="another save to .* is in progress") as info:
+                    b.save(url, second)
+                refused.append(info.value)
+        a.save(url, first, on_write_end=second_save).wait()
+        assert refused
+        assert_trees_bit_equal(a.restore(url, like(first)), first)
+
+
+def test_a_taken_over_save_commits_nothing_and_deletes_nothing(mesh, monkeypatch):
+    """When the other writer cannot be proven alive (another host), a save takes the prefix
+    over; the first save then finds its WRITING claim gone: it fails and leaves the new one be."""
+    import dispatch_io.storage as storage
+    url = memory_url("takeover")
+    first, second = make_tree(mesh, 1), make_tree(mesh, 2)
+    monkeypatch.setattr(storage, "_writer_is_alive_here", lambda marker: False)  # as if on another host
+    errors = []
+    with dio.LocalDispatcher(host_memory_budget=MiB) as a, dio.LocalDispatcher(host_memory_budget=MiB) as b:
+        def second_save(keypath):
+            if not errors:
+                errors.append(None)
+                b.save(url, second).wait()
+        with pytest.raises(dio.CheckpointError, match="another save to .* started while this one was writing"):
+            a.save(url, first, on_write_end=second_save).wait()
+        assert_trees_bit_equal(b.restore(url, like(second)), second)
+
+
+def test_foreign_keys_are_never_deleted(mesh):
+    tree = make_tree(mesh)
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        look_alike = memory_url("lookalike")  # our key names, no marker of ours: not ours
+        mem_put(look_alike, "manifest.json", b'{"tool": "someone else"}')
+        mem_put(look_alike, "arrays/embeddings.npy", b"precious")
+        with pytest.raises(FileExistsError, match="not part of a dispatch_io checkpoint"):
+            d.save(look_alike, tree, overwrite=True)
+        assert mem_keys(look_alike) == {"manifest.json", "arrays/embeddings.npy"}
+
+        mixed = memory_url("mixed")  # a committed checkpoint with someone's file beside it
+        d.save(mixed, tree).wait()
+        mem_put(mixed, "datasets/train.tfrecord", b"precious")
+        with pytest.raises(FileExistsError, match=r"datasets/train.tfrecord"):
+            d.save(mixed, tree, overwrite=True)
+        assert "datasets/train.tfrecord" in mem_keys(mixed)
+        assert_trees_bit_equal(d.restore(mixed, like(tree)), tree)
+
+    root = memory_url("root")
+    mem_put(root, "7/manifest.json", b'{"foreign": true}')
+    mem_put(root, "8/arrays/readme.txt", b"foreign")
+    mem_put(root, "9/DELETING", marker_json())     # an unfinished delete of ours: finished on open
+    mem_put(root, "9/arrays/manifest.ocdbt", b"x")
+    mem_put(root, "9/notes.txt", b"someone's, left alone")
+    dio.CheckpointManager(root).close()
+    assert mem_keys(root) == {"7/manifest.json", "8/arrays/readme.txt", "9/notes.txt"}
+
+
+def test_a_failed_save_leaves_nothing_and_a_crashed_one_is_cleared_by_the_next(mesh):
+    url = memory_url("crash")
+    tree = make_tree(mesh)
+    dead = json.dumps({"host": os.uname().nodename, "pid": 2 ** 22 + 1, "started": "1", "time": 0, "id": "x"}).encode()
+    mem_put(url, "WRITING", dead)                  # a save killed mid-way
+    mem_put(url, "arrays/p0/manifest.ocdbt", b"partial")
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        d.save(url, tree).wait()
+        assert_trees_bit_equal(d.restore(url, like(tree)), tree)
+        assert "WRITING" not in mem_keys(url)

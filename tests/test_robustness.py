@@ -418,7 +418,7 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
             (*worker, interrupt_writes),
             (*copy, interrupt_copies),
             (dispatch_io.manifest, "build", fail_manifest),
-            (dispatch_io.storage, "_marker_json", fail_marker),
+            (dispatch_io.storage, "marker_json", fail_marker),
             (dispatch_io.save.SaveRun, "start", fail_thread_start),
             (dispatch_io.storage.os, "rename", fail_final_rename),
         ]
