@@ -127,6 +127,8 @@ def shard(*entries: Axes | P) -> Tactic:
 
 
 def _checked(spec: Any, leaf: jax.ShapeDtypeStruct, mesh: Mesh, keypath: str) -> Spec:
+    if not isinstance(spec, (tuple, list)):  # (a PartitionSpec is a tuple)
+        raise ValueError(f"{keypath}: a tactic returned {spec!r}, not a spec with one entry per dimension")
     spec = tuple(spec)
     shape = tuple(leaf.shape)
     if len(spec) != len(shape):
