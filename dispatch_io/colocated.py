@@ -30,6 +30,7 @@ from dispatch_io import tree as tree_lib
 from dispatch_io.batches import pack
 from dispatch_io.dispatcher import Dispatcher, arrays_of
 from dispatch_io.errors import WorkerError
+from dispatch_io.manifest import Manifest
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, Plan
 from dispatch_io.progress import Progress
@@ -136,14 +137,14 @@ class ColocatedDispatcher(Dispatcher):
 
     # ---- restore --------------------------------------------------------------------------------
 
-    def read_outputs(self, location: Location, layout: str, outputs: list, progress: Progress):
+    def read_outputs(self, location: Location, manifest: Manifest, outputs: list, progress: Progress):
         """Fill each output's regions with arrays read by colocated calls (see module doc);
         count each batch on ``progress``."""
         display = progress.path
         units = restore_lib.units(outputs)
         batches = [items for items, _ in pack(units, _unit_bytes, self.options.batch_bytes)]
         progress.phase("read", len(batches), sum(map(_unit_bytes, units)))
-        kvstore = layout_kvstore(location.arrays_kvstore(), layout)
+        kvstore = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
         submit = lambda batch: self._submit(self._read_batch, kvstore, batch)  # noqa: E731
         in_flight = [submit(batches[0])] if batches else []
         for k, batch in enumerate(batches):
@@ -188,8 +189,8 @@ class ColocatedDispatcher(Dispatcher):
                 results[i] = array
         return results
 
-    def open_read_session(self, location: Location, layout: str) -> RemoteSession:
-        return RemoteSession(layout_kvstore(location.arrays_kvstore(), layout))
+    def open_read_session(self, location: Location, manifest: Manifest) -> RemoteSession:
+        return RemoteSession(layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout))
 
     def submit_checksums(self, session: RemoteSession, regions) -> concurrent.futures.Future:
         """CRC-32C of stored regions, computed by a colocated call next to this process's first device."""

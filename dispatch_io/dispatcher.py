@@ -20,6 +20,7 @@ from absl import logging
 
 from dispatch_io import coordination
 from dispatch_io import manifest as manifest_lib
+from dispatch_io.manifest import Manifest
 from dispatch_io import progress as progress_lib
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
@@ -250,9 +251,9 @@ class Dispatcher:
         with progress:  # a terminal line is ended if this raises
             try:
                 if verify:
-                    self.verify_outputs(location, manifest.layout, outputs, progress)
+                    self.verify_outputs(location, manifest, outputs, progress)
                 times.append(time.perf_counter())
-                self.read_outputs(location, manifest.layout, outputs, progress)
+                self.read_outputs(location, manifest, outputs, progress)
                 times.append(time.perf_counter())
             except Exception as exc:
                 location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
@@ -286,7 +287,7 @@ class Dispatcher:
         times = [time.perf_counter()]
         with progress:
             try:
-                self.verify_outputs(location, manifest.layout, outputs, progress, compare=checksums)
+                self.verify_outputs(location, manifest, outputs, progress, compare=checksums)
                 times += [time.perf_counter()] * 2  # nothing read into a result
             except Exception as exc:
                 location.check_commit_marker(marker, exc)
@@ -296,20 +297,20 @@ class Dispatcher:
         _report("verify", progress, progress_lib.verify_summary(stats), stats)
         return stats
 
-    def read_outputs(self, location: Location, layout: str, outputs: list, progress: Progress):
+    def read_outputs(self, location: Location, manifest: Manifest, outputs: list, progress: Progress):
         """Fill the outputs' region buffers (``restore.finish`` builds the arrays from them);
         count each batch on ``progress`` (its phase ``read``)."""
-        session = self.open_read_session(location, layout)
+        session = self.open_read_session(location, manifest)
         try:
             restore_lib.read_outputs(self, session, outputs, progress)
         finally:
             session.close()
 
-    def verify_outputs(self, location: Location, layout: str, outputs: list, progress: Progress, *,
+    def verify_outputs(self, location: Location, manifest: Manifest, outputs: list, progress: Progress, *,
                        compare: bool = True):
         """Check the chunks the outputs need against their saved checksums (``compare=False``:
         only read them); count each batch on ``progress`` (its phase ``verify``)."""
-        session = self.open_read_session(location, layout)
+        session = self.open_read_session(location, manifest)
         try:
             restore_lib.verify_checksums(outputs, self.options.batch_bytes,
                                          lambda regions: self.submit_checksums(session, regions),
@@ -326,7 +327,8 @@ class Dispatcher:
         """A session writing ``chunks`` (this process's) into ``target``, their arrays created."""
         raise NotImplementedError
 
-    def open_read_session(self, location: Location, layout: str):
+    def open_read_session(self, location: Location, manifest: Manifest):
+        """A session reading the arrays of the checkpoint ``manifest`` describes."""
         raise NotImplementedError
 
     def copy_to_host(self, plan: Plan, chunks: Sequence[Chunk], sources: Sources, staging: np.ndarray
@@ -463,8 +465,8 @@ class LocalDispatcher(Dispatcher):
         session.arrays_created = self._pool.submit(session.create_arrays, arrays_of(chunks, plan))
         return session
 
-    def open_read_session(self, location: Location, layout: str) -> Session:
-        return Session(layout_kvstore(location.arrays_kvstore(), layout), context=location.context,
+    def open_read_session(self, location: Location, manifest: Manifest) -> Session:
+        return Session(layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout), context=location.context,
                        keep_page_cache=self.options.keep_page_cache)
 
     def copy_to_host(self, plan, chunks, sources, staging):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from typing import Any
 
 import jax
@@ -50,10 +51,16 @@ def describe_sharding(sharding) -> dict | None:
     return {"type": type(sharding).__name__, "repr": repr(sharding)}
 
 
-def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, layout: str = "ocdbt") -> bytes:
+ARRAYS = "arrays/"
+_ARRAYS_PATH = re.compile(r"^arrays/([0-9a-f]+/)?$")
+
+
+def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, layout: str = "ocdbt",
+          arrays: str = ARRAYS) -> bytes:
     """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values,
     ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed, ``layout``
-    the chunk layout of ``arrays/``."""
+    the chunk layout of ``arrays`` (where in the checkpoint the arrays are: ``arrays/``, or on
+    object stores ``arrays/<save id>/``)."""
     by_leaf: dict[int, dict[str, str]] = {}
     for i, crc in (checksums or {}).items():
         chunk = plan.chunks[i]
@@ -74,7 +81,7 @@ def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, lay
             if spec.index in by_leaf:  # chunk grid index "i,j,..." -> CRC-32C, hex
                 entry["stored"]["crc32c"] = dict(sorted(by_leaf[spec.index].items()))
         entries.append(entry)
-    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout,
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout, **({"arrays": arrays} if arrays != ARRAYS else {}),
            "structure": tree_lib.encode_structure(plan.treedef), "leaves": entries,
            "total_bytes": plan.nbytes, "jax_version": jax.__version__}
     return json.dumps(doc, indent=1).encode()
@@ -114,6 +121,7 @@ class Manifest:
     leaves: tuple[SavedLeaf, ...]
     total_bytes: int
     layout: str = "files"
+    arrays: str = ARRAYS   # where the arrays are, relative to the checkpoint
 
     @functools.cached_property
     def by_keypath(self) -> dict[str, SavedLeaf]:
@@ -160,7 +168,10 @@ def _parse(doc: dict, where: str) -> Manifest:
     layout = doc.get("layout", "files")
     if layout not in LAYOUTS:
         raise CheckpointError(f"{where}: unknown chunk layout {layout!r} (this dispatch_io reads {LAYOUTS})")
-    return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)), layout)
+    arrays = doc.get("arrays", ARRAYS)
+    if not isinstance(arrays, str) or not _ARRAYS_PATH.match(arrays):
+        raise CheckpointError(f"{where}: malformed manifest: arrays at {arrays!r}")
+    return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)), layout, arrays)
 
 
 def abstract_tree(manifest: Manifest):

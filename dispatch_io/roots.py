@@ -15,6 +15,7 @@ ours and dead (a ``WRITING`` marker naming a process of this host that no longer
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,9 +25,9 @@ import tensorstore as ts
 from absl import logging
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io.storage import (COMMITTED, DELETING, MANIFEST, TMP_SUFFIX, WRITING, marker_json, child_spec,
-                                 clear_checkpoint, is_our_marker, kvstore_spec, marker_is_ours, marker_is_stale,
-                                 writer_is_gone)
+from dispatch_io.storage import (_IN_FLIGHT, COMMITTED, DELETING, MANIFEST, TMP_SUFFIX, WRITING, child_spec,
+                                 clear_checkpoint, is_our_marker, kvstore_spec, marker_is_abandoned, marker_is_ours,
+                                 marker_json, writer_is_gone)
 from workers import shared_context
 
 STEP = re.compile(r"^(0|[1-9][0-9]*)$")
@@ -157,19 +158,25 @@ class KvRoot(StepRoot):
 
     def delete(self, step: int):
         kv = ts.KvStore.open(child_spec(self.spec, f"{step}/"), context=self.context).result()
-        kv.write(DELETING, marker_json()).result()  # what a crash leaves is still provably ours
-        clear_checkpoint(kv, DELETING)               # COMMITTED first: unlisted at once
+        marker = marker_json()
+        ticket = json.loads(marker)["id"]
+        _IN_FLIGHT.add(ticket)  # (so no save of this process takes it over meanwhile)
+        try:
+            kv.write(DELETING, marker).result()  # what a crash leaves is still provably ours
+            clear_checkpoint(kv, DELETING)       # COMMITTED first: unlisted at once
+        finally:
+            _IN_FLIGHT.discard(ticket)
 
     def remove_leftovers(self):
         """Uncommitted step prefixes our markers prove ours and abandoned: an unfinished delete
-        (``DELETING``) or a save whose writer provably no longer runs (``WRITING``). Only our own
-        keys are removed."""
+        (``DELETING``) or save (``WRITING``) of a process of this host that no longer runs it.
+        Only our own keys are removed."""
         steps = [step for step, keys in self._steps().items()
                  if COMMITTED not in keys and (DELETING in keys or WRITING in keys)]
         deleting = self._read_all([f"{step}/{DELETING}" for step in steps])
         writing = self._read_all([f"{step}/{WRITING}" for step in steps])
         for step, d, w in zip(steps, deleting, writing):
-            if marker_is_ours(d) or marker_is_stale(w):
+            if marker_is_abandoned(d) or marker_is_abandoned(w):
                 try:
                     self.delete(step)
                 except ValueError:

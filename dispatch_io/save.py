@@ -312,7 +312,7 @@ class SaveRun:
         layout = self.engine.options.layout
         if layout == "ocdbt":
             merge_writers(self.save.target.kvstore, self.save.target.context)
-        return manifest_lib.build(self.plan, self.scalars, checksums, layout)
+        return manifest_lib.build(self.plan, self.scalars, checksums, layout, arrays=self.save.target.arrays)
 
     def _transfer(self, k: int, batch: Batch, ticket: int, staging: np.ndarray, session
                   ) -> concurrent.futures.Future | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -110,6 +111,7 @@ class WriteTarget:
     kvstore: dict
     context: ts.Context | None
     token: str
+    arrays: str = ARRAYS   # where, relative to the checkpoint, ``kvstore`` is (the manifest says it)
 
     def commit(self, manifest: bytes, fsync: bool = True):
         raise NotImplementedError
@@ -141,7 +143,8 @@ class Location:
         """Identifies the checkpoint location (saves to one key are serialized)."""
         raise NotImplementedError
 
-    def arrays_kvstore(self) -> dict:
+    def arrays_kvstore(self, arrays: str = ARRAYS) -> dict:
+        """The kvstore of the checkpoint's ``arrays`` (``Manifest.arrays``)."""
         raise NotImplementedError
 
     def is_committed(self) -> bool:
@@ -188,8 +191,8 @@ class DirectoryLocation(Location):
         self.path = os.path.abspath(os.path.expanduser(path))
         self.display = path
 
-    def arrays_kvstore(self) -> dict:
-        return {"driver": "file", "path": os.path.join(self.path, ARRAYS)}
+    def arrays_kvstore(self, arrays: str = ARRAYS) -> dict:
+        return {"driver": "file", "path": os.path.join(self.path, arrays)}
 
     def is_committed(self) -> bool:
         return os.path.isfile(os.path.join(self.path, COMMITTED))
@@ -358,8 +361,9 @@ def is_own_key(key: str) -> bool:
     return key in (MANIFEST, COMMITTED, WRITING, DELETING) or key.startswith(ARRAYS)
 
 
-def _arrays_range() -> "ts.KvStore.KeyRange":
-    return ts.KvStore.KeyRange(ARRAYS, ARRAYS[:-1] + chr(ord(ARRAYS[-1]) + 1))
+def _range(prefix: str) -> "ts.KvStore.KeyRange":
+    """Every key starting with ``prefix`` (which ends in ``/``)."""
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
 
 
 def clear_checkpoint(kv, marker_key: str):
@@ -368,17 +372,46 @@ def clear_checkpoint(kv, marker_key: str):
     save being undone, or ``DELETING``) last: until then it proves that what is left is ours."""
     kv.write(COMMITTED, None).result()
     kv.write(MANIFEST, None).result()
-    kv.delete_range(_arrays_range()).result()
+    kv.delete_range(_range(ARRAYS)).result()
     for key in (WRITING, DELETING):
         if key != marker_key:
             kv.write(key, None).result()
     kv.write(marker_key, None).result()
 
 
+# Marker ids of this process's kvstore saves and deletes under way: a marker naming this process
+# but none of these was left by an operation of ours that failed; it is no longer alive.
+_IN_FLIGHT: set[str] = set()
+
+
+def marker_is_alive_here(marker: bytes | None) -> bool:
+    """The marker names a process of this host that still runs it (for this process: an
+    operation still in flight)."""
+    try:
+        fields = json.loads(marker)
+        if fields["host"] != socket.gethostname():
+            return False
+        if int(fields["pid"]) == os.getpid():
+            return fields["id"] in _IN_FLIGHT
+        return _process_start(int(fields["pid"])) == fields["started"]
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def marker_is_abandoned(marker: bytes | None) -> bool:
+    """One of our markers, written on this host by an operation that provably no longer runs."""
+    try:
+        return json.loads(marker)["host"] == socket.gethostname() and not marker_is_alive_here(marker)
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class KvLocation(Location):
-    """A checkpoint under a kvstore prefix. There is no rename: a save writes ``WRITING`` (who,
-    with an id of its own), its data to the final keys, the manifest, then ``COMMITTED``, which
-    makes it visible. Ownership is proven by markers, never guessed from key names."""
+    """A checkpoint under a kvstore prefix. There is no rename, so a save claims the prefix with
+    a ``WRITING`` marker (who, and an id of its own), writes its arrays under ``arrays/<id>/``
+    (never where another save writes), then the manifest (which names that folder), then
+    ``COMMITTED``, which makes it visible. Ownership is proven by markers, never guessed from
+    key names."""
 
     def __init__(self, url: str):
         self.spec = kvstore_spec(url)
@@ -409,8 +442,8 @@ class KvLocation(Location):
     def key(self) -> str:
         return self.url
 
-    def arrays_kvstore(self) -> dict:
-        return child_spec(self.spec, ARRAYS)
+    def arrays_kvstore(self, arrays: str = ARRAYS) -> dict:
+        return child_spec(self.spec, arrays)
 
     def is_committed(self) -> bool:
         return self.commit_marker() is not None
@@ -419,13 +452,15 @@ class KvLocation(Location):
         return self._get(COMMITTED)
 
     def read_manifest(self) -> dict:
-        if self._get(COMMITTED) is None:
+        marker = self._get(COMMITTED)
+        if marker is None:
             if not self._keys():
                 raise FileNotFoundError(f"no checkpoint at {self.display}: nothing stored under it")
             raise IncompleteCheckpointError(f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
                                             "the save failed, was interrupted, is still running, or this is not a "
                                             "dispatch_io checkpoint")
         manifest = self._get(MANIFEST)
+        self.check_commit_marker(marker)  # not a manifest an overwrite wrote meanwhile
         try:
             return json.loads(manifest)
         except (ValueError, TypeError) as exc:
@@ -436,60 +471,71 @@ class KvLocation(Location):
         """Like a directory: a committed checkpoint is replaced only with ``overwrite``, what a
         dead save left always, anything else never -- ours is what our markers prove ours.
 
-        A save in progress in a live process of this host is never taken over. One whose
-        ``WRITING`` names another host cannot be proven dead: it is taken over (a preempted job's
-        step is saved again after a restart), and if it does go on, whichever of the two commits
-        second finds the other's marker and fails without deleting anything."""
+        A save or delete under way in a live process of this host is never taken over. One whose
+        marker names another host cannot be proven dead: it is taken over (a preempted job's
+        step is saved again after a restart). Should it go on all the same, it writes only its
+        own ``arrays/<id>/``, which nothing references, and fails at commit finding its claim gone."""
         keys = self._keys()
         if not keys:
             return KvWrite(self, self._kv())
         foreign = [k for k in keys if not is_own_key(k)]
-        committed, writing = self._get(COMMITTED), self._get(WRITING)
-        proof = committed if committed is not None else writing if writing is not None else self._get(DELETING)
+        committed, writing, deleting = self._get(COMMITTED), self._get(WRITING), self._get(DELETING)
+        proof = next((m for m in (committed, writing, deleting) if m is not None), None)
         if foreign or not marker_is_ours(proof):
             shown = ", ".join(sorted(foreign or keys)[:3]) + (", ..." if len(foreign or keys) > 3 else "")
             raise FileExistsError(f"{self.display} holds data that is not part of a dispatch_io checkpoint ({shown}); "
                                   "refusing to replace it, even with overwrite=True (remove it first if it may go)")
         if committed is not None and not overwrite:
             raise FileExistsError(f"a checkpoint is already committed at {self.display}; pass overwrite=True to replace it")
-        if committed is None and writing is not None and _writer_is_alive_here(writing):
-            raise FileExistsError(f"another save to {self.display} is in progress ({WRITING}: {writing.decode()}); "
-                                  "saves to one path never overlap")
-        if committed is None and writing is not None and not marker_is_stale(writing):
-            logging.warning("dispatch_io: taking over %s from a save that cannot be proven dead (%s: %s)",
-                            self.display, WRITING, writing.decode())
+        for key, marker in ((WRITING, writing), (DELETING, deleting)):
+            if marker_is_alive_here(marker):
+                raise FileExistsError(f"another save or delete of {self.display} is in progress ({key}: "
+                                      f"{marker.decode()}); saves to one path never overlap")
+            if marker is not None and not marker_is_abandoned(marker) and committed is None:
+                logging.warning("dispatch_io: taking over %s from an operation that cannot be proven dead (%s: %s)",
+                                self.display, key, marker.decode())
         kv = self._kv()
+        ticket = marker_json()
+        _IN_FLIGHT.add(json.loads(ticket)["id"])
         try:
-            kv.write(DELETING, marker_json()).result()  # proof of ownership while it is cleared
+            kv.write(DELETING, ticket).result()  # proof of ownership while it is cleared
             clear_checkpoint(kv, DELETING)
         except ValueError as exc:
             raise CheckpointError(f"{self.display}: could not clear it: {exc}") from exc
+        finally:
+            _IN_FLIGHT.discard(json.loads(ticket)["id"])
         return KvWrite(self, kv)
 
     def join_write(self, token: str) -> JoinedWrite:
-        return JoinedWrite(self.arrays_kvstore(), self.context, token)
-
-
-def _writer_is_alive_here(marker: bytes) -> bool:
-    try:
-        fields = json.loads(marker)
-        return fields["host"] == socket.gethostname() and _process_start(int(fields["pid"])) == fields["started"]
-    except (ValueError, KeyError, TypeError):
-        return False
+        url, _, arrays = token.partition("#")
+        if url != self.url or not re.match(r"^arrays/[0-9a-f]+/$", arrays):
+            raise CheckpointError(f"cannot join the save of {self.display}: {token!r} is not one of its saves")
+        joined = JoinedWrite(self.arrays_kvstore(arrays), self.context, token)
+        joined.arrays = arrays
+        return joined
 
 
 class KvWrite(WriteTarget):
-    """One save's ``WRITING`` marker is its claim on the prefix: commit and abort act only while
-    the claim is still theirs."""
+    """One save on a kvstore. Its ``WRITING`` marker is its claim on the prefix, its arrays go
+    to ``arrays/<id>/``: commit and abort act only while the claim is still theirs, and abort
+    removes only what this save wrote."""
 
     def __init__(self, location: KvLocation, kv):
         self.location = location
         self.kv = kv
-        self.kvstore = location.arrays_kvstore()
-        self.context = location.context
-        self.token = location.url
         self.marker = marker_json()
-        location._wait(kv.write(WRITING, self.marker), f"write {WRITING}")
+        self.id = json.loads(self.marker)["id"]
+        self.arrays = f"{ARRAYS}{self.id}/"
+        self.kvstore = location.arrays_kvstore(self.arrays)
+        self.context = location.context
+        self.token = f"{location.url}#{self.arrays}"
+        self._committing = False  # the manifest / COMMITTED may be this save's
+        _IN_FLIGHT.add(self.id)
+        try:
+            location._wait(kv.write(WRITING, self.marker), f"write {WRITING}")
+        except BaseException:
+            _IN_FLIGHT.discard(self.id)
+            raise
 
     def _still_ours(self) -> bool:
         return self.location._get(WRITING) == self.marker
@@ -501,17 +547,26 @@ class KvWrite(WriteTarget):
                                   "nothing was committed (saves to one path must not overlap)")
         if self.location._get(COMMITTED) is not None:
             raise CheckpointError(f"another save committed {where} while this one was writing; nothing was committed")
+        self._committing = True
         self.location._wait(self.kv.write(MANIFEST, manifest), f"write {MANIFEST}")
         self.location._wait(self.kv.write(COMMITTED, marker_json()), f"write {COMMITTED}")
+        _IN_FLIGHT.discard(self.id)
         try:  # committed: a WRITING left behind is harmless (the next save clears it)
             self.kv.write(WRITING, None).result()
         except ValueError:
             logging.warning("dispatch_io: %s is committed, but its %s marker could not be removed", where, WRITING)
 
     def abort(self):
-        """Remove what this save wrote -- unless another save has claimed the prefix since."""
-        if not self._still_ours():
-            logging.warning("dispatch_io: not removing the failed save's data at %s: another save claimed it",
-                            self.location.display)
-            return
-        clear_checkpoint(self.kv, WRITING)
+        """Remove what this save wrote and nothing else: its arrays, its manifest and commit
+        marker if it got that far (only while its claim stands), and its ``WRITING`` last."""
+        try:
+            self.kv.delete_range(_range(self.arrays)).result()
+            if not self._still_ours():
+                logging.warning("dispatch_io: %s was claimed by another save; left it alone", self.location.display)
+                return
+            if self._committing:
+                self.kv.write(COMMITTED, None).result()
+                self.kv.write(MANIFEST, None).result()
+            self.kv.write(WRITING, None).result()
+        finally:
+            _IN_FLIGHT.discard(self.id)

@@ -190,8 +190,10 @@ def test_roundtrip_on_s3(jobs, s3_prefix):
     assert_restored(results, job)
     assert dio.metadata(path)["step"] == 1000
     keys = {k.decode() for k in ts.KvStore.open(kvstore_spec(path)).result().list().result()}
-    assert {"COMMITTED", "manifest.json", "arrays/manifest.ocdbt"} <= keys and "WRITING" not in keys, keys
-    assert {k.split("/")[1] for k in keys if k.count("/") >= 2} >= {"p0", "p1"}, keys  # one database per process
+    arrays = json.loads(ts.KvStore.open(kvstore_spec(path)).result()["manifest.json"])["arrays"]  # arrays/<save id>/
+    assert {"COMMITTED", "manifest.json", f"{arrays}manifest.ocdbt"} <= keys and "WRITING" not in keys, keys
+    writers = {k[len(arrays):].split("/")[0] for k in keys if k.startswith(arrays) and k.count("/") >= 4}
+    assert writers >= {"p0", "p1"}, keys  # one database per process, merged by process 0
 
 
 def test_checkpoints_move_between_process_counts(jobs, tmp_path):

@@ -125,11 +125,13 @@ def test_manager_on_s3_lists_retains_and_cleans_up(s3_prefix, mesh):
     put(root, "notes/README", b"not a step")
     put(root, "7/model.bin", b"a numeric prefix that is not ours")
     # Leftovers of saves killed earlier: one by a process that is gone (removed when a manager
-    # opens the root), one by a process that still runs -- this one (kept).
+    # opens the root), one by a process that still runs -- init, pid 1 (kept).
     gone = json.dumps({"host": os.uname().nodename, "pid": 2 ** 22 + 1, "started": "1", "time": 0, "id": "x"}).encode()
     put(root, "40/WRITING", gone)
     put(root, "40/arrays/manifest.ocdbt", b"partial")
-    put(root, "41/WRITING", marker_json())
+    from dispatch_io.storage import _process_start
+    alive = json.dumps({"host": os.uname().nodename, "pid": 1, "started": _process_start(1), "time": 0, "id": "y"})
+    put(root, "41/WRITING", alive.encode())
     put(root, "41/arrays/manifest.ocdbt", b"partial")
 
     trees = {step: make_tree(mesh, step) for step in range(5)}
@@ -294,7 +296,7 @@ def test_a_save_started_over_a_live_one_never_commits_a_mix(where, request, mesh
     with dio.LocalDispatcher(host_memory_budget=MiB) as a, dio.LocalDispatcher(host_memory_budget=MiB) as b:
         def second_save(keypath):
             if not refused:
-                with pytest.raises(FileExistsError, match="another save to .* is in progress") as info:
+                with pytest.raises(FileExistsError, match="another save or delete of .* is in progress") as info:
                     b.save(url, second)
                 refused.append(info.value)
         a.save(url, first, on_write_end=second_save).wait()
@@ -302,22 +304,78 @@ def test_a_save_started_over_a_live_one_never_commits_a_mix(where, request, mesh
         assert_trees_bit_equal(a.restore(url, like(first)), first)
 
 
-def test_a_taken_over_save_commits_nothing_and_deletes_nothing(mesh, monkeypatch):
+@pytest.mark.parametrize("layout", ["ocdbt", "files"])
+def test_a_taken_over_save_commits_nothing_and_deletes_nothing(mesh, monkeypatch, layout):
     """When the other writer cannot be proven alive (another host), a save takes the prefix
-    over; the first save then finds its WRITING claim gone: it fails and leaves the new one be."""
+    over. The first one goes on writing -- into its own arrays/<id>/, which nothing references --
+    then finds its WRITING claim gone at commit: it fails and leaves the new checkpoint whole."""
     import dispatch_io.storage as storage
     url = memory_url("takeover")
     first, second = make_tree(mesh, 1), make_tree(mesh, 2)
-    monkeypatch.setattr(storage, "_writer_is_alive_here", lambda marker: False)  # as if on another host
+    monkeypatch.setattr(storage, "marker_is_alive_here", lambda marker: False)  # as if on another host
     errors = []
-    with dio.LocalDispatcher(host_memory_budget=MiB) as a, dio.LocalDispatcher(host_memory_budget=MiB) as b:
+    with dio.LocalDispatcher(host_memory_budget=64 << 10, layout=layout, write_threads=1) as a, \
+            dio.LocalDispatcher(host_memory_budget=MiB, layout=layout, checksums=True) as b:
         def second_save(keypath):
             if not errors:
                 errors.append(None)
                 b.save(url, second).wait()
         with pytest.raises(dio.CheckpointError, match="another save to .* started while this one was writing"):
             a.save(url, first, on_write_end=second_save).wait()
+        assert_trees_bit_equal(b.restore(url, like(second), verify=True), second)
+
+
+def test_a_save_that_lost_the_race_never_deletes_the_winner(mesh, monkeypatch):
+    """A found the prefix empty, then B saved and committed before A wrote its claim: A writes
+    only its own arrays, fails at commit, and its abort removes only what A wrote."""
+    import dispatch_io.storage as storage
+    url = memory_url("race")
+    first, second = make_tree(mesh, 1), make_tree(mesh, 2)
+    listed, go = threading.Event(), threading.Event()
+    keys = storage.KvLocation._keys
+
+    def slow_keys(self):
+        out = keys(self)
+        if threading.current_thread().name == "first":
+            listed.set()
+            go.wait(30)
+        return out
+    monkeypatch.setattr(storage.KvLocation, "_keys", slow_keys)
+    outcome = []
+    with dio.LocalDispatcher(host_memory_budget=MiB) as a, dio.LocalDispatcher(host_memory_budget=MiB) as b:
+        def run_first():
+            try:
+                a.save(url, first).wait()
+                outcome.append("committed")
+            except dio.CheckpointError as exc:
+                outcome.append(str(exc))
+        thread = threading.Thread(target=run_first, name="first")
+        thread.start()
+        assert listed.wait(30)
+        b.save(url, second).wait()
+        go.set()
+        thread.join(60)
+        assert "another save committed" in outcome[0], outcome
         assert_trees_bit_equal(b.restore(url, like(second)), second)
+        assert not any(k.startswith("arrays/") and not k.startswith(f"arrays/{b_arrays(url)}") for k in mem_keys(url))
+
+
+def b_arrays(url: str) -> str:
+    """The arrays folder the committed manifest names (``arrays/<id>/`` on kvstores)."""
+    from dispatch_io.storage import KvLocation
+    return KvLocation(url).read_manifest()["arrays"][len("arrays/"):]
+
+
+def test_our_own_failed_save_does_not_block_the_next(mesh):
+    """A WRITING marker of this very process whose save is no longer running (its abort failed,
+    say) is abandoned: the next save takes the prefix over instead of refusing forever."""
+    url = memory_url("own")
+    mem_put(url, "WRITING", marker_json())
+    mem_put(url, "arrays/0123abcd/x", b"partial")
+    tree = make_tree(mesh)
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        d.save(url, tree).wait()
+        assert_trees_bit_equal(d.restore(url, like(tree)), tree)
 
 
 def test_foreign_keys_are_never_deleted(mesh):
