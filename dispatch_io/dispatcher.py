@@ -252,7 +252,7 @@ class Dispatcher:
             try:
                 if verify:
                     self.verify_outputs(location, manifest, outputs, progress)
-                times.append(time.perf_counter())
+                times.append(time.perf_counter() if verify else times[0])  # verify_seconds 0 without it
                 self.read_outputs(location, manifest, outputs, progress)
                 times.append(time.perf_counter())
             except Exception as exc:
