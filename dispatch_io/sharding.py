@@ -136,6 +136,8 @@ def _checked(spec: Any, leaf: jax.ShapeDtypeStruct, mesh: Mesh, keypath: str) ->
     owner: dict[str, int] = {}
     for dim, axes in enumerate(spec):
         _check_known(axes, mesh, keypath, f"dimension {dim}")
+        if len(set(_names(axes))) != len(_names(axes)):
+            raise ValueError(f"{keypath}: dimension {dim} names a mesh axis twice: {axes!r}")
         for a in _names(axes):
             if a in owner:
                 raise ValueError(f"{keypath}: mesh axis {a!r} would shard both dimension {owner[a]} and dimension {dim}")

@@ -532,10 +532,21 @@ class KvWrite(WriteTarget):
         self._committing = False  # the manifest / COMMITTED may be this save's
         _IN_FLIGHT.add(self.id)
         try:
-            location._wait(kv.write(WRITING, self.marker), f"write {WRITING}")
+            if not self._write_if_absent(WRITING, self.marker):
+                raise FileExistsError(f"another save to {location.display} claimed it first; saves to one path "
+                                      "never overlap")
         except BaseException:
             _IN_FLIGHT.discard(self.id)
             raise
+
+    def _write_if_absent(self, key: str, value: bytes) -> bool:
+        """Write ``key`` only if it does not exist (a conditional write: atomic where the store
+        has them); False if another writer got there first."""
+        current = self.location._wait(self.kv.read(key), f"read {key}")
+        if current.state == "value":
+            return False
+        stamp = self.location._wait(self.kv.write(key, value, if_equal=current.stamp.generation), f"write {key}")
+        return bool(stamp.generation)  # empty: the condition failed
 
     def _still_ours(self) -> bool:
         return self.location._get(WRITING) == self.marker
@@ -549,7 +560,9 @@ class KvWrite(WriteTarget):
             raise CheckpointError(f"another save committed {where} while this one was writing; nothing was committed")
         self._committing = True
         self.location._wait(self.kv.write(MANIFEST, manifest), f"write {MANIFEST}")
-        self.location._wait(self.kv.write(COMMITTED, marker_json()), f"write {COMMITTED}")
+        if not self._write_if_absent(COMMITTED, marker_json()):
+            self._committing = False  # that COMMITTED is not ours to remove
+            raise CheckpointError(f"another save committed {where} while this one was committing; nothing was committed")
         _IN_FLIGHT.discard(self.id)
         try:  # committed: a WRITING left behind is harmless (the next save clears it)
             self.kv.write(WRITING, None).result()

@@ -416,3 +416,19 @@ def test_a_failed_save_leaves_nothing_and_a_crashed_one_is_cleared_by_the_next(m
         d.save(url, tree).wait()
         assert_trees_bit_equal(d.restore(url, like(tree)), tree)
         assert "WRITING" not in mem_keys(url)
+
+
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_claims_and_commit_markers_are_conditional_writes(where, request):
+    """Two saves that both found the prefix free: the second claim fails at once (a conditional
+    write, not list-then-write), and so would a second COMMITTED."""
+    from dispatch_io.storage import KvLocation, KvWrite
+    url = memory_url("claim") if where == "memory" else f"{request.getfixturevalue('s3_prefix')}/ckpt"
+    location = KvLocation(url)
+    first = KvWrite(location, location._kv())
+    with pytest.raises(FileExistsError, match="claimed it first"):
+        KvWrite(location, location._kv())
+    assert first._write_if_absent("COMMITTED", b"x") and not first._write_if_absent("COMMITTED", b"y")
+    assert location._get("COMMITTED") == b"x"
+    first.abort()  # removes its claim, not a COMMITTED its commit did not write
+    assert location._keys() == ["COMMITTED"]
