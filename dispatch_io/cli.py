@@ -69,17 +69,13 @@ def _read_manifest(path: str):
     return doc, manifest_lib.parse(doc, location.display)
 
 
-def _has_checksums(manifest) -> bool:
-    return any(leaf.checksums for leaf in manifest.leaves)
-
-
 def inspect(path: str, as_json: bool) -> int:
     doc, manifest = _read_manifest(path)
     rows = _rows(doc)
     total = sum(r["bytes"] for r in rows)
     if as_json:
         print(json.dumps({"path": path, "layout": doc.get("layout", "files"), "leaves": rows,
-                          "total_bytes": total, "checksums": _has_checksums(manifest)}, indent=1))
+                          "total_bytes": total, "checksums": manifest.has_checksums}, indent=1))
         return 0
     table = [("key path", "shape", "dtype", "saved sharding", "bytes")]
     for r in rows:
@@ -102,15 +98,14 @@ def verify(path: str, budget_mib: int = 256) -> int:
     checkpoint's size (progress on stderr when it is a terminal)."""
     import dispatch_io as dio
 
-    _, manifest = _read_manifest(path)  # an unusable path is exit status 2, before reading
-    manifest_checksums = _has_checksums(manifest)
+    _read_manifest(path)  # an unusable path is exit status 2, before reading
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20) as dispatcher:
         try:
-            dispatcher.verify(path)
+            stats = dispatcher.verify(path)
         except (dio.CorruptCheckpointError, dio.WorkerError, dio.CheckpointError) as exc:
             print(f"dispatch-io verify: {path} is NOT sound: {exc}", file=sys.stderr)
             return EXIT_UNSOUND
-    what = "every stored byte read and its CRC-32C checked" if manifest_checksums else \
+    what = "every stored byte read and its CRC-32C checked" if stats.verified else \
         "every stored byte read (saved without checksums: Options(checksums=True) adds them)"
     print(f"{path}: sound ({what})")
     return 0

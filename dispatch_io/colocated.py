@@ -28,7 +28,7 @@ import numpy as np
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import pack
-from dispatch_io.dispatcher import Dispatcher, arrays_of
+from dispatch_io.dispatcher import Dispatcher, arrays_of, stored_arrays
 from dispatch_io.errors import WorkerError
 from dispatch_io.manifest import Manifest
 from dispatch_io.options import Options
@@ -144,7 +144,7 @@ class ColocatedDispatcher(Dispatcher):
         units = restore_lib.units(outputs)
         batches = [items for items, _ in pack(units, _unit_bytes, self.options.batch_bytes)]
         progress.phase("read", len(batches), sum(map(_unit_bytes, units)))
-        kvstore = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
+        kvstore = stored_arrays(location, manifest)
         submit = lambda batch: self._submit(self._read_batch, kvstore, batch)  # noqa: E731
         in_flight = [submit(batches[0])] if batches else []
         for k, batch in enumerate(batches):
@@ -190,7 +190,7 @@ class ColocatedDispatcher(Dispatcher):
         return results
 
     def open_read_session(self, location: Location, manifest: Manifest) -> RemoteSession:
-        return RemoteSession(layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout))
+        return RemoteSession(stored_arrays(location, manifest))
 
     def submit_checksums(self, session: RemoteSession, regions) -> concurrent.futures.Future:
         """CRC-32C of stored regions, computed by a colocated call next to this process's first device."""

@@ -16,7 +16,6 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
-from absl import logging
 
 from dispatch_io import coordination
 from dispatch_io import manifest as manifest_lib
@@ -262,7 +261,7 @@ class Dispatcher:
             result = jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
         stats = _read_stats(progress, location.display, verify, started, times)
         self.last_restore_stats = stats
-        _report("restore", progress, progress_lib.restore_summary(stats), stats)
+        progress_lib.report("restore", progress, stats)
         return result
 
     def verify(self, path) -> RestoreStats:
@@ -282,7 +281,7 @@ class Dispatcher:
         marker = location.commit_marker()
         manifest = manifest_lib.parse(location.read_manifest(), location.display)
         _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
-        checksums = any(leaf.checksums for leaf in manifest.leaves)
+        checksums = manifest.has_checksums
         progress = Progress("verify", location.display, enabled=self.options.progress)
         times = [time.perf_counter()]
         with progress:
@@ -294,7 +293,7 @@ class Dispatcher:
                 raise
             location.check_commit_marker(marker)
         stats = _read_stats(progress, location.display, checksums, started, times)
-        _report("verify", progress, progress_lib.verify_summary(stats), stats)
+        progress_lib.report("verify", progress, stats)
         return stats
 
     def read_outputs(self, location: Location, manifest: Manifest, outputs: list, progress: Progress):
@@ -373,6 +372,11 @@ class Dispatcher:
         self.close()
 
 
+def stored_arrays(location: Location, manifest: Manifest) -> dict:
+    """The kvstore a restore reads the arrays of ``manifest`` from (its folder, its layout)."""
+    return layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
+
+
 def _read_stats(progress: Progress, path: str, verified: bool, started: float, times: list) -> RestoreStats:
     """RestoreStats from a restore's / verify's progress counts and its stage boundaries
     ``times`` = [planned, verified, read]."""
@@ -381,15 +385,6 @@ def _read_stats(progress: Progress, path: str, verified: bool, started: float, t
         path=path, bytes_read=sum(p.bytes_done for p in phases), batches=sum(p.batches_done for p in phases),
         plan_seconds=times[0] - started, verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
         total_seconds=time.perf_counter() - started, verified=verified)
-
-
-def _report(kind: str, progress: Progress, summary: str, stats: RestoreStats):
-    """The summary line and jax.monitoring events of a finished restore / verify (never raises)."""
-    try:
-        progress.finish(summary)
-        progress_lib.record(kind, stats)
-    except Exception:  # noqa: BLE001 - the result is there; reporting is a courtesy
-        logging.exception("dispatch_io: could not report the %s of %s", kind, stats.path)
 
 
 def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources: Sources, staging: np.ndarray
@@ -466,7 +461,7 @@ class LocalDispatcher(Dispatcher):
         return session
 
     def open_read_session(self, location: Location, manifest: Manifest) -> Session:
-        return Session(layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout), context=location.context,
+        return Session(stored_arrays(location, manifest), context=location.context,
                        keep_page_cache=self.options.keep_page_cache)
 
     def copy_to_host(self, plan, chunks, sources, staging):

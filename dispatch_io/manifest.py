@@ -123,6 +123,11 @@ class Manifest:
     layout: str = "files"
     arrays: str = ARRAYS   # where the arrays are, relative to the checkpoint
 
+    @property
+    def has_checksums(self) -> bool:
+        """Saved with ``Options(checksums=True)``: CRC-32Cs of the stored chunks."""
+        return any(leaf.checksums for leaf in self.leaves)
+
     @functools.cached_property
     def by_keypath(self) -> dict[str, SavedLeaf]:
         return {leaf.keypath: leaf for leaf in self.leaves}

@@ -239,3 +239,16 @@ def record(kind: str, stats):
                 jax.monitoring.record_scalar(name, value)
         except Exception:  # noqa: BLE001 - a metrics sink's bug must not fail the checkpoint
             logging.exception("dispatch_io: a jax.monitoring listener raised for %s", name)
+
+
+_SUMMARIES = {"save": save_summary, "restore": restore_summary, "verify": verify_summary}
+
+
+def report(kind: str, progress: Progress, stats):
+    """A finished save / restore / verify (``kind``): its summary line on ``progress`` and its
+    jax.monitoring events. Never raises: the work is done; reporting it is a courtesy."""
+    try:
+        progress.finish(_SUMMARIES[kind](stats))
+        record(kind, stats)
+    except Exception:  # noqa: BLE001
+        logging.exception("dispatch_io: could not report the %s of %s", kind, stats.path)

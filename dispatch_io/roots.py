@@ -15,20 +15,16 @@ ours and dead (a ``WRITING`` marker naming a process of this host that no longer
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import uuid
 
-import tensorstore as ts
 from absl import logging
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io.storage import (_IN_FLIGHT, COMMITTED, DELETING, MANIFEST, TMP_SUFFIX, WRITING, child_spec,
-                                 clear_checkpoint, is_our_marker, kvstore_spec, marker_is_abandoned, marker_is_ours,
-                                 marker_json, writer_is_gone)
-from workers import shared_context
+from dispatch_io.storage import (COMMITTED, DELETING, MANIFEST, TMP_SUFFIX, WRITING, KvLocation, Location,
+                                 delete_checkpoint, is_our_marker, marker_is_abandoned, marker_is_ours, writer_is_gone)
 
 STEP = re.compile(r"^(0|[1-9][0-9]*)$")
 _OLD = re.compile(r"^(0|[1-9][0-9]*)\.dispatch_io-old-[0-9a-f]+$")
@@ -44,10 +40,8 @@ class StepRoot:
 
     @staticmethod
     def open(root) -> "StepRoot":
-        root = os.fspath(root)
-        if "://" in root and not root.startswith("file://"):
-            return KvRoot(root)
-        return DirectoryRoot(root.removeprefix("file://"))
+        location = Location.parse(root)
+        return KvRoot(location) if isinstance(location, KvLocation) else DirectoryRoot(location.path)
 
     def step_path(self, step: int) -> str:
         raise NotImplementedError
@@ -128,12 +122,10 @@ class DirectoryRoot(StepRoot):
 # ---- kvstore prefixes -------------------------------------------------------------------------
 
 class KvRoot(StepRoot):
-    def __init__(self, url: str):
-        self.url = url if url.endswith("/") else url + "/"
-        self.display = url
-        self.spec = kvstore_spec(self.url)
-        self.context = shared_context(self.spec) or ts.Context()
-        self.kv = ts.KvStore.open(self.spec, context=self.context).result()
+    def __init__(self, location: KvLocation):
+        self.location = location
+        self.url, self.display = location.url, location.display
+        self.kv = location.open_kv()
 
     def step_path(self, step: int) -> str:
         return f"{self.url}{step}"
@@ -157,15 +149,7 @@ class KvRoot(StepRoot):
         return sorted(step for step, marker in zip(candidates, markers) if marker_is_ours(marker))
 
     def delete(self, step: int):
-        kv = ts.KvStore.open(child_spec(self.spec, f"{step}/"), context=self.context).result()
-        marker = marker_json()
-        ticket = json.loads(marker)["id"]
-        _IN_FLIGHT.add(ticket)  # (so no save of this process takes it over meanwhile)
-        try:
-            kv.write(DELETING, marker).result()  # what a crash leaves is still provably ours
-            clear_checkpoint(kv, DELETING)       # COMMITTED first: unlisted at once
-        finally:
-            _IN_FLIGHT.discard(ticket)
+        delete_checkpoint(self.location.open_kv(f"{step}/"))  # COMMITTED first: unlisted at once
 
     def remove_leftovers(self):
         """Uncommitted step prefixes our markers prove ours and abandoned: an unfinished delete

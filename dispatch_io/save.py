@@ -264,7 +264,7 @@ class SaveRun:
                 write_seconds=(self._last_write - self._first_write) if self._first_write else 0.0,
                 commit_seconds=done - t0, total_seconds=done - self._started,
                 peak_host_bytes=self.ring.peak, plan_cached=self._plan_cached, snapshot_bytes=self.snapshot_bytes)
-            self._report(stats)
+            progress_lib.report("save", self.progress, stats)
             self.future.set_result(stats)
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
             self.progress.fail()
@@ -288,14 +288,6 @@ class SaveRun:
         if self._blocked is not None:
             return self._blocked
         return (self._sync_at or self._started) - self._started
-
-    def _report(self, stats: SaveStats):
-        """The committed save's summary line and jax.monitoring events (never raises)."""
-        try:
-            self.progress.finish(progress_lib.save_summary(stats))
-            progress_lib.record("save", stats)
-        except Exception:  # noqa: BLE001 - the checkpoint is committed; reporting is a courtesy
-            logging.exception("dispatch_io: could not report the save to %s", self.display)
 
     @staticmethod
     def _settle(writes, session):

@@ -8,9 +8,10 @@ A path maps to a :class:`Location`:
   fsynced, ``manifest.json`` then ``COMMITTED`` are written last, and the directory is renamed
   into place. Nothing at ``path`` is ever half-written.
 * a kvstore URL: ``s3://bucket/prefix``, ``gs://bucket/prefix`` (object stores) or ``memory://``
-  (tests): there is no rename, so data goes to its final keys (``WRITING`` marks the save under
-  way) and the ``COMMITTED`` marker, written last, is what makes it visible. Readers and
-  listings ignore a prefix without it; an overwrite deletes the old marker first.
+  (tests): there is no rename, so a save claims the prefix (``WRITING``), writes its arrays under
+  ``arrays/<save id>/`` and the ``COMMITTED`` marker, written last, is what makes it visible.
+  Readers and listings ignore a prefix without it; an overwrite deletes the old marker first.
+  See :class:`KvLocation`.
 
 Both layouts are identical once committed::
 
@@ -21,6 +22,7 @@ Both layouts are identical once committed::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -384,6 +386,26 @@ def clear_checkpoint(kv, marker_key: str):
 _IN_FLIGHT: set[str] = set()
 
 
+@contextlib.contextmanager
+def _in_flight(marker: bytes):
+    """While the block runs, the operation ``marker`` names counts as alive in this process."""
+    ticket = json.loads(marker)["id"]
+    _IN_FLIGHT.add(ticket)
+    try:
+        yield
+    finally:
+        _IN_FLIGHT.discard(ticket)
+
+
+def delete_checkpoint(kv):
+    """Delete the checkpoint under ``kv``, our own keys only: a ``DELETING`` marker first, so
+    that what a crash leaves is still provably ours, then as :func:`clear_checkpoint`."""
+    marker = marker_json()
+    with _in_flight(marker):
+        kv.write(DELETING, marker).result()
+        clear_checkpoint(kv, DELETING)
+
+
 def marker_is_alive_here(marker: bytes | None) -> bool:
     """The marker names a process of this host that still runs it (for this process: an
     operation still in flight)."""
@@ -420,8 +442,9 @@ class KvLocation(Location):
         self.context = shared_context(self.spec)
         self._own_context = self.context or ts.Context()  # one S3/GCS client for the markers
 
-    def _kv(self):
-        return ts.KvStore.open(self.spec, context=self._own_context).result()
+    def open_kv(self, sub: str = ""):
+        """The kvstore at this prefix (or at ``sub`` under it, ``sub`` ending in ``/``)."""
+        return ts.KvStore.open(child_spec(self.spec, sub), context=self._own_context).result()
 
     def _wait(self, future, what: str):
         """A store operation's result; its failure (unreachable, denied, retries exhausted) as a
@@ -432,11 +455,11 @@ class KvLocation(Location):
             raise CheckpointError(f"{self.display}: could not {what}: {exc}") from exc
 
     def _get(self, key: str) -> bytes | None:
-        result = self._wait(self._kv().read(key), f"read {key}")
+        result = self._wait(self.open_kv().read(key), f"read {key}")
         return bytes(result.value) if result.state == "value" else None
 
     def _keys(self) -> list[str]:
-        return [k.decode() for k in self._wait(self._kv().list(), "list its keys")]
+        return [k.decode() for k in self._wait(self.open_kv().list(), "list its keys")]
 
     @property
     def key(self) -> str:
@@ -477,7 +500,7 @@ class KvLocation(Location):
         own ``arrays/<id>/``, which nothing references, and fails at commit finding its claim gone."""
         keys = self._keys()
         if not keys:
-            return KvWrite(self, self._kv())
+            return KvWrite(self, self.open_kv())
         foreign = [k for k in keys if not is_own_key(k)]
         committed, writing, deleting = self._get(COMMITTED), self._get(WRITING), self._get(DELETING)
         proof = next((m for m in (committed, writing, deleting) if m is not None), None)
@@ -494,16 +517,11 @@ class KvLocation(Location):
             if marker is not None and not marker_is_abandoned(marker) and committed is None:
                 logging.warning("dispatch_io: taking over %s from an operation that cannot be proven dead (%s: %s)",
                                 self.display, key, marker.decode())
-        kv = self._kv()
-        ticket = marker_json()
-        _IN_FLIGHT.add(json.loads(ticket)["id"])
+        kv = self.open_kv()
         try:
-            kv.write(DELETING, ticket).result()  # proof of ownership while it is cleared
-            clear_checkpoint(kv, DELETING)
+            delete_checkpoint(kv)
         except ValueError as exc:
             raise CheckpointError(f"{self.display}: could not clear it: {exc}") from exc
-        finally:
-            _IN_FLIGHT.discard(json.loads(ticket)["id"])
         return KvWrite(self, kv)
 
     def join_write(self, token: str) -> JoinedWrite:

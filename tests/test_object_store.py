@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal
-from dispatch_io.storage import kvstore_spec, marker_json
+from dispatch_io.storage import KvLocation, kvstore_spec, marker_json
 from s3_server import FaultyProxy
 
 MiB = 1 << 20
@@ -42,12 +42,12 @@ def like(tree):
 
 
 def keys_under(url: str) -> set[str]:
-    kv = ts.KvStore.open(kvstore_spec(url)).result()
-    return {k.decode() for k in kv.list().result()}
+    """The keys under a kvstore URL (memory:// through the process's shared context)."""
+    return set(KvLocation(url)._keys())
 
 
 def put(url: str, key: str, value: bytes):
-    ts.KvStore.open(kvstore_spec(url)).result().write(key, value).result()
+    KvLocation(url).open_kv().write(key, value).result()
 
 
 @pytest.mark.parametrize("dispatcher_cls,layout", [(dio.LocalDispatcher, "ocdbt"), (dio.LocalDispatcher, "files"),
@@ -61,7 +61,7 @@ def test_round_trip_on_s3(s3_prefix, mesh, dispatcher_cls, layout):
         keys = keys_under(path)
         assert {"manifest.json", "COMMITTED"} <= keys and "WRITING" not in keys, keys
         assert all(k in ("manifest.json", "COMMITTED") or k.startswith("arrays/") for k in keys), keys
-        assert json.loads(bytes(ts.KvStore.open(kvstore_spec(path)).result().read("manifest.json").result().value))["layout"] == layout
+        assert KvLocation(path).read_manifest()["layout"] == layout
         assert_trees_bit_equal(d.restore(path, like(tree), verify=True), tree)
         meta = dio.metadata(path)
         assert meta["params"]["w"].shape == (256, 128) and meta["step"] == 100
@@ -276,16 +276,6 @@ def memory_url(name: str) -> str:
     return f"memory://{name}-{uuid.uuid4().hex[:8]}/ckpt"
 
 
-def mem_keys(url: str) -> set[str]:
-    from dispatch_io.storage import KvLocation
-    return set(KvLocation(url)._keys())
-
-
-def mem_put(url: str, key: str, value: bytes):
-    from dispatch_io.storage import KvLocation
-    KvLocation(url)._kv().write(key, value).result()
-
-
 @pytest.mark.parametrize("where", ["memory", "s3"])
 def test_a_save_started_over_a_live_one_never_commits_a_mix(where, request, mesh):
     """A second save to a prefix while a first writes there (two dispatchers, a zombie job): on
@@ -357,12 +347,11 @@ def test_a_save_that_lost_the_race_never_deletes_the_winner(mesh, monkeypatch):
         thread.join(60)
         assert "another save committed" in outcome[0], outcome
         assert_trees_bit_equal(b.restore(url, like(second)), second)
-        assert not any(k.startswith("arrays/") and not k.startswith(f"arrays/{b_arrays(url)}") for k in mem_keys(url))
+        assert not any(k.startswith("arrays/") and not k.startswith(f"arrays/{b_arrays(url)}") for k in keys_under(url))
 
 
 def b_arrays(url: str) -> str:
     """The arrays folder the committed manifest names (``arrays/<id>/`` on kvstores)."""
-    from dispatch_io.storage import KvLocation
     return KvLocation(url).read_manifest()["arrays"][len("arrays/"):]
 
 
@@ -370,8 +359,8 @@ def test_our_own_failed_save_does_not_block_the_next(mesh):
     """A WRITING marker of this very process whose save is no longer running (its abort failed,
     say) is abandoned: the next save takes the prefix over instead of refusing forever."""
     url = memory_url("own")
-    mem_put(url, "WRITING", marker_json())
-    mem_put(url, "arrays/0123abcd/x", b"partial")
+    put(url, "WRITING", marker_json())
+    put(url, "arrays/0123abcd/x", b"partial")
     tree = make_tree(mesh)
     with dio.LocalDispatcher(host_memory_budget=MiB) as d:
         d.save(url, tree).wait()
@@ -382,52 +371,52 @@ def test_foreign_keys_are_never_deleted(mesh):
     tree = make_tree(mesh)
     with dio.LocalDispatcher(host_memory_budget=MiB) as d:
         look_alike = memory_url("lookalike")  # our key names, no marker of ours: not ours
-        mem_put(look_alike, "manifest.json", b'{"tool": "someone else"}')
-        mem_put(look_alike, "arrays/embeddings.npy", b"precious")
+        put(look_alike, "manifest.json", b'{"tool": "someone else"}')
+        put(look_alike, "arrays/embeddings.npy", b"precious")
         with pytest.raises(FileExistsError, match="not part of a dispatch_io checkpoint"):
             d.save(look_alike, tree, overwrite=True)
-        assert mem_keys(look_alike) == {"manifest.json", "arrays/embeddings.npy"}
+        assert keys_under(look_alike) == {"manifest.json", "arrays/embeddings.npy"}
 
         mixed = memory_url("mixed")  # a committed checkpoint with someone's file beside it
         d.save(mixed, tree).wait()
-        mem_put(mixed, "datasets/train.tfrecord", b"precious")
+        put(mixed, "datasets/train.tfrecord", b"precious")
         with pytest.raises(FileExistsError, match=r"datasets/train.tfrecord"):
             d.save(mixed, tree, overwrite=True)
-        assert "datasets/train.tfrecord" in mem_keys(mixed)
+        assert "datasets/train.tfrecord" in keys_under(mixed)
         assert_trees_bit_equal(d.restore(mixed, like(tree)), tree)
 
     root = memory_url("root")
-    mem_put(root, "7/manifest.json", b'{"foreign": true}')
-    mem_put(root, "8/arrays/readme.txt", b"foreign")
-    mem_put(root, "9/DELETING", marker_json())     # an unfinished delete of ours: finished on open
-    mem_put(root, "9/arrays/manifest.ocdbt", b"x")
-    mem_put(root, "9/notes.txt", b"someone's, left alone")
+    put(root, "7/manifest.json", b'{"foreign": true}')
+    put(root, "8/arrays/readme.txt", b"foreign")
+    put(root, "9/DELETING", marker_json())     # an unfinished delete of ours: finished on open
+    put(root, "9/arrays/manifest.ocdbt", b"x")
+    put(root, "9/notes.txt", b"someone's, left alone")
     dio.CheckpointManager(root).close()
-    assert mem_keys(root) == {"7/manifest.json", "8/arrays/readme.txt", "9/notes.txt"}
+    assert keys_under(root) == {"7/manifest.json", "8/arrays/readme.txt", "9/notes.txt"}
 
 
 def test_a_failed_save_leaves_nothing_and_a_crashed_one_is_cleared_by_the_next(mesh):
     url = memory_url("crash")
     tree = make_tree(mesh)
     dead = json.dumps({"host": os.uname().nodename, "pid": 2 ** 22 + 1, "started": "1", "time": 0, "id": "x"}).encode()
-    mem_put(url, "WRITING", dead)                  # a save killed mid-way
-    mem_put(url, "arrays/p0/manifest.ocdbt", b"partial")
+    put(url, "WRITING", dead)                  # a save killed mid-way
+    put(url, "arrays/p0/manifest.ocdbt", b"partial")
     with dio.LocalDispatcher(host_memory_budget=MiB) as d:
         d.save(url, tree).wait()
         assert_trees_bit_equal(d.restore(url, like(tree)), tree)
-        assert "WRITING" not in mem_keys(url)
+        assert "WRITING" not in keys_under(url)
 
 
 @pytest.mark.parametrize("where", ["memory", "s3"])
 def test_claims_and_commit_markers_are_conditional_writes(where, request):
     """Two saves that both found the prefix free: the second claim fails at once (a conditional
     write, not list-then-write), and so would a second COMMITTED."""
-    from dispatch_io.storage import KvLocation, KvWrite
+    from dispatch_io.storage import KvWrite
     url = memory_url("claim") if where == "memory" else f"{request.getfixturevalue('s3_prefix')}/ckpt"
     location = KvLocation(url)
-    first = KvWrite(location, location._kv())
+    first = KvWrite(location, location.open_kv())
     with pytest.raises(FileExistsError, match="claimed it first"):
-        KvWrite(location, location._kv())
+        KvWrite(location, location.open_kv())
     assert first._write_if_absent("COMMITTED", b"x") and not first._write_if_absent("COMMITTED", b"y")
     assert location._get("COMMITTED") == b"x"
     first.abort()  # removes its claim, not a COMMITTED its commit did not write
