@@ -147,6 +147,21 @@ class DispatchIOColocated(DispatchIO):
     dispatcher_cls = dio.ColocatedDispatcher
 
 
+class DispatchIOBaseline(DispatchIO):
+    """dispatch_io.LocalDispatcher from another checkout (``--baseline PATH``, e.g. a
+    ``git worktree`` of an older commit): before/after figures from one interleaved run. Its
+    children import that checkout's ``dispatch_io`` and ``workers`` (PYTHONPATH)."""
+
+    name = "dispatch_io_baseline"
+
+    @classmethod
+    def missing(cls) -> str | None:
+        return None if os.environ.get(BASELINE_ENV) else "needs --baseline PATH (another checkout)"
+
+
+BASELINE_ENV = "DISPATCH_IO_BENCH_BASELINE"
+
+
 class Orbax:
     """orbax.checkpoint.StandardCheckpointer with its defaults (optional: never a dependency)."""
 
@@ -286,8 +301,8 @@ class JaxSerialization:
         self.manager.wait_until_finished()
 
 
-SYSTEMS = {cls.name: cls for cls in (DispatchIO, DispatchIOFiles, DispatchIOColocated, Orbax, OrbaxLimited,
-                                     JaxSerialization)}
+SYSTEMS = {cls.name: cls for cls in (DispatchIO, DispatchIOFiles, DispatchIOColocated, DispatchIOBaseline, Orbax,
+                                     OrbaxLimited, JaxSerialization)}
 DISPATCH_IO_SYSTEMS = tuple(name for name, cls in SYSTEMS.items() if issubclass(cls, DispatchIO))
 
 
@@ -518,8 +533,12 @@ def run_child(a, mode, size, system="-", path="-", budget_mib=None):
     """This script with --child in a new session; killed with its whole group after --timeout."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--system", system, "--path", path,
            "--size", str(size), "--budget-mib", str(budget_mib or a.budget_mib), "--settle", str(a.settle)]
+    env = dict(os.environ)
+    if system == DispatchIOBaseline.name:  # that checkout's packages first
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env[BASELINE_ENV], env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env=env)
     try:
         stdout, stderr = p.communicate(timeout=a.timeout)
     except subprocess.TimeoutExpired:
@@ -826,6 +845,7 @@ def parse_args():
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds one child may run before it is killed")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--root", default="/tmp/dispatch_io_bench", help="where checkpoints are written")
+    ap.add_argument("--baseline", help="another checkout of dispatch_io, run as the dispatch_io_baseline system")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--system", default="-", help=argparse.SUPPRESS)
     ap.add_argument("--path", default="-", help=argparse.SUPPRESS)
@@ -834,6 +854,8 @@ def parse_args():
     unknown = set(a.systems) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}; known: {','.join(SYSTEMS)}")
+    if a.baseline:  # read by DispatchIOBaseline here and in every child
+        os.environ[BASELINE_ENV] = os.path.abspath(a.baseline)
     return a
 
 

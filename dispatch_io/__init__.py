@@ -9,16 +9,17 @@
 
 from dispatch_io import sharding, tree
 from dispatch_io.batches import Priority
-from dispatch_io.colocated import ColocatedDispatcher
+from dispatch_io.colocated import ColocatedDispatcher, ColocatedRunner
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
 from dispatch_io.manager import CheckpointManager
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.options import Options
-from dispatch_io.restore import RestoreStats
-from dispatch_io.save import SaveHandle, SaveStats
+from dispatch_io.progress import RestoreStats, SaveStats
+from dispatch_io.runner import LocalRunner
+from dispatch_io.save import SaveHandle
 
 __all__ = [
-    "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "CorruptCheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "Options", "Priority",
+    "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "ColocatedRunner", "CorruptCheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "LocalRunner", "Options", "Priority",
     "RestoreStats", "SaveHandle", "SaveStats", "TreeMismatchError", "WorkerError", "metadata", "sharding",
 ]
 __version__ = "0.1.0"

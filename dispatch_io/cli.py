@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             return inspect(args.path, args.json)
         return verify(args.path, args.budget_mib)
-    except (CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError,
-            TypeError) as exc:
+    except (CheckpointError, OSError, ValueError) as exc:  # what an unusable path raises; a bug still tracebacks
         print(f"dispatch-io {args.command}: {exc}{_steps_hint(args.path)}", file=sys.stderr)
         return EXIT_UNUSABLE
 
@@ -163,14 +162,15 @@ def _steps_hint(path: str) -> str:
     """For a CheckpointManager root given where a checkpoint was expected: which steps it holds."""
     import os
 
-    from dispatch_io.roots import StepRoot
+    from dispatch_io.errors import CheckpointError
+    from dispatch_io.storage import StepRoot
 
     try:
         if "://" not in path.removeprefix("file://") and not os.path.isdir(path.removeprefix("file://")):
             return ""  # (opening a directory root would create it)
         root = StepRoot.open(path)
         steps = root.committed_steps()
-    except Exception:  # noqa: BLE001 - only a hint; the error above stands
+    except (CheckpointError, OSError, ValueError):  # only a hint; the error above stands
         return ""
     if not steps:
         return ""

@@ -1,10 +1,10 @@
-"""Dispatchers: the controller-facing API, and where worker code runs.
+"""The controller-facing API: :class:`Dispatcher` plans, batches and hands the work to a runner.
 
-:class:`Dispatcher` holds everything shared (planning, batching, the save pipeline, restore
-validation and reading). A concrete dispatcher only says how a batch reaches host memory
-(``copy_to_host``) and where the worker functions from ``workers/`` run (``submit_write`` /
-``submit_read``). :class:`LocalDispatcher` runs them in-process on a thread pool: one worker
-per JAX process, any number of devices.
+``Dispatcher(options, runner)`` owns what every way of running the workers shares: planning
+(cached per tree structure), batching, per-path locks, the staging ring, the multi-process
+coordinator, and the check that no call comes from one of its own IO threads. Where the
+worker code runs is the runner's business (``runner.py``): :class:`LocalDispatcher` and
+``ColocatedDispatcher`` are the same class with a different runner.
 """
 
 from __future__ import annotations
@@ -12,29 +12,32 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
-import numpy as np
 
-from dispatch_io import coordination
+from dispatch_io import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
-from dispatch_io.manifest import Manifest
 from dispatch_io import progress as progress_lib
+from dispatch_io import reading
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
-from dispatch_io.batches import Priority, aligned, make_batches, sync_overflow
+from dispatch_io.batches import Priority, make_batches, sync_overflow
 from dispatch_io.errors import WorkerError
+from dispatch_io.manifest import Manifest
 from dispatch_io.options import Options
-from dispatch_io.plan import Chunk, Plan, PlanCache
-from dispatch_io.progress import Progress
-from dispatch_io.restore import RestoreStats
-from dispatch_io.save import SaveHandle, SaveRun, Sources, io_thread
+from dispatch_io.plan import Plan, PlanCache
+from dispatch_io.progress import Progress, RestoreStats
+from dispatch_io.runner import LocalRunner, Runner, platform
+from dispatch_io.save import SaveHandle, SaveJob, SaveRun
 from dispatch_io.staging import StagingRing
-from dispatch_io.storage import Location, WriteTarget
-from workers import ChunkError, Region, Session, checksum_regions, layout_kvstore, read_regions, write_regions
+from dispatch_io.storage import Location
+from workers import layout_kvstore
 
 PriorityFn = Callable[[str, jax.ShapeDtypeStruct], Priority]
+
+# A CPU device's memory is host memory: a snapshot there would be host memory outside the budget.
+NO_SNAPSHOT_PLATFORMS = ("cpu",)
 
 
 def metadata(path):
@@ -44,30 +47,61 @@ def metadata(path):
     return manifest_lib.abstract_tree(manifest_lib.parse(location.read_manifest(), location.display))
 
 
-class Dispatcher:
-    """Base class: save / restore through a memory-budgeted pipeline (see module doc)."""
+def stored_arrays(location: Location, manifest: Manifest) -> dict:
+    """The kvstore a restore reads the arrays of ``manifest`` from (its folder, its layout)."""
+    return layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
 
-    def __init__(self, options: Options):
+
+class PathLocks:
+    """One lock per checkpoint path, so that saves to one path never overlap; entries go away
+    when no save holds or waits for them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._locks: dict[str, list] = {}  # key -> [lock, saves holding or waiting for it]
+
+    def acquire(self, key: str):
+        with self._lock:
+            entry = self._locks.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            entry[0].acquire()
+        except BaseException:  # interrupted while waiting
+            self._leave(key, held=False)
+            raise
+
+    def release(self, key: str):
+        self._leave(key, held=True)
+
+    def _leave(self, key: str, held: bool):
+        with self._lock:
+            entry = self._locks[key]
+            if held:
+                entry[0].release()
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._locks[key]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+class Dispatcher:
+    """Save / restore through a memory-budgeted pipeline; ``runner`` says where the worker code
+    runs (see the module doc). Prefer :class:`LocalDispatcher` / ``ColocatedDispatcher``."""
+
+    def __init__(self, options: Options, runner: Runner):
         self.options = options
+        self.runner = runner
         self._plans = PlanCache(options.chunk_bytes)
-        self._ring = StagingRing(options.host_memory_budget, allocate=self.host_staging)
-        self._active: set[SaveRun] = set()
-        self._path_locks: dict[str, list] = {}  # path key -> [lock, saves holding or waiting for it]
+        self._ring = StagingRing(options.host_memory_budget, allocate=runner.host_staging)
+        self._paths = PathLocks()
+        self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
         self._lock = threading.Lock()
         self._closed = False
-        self.io_token = object()  # marks this dispatcher's IO threads (see save.io_thread)
         # RestoreStats of the restore that finished last on this dispatcher (from any thread).
         self.last_restore_stats: RestoreStats | None = None
-        self.coordinator = coordination.for_this_job(options.barrier_timeout)
-        # Where writes and reads are handed out (LocalDispatcher runs the worker functions here;
-        # ColocatedDispatcher issues its colocated calls from here).
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            options.write_threads, thread_name_prefix=self.thread_name,
-            initializer=_mark_io_thread, initargs=(self.io_token,))
-
-    @property
-    def worker_id(self) -> int:
-        return jax.process_index()
+        self.coordinator = commit_lib.for_this_job(options.barrier_timeout)
 
     # ---- save -------------------------------------------------------------------------------
 
@@ -87,9 +121,7 @@ class Dispatcher:
         self._check_usable("save")
         started = time.perf_counter()
         location = Location.parse(path)
-        hits = self._plans.hits
-        plan = self._plans.get(tree)
-        plan_cached = self._plans.hits > hits
+        plan, cached = self._plans.get(tree)
         leaves = jax.tree_util.tree_leaves(tree)
         priorities = self._priorities(plan, priority)
         batches = self._batches(plan, priorities)
@@ -97,20 +129,23 @@ class Dispatcher:
         if overflow:  # on their devices now: to host later, with HIGH priority
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
             batches = self._batches(plan, priorities)
-        plan_seconds = time.perf_counter() - started
-        self._lock_path(location.key)  # saves to one path never overlap; the run unlocks it when done
-        save = None
+        job = SaveJob(plan, tuple(leaf if spec.kind == tree_lib.SCALAR else None for spec, leaf in zip(plan.leaves, leaves)),
+                      batches, location.display, on_transfer_end, on_write_end, started,
+                      plan_seconds=time.perf_counter() - started, plan_cached=cached,
+                      snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress)
+        self._paths.acquire(location.key)  # released by the run when it is over
+        commit = None
         try:
-            save = self.coordinator.start_write(location, overwrite, plan)
-            run = SaveRun(self, plan, leaves, batches, save, location, self._ring,
-                          on_transfer_end, on_write_end, started, plan_seconds, plan_cached)
-            run.snapshot_bytes = sum(plan.leaves[i].nbytes for i in overflow)
-            self._start(run)
+            opened = self.coordinator.open(location)
+            opened.check_same_plan(plan)
+            opened.start(overwrite)
+            commit = opened
+            run = SaveRun(job, leaves, self.runner, commit, self._ring, self.runner.settings, self._finished)
+            self._start(run, location.key)
         except BaseException as exc:
-            if save is not None:
-                save.abandon(exc)
-            with self._lock:
-                self._unlock_path(location.key)
+            if commit is not None:
+                commit.abandon(exc)
+            self._paths.release(location.key)
             raise
         run.wait_until_sync_copied()
         return SaveHandle(run)
@@ -121,12 +156,13 @@ class Dispatcher:
         if not self.options.device_snapshots:
             return set()
         indices = sorted(i for i in sync_overflow(plan, batches, self.options.host_memory_budget)
-                         if _platform(leaves[i]) not in NO_SNAPSHOT_PLATFORMS)
+                         if platform(leaves[i]) not in NO_SNAPSHOT_PLATFORMS)
+        worker = jax.process_index()
 
         def failed(i, exc):
             keypath = plan.leaves[i].keypath
-            return WorkerError(f"worker {self.worker_id} failed copying {keypath} on its devices: "
-                               f"{type(exc).__name__}: {exc}", worker=self.worker_id, keypath=keypath)
+            return WorkerError(f"worker {worker} failed copying {keypath} on its devices: "
+                               f"{type(exc).__name__}: {exc}", worker=worker, keypath=keypath)
 
         for i in indices:  # all dispatched first (asynchronous), then waited for
             try:
@@ -141,27 +177,33 @@ class Dispatcher:
         return set(indices)
 
     def _batches(self, plan: Plan, priorities: list[Priority]):
-        key = ("batches", tuple(priorities), self.options.batch_bytes, self.worker_id)
-        batches = plan.memo.get(key)
-        if batches is None:  # a training loop saving the same state batches once
-            if len(plan.memo) >= 8:
-                plan.memo.clear()
-            batches = plan.memo[key] = make_batches(plan, priorities, self.options.batch_bytes, worker=self.worker_id)
-        return batches
+        """This process's batches for ``priorities`` (a training loop saving the same state batches once)."""
+        limit, worker = self.options.batch_bytes, jax.process_index()
+        return self._plans.derive(plan, ("batches", tuple(priorities), limit, worker),
+                                  lambda: make_batches(plan, priorities, limit, worker=worker))
 
-    def _start(self, run: SaveRun):
+    def _start(self, run: SaveRun, run_key: str):
         """Register ``run`` (unless the dispatcher was closed meanwhile) and start its driver."""
         with self._lock:
             self._check_usable("save")
             if not self._active:  # peak_host_bytes is per save (overlapping saves share the ring)
                 self._ring.reset_peak()
-            self._active.add(run)
+            self._active[run] = run_key
         try:
             run.start()
         except BaseException:  # e.g. no thread can be started: nothing may wait for this run
             with self._lock:
-                self._active.discard(run)
+                self._active.pop(run, None)
             raise
+
+    def _finished(self, run: SaveRun):
+        """Called by a run when it is over, from its driver thread."""
+        with self._lock:
+            key = self._active.pop(run)
+            idle = not self._active
+        self._paths.release(key)
+        if idle and not self.options.keep_staging_warm:
+            self._ring.drop_buffer()
 
     @staticmethod
     def _priorities(plan: Plan, priority: PriorityFn | None) -> list[Priority]:
@@ -189,39 +231,10 @@ class Dispatcher:
 
     def _check_not_io_thread(self, what: str):
         """Callbacks run on the dispatcher's IO threads; waiting there for the dispatcher deadlocks."""
-        if getattr(io_thread, "owner", None) is self.io_token:
+        if self.runner.threads.is_current():
             raise RuntimeError(f"{type(self).__name__}.{what}() called from one of its own IO threads "
                                "(an on_transfer_end / on_write_end callback): that would deadlock; "
                                "hand the work to another thread or dispatcher")
-
-    def _lock_path(self, key: str):
-        """Take the lock serializing saves to ``key``; entries go away when unused."""
-        with self._lock:
-            entry = self._path_locks.setdefault(key, [threading.Lock(), 0])
-            entry[1] += 1
-        try:
-            entry[0].acquire()
-        except BaseException:  # interrupted while waiting
-            with self._lock:
-                self._unlock_path(key, held=False)
-            raise
-
-    def _unlock_path(self, key: str, *, held: bool = True):
-        """Release the lock of ``key`` (or, not ``held``, stop waiting for it); ``self._lock`` held."""
-        entry = self._path_locks[key]
-        if held:
-            entry[0].release()
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._path_locks[key]
-
-    def save_finished(self, run: SaveRun):
-        with self._lock:
-            self._active.discard(run)
-            idle = not self._active
-            self._unlock_path(run.location_key)
-        if idle and not self.options.keep_staging_warm:
-            self._ring.drop_buffer()
 
     # ---- restore ------------------------------------------------------------------------------
 
@@ -240,28 +253,19 @@ class Dispatcher:
         What it did (bytes, batches, seconds per stage) is then ``self.last_restore_stats``.
         """
         self._check_usable("restore")
-        started = time.perf_counter()
-        location = Location.parse(path)
-        marker = location.commit_marker()  # a save that replaces the checkpoint changes it
-        manifest = manifest_lib.parse(location.read_manifest(), location.display)
-        treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
-        progress = Progress("restore", location.display, enabled=self.options.progress)
-        times = [time.perf_counter()]  # planned | verified | read
-        with progress:  # a terminal line is ended if this raises
-            try:
-                if verify:
-                    self.verify_outputs(location, manifest, outputs, progress)
-                times.append(time.perf_counter() if verify else times[0])  # verify_seconds 0 without it
-                self.read_outputs(location, manifest, outputs, progress)
-                times.append(time.perf_counter())
-            except Exception as exc:
-                location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
-                raise
-            location.check_commit_marker(marker)  # else the result may mix two checkpoints
-            result = jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
-        stats = _read_stats(progress, location.display, verify, started, times)
-        self.last_restore_stats = stats
-        progress_lib.report("restore", progress, stats)
+        options = self.options
+
+        def work(manifest, reader, progress, times):
+            treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
+            times.append(time.perf_counter())
+            if verify:
+                reading.verify_outputs(reader, outputs, options.batch_bytes, progress)
+            times.append(time.perf_counter())
+            reading.read_outputs(reader, outputs, options.chunk_bytes, options.batch_bytes, progress)
+            times.append(time.perf_counter())
+            return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify
+
+        result, self.last_restore_stats = self._read("restore", path, work)
         return result
 
     def verify(self, path) -> RestoreStats:
@@ -270,79 +274,54 @@ class Dispatcher:
 
         Chunk by chunk, two budget halves at a time: host memory stays within the budget however
         large the checkpoint -- or two stored chunks, for chunks larger than half the budget:
-        every chunk is read whole, as a restore would decode it. Raises ``CorruptCheckpointError`` naming each bad chunk's key path, ``WorkerError`` /
-        ``CheckpointError`` for what cannot be read, before that ``FileNotFoundError`` /
-        ``IncompleteCheckpointError`` for a path that holds no committed checkpoint. Reads the
-        whole checkpoint in every process (``dispatch-io verify`` calls it).
+        every chunk is read whole, as a restore would decode it. Raises ``CorruptCheckpointError``
+        naming each bad chunk's key path, ``WorkerError`` / ``CheckpointError`` for what cannot
+        be read, before that ``FileNotFoundError`` / ``IncompleteCheckpointError`` for a path
+        that holds no committed checkpoint. Reads the whole checkpoint in every process
+        (``dispatch-io verify`` calls it).
         """
         self._check_usable("verify")
-        started = time.perf_counter()
-        location = Location.parse(path)
-        marker = location.commit_marker()
-        manifest = manifest_lib.parse(location.read_manifest(), location.display)
-        _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
-        checksums = manifest.has_checksums
-        progress = Progress("verify", location.display, enabled=self.options.progress)
-        times = [time.perf_counter()]
-        with progress:
-            try:
-                self.verify_outputs(location, manifest, outputs, progress, compare=checksums)
-                times += [time.perf_counter()] * 2  # nothing read into a result
-            except Exception as exc:
-                location.check_commit_marker(marker, exc)
-                raise
-            location.check_commit_marker(marker)
-        stats = _read_stats(progress, location.display, checksums, started, times)
-        progress_lib.report("verify", progress, stats)
+
+        def work(manifest, reader, progress, times):
+            _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
+            times.append(time.perf_counter())
+            reading.verify_outputs(reader, outputs, self.options.batch_bytes, progress,
+                                   compare=manifest.has_checksums)
+            times += [time.perf_counter()] * 2  # nothing read into a result
+            return None, manifest.has_checksums
+
+        _, stats = self._read("verify", path, work)
         return stats
 
-    def read_outputs(self, location: Location, manifest: Manifest, outputs: list, progress: Progress):
-        """Fill the outputs' region buffers (``restore.finish`` builds the arrays from them);
-        count each batch on ``progress`` (its phase ``read``)."""
-        session = self.open_read_session(location, manifest)
-        try:
-            restore_lib.read_outputs(self, session, outputs, progress)
-        finally:
-            session.close()
-
-    def verify_outputs(self, location: Location, manifest: Manifest, outputs: list, progress: Progress, *,
-                       compare: bool = True):
-        """Check the chunks the outputs need against their saved checksums (``compare=False``:
-        only read them); count each batch on ``progress`` (its phase ``verify``)."""
-        session = self.open_read_session(location, manifest)
-        try:
-            restore_lib.verify_checksums(outputs, self.options.batch_bytes,
-                                         lambda regions: self.submit_checksums(session, regions),
-                                         progress, compare=compare)
-        finally:
-            session.close()
-
-    # ---- what a concrete dispatcher provides ---------------------------------------------------
-
-    host_staging = True  # copies land in the staging ring (False: elsewhere, the ring only counts bytes)
-    thread_name = "dispatch_io-worker"
-
-    def open_write_session(self, target: WriteTarget, chunks: Sequence[Chunk], plan: Plan):
-        """A session writing ``chunks`` (this process's) into ``target``, their arrays created."""
-        raise NotImplementedError
-
-    def open_read_session(self, location: Location, manifest: Manifest):
-        """A session reading the arrays of the checkpoint ``manifest`` describes."""
-        raise NotImplementedError
-
-    def copy_to_host(self, plan: Plan, chunks: Sequence[Chunk], sources: Sources, staging: np.ndarray
-                     ) -> list[np.ndarray]:
-        raise NotImplementedError
-
-    def submit_write(self, session, regions: Sequence[Region], buffers) -> concurrent.futures.Future:
-        raise NotImplementedError
-
-    def submit_read(self, session, regions: Sequence[Region], out: Sequence[np.ndarray | None]
-                    ) -> concurrent.futures.Future:
-        raise NotImplementedError
-
-    def submit_checksums(self, session, regions: Sequence[Region]) -> concurrent.futures.Future:
-        raise NotImplementedError
+    def _read(self, kind: str, path, work):
+        """The skeleton restore and verify share: the manifest, a reader, progress, and the
+        check that no save replaced the checkpoint while it was read. ``work(manifest, reader,
+        progress, times)`` appends the times it planned, verified and read at and returns
+        (result, whether every chunk read was checked); returns (result, RestoreStats)."""
+        started = time.perf_counter()
+        location = Location.parse(path)
+        marker = location.commit_marker()  # a save that replaces the checkpoint changes it
+        manifest = manifest_lib.parse(location.read_manifest(), location.display)
+        progress = Progress(kind, location.display, enabled=self.options.progress)
+        times: list[float] = []
+        with progress:  # a terminal line is ended if this raises
+            reader = self.runner.open_reader(stored_arrays(location, manifest), location.context)
+            try:
+                result, verified = work(manifest, reader, progress, times)
+            except Exception as exc:
+                location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
+                raise
+            finally:
+                reader.close()
+            location.check_commit_marker(marker)  # else the result may mix two checkpoints
+        phases = progress.phases.values()
+        stats = RestoreStats(
+            path=location.display, bytes_read=sum(p.bytes_done for p in phases),
+            batches=sum(p.batches_done for p in phases), plan_seconds=times[0] - started,
+            verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
+            total_seconds=time.perf_counter() - started, verified=verified)
+        progress_lib.report(kind, progress, stats)
+        return result, stats
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -362,7 +341,7 @@ class Dispatcher:
         with self._lock:
             self._closed = True
         self.wait_all()
-        self._pool.shutdown(wait=True)
+        self.runner.close()
         self._ring.drop_buffer()
 
     def __enter__(self):
@@ -370,76 +349,6 @@ class Dispatcher:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def stored_arrays(location: Location, manifest: Manifest) -> dict:
-    """The kvstore a restore reads the arrays of ``manifest`` from (its folder, its layout)."""
-    return layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
-
-
-def _read_stats(progress: Progress, path: str, verified: bool, started: float, times: list) -> RestoreStats:
-    """RestoreStats from a restore's / verify's progress counts and its stage boundaries
-    ``times`` = [planned, verified, read]."""
-    phases = progress.phases.values()
-    return RestoreStats(
-        path=path, bytes_read=sum(p.bytes_done for p in phases), batches=sum(p.batches_done for p in phases),
-        plan_seconds=times[0] - started, verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
-        total_seconds=time.perf_counter() - started, verified=verified)
-
-
-def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources: Sources, staging: np.ndarray
-                        ) -> list[np.ndarray]:
-    """Copy each chunk's region from its device shard into consecutive staging slices.
-
-    On CPU the device buffer is host memory: ``np.asarray`` views it without a copy and the
-    one copy is into staging. On accelerators the region is sliced on the device and all
-    copies of the batch are started before the first is awaited."""
-    out, pending, offset = [], [], 0
-    for chunk in chunks:
-        spec = plan.leaves[chunk.leaf]
-        try:
-            data, local = sources.locate(chunk)
-            shape = tuple(hi - lo for lo, hi in chunk.region)
-            dst = staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape)
-            offset += aligned(chunk.nbytes)
-            if isinstance(data, np.ndarray):
-                np.copyto(dst, data[local])
-            elif _on_cpu(data):
-                np.copyto(dst, np.asarray(data)[local])
-            else:
-                piece = data[local]
-                piece.copy_to_host_async()
-                pending.append((dst, piece, spec, chunk))
-            out.append(dst)
-        except Exception as exc:  # noqa: BLE001
-            raise ChunkError(spec.keypath, chunk.region, exc) from exc
-    for dst, piece, spec, chunk in pending:
-        try:
-            np.copyto(dst, np.asarray(piece))
-        except Exception as exc:  # noqa: BLE001
-            raise ChunkError(spec.keypath, chunk.region, exc) from exc
-    return out
-
-
-# A CPU device's memory is host memory: a snapshot there would be host memory outside the budget.
-NO_SNAPSHOT_PLATFORMS = ("cpu",)
-
-
-def _platform(array) -> str:
-    return next(iter(array.sharding.device_set)).platform
-
-
-def arrays_of(chunks: Sequence[Chunk], plan: Plan) -> list:
-    """The stored arrays (``ArraySpec``) the chunks belong to, each once, in order."""
-    return list(dict.fromkeys(plan.leaves[c.leaf].array for c in chunks))
-
-
-def _on_cpu(array) -> bool:
-    return _platform(array) == "cpu"
-
-
-def _mark_io_thread(token):
-    io_thread.owner = token
 
 
 class LocalDispatcher(Dispatcher):
@@ -450,28 +359,5 @@ class LocalDispatcher(Dispatcher):
     """
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
-        super().__init__(Options(host_memory_budget=host_memory_budget, **options))
-
-    def open_write_session(self, target: WriteTarget, chunks: Sequence[Chunk], plan: Plan) -> Session:
-        kvstore = layout_kvstore(target.kvstore, self.options.layout, writer=f"p{self.worker_id}")
-        session = Session(kvstore, context=target.context, fsync=self.options.fsync, checksums=self.options.checksums,
-                          keep_page_cache=self.options.keep_page_cache)
-        # In the background: the SYNC copies need not wait for it, only the writes.
-        session.arrays_created = self._pool.submit(session.create_arrays, arrays_of(chunks, plan))
-        return session
-
-    def open_read_session(self, location: Location, manifest: Manifest) -> Session:
-        return Session(stored_arrays(location, manifest), context=location.context,
-                       keep_page_cache=self.options.keep_page_cache)
-
-    def copy_to_host(self, plan, chunks, sources, staging):
-        return copy_chunks_to_host(plan, chunks, sources, staging)
-
-    def submit_write(self, session, regions, buffers):
-        return self._pool.submit(write_regions, session, regions, buffers)
-
-    def submit_read(self, session, regions, out):
-        return self._pool.submit(read_regions, session, regions, out)
-
-    def submit_checksums(self, session, regions):
-        return self._pool.submit(checksum_regions, session, regions)
+        options = Options(host_memory_budget=host_memory_budget, **options)
+        super().__init__(options, LocalRunner(options.io_settings()))

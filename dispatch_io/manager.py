@@ -10,7 +10,7 @@
 
 Layout: ``<root>/<step>/`` is an ordinary dispatch_io checkpoint (so ``dio.metadata`` and
 ``dispatcher.restore`` read it directly, and a copy of it elsewhere restores as well). The root
-is a directory or an object-store prefix (``s3://bucket/run1``, ``gs://...``; see roots.py).
+is a directory or an object-store prefix (``s3://bucket/run1``, ``gs://...``; see dispatch_io.storage).
 
 What the manager guarantees, built only on the dispatcher's atomic commit:
 
@@ -40,7 +40,7 @@ import numpy as np
 from absl import logging
 
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
-from dispatch_io.roots import StepRoot
+from dispatch_io.storage import StepRoot
 from dispatch_io.save import SaveHandle
 
 
@@ -62,8 +62,10 @@ class CheckpointManager:
     :class:`LocalDispatcher` with default options if None; the manager then owns and closes it).
 
     ``max_to_keep``: keep only this many most recent steps (None: all). ``keep_every_n_steps``:
-    also keep, forever, every step divisible by it. ``barrier_timeout`` applies to the
-    dispatcher the manager creates (a given dispatcher keeps its own options).
+    also keep, forever, every step divisible by it. ``barrier_timeout``: seconds a process of a
+    multi-process job waits for the others, for the dispatcher the manager creates; with a
+    ``dispatcher`` of your own, set ``barrier_timeout`` in its options instead (passing both
+    is a ``ValueError``: the manager cannot change a dispatcher's options).
     """
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, max_to_keep: int | None = None,
@@ -72,6 +74,12 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
             raise ValueError(f"keep_every_n_steps must be a positive int or None, got {keep_every_n_steps!r}")
+        if dispatcher is not None and barrier_timeout is not None:
+            raise ValueError(
+                f"barrier_timeout={barrier_timeout!r} would not apply to the dispatcher you passed (its "
+                f"Options.barrier_timeout is {dispatcher.options.barrier_timeout:g} s): create the dispatcher with "
+                f"barrier_timeout={barrier_timeout!r} (e.g. LocalDispatcher(..., barrier_timeout={barrier_timeout!r})) "
+                "and leave it out here")
         self._root = StepRoot.open(root)
         self.root = self._root.display
         self.max_to_keep = max_to_keep

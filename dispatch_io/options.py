@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers import LAYOUTS
+from workers import LAYOUTS, IOSettings
 
 MiB = 1 << 20
 
@@ -84,3 +84,9 @@ class Options:
     def batch_bytes(self) -> int:
         """Largest batch: half the budget, so one batch copies while the previous one writes."""
         return max(1, self.host_memory_budget // 2)
+
+    def io_settings(self) -> IOSettings:
+        """The plain settings the workers need (a dispatcher makes them once)."""
+        return IOSettings(layout=self.layout, fsync=self.fsync, checksums=self.checksums,
+                          keep_page_cache=self.keep_page_cache, threads=self.write_threads,
+                          read_window=self.batch_bytes)

@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import math
 import re
+import threading
 from typing import Any
 
 import jax
@@ -69,12 +70,14 @@ class Plan:
     treedef: Any
     leaves: tuple[LeafSpec, ...]
     chunks: tuple[Chunk, ...]
-    # Derived results worth keeping with a cached plan (e.g. batches per priority assignment).
-    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
+
+    def arrays_by_device(self, chunks) -> list[tuple[int | None, ArraySpec]]:
+        """(device id, stored array) for every array the ``chunks`` write, each pair once, in order."""
+        return list(dict.fromkeys((c.device, self.leaves[c.leaf].array) for c in chunks))
 
     @functools.cached_property
     def leaf_digests(self) -> tuple[str, ...]:
@@ -222,25 +225,47 @@ def plan_key(tree) -> tuple:
 
 
 class PlanCache:
-    """A small LRU of plans keyed by :func:`plan_key`. A training loop saving the same state
-    structure every N steps plans once."""
+    """A small LRU of plans keyed by :func:`plan_key`, with what was derived from each (e.g. the
+    batches of a priority assignment). A training loop saving the same state structure every N
+    steps plans and batches once. Safe to use from several threads."""
 
     def __init__(self, chunk_limit: int, size: int = 8):
         self._chunk_limit = chunk_limit
         self._size = size
-        self._plans: dict[tuple, Plan] = {}
+        self._plans: dict[tuple, tuple[Plan, dict]] = {}   # key -> (plan, derived values)
+        self._lock = threading.Lock()
         self.hits = 0
 
-    def get(self, tree) -> Plan:
-        key = plan_key(tree)
+    def get(self, tree) -> tuple[Plan, bool]:
+        """(the plan of ``tree``, whether it came from the cache)."""
         try:
-            plan = self._plans.pop(key)
-            self.hits += 1
-        except KeyError:
-            plan = plan_tree(tree, self._chunk_limit)
+            key = plan_key(tree)
+            hash(key)
         except TypeError:  # unhashable sharding: plan without caching
-            return plan_tree(tree, self._chunk_limit)
-        self._plans[key] = plan
-        while len(self._plans) > self._size:
-            self._plans.pop(next(iter(self._plans)))
-        return plan
+            return plan_tree(tree, self._chunk_limit), False
+        with self._lock:
+            entry = self._plans.pop(key, None)
+            if entry is not None:
+                self.hits += 1
+                self._plans[key] = entry
+                return entry[0], True
+        plan = plan_tree(tree, self._chunk_limit)  # outside the lock: it may take a while
+        with self._lock:
+            self._plans[key] = self._plans.pop(key, None) or (plan, {})
+            while len(self._plans) > self._size:
+                self._plans.pop(next(iter(self._plans)))
+            return self._plans[key][0], False
+
+    def derive(self, plan: Plan, key, make):
+        """``make()``, computed once per ``key`` while ``plan`` is cached (up to 8 keys a plan)."""
+        with self._lock:
+            derived = next((d for p, d in self._plans.values() if p is plan), None)
+            if derived is not None and key in derived:
+                return derived[key]
+        value = make()
+        with self._lock:
+            if derived is not None:
+                if len(derived) >= 8:
+                    derived.clear()
+                derived[key] = value
+        return value

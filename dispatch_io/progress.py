@@ -81,6 +81,41 @@ EVENTS: dict[str, tuple[str, str]] = {
 }
 
 
+
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+    """What one save did (this process's part of it); the ``/dispatch_io/save/...`` events of
+    :data:`EVENTS` carry these fields. Seconds are wall time; transfer and write overlap."""
+
+    path: str
+    bytes_written: int
+    batches: int
+    plan_seconds: float
+    blocked_seconds: float     # how long save() blocked the caller
+    transfer_seconds: float    # device -> host copies
+    write_seconds: float       # first write handed out -> last write durable
+    commit_seconds: float
+    total_seconds: float       # save() called -> committed
+    peak_host_bytes: int       # most staging bytes held at once (<= host_memory_budget)
+    plan_cached: bool
+    snapshot_bytes: int = 0    # SYNC bytes copied on their devices first (Options.device_snapshots)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreStats:
+    """What one restore (or ``Dispatcher.verify``) did, in this process; the
+    ``/dispatch_io/restore/...`` and ``/dispatch_io/verify/...`` events of :data:`EVENTS` carry
+    these fields. Seconds are wall time. A restore's are kept as ``dispatcher.last_restore_stats``."""
+
+    path: str
+    bytes_read: int         # stored bytes read, every pass (verify=True reads whole chunks first)
+    batches: int            # batches of reads, every pass
+    plan_seconds: float     # manifest read and the target checked against it
+    verify_seconds: float   # reading stored chunks and checking their CRC-32C (verify=True / verify())
+    read_seconds: float     # reading the regions into the result's host buffers
+    total_seconds: float    # called -> result built (arrays on their devices) / verified
+    verified: bool          # every chunk read was checked against its saved CRC-32C
+
 def size(nbytes: float) -> str:
     """``412.3 MiB``."""
     return humanize.naturalsize(nbytes, binary=True)

@@ -1,6 +1,9 @@
 """Test set-up: 8 simulated CPU devices (set before jax is imported) and shared helpers."""
 
+import concurrent.futures
+import errno
 import os
+import types
 
 os.environ["XLA_FLAGS"] = " ".join(
     f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
@@ -12,8 +15,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import dispatch_io as dio  # noqa: E402
-import dispatch_io.dispatcher  # noqa: E402
-import workers.colocated  # noqa: E402
 
 
 def host_bytes(x) -> bytes:
@@ -60,16 +61,63 @@ def dispatcher_cls(request):
     return request.param
 
 
-def worker_module(dispatcher_cls):
-    """The module whose ``write_regions`` / ``read_regions`` the dispatcher's worker code calls,
-    so that a test can make the worker fail by patching them there. LocalDispatcher's pool
-    calls them through ``dispatch_io.dispatcher``; ColocatedDispatcher's colocated functions
-    (module-level ``workers.colocated._write`` / ``_read``, run in-process here) look them up
-    in ``workers.colocated`` at call time."""
-    if dispatcher_cls is dio.ColocatedDispatcher:
-        return workers.colocated
-    assert dispatcher_cls is dio.LocalDispatcher, dispatcher_cls
-    return dispatch_io.dispatcher
+RUNNERS = {dio.LocalDispatcher: dio.LocalRunner, dio.ColocatedDispatcher: dio.ColocatedRunner}
+
+
+class HookedRunner:
+    """A dispatcher's runner with hooks on its IO: ``write_hook(regions)`` runs before every
+    batch write and ``read_hook(items)`` before every batch read, on an IO thread of their own --
+    raise to fail the call (as a failing worker would), block to delay it. A hook set to None
+    heals it. Everything else is the real runner's."""
+
+    def __init__(self, runner, write_hook=None, read_hook=None):
+        self.runner, self.write_hook, self.read_hook = runner, write_hook, read_hook
+        self._pool = concurrent.futures.ThreadPoolExecutor(8, initializer=runner.threads.mark)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def _hooked(self, call, hook_name):
+        def hooked(batch, *rest):
+            hook = getattr(self, hook_name)
+
+            def run():
+                if hook is not None:
+                    hook(batch)
+                return call(batch, *rest).result()
+            return self._pool.submit(run)
+        return hooked
+
+    def open_writer(self, target, arrays):
+        writer = self.runner.open_writer(target, arrays)
+        return types.SimpleNamespace(write=self._hooked(writer.write, "write_hook"), settle=writer.settle,
+                                     close=writer.close)
+
+    def open_reader(self, kvstore, context):
+        reader = self.runner.open_reader(kvstore, context)
+        return types.SimpleNamespace(read=self._hooked(reader.read, "read_hook"), checksums=reader.checksums,
+                                     close=reader.close)
+
+    def close(self):
+        self.runner.close()
+        self._pool.shutdown(wait=True)
+
+
+def hooked_dispatcher(dispatcher_cls, write_hook=None, read_hook=None, host_memory_budget: int = 1 << 30,
+                      **options) -> dio.Dispatcher:
+    """A dispatcher like ``dispatcher_cls(host_memory_budget, **options)`` whose runner is a
+    :class:`HookedRunner` (``d.runner.write_hook = ...`` changes a hook)."""
+    options = dio.Options(host_memory_budget=host_memory_budget, **options)
+    runner = RUNNERS[dispatcher_cls](options.io_settings())
+    return dio.Dispatcher(options, HookedRunner(runner, write_hook, read_hook))
+
+
+def fail_batches_of(victim, error=lambda: OSError(errno.ENOSPC, "No space left on device")):
+    """A write hook failing every batch holding the leaf ``victim`` (every batch: None) with ``error()``."""
+    def hook(regions):
+        if victim is None or any(r.keypath == victim for r in regions):
+            raise error()
+    return hook
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ shards are made here, where the shards are, and reported as ``mismatches``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -26,7 +27,6 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import dispatch_io as dio
-import dispatch_io.dispatcher
 from workers import ChunkError
 
 BARRIER_TIMEOUT = float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", "30"))
@@ -180,24 +180,45 @@ def sync(name: str):
         global_state.client.wait_at_barrier(f"dio-test/{name}", 60_000)
 
 
-def tally_writes(fail_keypath=None, error=lambda: ValueError("injected")) -> dict:
-    """Wrap the write function LocalDispatcher calls: count the bytes written per key path,
-    and (``fail_keypath``) fail a batch holding that leaf with ``error()``."""
-    written: dict[str, int] = {}
-    original = dispatch_io.dispatcher.write_regions
+class TallyRunner(dio.LocalRunner):
+    """The LocalRunner, counting the bytes written per key path (``written``); while
+    ``fail_keypath`` is set, a batch holding that leaf fails with ``error()`` as the real worker
+    fails: a ChunkError naming the leaf."""
 
-    def write_regions(session, regions, buffers):
-        for region in regions:  # fail as the real write_regions does: a ChunkError naming the leaf
-            if region.keypath == fail_keypath:
-                cause = error()
-                raise ChunkError(region.keypath, region.bounds, cause) from cause
-        result = original(session, regions, buffers)
-        for region, buf in zip(regions, buffers):
-            written[region.keypath] = written.get(region.keypath, 0) + int(buf.nbytes)
-        return result
+    def __init__(self, settings, fail_keypath=None, error=lambda: ValueError("injected")):
+        super().__init__(settings)
+        self.fail_keypath, self.error, self.written = fail_keypath, error, {}
 
-    dispatch_io.dispatcher.write_regions = write_regions
-    return written
+    def open_writer(self, target, arrays):
+        writer = super().open_writer(target, arrays)
+        real_write = writer.write
+
+        def write(regions, buffers):
+            for region in regions:
+                if region.keypath == self.fail_keypath:
+                    cause = self.error()
+                    failed = concurrent.futures.Future()
+                    error = ChunkError(region.keypath, region.bounds, cause)
+                    error.__cause__ = cause
+                    failed.set_exception(error)
+                    return failed
+            future = real_write(regions, buffers)
+
+            def count(f):  # runs before the save's own bookkeeping (added first)
+                if f.exception() is None:
+                    for region, buf in zip(regions, buffers):
+                        self.written[region.keypath] = self.written.get(region.keypath, 0) + int(buf.nbytes)
+            future.add_done_callback(count)
+            return future
+        writer.write = write
+        return writer
+
+
+def tallying_dispatcher(fail_keypath=None, error=lambda: ValueError("injected"), **options):
+    """(a Dispatcher on a TallyRunner, the runner); ``options`` as LocalDispatcher's."""
+    options = dio.Options(**{"host_memory_budget": 1 << 20, "barrier_timeout": BARRIER_TIMEOUT, **options})
+    runner = TallyRunner(options.io_settings(), fail_keypath, error)
+    return dio.Dispatcher(options, runner), runner
 
 
 def restore_and_compare(d, path, target, mesh, table, verify=False) -> dict:
@@ -241,9 +262,9 @@ def shares(mesh, path):
     """A 4 MiB tree in 16 KiB chunks: who writes what, by dispatch_io's count and the OS's."""
     table = entries(big=True)
     tree = build(mesh, table)
-    written = tally_writes()
-    with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=16 << 10,
-                             barrier_timeout=BARRIER_TIMEOUT) as d:
+    d, runner = tallying_dispatcher(max_chunk_bytes=16 << 10)
+    written = runner.written
+    with d:
         sync("shares")
         before = os_bytes_written()
         stats = d.save(path, tree).wait()
@@ -257,9 +278,8 @@ def shares(mesh, path):
 def write_fails(mesh, path):
     """Process 1's write of ['w'] raises; every process must raise from wait()."""
     tree = build(mesh, entries())
-    if jax.process_index() == 1:
-        tally_writes(fail_keypath="['w']")
-    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+    d, _ = tallying_dispatcher(fail_keypath="['w']" if jax.process_index() == 1 else None)
+    with d:
         sync("write_fails")
         start = time.monotonic()
         try:
@@ -285,22 +305,23 @@ def manager_write_fails(mesh, path):
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[name] = error_fields(exc)
 
-    with dio.CheckpointManager(path, max_to_keep=1, barrier_timeout=BARRIER_TIMEOUT) as manager:
+    dispatcher, runner = tallying_dispatcher()
+    with dispatcher, dio.CheckpointManager(path, dispatcher, max_to_keep=1) as manager:
         manager.save(1, tree).wait()
         manager.wait()
         sync("manager/1")
         out["steps_after_1"] = manager.all_steps()
 
-        real_write = dispatch_io.dispatcher.write_regions
         if jax.process_index() == 1:
-            tally_writes(fail_keypath="['w']", error=lambda: OSError(errno.ENOSPC, "No space left on device"))
+            runner.fail_keypath = "['w']"
+            runner.error = lambda: OSError(errno.ENOSPC, "No space left on device")
         sync("manager/2")
         start = time.monotonic()
         attempt("step_2", lambda: manager.save(2, tree).wait())
         out["elapsed"] = time.monotonic() - start
         attempt("manager_wait", manager.wait)          # the failure, once more
         attempt("manager_wait_again", manager.wait)    # and no more
-        dispatch_io.dispatcher.write_regions = real_write
+        runner.fail_keypath = None
         sync("manager/2-failed")
         out["steps_after_2"] = manager.all_steps()
         out["step_2_exists"] = os.path.lexists(manager.step_path(2))

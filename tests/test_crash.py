@@ -30,8 +30,9 @@ import numpy as np
 import pytest
 
 import dispatch_io as dio
-from conftest import assert_trees_bit_equal, worker_module
-from dispatch_io.storage import COMMITTED, MANIFEST, TMP_SUFFIX, WRITING, writer_is_gone
+from conftest import assert_trees_bit_equal, hooked_dispatcher
+from dispatch_io.storage import COMMITTED, MANIFEST, WRITING, Marker
+from dispatch_io.storage.directory import TEMPORARY
 from test_robustness import run_isolated
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -68,7 +69,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 faulthandler.dump_traceback_later(240, exit=True)   # never outlive a test that forgot us
 import jax, numpy as np
 import dispatch_io as dio
-import dispatch_io.dispatcher, dispatch_io.manager, dispatch_io.roots, dispatch_io.storage
+import dispatch_io.dispatcher, dispatch_io.manager, dispatch_io.storage.directory
 root, marker, where, kill_at = {root!r}, {marker!r}, {where!r}, {kill_at!r}
 mesh = jax.make_mesh((4, 2), ("data", "model"))
 {tree_source}
@@ -81,37 +82,46 @@ def stop_here(what):
     while True:
         time.sleep(60)
 
-manager = dio.CheckpointManager(root, dio.LocalDispatcher(host_memory_budget=1 << 20),
+class KillingRunner(dio.LocalRunner):   # once armed: stops before its kill_at-th batch write
+    calls, lock, armed = itertools.count(1), threading.Lock(), False
+
+    def open_writer(self, target, arrays):
+        writer = super().open_writer(target, arrays)
+        real_write = writer.write
+        def write(regions, buffers):
+            with self.lock:
+                n = next(self.calls) if KillingRunner.armed else 0
+            if n == kill_at:
+                stop_here(f"in batch {{n}}")
+            return real_write(regions, buffers)
+        writer.write = write
+        return writer
+
+options = dio.Options(host_memory_budget=1 << 20)
+manager = dio.CheckpointManager(root, dio.Dispatcher(options, KillingRunner(options.io_settings())),
                                 max_to_keep=1 if where == "retention" else None)
 manager.save(1, make_tree(mesh, 1)).wait()
 manager.wait()
 tree = make_tree(mesh, 2)
 
-if where == "write":               # the worker's write function, at its kill_at-th call
-    real_write, calls, lock = dispatch_io.dispatcher.write_regions, itertools.count(1), threading.Lock()
-    def write_regions(session, regions, buffers):
-        with lock:
-            n = next(calls)
-        if n == kill_at:
-            stop_here(f"in batch {{n}}")
-        return real_write(session, regions, buffers)
-    dispatch_io.dispatcher.write_regions = write_regions
+if where == "write":               # the runner's kill_at-th batch write of step 2
+    KillingRunner.armed = True
 elif where == "commit":            # manifest written, COMMITTED not yet
-    real_file = dispatch_io.storage._write_file
+    real_file = dispatch_io.storage.directory._write_file
     def _write_file(path, data, fsync):
         if os.path.basename(path) == dispatch_io.storage.COMMITTED:
             stop_here("committing: manifest written")
         return real_file(path, data, fsync)
-    dispatch_io.storage._write_file = _write_file
+    dispatch_io.storage.directory._write_file = _write_file
 elif where == "rename":            # COMMITTED written in the temporary directory, not renamed yet
     real_rename = os.rename
     def rename(src, dst):
-        if os.path.basename(src).startswith(".2" + dispatch_io.storage.TMP_SUFFIX):
+        if dispatch_io.storage.directory.TEMPORARY.parse(os.path.basename(src)) == "2":
             stop_here("committing: about to rename")
         return real_rename(src, dst)
-    dispatch_io.storage.os.rename = rename
+    dispatch_io.storage.directory.os.rename = rename
 elif where == "retention":         # step 2 committed; deleting step 1, at the kill_at-th file removed
-    real_rmtree, real_unlink, unlinks = dispatch_io.roots.shutil.rmtree, os.unlink, itertools.count(1)
+    real_rmtree, real_unlink, unlinks = dispatch_io.storage.directory.shutil.rmtree, os.unlink, itertools.count(1)
     def unlink(path, *args, **kwargs):
         if next(unlinks) == kill_at:
             stop_here(f"deleting step 1: unlink {{kill_at}}")
@@ -122,7 +132,7 @@ elif where == "retention":         # step 2 committed; deleting step 1, at the k
             return real_rmtree(path, *args, **kwargs)
         finally:
             os.unlink = real_unlink
-    dispatch_io.roots.shutil.rmtree = rmtree
+    dispatch_io.storage.directory.shutil.rmtree = rmtree
 print("saving step 2", flush=True)
 manager.save(2, tree).wait()
 manager.wait()
@@ -154,7 +164,7 @@ def wait_for_marker(child, marker, timeout=TIMEOUT) -> str:
 
 
 def temporaries(root) -> list[str]:
-    return sorted(n for n in os.listdir(root) if TMP_SUFFIX in n)
+    return sorted(n for n in os.listdir(root) if TEMPORARY.parse(n))
 
 
 def kill_mid_save(root, marker, where):
@@ -165,12 +175,12 @@ def kill_mid_save(root, marker, where):
         assert reached == {"write": "in batch 5", "commit": "committing: manifest written",
                            "rename": "committing: about to rename"}[where]
         (tmp,) = temporaries(root)
-        assert tmp.startswith(".2" + TMP_SUFFIX), tmp
+        assert TEMPORARY.parse(tmp) == "2", tmp
         tmp = root / tmp
         if where == "write":
             assert os.path.isfile(tmp / WRITING) and not os.path.exists(tmp / MANIFEST)
             # A manager opened while the writer still runs must leave its directory alone.
-            assert not writer_is_gone(tmp / WRITING)
+            assert not Marker.read(tmp / WRITING).process_gone
             with dio.LocalDispatcher(host_memory_budget=MiB) as d, dio.CheckpointManager(root, d) as alive:
                 assert alive.all_steps() == [1]
             assert os.path.isdir(tmp) and os.path.isfile(tmp / WRITING)
@@ -196,7 +206,7 @@ def test_sigkill_mid_save_never_lists_the_step_and_the_next_manager_recovers(tmp
     root = tmp_path / "root"
     tmp = kill_mid_save(root, tmp_path / "marker", where)
     if where == "write":
-        assert writer_is_gone(tmp / WRITING)                      # the killed process is provably gone
+        assert Marker.read(tmp / WRITING).process_gone            # the killed process is provably gone
     else:  # in the commit window: the manifest is written
         assert os.path.isfile(tmp / MANIFEST)
         assert os.path.isfile(tmp / COMMITTED) == (where == "rename")
@@ -288,34 +298,30 @@ W = "['w']"
 ISOLATE_W = dict(priority=lambda keypath, spec: dio.Priority.HIGH if keypath == W else dio.Priority.SYNC)
 
 
-def no_space_for(monkeypatch, dispatcher_cls, victim):
-    """The worker's write function raises ENOSPC for any batch holding ``victim``."""
-    module = worker_module(dispatcher_cls)
-    real = module.write_regions
+def no_space_for(victim):
+    """A write hook raising ENOSPC for any batch holding ``victim``; counts its failures."""
     calls = {"failed": 0}
 
-    def write_regions(session, regions, buffers):
+    def hook(regions):
         if any(r.keypath == victim for r in regions):
             calls["failed"] += 1
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(session, regions, buffers)
-
-    monkeypatch.setattr(module, "write_regions", write_regions)
-    return calls
+    return hook, calls
 
 
 @pytest.mark.parametrize("surfaces", ["wait", "save"])
-def test_no_space_left_fails_the_step_and_the_manager_goes_on(tmp_path, mesh, monkeypatch, dispatcher_cls, surfaces):
+def test_no_space_left_fails_the_step_and_the_manager_goes_on(tmp_path, mesh, dispatcher_cls, surfaces):
     """ENOSPC for ['w'] while saving step 2: the handle raises WorkerError promptly, naming the
     worker and the leaf; the manager raises it once more (from wait(), or from the next save(),
     which then saves nothing), then works; nothing of step 2 is left; step 1 is intact."""
     root = tmp_path / "root"
     step1, step2 = fault_tree(mesh, 1), fault_tree(mesh, 2)
-    with dispatcher_cls(host_memory_budget=MiB) as d, dio.CheckpointManager(root, d, max_to_keep=2) as manager:
+    with hooked_dispatcher(dispatcher_cls, host_memory_budget=MiB) as d, \
+            dio.CheckpointManager(root, d, max_to_keep=2) as manager:
         manager.save(1, step1, **ISOLATE_W).wait(TIMEOUT)
         manager.wait()
 
-        calls = no_space_for(monkeypatch, dispatcher_cls, W)
+        d.runner.write_hook, calls = no_space_for(W)
         start = time.monotonic()
         handle = manager.save(2, step2, **ISOLATE_W)
         with pytest.raises(dio.WorkerError) as info:
@@ -337,7 +343,7 @@ def test_no_space_left_fails_the_step_and_the_manager_goes_on(tmp_path, mesh, mo
 
         assert manager.all_steps() == [1] and manager.latest_step() == 1
         assert sorted(os.listdir(root)) == ["1"]   # no step 2, no temporary directory
-        monkeypatch.undo()
+        d.runner.write_hook = None
         if surfaces == "wait":
             with pytest.raises(dio.WorkerError) as again:
                 manager.wait()

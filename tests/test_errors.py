@@ -16,7 +16,7 @@ import dispatch_io as dio
 import dispatch_io.save
 import workers.tensorstore_io
 import storage_helpers as stored
-from conftest import assert_trees_bit_equal, worker_module
+from conftest import assert_trees_bit_equal, fail_batches_of, hooked_dispatcher
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60
@@ -246,25 +246,13 @@ def priority_isolating(victim):
     return lambda keypath, spec: dio.Priority.HIGH if keypath == victim else dio.Priority.SYNC
 
 
-def fail_writes_of(monkeypatch, dispatcher_cls, victim):
-    """Make the worker write function fail with ENOSPC for batches holding ``victim``."""
-    module = worker_module(dispatcher_cls)
-    real = module.write_regions
-
-    def write_regions(session, regions, buffers):
-        if any(r.keypath == victim for r in regions):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(session, regions, buffers)
-
-    monkeypatch.setattr(module, "write_regions", write_regions)
-
-
 @pytest.mark.parametrize("layer", ["worker_function", "tensorstore"])
 def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, layer, dispatcher_cls):
     victim = "['victim']"
     path = tmp_path / "ckpt"
-    if layer == "worker_function":   # the worker function itself fails, as a remote worker might
-        fail_writes_of(monkeypatch, dispatcher_cls, victim)
+    hook = None
+    if layer == "worker_function":   # the runner's write fails, as a remote worker might
+        hook = fail_batches_of(victim)
     else:                            # TensorStore fails inside the real worker function
         real_array = workers.tensorstore_io.Session.array
 
@@ -276,7 +264,7 @@ def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, la
         monkeypatch.setattr(workers.tensorstore_io.Session, "array", array)
 
     tree = failing_tree(mesh)
-    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
+    with hooked_dispatcher(dispatcher_cls, hook, host_memory_budget=64 * KiB) as d:
         handle = d.save(path, tree, priority=priority_isolating(victim))
         with pytest.raises(dio.WorkerError) as info:
             handle.wait(TIMEOUT)
@@ -295,23 +283,15 @@ def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, la
         assert_not_committed(path)
 
         monkeypatch.undo()
+        d.runner.write_hook = None
         d.save(path, tree).wait(TIMEOUT)             # the same dispatcher, the same path
         assert_trees_bit_equal(d.restore(path), jax.device_get(tree))
 
 
 def test_failing_write_of_a_mixed_batch_names_its_leaves(tmp_path, monkeypatch, dispatcher_cls):
     """A worker failure that names no leaf is attributed to the leaves of the batch it wrote."""
-    module = worker_module(dispatcher_cls)
-    real = module.write_regions
-
-    def write_regions(session, regions, buffers):
-        if any(r.keypath == "['b']" for r in regions):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(session, regions, buffers)
-
-    monkeypatch.setattr(module, "write_regions", write_regions)
     tree = {"a": np.ones(4, np.float32), "b": np.zeros(4, np.float32)}   # one batch
-    with dispatcher_cls(host_memory_budget=MiB) as d:
+    with hooked_dispatcher(dispatcher_cls, fail_batches_of("['b']"), host_memory_budget=MiB) as d:
         with pytest.raises(dio.WorkerError) as info:
             d.save(tmp_path / "ckpt", tree, priority=lambda k, s: dio.Priority.LOW).wait(TIMEOUT)
     assert "['a']" in str(info.value) and "['b']" in str(info.value), str(info.value)
@@ -330,8 +310,7 @@ def test_failure_after_sync_copies_surfaces_from_wait_only(tmp_path, mesh, monke
 
     monkeypatch.setattr(dispatch_io.save.SaveRun, "wait_until_sync_copied", late_wakeup)
     victim = "['victim']"
-    fail_writes_of(monkeypatch, dispatcher_cls, victim)
-    with dispatcher_cls(host_memory_budget=64 * KiB) as d:
+    with hooked_dispatcher(dispatcher_cls, fail_batches_of(victim), host_memory_budget=64 * KiB) as d:
         handle = d.save(tmp_path / "ckpt", failing_tree(mesh), priority=priority_isolating(victim))
         assert handle.done()
         with pytest.raises(dio.WorkerError, match=r"\['victim'\]"):
@@ -504,3 +483,11 @@ def test_saves_to_one_path_from_two_threads_are_serialized(tmp_path, mesh, dispa
         restored = d.restore(path, trees[0])
     assert any(np.asarray(restored["w"]).tobytes() == np.asarray(t["w"]).tobytes() for t in trees)
     assert sorted(os.listdir(tmp_path)) == ["latest"]
+
+
+@pytest.mark.parametrize("flag", ["partial", "cast"])
+def test_partial_or_cast_without_a_target_is_refused(tmp_path, dispatcher, flag):
+    """They would mean nothing with target=None (every leaf as saved): never silently ignored."""
+    dispatcher.save(tmp_path / "ckpt", {"a": np.ones(4, np.float32)}).wait(TIMEOUT)
+    with pytest.raises(ValueError, match=f"{flag}=True needs a target"):
+        dispatcher.restore(tmp_path / "ckpt", **{flag: True})

@@ -21,8 +21,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-from conftest import assert_trees_bit_equal, worker_module
-from dispatch_io.storage import COMMITTED, MANIFEST, WRITING, marker_json
+from conftest import assert_trees_bit_equal, fail_batches_of, hooked_dispatcher
+from dispatch_io.storage import COMMITTED, MANIFEST, WRITING, Marker
 from workers import aligned_empty
 
 KiB = 1 << 10
@@ -89,17 +89,10 @@ def is_committed(path) -> bool:
     return os.path.isfile(os.path.join(path, COMMITTED)) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
-def fail_writes(monkeypatch, dispatcher_cls=dio.LocalDispatcher):
-    """Every worker write fails with ENOSPC (``monkeypatch.undo()`` heals it)."""
-    def write_regions(session, regions, buffers):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(worker_module(dispatcher_cls), "write_regions", write_regions)
-
-
 def write_marker_from_dead_process(marker_path):
-    """A genuine ``WRITING`` marker (``storage.marker_json``) written by a process that then exits."""
-    code = ("import sys; from dispatch_io.storage import marker_json; "
-            "open(sys.argv[1], 'wb').write(marker_json())")
+    """A genuine ``WRITING`` marker (``Marker.new()``) written by a process that then exits."""
+    code = ("import sys; from dispatch_io.storage import Marker; "
+            "open(sys.argv[1], 'wb').write(Marker.new().encode())")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code, os.fspath(marker_path)], cwd=REPO, env=env,
@@ -209,9 +202,10 @@ def test_retention_policy_is_exactly_the_documented_one(tmp_path):
 # ---- 2. retention after a failed save ---------------------------------------------------------------
 
 @pytest.mark.parametrize("reported_by", ["save", "wait"])
-def test_failed_save_keeps_newest_and_reports_once(tmp_path, mesh, monkeypatch, reported_by):
+def test_failed_save_keeps_newest_and_reports_once(tmp_path, mesh, reported_by):
     root = tmp_path / "ckpts"
-    manager = dio.CheckpointManager(root, max_to_keep=1)
+    dispatcher = hooked_dispatcher(dio.LocalDispatcher)
+    manager = dio.CheckpointManager(root, dispatcher, max_to_keep=1)
     try:
         manager.save(1, step_tree(mesh, 1))
         two = step_tree(mesh, 2)
@@ -220,14 +214,14 @@ def test_failed_save_keeps_newest_and_reports_once(tmp_path, mesh, monkeypatch, 
         manager.wait()
         assert manager.all_steps() == [2] and listing(root) == {"2"}
 
-        fail_writes(monkeypatch)
+        dispatcher.runner.write_hook = fail_batches_of(None)   # every write: ENOSPC
         # HIGH: save() returns at once (no SYNC leaf), so the failure surfaces from wait().
         handle = manager.save(3, step_tree(mesh, 3), priority=lambda k, s: dio.Priority.HIGH)
         assert listing(root) >= {"2"}                  # nothing deleted before a newer step committed
         with pytest.raises(dio.WorkerError, match="No space left on device") as info:
             handle.wait(TIMEOUT)
         assert isinstance(info.value, dio.CheckpointError)
-        monkeypatch.undo()
+        dispatcher.runner.write_hook = None
         # The manager's thread has seen the failure once its wait returns.
         if reported_by == "save":
             with pytest.raises(dio.WorkerError, match="No space left on device") as again:
@@ -248,15 +242,14 @@ def test_failed_save_keeps_newest_and_reports_once(tmp_path, mesh, monkeypatch, 
         assert manager.all_steps() == [4] and listing(root) == {"4"}
         assert_trees_bit_equal(manager.restore(4), expected_four)
     finally:
-        monkeypatch.undo()
         manager.close()
+        dispatcher.close()
 
 
-def test_close_raises_an_unreported_failure(tmp_path, mesh, monkeypatch):
+def test_close_raises_an_unreported_failure(tmp_path, mesh):
     root = tmp_path / "ckpts"
-    fail_writes(monkeypatch)
-    with pytest.raises(dio.WorkerError):
-        with dio.CheckpointManager(root) as manager:
+    with hooked_dispatcher(dio.LocalDispatcher, fail_batches_of(None)) as dispatcher, pytest.raises(dio.WorkerError):
+        with dio.CheckpointManager(root, dispatcher) as manager:
             manager.save(1, step_tree(mesh, 1), priority=lambda k, s: dio.Priority.LOW)
     assert listing(root) == set()
     with pytest.raises(RuntimeError):                    # closed anyway
@@ -353,8 +346,8 @@ def test_leftovers_are_cleaned_only_when_provably_ours_and_dead(tmp_path, mesh):
 
     dead = interrupted(".3.dispatch_io-tmp-0123456789ab", None)
     write_marker_from_dead_process(dead / WRITING)
-    interrupted(".4.dispatch_io-tmp-abcdef012345", marker_json())          # this live process
-    other = json.loads(marker_json())
+    interrupted(".4.dispatch_io-tmp-abcdef012345", Marker.new().encode())  # this live process
+    other = json.loads(Marker.new().encode())
     other["host"] = socket.gethostname() + "-elsewhere"
     other["pid"] = 999_999_999
     interrupted(".4.dispatch_io-tmp-0000000000ff", json.dumps(other).encode())   # another host
@@ -537,3 +530,14 @@ def test_api_edge_cases(tmp_path, mesh):
     with pytest.raises(RuntimeError):                            # the owned dispatcher is closed too
         manager.dispatcher.save(root / "9", small)
     assert listing(root) == {"1", "2", "3", "4"}
+
+
+def test_barrier_timeout_with_a_dispatcher_of_ones_own_is_refused(tmp_path):
+    """The manager cannot change a given dispatcher's options: barrier_timeout there would be
+    silently ignored, so it is a ValueError naming the dispatcher option to set instead."""
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=30) as d:
+        with pytest.raises(ValueError, match=r"barrier_timeout=10.*its Options.barrier_timeout is 30 s"):
+            dio.CheckpointManager(tmp_path / "root", d, barrier_timeout=10)
+        assert not (tmp_path / "root").exists()          # refused before anything was created
+    with dio.CheckpointManager(tmp_path / "own", barrier_timeout=10) as manager:   # the manager's own: applied
+        assert manager.dispatcher.options.barrier_timeout == 10

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal
-from dispatch_io.storage import KvLocation, kvstore_spec, marker_json
+from dispatch_io.storage import KvLocation, Marker, kvstore_spec
 from s3_server import FaultyProxy
 
 MiB = 1 << 20
@@ -129,8 +129,8 @@ def test_manager_on_s3_lists_retains_and_cleans_up(s3_prefix, mesh):
     gone = json.dumps({"host": os.uname().nodename, "pid": 2 ** 22 + 1, "started": "1", "time": 0, "id": "x"}).encode()
     put(root, "40/WRITING", gone)
     put(root, "40/arrays/manifest.ocdbt", b"partial")
-    from dispatch_io.storage import _process_start
-    alive = json.dumps({"host": os.uname().nodename, "pid": 1, "started": _process_start(1), "time": 0, "id": "y"})
+    from dispatch_io.storage.markers import process_start
+    alive = json.dumps({"host": os.uname().nodename, "pid": 1, "started": process_start(1), "time": 0, "id": "y"})
     put(root, "41/WRITING", alive.encode())
     put(root, "41/arrays/manifest.ocdbt", b"partial")
 
@@ -252,9 +252,9 @@ def test_urls_map_to_kvstores(monkeypatch):
 def test_an_unreachable_store_fails_clearly_and_soon(monkeypatch, mesh):
     """No server at the endpoint: every entry point raises an error naming the path once the
     (bounded) retries are spent, instead of retrying for a quarter of an hour."""
-    import dispatch_io.storage
+    import dispatch_io.storage.objectstore
     from s3_server import free_port
-    monkeypatch.setattr(dispatch_io.storage, "OBJECT_STORE_RETRIES",
+    monkeypatch.setattr(dispatch_io.storage.objectstore, "OBJECT_STORE_RETRIES",
                         {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"})
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_REGION", "us-east-1")
@@ -302,7 +302,7 @@ def test_a_taken_over_save_commits_nothing_and_deletes_nothing(mesh, monkeypatch
     import dispatch_io.storage as storage
     url = memory_url("takeover")
     first, second = make_tree(mesh, 1), make_tree(mesh, 2)
-    monkeypatch.setattr(storage, "marker_is_alive_here", lambda marker: False)  # as if on another host
+    monkeypatch.setattr(storage.Marker, "alive", property(lambda marker: False))  # as if on another host
     errors = []
     with dio.LocalDispatcher(host_memory_budget=64 << 10, layout=layout, write_threads=1) as a, \
             dio.LocalDispatcher(host_memory_budget=MiB, layout=layout, checksums=True) as b:
@@ -359,7 +359,7 @@ def test_our_own_failed_save_does_not_block_the_next(mesh):
     """A WRITING marker of this very process whose save is no longer running (its abort failed,
     say) is abandoned: the next save takes the prefix over instead of refusing forever."""
     url = memory_url("own")
-    put(url, "WRITING", marker_json())
+    put(url, "WRITING", Marker.new().encode())
     put(url, "arrays/0123abcd/x", b"partial")
     tree = make_tree(mesh)
     with dio.LocalDispatcher(host_memory_budget=MiB) as d:
@@ -388,7 +388,7 @@ def test_foreign_keys_are_never_deleted(mesh):
     root = memory_url("root")
     put(root, "7/manifest.json", b'{"foreign": true}')
     put(root, "8/arrays/readme.txt", b"foreign")
-    put(root, "9/DELETING", marker_json())     # an unfinished delete of ours: finished on open
+    put(root, "9/DELETING", Marker.new().encode())     # an unfinished delete of ours: finished on open
     put(root, "9/arrays/manifest.ocdbt", b"x")
     put(root, "9/notes.txt", b"someone's, left alone")
     dio.CheckpointManager(root).close()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 import weakref
 
 import jax
@@ -17,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-from conftest import assert_trees_bit_equal, host_bytes
+from conftest import RUNNERS, HookedRunner, assert_trees_bit_equal, host_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60  # seconds any single wait in these tests may take before it counts as a hang
@@ -329,7 +330,7 @@ def test_callbacks_fire_once_for_zero_size_and_single_chunk_leaves(tmp_path, dis
                             "key": tree["key"]})
 
 
-def test_write_bookkeeping_is_finished_before_wait_returns(tmp_path, mesh, monkeypatch, dispatcher_cls):
+def test_write_bookkeeping_is_finished_before_wait_returns(tmp_path, mesh, dispatcher_cls):
     """wait() must not return (nor the save commit) until every finished write has been
     accounted for: on_write_end fired, bytes counted. Write futures whose done-callbacks run
     late (as concurrent.futures allows: waiters are woken before callbacks run) expose a
@@ -342,19 +343,21 @@ def test_write_bookkeeping_is_finished_before_wait_returns(tmp_path, mesh, monke
                 fn(f)
             super().add_done_callback(late)
 
-    real_submit = dispatcher_cls.submit_write
+    class LateRunner(HookedRunner):   # every write's future runs its done-callbacks late
+        def open_writer(self, target, arrays):
+            writer = self.runner.open_writer(target, arrays)
 
-    def submit_write(self, session, regions, buffers):
-        inner = real_submit(self, session, regions, buffers)
-        outer = LateCallbacks()
-        inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception()
-                                else outer.set_result(f.result()))
-        return outer
+            def write(regions, buffers):
+                inner, outer = writer.write(regions, buffers), LateCallbacks()
+                inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception()
+                                        else outer.set_result(f.result()))
+                return outer
+            return types.SimpleNamespace(write=write, settle=writer.settle, close=writer.close)
 
-    monkeypatch.setattr(dispatcher_cls, "submit_write", submit_write)
     tree = {"a": put(mesh, random_array(0, (64, 64)), "data"), "b": random_array(1, (32, 16))}
     rec = Recorder()
-    with dispatcher_cls(host_memory_budget=1 * MiB) as d:
+    options = dio.Options(host_memory_budget=1 * MiB)
+    with dio.Dispatcher(options, LateRunner(RUNNERS[dispatcher_cls](options.io_settings()))) as d:
         stats = d.save(tmp_path / "ckpt", tree, on_write_end=rec.write).wait(TIMEOUT)
         assert collections.Counter(rec.of("write")) == collections.Counter(array_keypaths(tree))
         assert stats.bytes_written == 64 * 64 * 4 + 32 * 16 * 4

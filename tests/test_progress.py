@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
 from dispatch_io import progress as progress_lib
 from dispatch_io.progress import EVENTS, Progress, size
-from dispatch_io.restore import RestoreStats
+from dispatch_io.progress import RestoreStats
 
 MiB = 1 << 20
 LINE = re.compile(r"dispatch_io: (\w+) (\S+): (?:(\w+) )?batch (\d+)/(\d+), (.+) / (.+) \((\d+)%\), (\S+ \w+/s|-)$")

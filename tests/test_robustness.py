@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as stored
-from conftest import assert_trees_bit_equal, worker_module
+from conftest import assert_trees_bit_equal, hooked_dispatcher
 from dispatch_io.staging import StagingRing
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -260,7 +260,7 @@ def test_resource_use_is_flat_across_saves(tmp_path, dispatcher_cls):
             assert rss(range(16, 21)) <= rss(range(6, 11)) * 1.05, seen
         else:
             assert seen[20][3] <= seen[3][3] * 1.05, seen
-        assert not d._path_locks                                 # no per-path state kept
+        assert not d._paths                                      # no per-path state kept
         d.close()
         assert threading.active_count() == base_threads
         assert fds() == base_fds
@@ -362,7 +362,7 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
     Worker writes and device -> host copies fail where each dispatcher does them."""
     run_isolated(tmp_path, """
         import errno
-        import dispatch_io.colocated, dispatch_io.dispatcher, dispatch_io.manifest, dispatch_io.save, dispatch_io.storage
+        import dispatch_io.colocated, dispatch_io.dispatcher, dispatch_io.manifest, dispatch_io.save, dispatch_io.storage.directory
         import workers.colocated
         rng = np.random.default_rng(0)
         tree = {"a": jax.device_put(rng.standard_normal((64, 64), dtype=np.float32),
@@ -378,14 +378,18 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
             setattr(module, name, replacement(original))
             return lambda: setattr(module, name, original)
 
-        def fail_writes(real):
-            def write_regions(session, regions, buffers):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return write_regions
-        def interrupt_writes(real):
-            def write_regions(session, regions, buffers):
-                raise KeyboardInterrupt("write")
-            return write_regions
+        def writes_raising(error):   # the runner's writers: every write raises on an IO thread
+            def replacement(real_open_writer):
+                def open_writer(target, arrays):
+                    writer = real_open_writer(target, arrays)
+                    def raise_it():
+                        raise error
+                    writer.write = lambda regions, buffers: d.runner.threads.submit(raise_it)
+                    return writer
+                return open_writer
+            return replacement
+        fail_writes = writes_raising(OSError(errno.ENOSPC, "No space left on device"))
+        interrupt_writes = writes_raising(KeyboardInterrupt("write"))
         def interrupt_copies(real):
             def copy(*args):
                 raise KeyboardInterrupt("copy")
@@ -409,18 +413,14 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
                 return real(src, dst)
             return rename
 
-        if Dispatcher is dio.ColocatedDispatcher:   # the colocated functions call workers.colocated.write_regions
-            worker, copy = (workers.colocated, "write_regions"), (dispatch_io.colocated, "_to_colocated_cpu")
-        else:
-            worker, copy = (dispatch_io.dispatcher, "write_regions"), (dispatch_io.dispatcher, "copy_chunks_to_host")
-        cases = [
-            (*worker, fail_writes),
-            (*worker, interrupt_writes),
-            (*copy, interrupt_copies),
+        cases = [   # (what to patch, its attribute, the replacement): through the runner where it can be
+            (d.runner, "open_writer", fail_writes),
+            (d.runner, "open_writer", interrupt_writes),
+            (d.runner, "copy_to_host", interrupt_copies),
             (dispatch_io.manifest, "build", fail_manifest),
-            (dispatch_io.storage, "marker_json", fail_marker),
+            (dispatch_io.storage.Marker, "new", fail_marker),
             (dispatch_io.save.SaveRun, "start", fail_thread_start),
-            (dispatch_io.storage.os, "rename", fail_final_rename),
+            (dispatch_io.storage.directory.os, "rename", fail_final_rename),
         ]
         for module, name, replacement in cases:
             undo = patched(module, name, replacement)
@@ -430,7 +430,7 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
                     raise AssertionError(f"{name}: the save did not fail")
                 except (dio.CheckpointError, OSError, RuntimeError) as exc:
                     print(name, "->", type(exc).__name__, exc)
-                    assert name != "write_regions" or "worker 0 failed writing" in str(exc), exc
+                    assert name != "open_writer" or "worker 0 failed writing" in str(exc), exc
             finally:
                 undo()
             assert sorted(os.listdir(root)) == ["ckpt"], (name, os.listdir(root))
@@ -523,33 +523,28 @@ def test_one_array_at_two_key_paths(tmp_path, mesh, dispatcher):
 
 # ---- concurrency --------------------------------------------------------------------------------------
 
-def pause_second_read(monkeypatch, dispatcher_cls):
-    """Make restores stop before their second batch of reads until ``go`` is set."""
-    module = worker_module(dispatcher_cls)
-    real = module.read_regions
+def pause_second_read():
+    """A read hook making a restore stop before its second batch of reads until ``go`` is set."""
     calls, paused, go = [0], threading.Event(), threading.Event()
 
-    def read_regions(session, regions, out):
+    def hook(items):
         calls[0] += 1
         if calls[0] == 2:
             paused.set()
             go.wait(TIMEOUT)
-        return real(session, regions, out)
-
-    monkeypatch.setattr(module, "read_regions", read_regions)
-    return paused, go
+    return hook, paused, go
 
 
 @pytest.mark.parametrize("where", ["directory", "memory"])
-def test_restore_racing_an_overwrite_is_never_torn(tmp_path, monkeypatch, where, dispatcher_cls):
+def test_restore_racing_an_overwrite_is_never_torn(tmp_path, where, dispatcher_cls):
     """A restore that a save replaces mid-read must not return a mix of the two checkpoints."""
     path = tmp_path / "latest" if where == "directory" else f"memory://robust/{uuid.uuid4().hex}"
     old = {f"w{i}": np.full((64, 64), 1, np.float32) for i in range(4)}
     new = {f"w{i}": np.full((64, 64), 2, np.float32) for i in range(4)}
     with dispatcher_cls(host_memory_budget=MiB) as writer, \
-            dispatcher_cls(host_memory_budget=64 * KiB) as reader:   # two leaves per read batch
+            hooked_dispatcher(dispatcher_cls, host_memory_budget=64 * KiB) as reader:   # two leaves per read batch
         writer.save(path, old).wait(TIMEOUT)
-        paused, go = pause_second_read(monkeypatch, dispatcher_cls)
+        reader.runner.read_hook, paused, go = pause_second_read()
         outcome = {}
 
         def restore():
@@ -567,7 +562,7 @@ def test_restore_racing_an_overwrite_is_never_torn(tmp_path, monkeypatch, where,
         assert not thread.is_alive()
         value = outcome["value"]
         assert isinstance(value, dio.CheckpointError) and "replaced" in str(value), value
-        monkeypatch.undo()
+        reader.runner.read_hook = None
         assert_trees_bit_equal(reader.restore(path, old), new)   # again: the new one, whole
 
 

@@ -21,14 +21,15 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import math
 import pickle
 from typing import Sequence
 
 import jax
 import numpy as np
 
-from workers.tensorstore_io import (Region, Session, aligned_empty, checksum_regions, numpy_dtype, read_regions,
-                                    write_regions)
+from workers.contract import IOSettings, ReadItem, Region, numpy_dtype
+from workers.tensorstore_io import Session, checksum_regions, read_items, write_regions
 
 _HEADER = 8  # request length, little-endian uint64
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -79,39 +80,28 @@ def decode_request(request: jax.Array):
 
 @dataclasses.dataclass(frozen=True)
 class WriteRequest:
-    kvstore: dict
-    fsync: bool
-    checksums: bool
+    """Write ``regions`` (one per array argument) as writer ``writer`` of the save whose
+    arrays folder is the kvstore ``arrays``."""
+
+    arrays: dict
+    writer: str
+    settings: IOSettings
     regions: tuple[Region, ...]
-    keep_page_cache: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadItem:
-    """One result array: ``pieces`` (stored region, (start, stop) per axis of the result)
-    fill a buffer of ``shape`` / ``stored_dtype``, converted to ``dtype`` if it differs;
-    wrapped as PRNG keys when ``key_impl`` is set, or returned as raw bytes (``as_bytes``:
-    host results, whose 64-bit dtypes a jax.Array without x64 could not hold)."""
-
-    pieces: tuple[tuple[Region, tuple[tuple[int, int], ...]], ...]
-    shape: tuple[int, ...]
-    stored_dtype: str
-    dtype: str
-    key_impl: str | None = None
-    as_bytes: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
+    """Read ``items`` (one result array each) from the arrays kvstore ``kvstore``."""
+
     kvstore: dict
+    settings: IOSettings
     items: tuple[ReadItem, ...]
-    keep_page_cache: bool = False
 
 
 def _write(request: jax.Array, arrays: Sequence[jax.Array]) -> jax.Array:
     release_large_buffers_at_once()  # for the batches after this one, on a remote worker host
     req: WriteRequest = decode_request(request)
-    session = Session(req.kvstore, fsync=req.fsync, checksums=req.checksums, keep_page_cache=req.keep_page_cache)
+    session = Session.writer(req.arrays, req.writer, req.settings)
     buffers = []
     for region, array in zip(req.regions, arrays):
         host = np.asarray(array)
@@ -130,26 +120,36 @@ def _write_out_spec(request, arrays):
 
 def _read(request: jax.Array) -> list[jax.Array]:
     req: ReadRequest = decode_request(request)
-    buffers = [aligned_empty(item.shape, numpy_dtype(item.stored_dtype)) for item in req.items]
-    regions, views = [], []
-    for item, buf in zip(req.items, buffers):
-        for region, local in item.pieces:
-            regions.append(region)
-            views.append(buf[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)])
-    session = Session(req.kvstore, keep_page_cache=req.keep_page_cache)
+    session = Session(req.kvstore, req.settings)
     try:
-        read_regions(session, regions, views)
+        buffers = read_items(session, req.items)
     finally:
         session.close()
     out = []
     for item, buf in zip(req.items, buffers):
-        if item.dtype != item.stored_dtype:
-            buf = buf.astype(numpy_dtype(item.dtype))
-        if item.as_bytes:
+        if item.on_host:
             buf = buf.reshape(-1).view(np.uint8)
         array = jax.device_put(buf, request.sharding)
         out.append(jax.random.wrap_key_data(array, impl=item.key_impl) if item.key_impl else array)
     return out
+
+
+def read_out_specs(items: Sequence[ReadItem], sharding) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """What ``_read`` returns for ``items`` on the CPU device of ``sharding``: PRNG keys in their
+    logical shape with their key dtype (colocated_python converts keys at its boundary), host
+    results as raw bytes, the rest as read."""
+    specs = []
+    for item in items:
+        if item.key_impl:
+            key = jax.eval_shape(lambda impl=item.key_impl: jax.random.key(0, impl=impl))  # one key
+            logical = item.shape[:len(item.shape) - len(jax.eval_shape(jax.random.key_data, key).shape)]
+            specs.append(jax.ShapeDtypeStruct(logical, key.dtype, sharding=sharding))
+        elif item.on_host:
+            nbytes = math.prod(item.shape) * numpy_dtype(item.dtype).itemsize
+            specs.append(jax.ShapeDtypeStruct((nbytes,), np.uint8, sharding=sharding))
+        else:
+            specs.append(jax.ShapeDtypeStruct(item.shape, numpy_dtype(item.dtype), sharding=sharding))
+    return tuple(specs)
 
 
 @functools.cache
@@ -169,8 +169,8 @@ def reader(out_specs: tuple[jax.ShapeDtypeStruct, ...]):
 
 
 def _checksum(request: jax.Array) -> jax.Array:
-    kvstore, regions = decode_request(request)
-    session = Session(kvstore)
+    kvstore, settings, regions = decode_request(request)
+    session = Session(kvstore, settings)
     try:
         sums = checksum_regions(session, regions)
     finally:

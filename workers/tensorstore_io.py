@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -12,83 +11,11 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-
-class ChunkError(Exception):
-    """A read or write of one region failed; names the leaf's key path."""
-
-    def __init__(self, keypath: str, region, cause: BaseException):
-        self.keypath = keypath
-        self.region = region
-        super().__init__(f"{keypath} region {list(region)}: {type(cause).__name__}: {cause}")
-
-
-@functools.cache
-def _tensorstore_knows(name: str) -> bool:
-    try:
-        ts.dtype(name)
-        return True
-    except (ValueError, TypeError):
-        return False
-
-
-def storage_dtype_name(dtype) -> str:
-    """The TensorStore dtype a numpy/ml_dtypes dtype is stored as.
-
-    Its own name when TensorStore knows it (so other zarr readers see real values);
-    otherwise an unsigned integer of the same width holding the same bits (uint4, float6,
-    newer float8 variants), which still round-trips bit-exactly."""
-    dtype = np.dtype(dtype)
-    if _tensorstore_knows(dtype.name):
-        return dtype.name
-    return f"uint{8 * dtype.itemsize}"
-
-
-@dataclasses.dataclass(frozen=True)
-class ArraySpec:
-    """One stored array: its name under the checkpoint's ``arrays/`` and its layout."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str            # numpy / ml_dtypes name of the data
-    chunk_shape: tuple[int, ...]
-
-    @property
-    def storage_dtype(self) -> str:
-        return storage_dtype_name(self.dtype)
-
-    def tensorstore_spec(self, kvstore: dict) -> dict:
-        return {
-            "driver": "zarr3",
-            "kvstore": {**kvstore, "path": kvstore.get("path", "") + self.name + "/"},
-            "metadata": {
-                "shape": list(self.shape),
-                "data_type": self.storage_dtype,
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-            },
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class Region:
-    """A rectangular region ((start, stop), ...) of one stored array."""
-
-    array: ArraySpec
-    bounds: tuple[tuple[int, int], ...]
-    keypath: str
-
-    @property
-    def index(self):
-        return tuple(slice(lo, hi) for lo, hi in self.bounds)
-
-    @property
-    def shape(self):
-        return tuple(hi - lo for lo, hi in self.bounds)
+from workers.contract import LAYOUTS, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
 
 
 # ---- layouts: where the zarr arrays of a checkpoint keep their chunks --------------------------
 
-LAYOUTS = ("ocdbt", "files")
 _WRITER_MANIFEST = "/manifest.ocdbt"
 # OCDBT's B-tree nodes get a small cache of their own (array chunks are never cached): without
 # it every chunk read walks the tree from storage again.
@@ -180,18 +107,17 @@ def _storage(kvstore: dict) -> dict:
     return kvstore
 
 
-_memory_context = None
+@functools.cache
+def _memory_context() -> ts.Context:
+    # memory:// data lives in a context resource: every save and restore of this process must
+    # share one context to see the same data (it is process-wide by nature, like the data).
+    return ts.Context()
 
 
 def shared_context(kvstore: dict) -> ts.Context | None:
     """The process-wide context for kvstores whose data lives in a context (``memory``):
     writers and readers must share it to see each other's data. None for the rest."""
-    global _memory_context
-    if _storage(kvstore).get("driver") != "memory":
-        return None
-    if _memory_context is None:
-        _memory_context = ts.Context()
-    return _memory_context
+    return _memory_context() if _storage(kvstore).get("driver") == "memory" else None
 
 
 def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
@@ -207,19 +133,22 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
 class Session:
     """Open arrays for one save or restore, under a TensorStore context of its own.
 
-    ``kvstore`` is the TensorStore kvstore spec of the checkpoint's ``arrays/`` directory;
-    ``context`` a ``ts.Context`` (shared, e.g. for the memory kvstore) or ``None`` for a fresh
-    one that goes away with the session (no process-global cache outlives an operation).
+    ``kvstore`` is the TensorStore kvstore spec of the arrays (``layout_kvstore`` of the
+    checkpoint's arrays folder); ``settings`` says how to move bytes; ``context`` is a shared
+    ``ts.Context`` (e.g. the memory kvstore's) or ``None`` for a fresh one that goes away with
+    the session (no process-global cache outlives an operation).
     """
 
-    def __init__(self, kvstore: dict, *, context: ts.Context | None = None, fsync: bool = True,
-                 checksums: bool = False, io_concurrency: int = 16, keep_page_cache: bool = False):
+    def __init__(self, kvstore: dict, settings: IOSettings, context: ts.Context | None = None,
+                 io_concurrency: int = 16):
         self.kvstore = kvstore
-        self.fsync = fsync
+        self.fsync = settings.fsync
+        self.checksums = settings.checksums  # write_regions returns each region's crc32c
+        self.read_window = settings.read_window
         storage = _storage(kvstore)
         # Local files only: the directory whose page cache write_regions / read_regions drop.
-        self.directory = storage.get("path") if storage.get("driver") == "file" and not keep_page_cache else None
-        self.checksums = checksums  # write_regions returns each region's crc32c
+        keep = settings.keep_page_cache
+        self.directory = storage.get("path") if storage.get("driver") == "file" and not keep else None
         if context is None:
             context = shared_context(kvstore)
         # OCDBT commits once per transaction: write_regions makes each call one transaction, so
@@ -230,16 +159,20 @@ class Session:
         self.context = ts.Context(_NODE_CACHE, parent=context) if context is not None else ts.Context({
             "cache_pool": {"total_bytes_limit": 0}, **_NODE_CACHE,
             "file_io_concurrency": {"limit": io_concurrency},
-            "file_io_sync": fsync,
+            "file_io_sync": settings.fsync,
         })
         # The memory kvstore keeps written values by reference: they must not alias the
         # caller's buffers (reused staging), so TensorStore copies them there.
         self.reference_sources = storage.get("driver") != "memory"
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
-        # Set by a writer that creates the arrays in the background (create_arrays on another
-        # thread): writes wait for it.
-        self.arrays_created = None
+
+    @classmethod
+    def writer(cls, arrays: dict, writer: str, settings: IOSettings, context: ts.Context | None = None
+               ) -> "Session":
+        """The session of one writer (a process, a colocated host) of a save whose arrays
+        folder is ``arrays``: with the OCDBT layout, a database of its own (``layout_kvstore``)."""
+        return cls(layout_kvstore(arrays, settings.layout, writer=writer), settings, context)
 
     def create_arrays(self, arrays: Sequence[ArraySpec]):
         """Create the arrays this session will write (their metadata), before any data: in one
@@ -312,8 +245,6 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
     The buffers are referenced, not copied: the caller keeps them unchanged until this returns.
     A transactional session (OCDBT) writes them in one transaction: one commit per call.
     """
-    if session.arrays_created is not None:
-        session.arrays_created.result()
     txn = ts.Transaction() if session.transactional else None
     futures = []
     for region, buf in zip(regions, buffers):
@@ -367,13 +298,37 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     return results
 
 
-@functools.cache
-def numpy_dtype(name: str) -> np.dtype:
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-        return np.dtype(getattr(ml_dtypes, name))
+def read_items(session: Session, items: Sequence[ReadItem], out: Sequence[np.ndarray] | None = None
+               ) -> list[np.ndarray]:
+    """Read each item into a host buffer of its shape and dtype (``out[i]`` if given, else a new
+    64-byte aligned one, which ``jax.device_put`` adopts on CPU) and return the buffers.
+
+    Pieces are read in groups of at most ``session.read_window`` stored bytes, so TensorStore's
+    temporary memory stays bounded however large an item is; where the item's dtype differs from
+    the stored one (``cast=True``) each group is read as stored and converted into the buffer."""
+    buffers = list(out) if out is not None else [aligned_empty(item.shape, numpy_dtype(item.dtype)) for item in items]
+    group: list = []   # (region, destination view, whether it needs converting)
+    size = 0
+    for item, buf in zip(items, buffers):
+        convert = item.dtype != item.stored_dtype
+        for region, local in item.pieces:
+            if group and size + region.nbytes > session.read_window:
+                _read_group(session, group)
+                group, size = [], 0
+            view = buf[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)]  # ...: a view even when 0-d
+            group.append((region, view, convert))
+            size += region.nbytes
+    if group:
+        _read_group(session, group)
+    return buffers
+
+
+def _read_group(session: Session, group: list):
+    regions = [region for region, _, _ in group]
+    read = read_regions(session, regions, [None if convert else view for _, view, convert in group])
+    for (_, view, convert), piece in zip(group, read):
+        if convert:
+            np.copyto(view, piece, casting="unsafe")
 
 
 def checksum_regions(session: Session, regions: Sequence[Region]) -> list[int]:

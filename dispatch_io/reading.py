@@ -1,0 +1,151 @@
+"""Reading a checkpoint: one pipelined loop, used by restore and verify on every runner.
+
+:func:`pipelined` is the loop: batches go to the runner's reader with at most two in flight
+(the next one reads while this one's results are placed or compared), each is counted on the
+progress, and a failure waits for the reads still in flight before it is raised -- nothing
+reads into a buffer, or from a session, that the caller has let go of.
+
+* :func:`read_outputs` (restore): every distinct region this process holds is one
+  :class:`~workers.ReadItem` (read once even where several devices hold it), its pieces
+  no larger than the chunk limit; items are packed into batches of at most half the budget.
+* :func:`verify_outputs` (``verify=True`` and ``Dispatcher.verify``): every stored chunk the
+  restore needs, read whole, and its CRC-32C compared with the one saved in the manifest.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import math
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from dispatch_io.batches import pack
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError, WorkerError
+from dispatch_io.plan import storage_chunk_shape
+from dispatch_io.progress import Progress
+from dispatch_io.restore import HOST, Output, output_regions
+from workers import ReadItem, Region
+
+
+def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futures.Future],
+              consume: Callable[[list, object], None], size: Callable[[list], int], progress: Progress,
+              phase: str, failure: Callable[[BaseException, list], BaseException]):
+    """Run ``batches`` through ``submit`` (a future per batch), at most two in flight, and hand
+    each batch's result to ``consume`` in order; count each on ``progress`` (as ``phase``).
+
+    Raises ``failure(exc, batch)`` (chained to ``exc``) for the first batch that fails, once
+    nothing submitted is still running."""
+    progress.phase(phase, len(batches), sum(map(size, batches)))
+    in_flight: collections.deque = collections.deque()
+    submitted = 0
+    for batch in batches:
+        while submitted < len(batches) and len(in_flight) < 2:  # the next one reads meanwhile
+            in_flight.append(submit(batches[submitted]))
+            submitted += 1
+        try:
+            result = in_flight.popleft().result()
+        except Exception as exc:  # noqa: BLE001 - each caller says what a failed batch means
+            concurrent.futures.wait(in_flight)
+            raise failure(exc, batch) from exc
+        consume(batch, result)
+        progress.advance(size(batch))
+
+
+def needed_regions(outputs: list) -> list[tuple[Output, tuple]]:
+    """(output, region) for every distinct region this process needs; sets ``out.regions``."""
+    found = []
+    for out in outputs:
+        if not isinstance(out, Output) or out.saved.stored is None:
+            continue
+        out.regions = output_regions(out)
+        found += [(out, region) for region in out.regions]
+    return found
+
+
+def read_item(out: Output, region, chunk_limit: int) -> ReadItem:
+    """The worker's view of one region of one result: its pieces (stored bounds, bounds in the
+    region's buffer), each at most ``chunk_limit`` bytes, cut from the leading axes."""
+    saved = out.saved
+    full = out.stored_bounds(region)
+    shape = out.buffer_shape(region)
+    step = storage_chunk_shape(shape, np.dtype(out.dtype).itemsize, chunk_limit)
+    pieces = []
+    for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]):
+        local = tuple((s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
+        bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(full, local))
+        pieces.append((Region(saved.stored, bounds, saved.keypath), local))
+    home = out.regions[region][0]
+    return ReadItem(tuple(pieces), shape, np.dtype(out.dtype).name, key_impl=saved.key_impl,
+                    on_host=out.where == HOST, device=None if home is None else home.id)
+
+
+def read_outputs(reader, outputs: list, chunk_limit: int, batch_limit: int, progress: Progress):
+    """Fill every output's ``buffers`` (region -> host array, or an array on a colocated CPU
+    device) through ``reader``, under the budget; counted on ``progress`` as ``read``."""
+    work = [(out, region, read_item(out, region, chunk_limit)) for out, region in needed_regions(outputs)]
+    batches = [items for items, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
+
+    def consume(batch, arrays):
+        for (out, region, _), array in zip(batch, arrays):
+            out.buffers[region] = array
+
+    def failure(exc, batch):
+        keypath = getattr(exc, "keypath", None) or batch[0][2].keypath
+        worker = jax.process_index()
+        return WorkerError(f"worker {worker} failed reading {keypath} from {progress.path}: "
+                           f"{type(exc).__name__}: {exc}", worker=worker, keypath=keypath)
+
+    pipelined(batches, lambda batch: reader.read([item for _, _, item in batch]), consume,
+              lambda batch: sum(item.nbytes for _, _, item in batch), progress, "read", failure)
+
+
+def _stored_cells(out: Output, region):
+    """(grid index, bounds) of every stored chunk overlapping ``region`` (whole chunks)."""
+    stored = out.saved.stored
+    axes = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(out.stored_bounds(region), stored.chunk_shape)]
+    for grid in itertools.product(*axes):
+        yield grid, tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, stored.chunk_shape, stored.shape))
+
+
+def verify_outputs(reader, outputs: list, batch_limit: int, progress: Progress, *, compare: bool = True):
+    """Check every stored chunk the outputs need against the CRC-32C saved in the manifest.
+
+    Each chunk is read whole by ``reader.checksums``, at most ``batch_limit`` bytes a call and
+    two calls at a time, so host memory stays within the budget (or two chunks, for chunks
+    over half of it) however large the leaves. Raises CorruptCheckpointError naming every bad
+    chunk's key path. ``compare=False`` (a checkpoint saved without checksums): only read every
+    chunk, which still finds what cannot be read or decoded. Counted on ``progress`` as ``verify``."""
+    display = progress.path
+    cells = {}
+    for out, region in needed_regions(outputs):
+        if compare and out.saved.checksums is None:
+            raise CheckpointError(f"{display} was saved without checksums (Options(checksums=True)): "
+                                  f"cannot verify {out.saved.keypath}")
+        for grid, bounds in _stored_cells(out, region):
+            cells[(out.saved.keypath, grid)] = (out, Region(out.saved.stored, bounds, out.saved.keypath))
+    work = [(grid, out, region) for (_, grid), (out, region) in cells.items()]
+    batches = [batch for batch, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
+    bad = []
+
+    def consume(batch, sums):
+        for (grid, out, region), crc in zip(batch, sums):
+            expected = out.saved.checksums.get(tuple(grid)) if compare else crc
+            if expected != crc:
+                bad.append((region.keypath, grid, region.bounds, expected, crc))
+
+    def failure(exc, batch):
+        keypath = getattr(exc, "keypath", None) or batch[0][2].keypath
+        return CorruptCheckpointError(f"cannot read {keypath} from {display} to verify it: "
+                                      f"{type(exc).__name__}: {exc}", keypath=keypath)
+
+    pipelined(batches, lambda batch: reader.checksums([region for _, _, region in batch]), consume,
+              lambda batch: sum(region.nbytes for _, _, region in batch), progress, "verify", failure)
+    if bad:
+        lines = "\n".join(f"  {k} chunk {list(g)} (region {[list(b) for b in r]}): saved crc32c "
+                          f"{'none' if e is None else f'{e:08x}'}, read {c:08x}" for k, g, r, e, c in bad)
+        raise CorruptCheckpointError(f"{display}: {len(bad)} chunk(s) do not match their checksums:\n{lines}",
+                                     keypath=bad[0][0], chunk=bad[0][1])

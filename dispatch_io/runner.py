@@ -1,0 +1,195 @@
+"""Where worker code runs: the small interface a dispatcher is given, and the in-process runner.
+
+A :class:`Runner` answers five questions for the save and restore drivers, which never see a
+dispatcher:
+
+* ``open_writer(target, arrays)``: a :class:`Writer` for this process's part of a save (its
+  arrays created in the background); ``writer.write(regions, buffers)`` writes one batch.
+* ``copy_to_host(plan, chunks, sources, staging)``: one batch off its devices.
+* ``open_reader(kvstore, context)``: a :class:`Reader` of a checkpoint's arrays;
+  ``reader.read(items)`` reads :class:`~workers.ReadItem` s, ``reader.checksums(regions)``
+  computes CRC-32Cs of stored regions.
+* ``threads``: the :class:`IOThreads` its calls run on (callbacks run there too).
+
+Every call that does IO returns a ``concurrent.futures.Future``; workers get plain data only.
+:class:`LocalRunner` runs the worker functions on a thread pool in this process;
+``dispatch_io.colocated.ColocatedRunner`` runs them through ``colocated_python``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Protocol, Sequence
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from dispatch_io.batches import aligned
+from dispatch_io.plan import Chunk, Plan
+from dispatch_io.storage import WriteTarget
+from workers import (ArraySpec, ChunkError, IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
+                     write_regions)
+
+_current = threading.local()  # .owner: the IOThreads the running thread belongs to
+
+
+class IOThreads:
+    """The threads one dispatcher runs its IO and callbacks on: a pool, and threads that mark
+    themselves (save drivers). ``is_current()`` tells a call made from one of them, which
+    must not wait for the dispatcher (it would wait for itself)."""
+
+    def __init__(self, count: int, name: str):
+        self.name = name
+        self.pool = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix=name, initializer=self.mark)
+
+    def mark(self):
+        """Count the calling thread as one of these."""
+        _current.owner = self
+
+    def is_current(self) -> bool:
+        return getattr(_current, "owner", None) is self
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        return self.pool.submit(fn, *args)
+
+    def shutdown(self):
+        self.pool.shutdown(wait=True)
+
+
+class Writer(Protocol):
+    def write(self, regions: Sequence[Region], buffers: Sequence) -> concurrent.futures.Future:
+        """Write a batch; resolves to the CRC-32C of each region (None without checksums)."""
+
+    def settle(self):
+        """Wait until nothing of this writer runs in the background any more."""
+
+    def close(self):
+        ...
+
+
+class Reader(Protocol):
+    def read(self, items: Sequence[ReadItem]) -> concurrent.futures.Future:
+        """Read the items; resolves to one array per item (numpy, or on a colocated CPU device)."""
+
+    def checksums(self, regions: Sequence[Region]) -> concurrent.futures.Future:
+        """Resolves to the CRC-32C of each stored region's bytes."""
+
+    def close(self):
+        ...
+
+
+class Runner(Protocol):
+    threads: IOThreads
+    host_staging: bool  # copies land in the staging ring (False: elsewhere; the ring only counts bytes)
+
+    def open_writer(self, target: WriteTarget, arrays: Sequence[tuple[int | None, ArraySpec]]) -> Writer:
+        """A writer of this process's chunks into ``target``; ``arrays`` are (device id, array)
+        pairs: the arrays to create, and which device's host writes them."""
+
+    def copy_to_host(self, plan: Plan, chunks: Sequence[Chunk], sources, staging) -> list:
+        """The chunks' data on the host (numpy views of ``staging``, or arrays on colocated CPU
+        devices), in order; raises ChunkError naming the chunk that failed."""
+
+    def open_reader(self, kvstore: dict, context: ts.Context | None) -> Reader:
+        ...
+
+    def close(self):
+        ...
+
+
+class LocalRunner:
+    """Runs the worker functions in this process on ``settings.threads`` threads: one writer
+    per JAX process (``p<index>``), host copies straight into the staging ring."""
+
+    host_staging = True
+
+    def __init__(self, settings: IOSettings, threads: IOThreads | None = None):
+        self.settings = settings
+        self.threads = threads or IOThreads(settings.threads, "dispatch_io-worker")
+
+    def open_writer(self, target: WriteTarget, arrays) -> "LocalWriter":
+        session = Session.writer(target.kvstore, f"p{jax.process_index()}", self.settings, target.context)
+        return LocalWriter(self.threads, session, list(dict.fromkeys(array for _, array in arrays)))
+
+    def copy_to_host(self, plan, chunks, sources, staging):
+        return copy_chunks_to_host(plan, chunks, sources, staging)
+
+    def open_reader(self, kvstore: dict, context) -> "LocalReader":
+        return LocalReader(self.threads, Session(kvstore, self.settings, context))
+
+    def close(self):
+        self.threads.shutdown()
+
+
+class LocalWriter:
+    def __init__(self, threads: IOThreads, session: Session, arrays: list[ArraySpec]):
+        self._threads, self._session = threads, session
+        # In the background: SYNC copies need not wait for the arrays' metadata, only writes do.
+        self._created = threads.submit(session.create_arrays, arrays)
+
+    def write(self, regions, buffers):
+        return self._threads.submit(self._write, regions, buffers)
+
+    def _write(self, regions, buffers):
+        self._created.result()
+        return write_regions(self._session, regions, buffers)
+
+    def settle(self):
+        concurrent.futures.wait([self._created])
+
+    def close(self):
+        self._session.close()
+
+
+class LocalReader:
+    def __init__(self, threads: IOThreads, session: Session):
+        self._threads, self._session = threads, session
+
+    def read(self, items):
+        return self._threads.submit(read_items, self._session, items)
+
+    def checksums(self, regions):
+        return self._threads.submit(checksum_regions, self._session, regions)
+
+    def close(self):
+        self._session.close()
+
+
+def platform(array) -> str:
+    """The platform (``cpu``, ``gpu``, ``tpu``) of the devices holding ``array``."""
+    return next(iter(array.sharding.device_set)).platform
+
+
+def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources, staging: np.ndarray) -> list[np.ndarray]:
+    """Copy each chunk's region from its device shard into consecutive staging slices.
+
+    On CPU the device buffer is host memory: ``np.asarray`` views it without a copy and the
+    one copy is into staging. On accelerators the region is sliced on the device and all
+    copies of the batch are started before the first is awaited."""
+    out, pending, offset = [], [], 0
+    for chunk in chunks:
+        spec = plan.leaves[chunk.leaf]
+        try:
+            data, local = sources.locate(chunk)
+            shape = tuple(hi - lo for lo, hi in chunk.region)
+            dst = staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape)
+            offset += aligned(chunk.nbytes)
+            if isinstance(data, np.ndarray):
+                np.copyto(dst, data[local])
+            elif platform(data) == "cpu":
+                np.copyto(dst, np.asarray(data)[local])
+            else:
+                piece = data[local]
+                piece.copy_to_host_async()
+                pending.append((dst, piece, spec, chunk))
+            out.append(dst)
+        except Exception as exc:  # noqa: BLE001 - any failure is the chunk's, named by its key path
+            raise ChunkError(spec.keypath, chunk.region, exc) from exc
+    for dst, piece, spec, chunk in pending:
+        try:
+            np.copyto(dst, np.asarray(piece))
+        except Exception as exc:  # noqa: BLE001
+            raise ChunkError(spec.keypath, chunk.region, exc) from exc
+    return out

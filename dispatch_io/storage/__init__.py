@@ -1,0 +1,198 @@
+"""Where a checkpoint lives, how it is committed, and where a manager's numbered steps live.
+
+A path maps to a :class:`Location` (``Location.parse``), one implementation per backend:
+
+* a local directory (``str`` / ``os.PathLike``, relative or absolute, or ``file://``): data is
+  written into a temporary sibling (one per save, marked with a ``WRITING`` file that says who
+  made it), files and directories are fsynced, ``manifest.json`` then ``COMMITTED`` are written
+  last, and the directory is renamed into place. Nothing at ``path`` is ever half-written. See
+  :mod:`dispatch_io.storage.directory`.
+* a kvstore URL: ``s3://bucket/prefix``, ``gs://bucket/prefix`` (object stores) or ``memory://``
+  (tests): there is no rename, so a save claims the prefix (``WRITING``), writes its arrays under
+  ``arrays/<save id>/`` and the ``COMMITTED`` marker, written last, is what makes it visible.
+  Readers and listings ignore a prefix without it; an overwrite deletes the old marker first.
+  See :mod:`dispatch_io.storage.objectstore`.
+
+Both layouts are identical once committed::
+
+    <path>/manifest.json   versioned description of the tree (see manifest.py)
+    <path>/arrays/<name>/  one zarr3 array per stored leaf
+    <path>/COMMITTED       written last
+
+A :class:`StepRoot` (``StepRoot.open``) is the folder of a CheckpointManager: ``<root>/<step>/``
+is an ordinary checkpoint. Both kinds list only committed dispatch_io checkpoints with step names
+and delete only those; anything else under the root is never touched. Leftovers of killed saves
+are removed only when their markers (:mod:`dispatch_io.storage.markers`) prove them ours and dead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import tensorstore as ts
+
+from dispatch_io.errors import CheckpointError
+from dispatch_io.manifest import ARRAYS
+
+# The keys of a checkpoint (relative to its path). ARRAYS, the default folder of the arrays, is
+# the manifest's (a manifest names another one when a save wrote its arrays elsewhere).
+MANIFEST = "manifest.json"
+COMMITTED = "COMMITTED"    # written last: the checkpoint is complete (a Marker: who, and a unique id)
+WRITING = "WRITING"        # a save under way claims its directory / prefix (a Marker)
+DELETING = "DELETING"      # kvstores: a checkpoint being deleted (what is left is provably ours)
+
+STEP = re.compile(r"^(0|[1-9][0-9]*)$")   # the name of a manager's step: a number, no leading zeros
+
+
+class WriteTarget:
+    """An in-progress save: workers write arrays under ``kvstore``; then :meth:`commit` or :meth:`abort`.
+
+    Attributes: ``kvstore`` (TensorStore kvstore spec of the arrays folder), ``context`` (the
+    TensorStore context to open it with; None: any), ``token`` (lets other processes of a
+    multi-process job join it: ``Location.join_write``), ``arrays`` (where, relative to the
+    checkpoint, ``kvstore`` is; the manifest says it)."""
+
+    kvstore: dict
+    context: ts.Context | None
+    token: str
+    arrays: str = ARRAYS
+
+    def commit(self, manifest: bytes, fsync: bool = True):
+        """Write ``manifest`` (the manifest's bytes) and make the checkpoint visible, replacing
+        what was at the path. ``fsync``: make it durable first (directories).
+
+        Raises CheckpointError (or OSError) if it cannot: another save took the path over or
+        committed first, the store failed. Nothing is committed then; call :meth:`abort`."""
+        raise NotImplementedError
+
+    def abort(self):
+        """Remove what this save wrote, and nothing else."""
+        raise NotImplementedError
+
+
+class JoinedWrite(WriteTarget):
+    """The share of a save another process started (``Location.join_write``): this process only
+    writes arrays into ``kvstore``; the process that started the save commits or aborts it."""
+
+    def __init__(self, kvstore: dict, context: ts.Context | None, token: str, arrays: str = ARRAYS):
+        self.kvstore, self.context, self.token, self.arrays = kvstore, context, token, arrays
+
+    def commit(self, manifest: bytes, fsync: bool = True):
+        raise RuntimeError("only the process that started a save commits it")
+
+    def abort(self):
+        pass  # the process that started the save removes it
+
+
+class Location:
+    """A checkpoint path. ``Location.parse`` picks the implementation."""
+
+    display: str                       # the path as the user gave it, for messages
+    context: ts.Context | None = None  # shared TensorStore context (None: each session makes its own)
+
+    @staticmethod
+    def parse(path) -> "Location":
+        """The location of ``path``: a :class:`~dispatch_io.storage.objectstore.KvLocation` for a
+        URL (``s3://``, ``gs://``, ``memory://``), else a
+        :class:`~dispatch_io.storage.directory.DirectoryLocation` (a path or ``file://``).
+
+        Raises TypeError unless ``path`` is a non-empty ``str`` or ``os.PathLike``; ValueError
+        for a URL TensorStore does not support."""
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            raise TypeError(f"checkpoint path must be a non-empty str or os.PathLike, got {path!r}")
+        if path.startswith("file://"):
+            return DirectoryLocation(path[len("file://"):])
+        if "://" in path:
+            return KvLocation(path)
+        return DirectoryLocation(path)
+
+    @property
+    def key(self) -> str:
+        """Identifies the checkpoint location (saves to one key are serialized)."""
+        raise NotImplementedError
+
+    def arrays_kvstore(self, arrays: str = ARRAYS) -> dict:
+        """The kvstore of the checkpoint's ``arrays`` (``Manifest.arrays``)."""
+        raise NotImplementedError
+
+    def is_committed(self) -> bool:
+        raise NotImplementedError
+
+    def read_manifest(self) -> dict:
+        """The committed checkpoint's manifest, parsed (not validated: see manifest.py).
+
+        Raises FileNotFoundError if nothing is at the path, IncompleteCheckpointError if it holds
+        no committed checkpoint or an unreadable manifest, CheckpointError if the store fails."""
+        raise NotImplementedError
+
+    def commit_marker(self) -> bytes | None:
+        """The ``COMMITTED`` marker's bytes (unique per commit), or None if there is none."""
+        raise NotImplementedError
+
+    def check_commit_marker(self, marker: bytes | None, cause: BaseException | None = None):
+        """CheckpointError if the checkpoint is no longer the one whose marker was ``marker``:
+        another save replaced it while it was being read, so what was read may mix the two."""
+        if self.commit_marker() != marker:
+            raise CheckpointError(f"the checkpoint at {self.display} was replaced by another save while "
+                                  "it was being restored; restore it again") from cause
+
+    def start_write(self, overwrite: bool) -> WriteTarget:
+        """Start a save to this path. A committed checkpoint is replaced only with ``overwrite``,
+        anything that is not a dispatch_io checkpoint never.
+
+        Raises FileExistsError if the path is taken (see above, or another save is under way),
+        CheckpointError (or OSError) if the store fails."""
+        raise NotImplementedError
+
+    def join_write(self, token: str) -> JoinedWrite:
+        """The save another process started (its target's ``token``): this process only
+        writes arrays into it; the process that started it commits or aborts.
+
+        Raises CheckpointError if ``token`` is not a save of this path."""
+        raise NotImplementedError
+
+
+class StepRoot:
+    """The folder of a CheckpointManager's numbered steps: ``<root>/<step>/`` is a checkpoint."""
+
+    display: str
+
+    @staticmethod
+    def open(root) -> "StepRoot":
+        """The root at ``root`` (a path or URL, as for ``Location.parse``); a directory is made
+        if missing. Raises as ``Location.parse`` does."""
+        location = Location.parse(root)
+        return KvRoot(location) if isinstance(location, KvLocation) else DirectoryRoot(location)
+
+    def step_path(self, step: int) -> str:
+        """The path of ``step``'s checkpoint (for ``Location.parse``)."""
+        raise NotImplementedError
+
+    def committed_steps(self) -> list[int]:
+        """Committed dispatch_io checkpoints with step names, ascending."""
+        raise NotImplementedError
+
+    def delete(self, step: int):
+        """Unlist ``step`` at once, then remove its data (our own files only)."""
+        raise NotImplementedError
+
+    def remove_leftovers(self):
+        """Remove what killed saves and deletes left, where provably ours and dead; log (never
+        raise) what cannot be removed."""
+        raise NotImplementedError
+
+
+# The backends (they build on the definitions above).
+from dispatch_io.storage.directory import DirectoryLocation, DirectoryRoot, DirectoryWrite  # noqa: E402
+from dispatch_io.storage.markers import Marker  # noqa: E402
+from dispatch_io.storage.objectstore import KvLocation, KvRoot, KvWrite, kvstore_spec  # noqa: E402
+
+# (OBJECT_STORE_RETRIES is not re-exported: set it where kvstore_spec reads it, in objectstore.)
+__all__ = [
+    "ARRAYS", "COMMITTED", "DELETING", "MANIFEST", "STEP", "WRITING",
+    "DirectoryLocation", "DirectoryRoot", "DirectoryWrite", "JoinedWrite", "KvLocation", "KvRoot", "KvWrite",
+    "Location", "Marker", "StepRoot", "WriteTarget", "kvstore_spec",
+]

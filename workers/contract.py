@@ -1,0 +1,167 @@
+"""The contract between the controller and the workers: plain, picklable data only.
+
+Everything a worker function receives is one of these (or a TensorStore kvstore spec, a
+``dict``), so the same functions run in-process, in a colocated Python worker, or in another
+``jax.distributed`` process:
+
+* :class:`ArraySpec`: one stored array (name, shape, dtype, chunk shape).
+* :class:`Region`: a box of one stored array, named by the key path of its leaf.
+* :class:`ReadItem`: one region of a restore's result, and the stored pieces that fill it.
+* :class:`IOSettings`: how workers move bytes, built once from ``dispatch_io.Options``.
+* :class:`ChunkError`: what a worker raises when one region fails, naming its key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import tensorstore as ts
+
+LAYOUTS = ("ocdbt", "files")
+
+
+class ChunkError(Exception):
+    """A read or write of one region failed; names the leaf's key path (the cause is chained)."""
+
+    def __init__(self, keypath: str, region, cause: BaseException):
+        self.keypath = keypath
+        self.region = region
+        super().__init__(f"{keypath} region {list(region)}: {type(cause).__name__}: {cause}")
+
+
+@functools.cache
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a numpy or ml_dtypes name (``"bfloat16"``, ``"int4"``, ...)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+@functools.cache
+def _tensorstore_knows(name: str) -> bool:
+    try:
+        ts.dtype(name)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+def storage_dtype_name(dtype) -> str:
+    """The TensorStore dtype a numpy/ml_dtypes dtype is stored as.
+
+    Its own name when TensorStore knows it (so other zarr readers see real values);
+    otherwise an unsigned integer of the same width holding the same bits (uint4, float6,
+    newer float8 variants), which still round-trips bit-exactly."""
+    dtype = np.dtype(dtype)
+    if _tensorstore_knows(dtype.name):
+        return dtype.name
+    return f"uint{8 * dtype.itemsize}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """One stored array: its name under the checkpoint's arrays kvstore and its layout."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str            # numpy / ml_dtypes name of the data
+    chunk_shape: tuple[int, ...]
+
+    @property
+    def storage_dtype(self) -> str:
+        return storage_dtype_name(self.dtype)
+
+    def tensorstore_spec(self, kvstore: dict) -> dict:
+        """The zarr3 spec of this array under ``kvstore`` (the checkpoint's arrays)."""
+        return {
+            "driver": "zarr3",
+            "kvstore": {**kvstore, "path": kvstore.get("path", "") + self.name + "/"},
+            "metadata": {
+                "shape": list(self.shape),
+                "data_type": self.storage_dtype,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            },
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A rectangular region ``((start, stop), ...)`` of one stored array."""
+
+    array: ArraySpec
+    bounds: tuple[tuple[int, int], ...]
+    keypath: str
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        return tuple(slice(lo, hi) for lo, hi in self.bounds)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in self.bounds)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.array.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadItem:
+    """One region of a restore's result, as a worker reads it.
+
+    ``pieces`` are (stored region, ``((start, stop), ...)`` in the result buffer) pairs that
+    together fill a buffer of ``shape`` holding ``dtype`` (converted from the stored dtype
+    where it differs, ``cast=True``). ``key_impl``: the buffer is the ``key_data`` of PRNG keys
+    of that impl. ``on_host``: the result is wanted as host numpy, not on a device (a
+    colocated worker then ships it as raw bytes, which a jax.Array can hold in every dtype).
+    ``device``: the id of the device the result is read for first (None: host results), whose
+    colocated host reads it where that matters."""
+
+    pieces: tuple[tuple[Region, tuple[tuple[int, int], ...]], ...]
+    shape: tuple[int, ...]
+    dtype: str
+    key_impl: str | None = None
+    on_host: bool = False
+    device: int | None = None
+
+    @property
+    def stored_dtype(self) -> str:
+        return self.pieces[0][0].array.dtype
+
+    @property
+    def keypath(self) -> str:
+        return self.pieces[0][0].keypath
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.stored_dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class IOSettings:
+    """How workers move bytes: the part of ``dispatch_io.Options`` they need, as plain data.
+
+    layout: ``"ocdbt"`` or ``"files"`` (see ``workers.layout_kvstore``).
+    fsync: make written files durable before a write returns.
+    checksums: compute a CRC-32C of every written region.
+    keep_page_cache: leave the checkpoint's files in the OS page cache after IO.
+    threads: how many IO calls a runner runs at once.
+    read_window: most stored bytes one read call decodes at a time (bounds TensorStore's
+        temporary memory for regions larger than it).
+    """
+
+    layout: str = "ocdbt"
+    fsync: bool = True
+    checksums: bool = False
+    keep_page_cache: bool = False
+    threads: int = 2
+    read_window: int = 64 << 20
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
