@@ -17,39 +17,25 @@ from typing import Callable
 import jax
 
 from dispatch_io import commit as commit_lib
-from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
 from dispatch_io import reading
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Priority, make_batches, sync_overflow
 from dispatch_io.errors import WorkerError
-from dispatch_io.manifest import Manifest
 from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache
 from dispatch_io.progress import Progress, RestoreStats
 from dispatch_io.runner import LocalRunner, Runner, platform
 from dispatch_io.save import SaveHandle, SaveJob, SaveRun
 from dispatch_io.staging import StagingRing
+from dispatch_io.formats import metadata, open_checkpoint  # noqa: F401 - metadata: public here too
 from dispatch_io.storage import Location
-from workers import layout_kvstore
 
 PriorityFn = Callable[[str, jax.ShapeDtypeStruct], Priority]
 
 # A CPU device's memory is host memory: a snapshot there would be host memory outside the budget.
 NO_SNAPSHOT_PLATFORMS = ("cpu",)
-
-
-def metadata(path):
-    """The saved tree with ``jax.ShapeDtypeStruct`` leaves (PRNG keys with their key dtype),
-    Python scalars as saved. Reads only the manifest; needs no devices beyond the default."""
-    location = Location.parse(path)
-    return manifest_lib.abstract_tree(manifest_lib.parse(location.read_manifest(), location.display))
-
-
-def stored_arrays(location: Location, manifest: Manifest) -> dict:
-    """The kvstore a restore reads the arrays of ``manifest`` from (its folder, its layout)."""
-    return layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
 
 
 class PathLocks:
@@ -299,24 +285,22 @@ class Dispatcher:
         progress, times)`` appends the times it planned, verified and read at and returns
         (result, whether every chunk read was checked); returns (result, RestoreStats)."""
         started = time.perf_counter()
-        location = Location.parse(path)
-        marker = location.commit_marker()  # a save that replaces the checkpoint changes it
-        manifest = manifest_lib.parse(location.read_manifest(), location.display)
-        progress = Progress(kind, location.display, enabled=self.options.progress)
+        source = open_checkpoint(path)
+        progress = Progress(kind, source.display, enabled=self.options.progress)
         times: list[float] = []
         with progress:  # a terminal line is ended if this raises
-            reader = self.runner.open_reader(stored_arrays(location, manifest), location.context)
+            reader = self.runner.open_reader(source.arrays, source.context)
             try:
-                result, verified = work(manifest, reader, progress, times)
+                result, verified = work(source.manifest, reader, progress, times)
             except Exception as exc:
-                location.check_commit_marker(marker, exc)  # a read failure caused by a replacement
+                source.check_unchanged(exc)  # a read failure caused by a replacement
                 raise
             finally:
                 reader.close()
-            location.check_commit_marker(marker)  # else the result may mix two checkpoints
+            source.check_unchanged()  # else the result may mix two checkpoints
         phases = progress.phases.values()
         stats = RestoreStats(
-            path=location.display, bytes_read=sum(p.bytes_done for p in phases),
+            path=source.display, bytes_read=sum(p.bytes_done for p in phases),
             batches=sum(p.batches_done for p in phases), plan_seconds=times[0] - started,
             verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
             total_seconds=time.perf_counter() - started, verified=verified)

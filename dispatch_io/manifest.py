@@ -106,13 +106,15 @@ class SavedLeaf:
     stored: ArraySpec | None = None
     value: Any = None              # Python scalars
     checksums: dict | None = None  # chunk grid index (tuple) -> CRC-32C, when saved with checksums
+    sharding: Any = None           # the saved jax Sharding, where the format records one usable here
 
     @property
     def abstract(self):
-        """ShapeDtypeStruct for arrays and keys; the value itself for Python scalars."""
+        """ShapeDtypeStruct (with the saved sharding, if known) for arrays and keys; the value
+        itself for Python scalars."""
         if self.kind == tree_lib.SCALAR:
             return self.value
-        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +124,7 @@ class Manifest:
     total_bytes: int
     layout: str = "files"
     arrays: str = ARRAYS   # where the arrays are, relative to the checkpoint
+    format: str = FORMAT   # who wrote it: "dispatch_io", or "orbax" (read by dispatch_io.orbax)
 
     @property
     def has_checksums(self) -> bool:

@@ -83,7 +83,7 @@ def _output_for(saved: SavedLeaf, leaf) -> Output:
         as_scalar = isinstance(leaf, np.generic) or (leaf is None and saved.origin == "numpy_scalar")
         dtype = saved.dtype if leaf is None else np.dtype(leaf.dtype)
         return Output(saved, HOST, dtype, as_scalar=as_scalar)
-    sharding = getattr(leaf, "sharding", None)
+    sharding = getattr(leaf, "sharding", None) or saved.sharding  # the saved one, where the format has it
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     dtype = stored_dtype if key else np.dtype(leaf.dtype)

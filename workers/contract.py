@@ -64,21 +64,29 @@ def storage_dtype_name(dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ArraySpec:
-    """One stored array: its name under the checkpoint's arrays kvstore and its layout."""
+    """One stored array: its name under the checkpoint's arrays kvstore and its layout.
+
+    ``driver``: the TensorStore driver it is stored with (dispatch_io writes ``zarr3``; Orbax
+    checkpoints are also read as ``zarr``). ``missing_is_fill``: a chunk that is not stored
+    reads as the fill value (arrays whose writer skipped such chunks); otherwise a missing chunk
+    is lost data, an error."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str            # numpy / ml_dtypes name of the data
     chunk_shape: tuple[int, ...]
+    driver: str = "zarr3"
+    missing_is_fill: bool = False
 
     @property
     def storage_dtype(self) -> str:
         return storage_dtype_name(self.dtype)
 
     def tensorstore_spec(self, kvstore: dict) -> dict:
-        """The zarr3 spec of this array under ``kvstore`` (the checkpoint's arrays)."""
+        """The spec of this array under ``kvstore`` (the checkpoint's arrays); ``metadata`` is
+        what a new zarr3 array is created with (reads take the stored one)."""
         return {
-            "driver": "zarr3",
+            "driver": self.driver,
             "kvstore": {**kvstore, "path": kvstore.get("path", "") + self.name + "/"},
             "metadata": {
                 "shape": list(self.shape),

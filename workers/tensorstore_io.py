@@ -200,7 +200,8 @@ class Session:
                 else:
                     tspec = spec.tensorstore_spec(self.kvstore)
                     del tspec["metadata"]
-                    tspec["fill_missing_data_reads"] = False  # a lost chunk file is an error, not zeros
+                    if not spec.missing_is_fill:
+                        tspec["fill_missing_data_reads"] = False  # a lost chunk file is an error, not zeros
                     future = ts.open(tspec, open=True, context=self.context)
                 self._open[spec.name] = future
         return future.result()

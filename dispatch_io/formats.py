@@ -1,0 +1,104 @@
+"""Which format a checkpoint path holds, and opening it for reading.
+
+Detection looks at the files present, never tries and fails: a dispatch_io checkpoint has
+``manifest.json`` / ``COMMITTED``; an Orbax PyTree item has ``_METADATA``; an Orbax step
+directory holds exactly one such item (``default``, ``state``, ...). Anything else is read as a
+dispatch_io path, whose errors say what is missing. Orbax checkpoints are read from local
+directories (``file://`` too); URLs are always dispatch_io checkpoints.
+
+:func:`open_checkpoint` gives restore, verify, metadata and convert one view of either format:
+a :class:`~dispatch_io.manifest.Manifest`, the kvstore its arrays are read from, and a check
+that nothing replaced the checkpoint while it was read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import tensorstore as ts
+
+from dispatch_io import manifest as manifest_lib
+from dispatch_io import orbax
+from dispatch_io.errors import CheckpointError
+from dispatch_io.manifest import Manifest
+from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
+from workers import layout_kvstore
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """A committed checkpoint, ready to be read.
+
+    ``display``: the path as given; ``manifest``: what it holds (``manifest.format`` says who
+    wrote it); ``arrays``: the kvstore spec its arrays are read from, with ``context`` (None:
+    any); ``check_unchanged(cause=None)`` raises CheckpointError (chained to ``cause``) if
+    another save replaced the checkpoint since it was opened."""
+
+    display: str
+    manifest: Manifest
+    arrays: dict
+    context: ts.Context | None
+    check_unchanged: Callable[..., None]
+
+
+def orbax_item(path) -> str | None:
+    """The Orbax item directory ``path`` names (an item, or a step holding exactly one), or
+    None if ``path`` holds no Orbax checkpoint. CheckpointError for a step with several items
+    (the message lists them)."""
+    location = Location.parse(path)
+    if not isinstance(location, DirectoryLocation) or not os.path.isdir(location.path):
+        return None
+    directory = location.path
+    if os.path.exists(os.path.join(directory, MANIFEST)) or os.path.exists(os.path.join(directory, COMMITTED)):
+        return None
+    if orbax.is_item(directory):
+        return directory
+    names = orbax.items(directory)
+    if len(names) > 1:
+        raise CheckpointError(f"{location.display} is an Orbax step with {len(names)} items "
+                              f"({', '.join(names)}): name one, e.g. {os.path.join(location.display, names[0])}")
+    return os.path.join(directory, names[0]) if names else None
+
+
+def _stat(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def open_checkpoint(path) -> Opened:
+    """Open the committed checkpoint at ``path`` (dispatch_io or Orbax) for reading.
+
+    Raises TypeError / ValueError for a malformed path, FileNotFoundError if nothing is there,
+    IncompleteCheckpointError if it holds no committed checkpoint, CheckpointError for one this
+    version cannot read."""
+    item = orbax_item(path)
+    if item is not None:
+        display = os.fspath(path)
+        manifest, arrays = orbax.read(item, display)
+        metadata = os.path.join(item, orbax.METADATA)
+        before = _stat(metadata)  # Orbax replaces a checkpoint by writing a new directory
+
+        def check_orbax(cause: BaseException | None = None):
+            if _stat(metadata) != before:
+                raise CheckpointError(f"the checkpoint at {display} was replaced while it was being "
+                                      "restored; restore it again") from cause
+
+        return Opened(display, manifest, arrays, None, check_orbax)
+    location = Location.parse(path)
+    marker = location.commit_marker()  # a save that replaces the checkpoint changes it
+    manifest = manifest_lib.parse(location.read_manifest(), location.display)
+    arrays = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
+    return Opened(location.display, manifest, arrays, location.context,
+                  lambda cause=None: location.check_commit_marker(marker, cause))
+
+
+def metadata(path):
+    """The saved tree with ``jax.ShapeDtypeStruct`` leaves (PRNG keys with their key dtype;
+    the saved sharding where the format records one and its devices exist here), Python
+    scalars as saved. Reads only metadata; needs no devices beyond the default."""
+    return manifest_lib.abstract_tree(open_checkpoint(path).manifest)

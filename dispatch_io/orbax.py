@@ -1,0 +1,265 @@
+"""Reading checkpoints that Orbax wrote: an Orbax PyTree item described as a dispatch_io Manifest.
+
+Orbax (``orbax-checkpoint`` 0.12 and its v1 API) writes a PyTree item as a directory::
+
+    <item>/_METADATA              tree_metadata: one entry per leaf, keyed by a tuple-string of
+                                  its keys, with key_metadata (key_type 1: sequence, 2: dict)
+                                  and value_metadata (value_type, skip_deserialize); use_ocdbt,
+                                  use_zarr3, store_array_data_equal_to_fill_value
+    <item>/_sharding              base64(param name) -> the saved sharding, as JSON
+    <item>/_strings.json          param name -> value of string leaves
+    <item>/array_metadatas/process_<i>   param name -> ext_metadata (random_key_impl of PRNG keys)
+    <item>/manifest.ocdbt, d/, ocdbt.process_<i>/   OCDBT on: one database holding every array
+    <item>/<param name>/          OCDBT off: one zarr (v2 or v3) array per leaf
+
+The param name of a leaf is its keys joined by ``.``. Arrays and scalars (0-d arrays) are read
+through TensorStore (zarr / zarr3 / OCDBT / zstd: whatever the stored metadata says); nothing
+here parses chunk bytes. What comes out is an ordinary :class:`~dispatch_io.manifest.Manifest`,
+so restore, verify, metadata and convert treat both formats alike.
+
+Where Orbax's naming is ambiguous we restore what Orbax itself restores: dict keys come back as
+strings (an int key ``1`` is saved as ``"1"``), sequences as lists (tuples too), and a dict key
+holding a dot is kept whole (it is one entry of the key tuple).
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from dispatch_io import tree as tree_lib
+from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
+from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
+from workers import ArraySpec, layout_kvstore
+
+FORMAT = "orbax"
+METADATA = "_METADATA"                 # the PyTree item's description (its presence marks an item)
+STEP_METADATA = "_CHECKPOINT_METADATA"  # a step's (and a standalone checkpoint's) description
+COMMIT_SUCCESS = "commit_success.txt"
+TMP = ".orbax-checkpoint-tmp"          # in the name of a directory Orbax has not finalized
+
+_SEQUENCE, _DICT = 1, 2
+_EMPTY = {"Dict": dict, "List": list, "Tuple": tuple, "None": lambda: None}  # skip_deserialize nodes
+
+
+def _json(path: str):
+    with open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def is_item(directory: str) -> bool:
+    """Whether ``directory`` is an Orbax PyTree item (it holds ``_METADATA``)."""
+    return os.path.isfile(os.path.join(directory, METADATA))
+
+
+def items(step: str) -> list[str]:
+    """The names of the Orbax items in the step directory ``step`` (sorted)."""
+    try:
+        names = os.listdir(step)
+    except OSError:
+        return []
+    return sorted(n for n in names if is_item(os.path.join(step, n)))
+
+
+def is_step(directory: str) -> bool:
+    """Whether ``directory`` is an Orbax step: it holds at least one item."""
+    return bool(items(directory))
+
+
+def check_committed(directory: str, display: str):
+    """IncompleteCheckpointError unless Orbax finished the checkpoint at ``directory`` (an item
+    or a step): a temporary name, or step metadata without a commit time and no
+    ``commit_success.txt``, mean it did not."""
+    for name in (os.path.basename(directory), os.path.basename(os.path.dirname(directory))):
+        if TMP in name:
+            raise IncompleteCheckpointError(f"{display} is an Orbax checkpoint that was never committed "
+                                            f"({name!r} is a temporary directory)")
+    for folder in (directory, os.path.dirname(directory)):
+        meta = os.path.join(folder, STEP_METADATA)
+        if os.path.isfile(meta) and not os.path.isfile(os.path.join(folder, COMMIT_SUCCESS)):
+            try:
+                committed = _json(meta).get("commit_timestamp_nsecs") is not None
+            except (OSError, ValueError, AttributeError):
+                committed = False
+            if not committed:
+                raise IncompleteCheckpointError(f"{display} is an Orbax checkpoint that was never committed "
+                                                f"({folder}/{STEP_METADATA} has no commit time)")
+
+
+# ---- shardings --------------------------------------------------------------------------------
+
+def _sharding(entry: dict | None):
+    """The saved sharding as a jax Sharding, if every device it names exists here; else None."""
+    if not entry:
+        return None
+    devices = {d.id: d for d in jax.devices()}
+    if entry.get("sharding_type") == "NamedSharding":
+        ids = np.asarray(jax.tree_util.tree_map(lambda d: d["id"], entry["device_mesh"]["mesh"],
+                                                is_leaf=lambda d: isinstance(d, dict)))
+        if ids.shape != tuple(entry["shape"]) or not all(int(i) in devices for i in ids.flat):
+            return None
+        mesh = jax.sharding.Mesh(np.vectorize(lambda i: devices[int(i)], otypes=[object])(ids),
+                                 tuple(entry["axis_names"]))
+        spec = [tuple(p) if isinstance(p, list) else p for p in entry["partition_spec"]]
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    if entry.get("sharding_type") == "SingleDeviceSharding":
+        named = [d for d in devices.values() if str(d) == entry.get("device_str")]
+        return jax.sharding.SingleDeviceSharding(named[0]) if named else None
+    return None
+
+
+def _shardings(directory: str) -> dict:
+    """param name -> saved sharding description (dict), from ``_sharding`` if present."""
+    path = os.path.join(directory, "_sharding")
+    if not os.path.isfile(path):
+        return {}
+    out = {}
+    for encoded, text in _json(path).items():
+        out[base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()] = json.loads(text)
+    return out
+
+
+def _key_impls(directory: str) -> dict[str, str]:
+    """param name -> PRNG impl name, from every process's ``array_metadatas`` file."""
+    impls = {}
+    for path in sorted(glob.glob(os.path.join(directory, "array_metadatas", "process_*"))):
+        for entry in _json(path).get("array_metadatas", []):
+            meta = entry.get("array_metadata", {})
+            impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+            if impl:
+                impls[meta["param_name"]] = impl
+    return impls
+
+
+# ---- the tree -----------------------------------------------------------------------------------
+
+class _Leaf:
+    """A leaf of the tree being rebuilt: its param name and value metadata."""
+
+    def __init__(self, keys: tuple, value: dict):
+        self.name = ".".join(keys)
+        self.value = value
+
+
+def _tree(entries: dict, display: str):
+    """The saved tree with :class:`_Leaf` leaves (empty containers and None as themselves)."""
+    root: dict = {}
+    kinds: dict[tuple, int] = {}   # path of a container -> key_type of its entries
+    for text, entry in entries.items():
+        keys = entry["key_metadata"]
+        value = entry["value_metadata"]
+        node = root
+        path = ()
+        for depth, k in enumerate(keys):
+            kind = k["key_type"]
+            if kinds.setdefault(path, kind) != kind:
+                raise CheckpointError(f"{display}: malformed Orbax metadata: {text} mixes sequence and dict keys")
+            path = path + (k["key"],)
+            if depth == len(keys) - 1:
+                if value.get("skip_deserialize") and value.get("value_type") in _EMPTY:
+                    node[k["key"]] = _EMPTY[value["value_type"]]()
+                else:
+                    node[k["key"]] = _Leaf(tuple(str(x["key"]) for x in keys), value)
+            else:
+                node = node.setdefault(k["key"], {})
+
+    def build(node, path):
+        if isinstance(node, dict) and path in kinds:
+            children = {k: build(v, path + (k,)) for k, v in node.items()}
+            if kinds[path] == _SEQUENCE:
+                return [children[k] for k in sorted(children, key=int)]
+            return children
+        return node  # a leaf, or an empty container
+
+    return build(root, ())
+
+
+# ---- arrays -----------------------------------------------------------------------------------
+
+def _open_arrays(kvstore: dict, names: list[str], driver: str, context: ts.Context) -> dict:
+    """name -> opened TensorStore, all opened concurrently (one metadata read each)."""
+    futures = {n: ts.open({"driver": driver, "kvstore": {**kvstore, "path": kvstore.get("path", "") + n + "/"}},
+                          open=True, read=True, context=context) for n in names}
+    return {n: f.result() for n, f in futures.items()}
+
+
+def read(directory: str, display: str) -> tuple[Manifest, dict]:
+    """The Orbax PyTree item at ``directory`` as (Manifest, kvstore its arrays are read from).
+
+    Raises IncompleteCheckpointError for an Orbax checkpoint that was not committed and
+    CheckpointError (naming the key path where there is one) for metadata this reader does not
+    understand or arrays that cannot be opened."""
+    check_committed(directory, display)
+    try:
+        meta = _json(os.path.join(directory, METADATA))
+        entries = meta["tree_metadata"]
+        ocdbt = bool(meta.get("use_ocdbt", True))
+        driver = "zarr3" if meta.get("use_zarr3", False) else "zarr"
+        missing_is_fill = not meta.get("store_array_data_equal_to_fill_value", False)
+        strings_path = os.path.join(directory, "_strings.json")
+        strings = _json(strings_path) if os.path.isfile(strings_path) else {}
+        shardings = _shardings(directory)
+        impls = _key_impls(directory)
+        tree = _tree(entries, display)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{display}: unreadable Orbax metadata ({type(exc).__name__}: {exc})") from exc
+    flat, treedef = tree_lib.flatten(tree)
+    layout = "ocdbt" if ocdbt else "files"
+    arrays = layout_kvstore({"driver": "file", "path": os.path.abspath(directory) + "/"}, layout)
+    stored = [leaf.name for _, leaf in flat if leaf.value.get("value_type") != "string"]
+    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}})
+    try:
+        opened = _open_arrays(arrays, stored, driver, context)
+    except Exception as exc:  # noqa: BLE001 - TensorStore raises ValueError / RuntimeError kinds
+        bad = _first_unopenable(arrays, stored, driver, context)
+        keypath = next((k for k, leaf in flat if leaf.name == bad), bad)
+        raise CheckpointError(f"{display}: cannot open the Orbax array of {keypath}: {exc}") from exc
+    leaves = []
+    total = 0
+    for keypath, leaf in flat:
+        kind = leaf.value.get("value_type")
+        if kind == "string":
+            if leaf.name not in strings:
+                raise CheckpointError(f"{display}: string leaf {keypath} is missing from _strings.json")
+            leaves.append(SavedLeaf(keypath, tree_lib.SCALAR, "python", value=str(strings[leaf.name])))
+            continue
+        store = opened[leaf.name]
+        if kind == "scalar":
+            leaves.append(SavedLeaf(keypath, tree_lib.SCALAR, "python",
+                                    value=store.read().result().item()))  # as Orbax: bool, int, float
+            continue
+        if kind not in ("jax.Array", "np.ndarray"):
+            raise CheckpointError(f"{display}: {keypath} has Orbax value type {kind!r}, which dispatch_io "
+                                  "cannot read (arrays, scalars, strings, empty containers and None only)")
+        dtype = np.dtype(store.dtype.numpy_dtype)
+        shape = tuple(int(n) for n in store.shape)
+        spec = ArraySpec(leaf.name, shape, dtype.name, tuple(int(n) for n in store.chunk_layout.write_chunk.shape or ()),
+                         driver=driver, missing_is_fill=missing_is_fill)
+        total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        stored_spec = spec if all(shape) else None
+        impl = impls.get(leaf.name)
+        if impl is not None:
+            key_dims = len(jax.eval_shape(jax.random.key_data, jax.random.key(0, impl=impl)).shape)
+            leaves.append(SavedLeaf(keypath, tree_lib.KEY, "jax", shape[:len(shape) - key_dims], key_dtype(impl),
+                                    impl, stored_spec, sharding=_sharding(shardings.get(leaf.name))))
+        else:
+            origin = "jax" if kind == "jax.Array" else "numpy"
+            leaves.append(SavedLeaf(keypath, tree_lib.ARRAY, origin, shape, dtype, None, stored_spec,
+                                    sharding=_sharding(shardings.get(leaf.name))))
+    return Manifest(treedef, tuple(leaves), total, layout, arrays="", format=FORMAT), arrays
+
+
+def _first_unopenable(kvstore: dict, names: list[str], driver: str, context) -> str | None:
+    """The first array of ``names`` that cannot be opened (to name it in an error)."""
+    for name in names:
+        try:
+            _open_arrays(kvstore, [name], driver, context)
+        except Exception:  # noqa: BLE001 - this is the one
+            return name
+    return None
