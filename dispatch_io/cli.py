@@ -5,9 +5,12 @@
                                         read every stored byte (and check the CRC-32Cs, if saved),
                                         holding at most N MiB (default 256) of it at once
                                         (or two stored chunks, where those are larger)
+    dispatch-io convert SRC DST [--budget-mib N] [--layout ocdbt|files]
+                                        copy SRC (an Orbax or dispatch_io checkpoint) into a new
+                                        dispatch_io checkpoint at DST, N MiB at a time
     dispatch-io bench [ARGS...]         run benchmarks/bench.py (a source checkout) with ARGS
 
-Both read the manifest only through the library, work on a machine with a single CPU device, and
+Each reads either format (Orbax checkpoints too) only through the library, work on a machine with a single CPU device, and
 answer a bad path, an uncommitted save or a foreign directory with one line and exit status 2
 (``verify``: 1 when the checkpoint is unsound), never a traceback.
 """
@@ -38,43 +41,38 @@ def _sharding_text(sharding: dict | None) -> str:
     return sharding.get("type", "?")
 
 
-def _rows(doc: dict) -> list[dict]:
-    """One row per leaf of a (raw) manifest: what ``inspect`` shows."""
+def _rows(manifest) -> list[dict]:
+    """One row per leaf of a manifest: what ``inspect`` shows."""
     from dispatch_io import tree as tree_lib
     from workers import numpy_dtype
 
     rows = []
-    for leaf in doc["leaves"]:
-        if leaf["kind"] == tree_lib.SCALAR:
-            rows.append({"keypath": leaf["keypath"], "kind": "scalar", "shape": [], "dtype": leaf["origin"],
-                         "sharding": None, "bytes": 0, "value": leaf.get("value")})
+    for leaf in manifest.leaves:
+        if leaf.kind == tree_lib.SCALAR:
+            rows.append({"keypath": leaf.keypath, "kind": "scalar", "shape": [], "dtype": leaf.origin,
+                         "sharding": None, "bytes": 0, "value": tree_lib.encode_scalar(leaf.value)})
             continue
-        stored = leaf.get("stored")
-        nbytes = 0
-        if stored is not None:
-            nbytes = math.prod(stored["shape"]) * numpy_dtype(stored["dtype"]).itemsize
-        dtype = leaf["dtype"] + (f" ({leaf['key_impl']})" if leaf.get("key_impl") else "")
-        rows.append({"keypath": leaf["keypath"], "kind": leaf["kind"], "shape": leaf["shape"], "dtype": dtype,
-                     "sharding": leaf.get("sharding"), "bytes": nbytes})
+        stored = leaf.stored
+        nbytes = 0 if stored is None else math.prod(stored.shape) * numpy_dtype(stored.dtype).itemsize
+        dtype = str(leaf.dtype) + (f" ({leaf.key_impl})" if leaf.key_impl else "")
+        rows.append({"keypath": leaf.keypath, "kind": leaf.kind, "shape": list(leaf.shape), "dtype": dtype,
+                     "sharding": leaf.described_sharding, "bytes": nbytes})
     return rows
 
 
-def _read_manifest(path: str):
-    """(raw manifest, parsed manifest); a manifest this version cannot read fails here."""
-    from dispatch_io import manifest as manifest_lib
-    from dispatch_io.storage import Location
+def _open(path: str):
+    """The checkpoint at ``path``, opened (either format); one this version cannot read fails here."""
+    from dispatch_io.formats import open_checkpoint
 
-    location = Location.parse(path)
-    doc = location.read_manifest()
-    return doc, manifest_lib.parse(doc, location.display)
+    return open_checkpoint(path)
 
 
 def inspect(path: str, as_json: bool) -> int:
-    doc, manifest = _read_manifest(path)
-    rows = _rows(doc)
+    manifest = _open(path).manifest
+    rows = _rows(manifest)
     total = sum(r["bytes"] for r in rows)
     if as_json:
-        print(json.dumps({"path": path, "layout": doc.get("layout", "files"), "leaves": rows,
+        print(json.dumps({"path": path, "format": manifest.format, "layout": manifest.layout, "leaves": rows,
                           "total_bytes": total, "checksums": manifest.has_checksums}, indent=1))
         return 0
     table = [("key path", "shape", "dtype", "saved sharding", "bytes")]
@@ -88,8 +86,22 @@ def inspect(path: str, as_json: bool) -> int:
         if i == 0:
             print("  ".join("-" * w for w in widths))
     arrays = sum(r["kind"] != "scalar" for r in rows)
+    written_by = "" if manifest.format == "dispatch_io" else f", written by {manifest.format.capitalize()}"
     print(f"\n{len(rows)} leaves ({arrays} arrays), {humanize.naturalsize(total, binary=True)} stored "
-          f"({total} bytes), layout {doc.get('layout', 'files')}")
+          f"({total} bytes), layout {manifest.layout}{written_by}")
+    return 0
+
+
+def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt") -> int:
+    """``Dispatcher.convert``: ``src`` (Orbax or dispatch_io) into a new checkpoint at ``dst``,
+    holding at most the budget of it in memory."""
+    import dispatch_io as dio
+
+    _open(src)  # an unusable source is exit status 2, before anything is written
+    with dio.LocalDispatcher(host_memory_budget=budget_mib << 20, layout=layout) as dispatcher:
+        stats = dispatcher.convert(src, dst)
+    print(f"{dst}: {humanize.naturalsize(stats.bytes_written, binary=True)} converted from {src} "
+          f"in {stats.total_seconds:.1f} s (layout {layout})")
     return 0
 
 
@@ -98,7 +110,7 @@ def verify(path: str, budget_mib: int = 256) -> int:
     checkpoint's size (progress on stderr when it is a terminal)."""
     import dispatch_io as dio
 
-    _read_manifest(path)  # an unusable path is exit status 2, before reading
+    _open(path)  # an unusable path is exit status 2, before reading
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20) as dispatcher:
         try:
             stats = dispatcher.verify(path)
@@ -141,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("--budget-mib", type=_positive_int, default=256,
                    help="host memory the reads may hold at once, in MiB (default 256)")
+    p = commands.add_parser("convert", help="copy an Orbax (or dispatch_io) checkpoint into a new dispatch_io one")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--budget-mib", type=_positive_int, default=256,
+                   help="host memory the copy may hold at once, in MiB (default 256)")
+    p.add_argument("--layout", choices=("ocdbt", "files"), default="ocdbt", help="chunk layout of DST")
     p = commands.add_parser("bench", help="run benchmarks/bench.py; --help there lists its options",
                             add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -152,9 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return inspect(args.path, args.json)
+        if args.command == "convert":
+            return convert(args.src, args.dst, args.budget_mib, args.layout)
         return verify(args.path, args.budget_mib)
     except (CheckpointError, OSError, ValueError) as exc:  # what an unusable path raises; a bug still tracebacks
-        print(f"dispatch-io {args.command}: {exc}{_steps_hint(args.path)}", file=sys.stderr)
+        path = args.src if args.command == "convert" else args.path
+        print(f"dispatch-io {args.command}: {exc}{_steps_hint(path)}", file=sys.stderr)
         return EXIT_UNUSABLE
 
 
@@ -163,13 +184,14 @@ def _steps_hint(path: str) -> str:
     import os
 
     from dispatch_io.errors import CheckpointError
+    from dispatch_io.formats import orbax_steps
     from dispatch_io.storage import StepRoot
 
     try:
         if "://" not in path.removeprefix("file://") and not os.path.isdir(path.removeprefix("file://")):
             return ""  # (opening a directory root would create it)
         root = StepRoot.open(path)
-        steps = root.committed_steps()
+        steps = sorted(set(root.committed_steps()) | set(orbax_steps(root)))
     except (CheckpointError, OSError, ValueError):  # only a hint; the error above stands
         return ""
     if not steps:

@@ -22,13 +22,15 @@ from dispatch_io import reading
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Priority, make_batches, sync_overflow
+from dispatch_io.convert import StoredSource, plan_stored
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache
-from dispatch_io.progress import Progress, RestoreStats
+from dispatch_io.progress import Progress, RestoreStats, SaveStats
 from dispatch_io.runner import LocalRunner, Runner, platform
 from dispatch_io.save import SaveHandle, SaveJob, SaveRun
 from dispatch_io.staging import StagingRing
+from workers import Session
 from dispatch_io.formats import metadata, open_checkpoint  # noqa: F401 - metadata: public here too
 from dispatch_io.storage import Location
 
@@ -119,22 +121,57 @@ class Dispatcher:
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress)
+        run = self._launch(location, job, leaves, self.runner, overwrite)
+        run.wait_until_sync_copied()
+        return SaveHandle(run)
+
+    def _launch(self, location: Location, job: SaveJob, leaves: list, runner, overwrite: bool) -> SaveRun:
+        """Take the path's lock, open the commit (every process planned the same save; the path
+        may be written) and start the save's driver; the lock goes with the run."""
         self._paths.acquire(location.key)  # released by the run when it is over
         commit = None
         try:
             opened = self.coordinator.open(location)
-            opened.check_same_plan(plan)
+            opened.check_same_plan(job.plan)
             opened.start(overwrite)
             commit = opened
-            run = SaveRun(job, leaves, self.runner, commit, self._ring, self.runner.settings, self._finished)
+            run = SaveRun(job, leaves, runner, commit, self._ring, runner.settings, self._finished)
             self._start(run, location.key)
         except BaseException as exc:
             if commit is not None:
                 commit.abandon(exc)
             self._paths.release(location.key)
             raise
-        run.wait_until_sync_copied()
-        return SaveHandle(run)
+        return run
+
+    def convert(self, src, dst, *, overwrite: bool = False) -> SaveStats:
+        """Copy the checkpoint at ``src`` (dispatch_io, or one Orbax wrote) into a new dispatch_io
+        checkpoint at ``dst``, keeping key paths, dtypes, PRNG key impls and saved shardings.
+
+        Streams: at most the host memory budget of stored bytes is held at once, however large
+        the checkpoint; no device memory is used. Returns the save's :class:`SaveStats` once
+        ``dst`` is committed. Raises as ``restore`` does for ``src`` and as ``save`` does for
+        ``dst`` (``FileExistsError`` unless ``overwrite``); a failure leaves nothing at ``dst``."""
+        self._check_usable("convert")
+        started = time.perf_counter()
+        source = open_checkpoint(src)
+        location = Location.parse(dst)
+        plan = plan_stored(source.manifest, self.options.chunk_bytes)
+        batches = make_batches(plan, [Priority.LOW] * len(plan.leaves), self.options.batch_bytes,
+                               worker=jax.process_index())
+        job = SaveJob(plan, tuple(s.value if s.kind == tree_lib.SCALAR else None for s in source.manifest.leaves),
+                      batches, location.display, started=started, plan_seconds=time.perf_counter() - started,
+                      progress=self.options.progress)
+        local = self.runner if isinstance(self.runner, LocalRunner) else LocalRunner(self.runner.settings,
+                                                                                      self.runner.threads)
+        reader = StoredSource(local, Session(source.arrays, self.runner.settings, source.context),
+                              [s.stored for s in source.manifest.leaves])
+        try:
+            stats = SaveHandle(self._launch(location, job, [None] * len(plan.leaves), reader, overwrite)).wait()
+        finally:
+            reader.close()
+        source.check_unchanged()  # (a source replaced meanwhile: the copy may mix two checkpoints)
+        return stats
 
     def _snapshot_sync_overflow(self, plan: Plan, leaves: list, batches) -> set[int]:
         """``Options.device_snapshots``: replace the SYNC leaves beyond the host budget (on

@@ -23,7 +23,7 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io import orbax
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manifest import Manifest
-from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
+from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, DirectoryRoot, Location, StepRoot
 from workers import layout_kvstore
 
 
@@ -60,6 +60,11 @@ def orbax_item(path) -> str | None:
         raise CheckpointError(f"{location.display} is an Orbax step with {len(names)} items "
                               f"({', '.join(names)}): name one, e.g. {os.path.join(location.display, names[0])}")
     return os.path.join(directory, names[0]) if names else None
+
+
+def orbax_steps(root: StepRoot) -> list[int]:
+    """The committed Orbax steps under a manager's ``root`` (local directories only)."""
+    return orbax.committed_steps(root.display) if isinstance(root, DirectoryRoot) else []
 
 
 def _stat(path: str):

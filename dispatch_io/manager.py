@@ -27,6 +27,11 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
   (``notes/``, a numeric directory without a manifest, someone else's temporary directory) is
   neither listed nor deleted. A deleted step is first unlisted (renamed away; on object stores,
   its marker deleted), so a crash mid-delete never leaves a listed but broken step. With several processes, process 0 alone decides and deletes.
+* A directory root that Orbax's CheckpointManager wrote: its committed steps (``<root>/<step>/``
+  holding one Orbax item, e.g. ``default``) are listed and restored like ours, and new saves are
+  dispatch_io checkpoints beside them. Retention counts Orbax steps but never deletes one (it
+  logs that it kept it; remove it yourself, ``rm -r <root>/<step>``); Orbax's temporary
+  directories are never touched.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from dispatch_io.dispatcher import Dispatcher, LocalDispatcher, metadata
+from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
+from dispatch_io.formats import metadata, orbax_steps
 from dispatch_io.storage import StepRoot
 from dispatch_io.save import SaveHandle
 
@@ -105,8 +111,8 @@ class CheckpointManager:
         return self._root.step_path(step)
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return self._root.committed_steps()
+        """Committed steps, ascending: dispatch_io's, and Orbax's in a directory root."""
+        return sorted(set(self._root.committed_steps()) | set(orbax_steps(self._root)))
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -179,8 +185,14 @@ class CheckpointManager:
         return [s for s in steps if s not in recent and not (every and s % every == 0)]
 
     def _apply_retention(self):
+        """Delete the dropped steps dispatch_io wrote; never one it did not (Orbax's are kept)."""
+        ours = set(self._root.committed_steps())
         for step in self.steps_to_delete(self.all_steps()):
-            self._root.delete(step)
+            if step in ours:
+                self._root.delete(step)
+            else:
+                logging.info("dispatch_io: keeping step %d under %s: dispatch_io did not write it "
+                             "(remove it yourself to reclaim its space)", step, self.root)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 

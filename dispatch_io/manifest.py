@@ -107,6 +107,7 @@ class SavedLeaf:
     value: Any = None              # Python scalars
     checksums: dict | None = None  # chunk grid index (tuple) -> CRC-32C, when saved with checksums
     sharding: Any = None           # the saved jax Sharding, where the format records one usable here
+    described_sharding: dict | None = None  # the saved sharding for people (describe_sharding's form)
 
     @property
     def abstract(self):
@@ -171,7 +172,8 @@ def _parse(doc: dict, where: str) -> Manifest:
             None if stored is None else ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"],
                                                   tuple(stored["chunk_shape"])),
             checksums=None if stored is None or "crc32c" not in stored else {
-                tuple(int(i) for i in grid.split(",") if i): int(crc, 16) for grid, crc in stored["crc32c"].items()}))
+                tuple(int(i) for i in grid.split(",") if i): int(crc, 16) for grid, crc in stored["crc32c"].items()},
+            described_sharding=e.get("sharding")))
     treedef = tree_lib.decode_structure(doc["structure"])
     layout = doc.get("layout", "files")
     if layout not in LAYOUTS:

@@ -72,6 +72,25 @@ def is_step(directory: str) -> bool:
     return bool(items(directory))
 
 
+def committed_steps(root: str) -> list[int]:
+    """The numbered step directories under ``root`` that hold a committed Orbax checkpoint."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    steps = []
+    for name in names:
+        path = os.path.join(root, name)
+        if not (name.isdigit() and str(int(name)) == name and is_step(path)):
+            continue
+        try:
+            check_committed(path, path)
+        except IncompleteCheckpointError:
+            continue
+        steps.append(int(name))
+    return sorted(steps)
+
+
 def check_committed(directory: str, display: str):
     """IncompleteCheckpointError unless Orbax finished the checkpoint at ``directory`` (an item
     or a step): a temporary name, or step metadata without a commit time and no
@@ -114,6 +133,18 @@ def _sharding(entry: dict | None):
     return None
 
 
+def _described(entry: dict | None) -> dict | None:
+    """An Orbax sharding entry in ``manifest.describe_sharding``'s form (for inspect)."""
+    if not entry:
+        return None
+    if entry.get("sharding_type") == "NamedSharding":
+        return {"type": "NamedSharding", "mesh": dict(zip(entry["axis_names"], entry["shape"])),
+                "spec": list(entry["partition_spec"])}
+    if entry.get("sharding_type") == "SingleDeviceSharding":
+        return {"type": "SingleDeviceSharding", "device": entry.get("device_str")}
+    return {"type": entry.get("sharding_type", "?")}
+
+
 def _shardings(directory: str) -> dict:
     """param name -> saved sharding description (dict), from ``_sharding`` if present."""
     path = os.path.join(directory, "_sharding")
@@ -123,6 +154,11 @@ def _shardings(directory: str) -> dict:
     for encoded, text in _json(path).items():
         out[base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()] = json.loads(text)
     return out
+
+
+def _saved_sharding(entry: dict | None) -> dict:
+    """SavedLeaf's sharding fields for an Orbax sharding entry."""
+    return {"sharding": _sharding(entry), "described_sharding": _described(entry)}
 
 
 def _key_impls(directory: str) -> dict[str, str]:
@@ -247,11 +283,11 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
         if impl is not None:
             key_dims = len(jax.eval_shape(jax.random.key_data, jax.random.key(0, impl=impl)).shape)
             leaves.append(SavedLeaf(keypath, tree_lib.KEY, "jax", shape[:len(shape) - key_dims], key_dtype(impl),
-                                    impl, stored_spec, sharding=_sharding(shardings.get(leaf.name))))
+                                    impl, stored_spec, **_saved_sharding(shardings.get(leaf.name))))
         else:
             origin = "jax" if kind == "jax.Array" else "numpy"
             leaves.append(SavedLeaf(keypath, tree_lib.ARRAY, origin, shape, dtype, None, stored_spec,
-                                    sharding=_sharding(shardings.get(leaf.name))))
+                                    **_saved_sharding(shardings.get(leaf.name))))
     return Manifest(treedef, tuple(leaves), total, layout, arrays="", format=FORMAT), arrays
 
 

@@ -151,19 +151,25 @@ def leaf_spec(index: int, keypath: str, leaf, chunk_limit: int) -> LeafSpec:
     if kind == tree_lib.SCALAR:
         return LeafSpec(index, keypath, kind, origin="python")
     origin = "jax" if isinstance(leaf, jax.Array) else ("numpy_scalar" if isinstance(leaf, np.generic) else "numpy")
-    sharding = leaf.sharding if origin == "jax" else None
-    spec = jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sharding)
+    spec = jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=leaf.sharding if origin == "jax" else None)
     if kind == tree_lib.KEY:
         shape, dtype, impl = key_physical(leaf)
     else:
         shape, dtype, impl = tuple(leaf.shape), np.dtype(leaf.dtype), None
+    return stored_leaf_spec(index, keypath, kind, origin, spec, shape, dtype, impl, chunk_limit)
+
+
+def stored_leaf_spec(index: int, keypath: str, kind: str, origin: str, spec: jax.ShapeDtypeStruct,
+                     shape: tuple[int, ...], dtype: np.dtype, key_impl: str | None, chunk_limit: int) -> LeafSpec:
+    """The LeafSpec of an array leaf with logical ``spec`` stored as ``shape`` / ``dtype``: its
+    storage name (None when empty) and a chunk shape that tiles each shard of ``spec.sharding``."""
     storage = _storage_name(index, keypath) if math.prod(shape) else None
     shard_shape = tuple(spec.shape)
-    if sharding is not None and storage:
-        shard_shape = tuple(sharding.shard_shape(tuple(spec.shape)))
+    if spec.sharding is not None and storage:
+        shard_shape = tuple(spec.sharding.shard_shape(tuple(spec.shape)))
     shard_shape = shard_shape + shape[len(spec.shape):]  # key dims are never split across devices
     chunk_shape = storage_chunk_shape(shard_shape, dtype.itemsize, chunk_limit) if storage else ()
-    return LeafSpec(index, keypath, kind, origin, spec, shape, dtype, impl, storage, chunk_shape)
+    return LeafSpec(index, keypath, kind, origin, spec, shape, dtype, key_impl, storage, chunk_shape)
 
 
 # ---- chunks -----------------------------------------------------------------------------------
@@ -179,6 +185,12 @@ def plan_tree(tree, chunk_limit: int) -> Plan:
     """Build the plan for ``tree`` (TypeError naming the key path for unsupported leaves)."""
     flat, treedef = tree_lib.flatten(tree)
     specs = tuple(leaf_spec(i, path, leaf, chunk_limit) for i, (path, leaf) in enumerate(flat))
+    return Plan(treedef, specs, plan_chunks(specs, lambda spec: device_regions(spec.spec.sharding, spec.spec.shape)))
+
+
+def plan_chunks(specs, regions_of) -> tuple[Chunk, ...]:
+    """The chunks of every stored leaf of ``specs``; ``regions_of(spec)`` says which devices hold
+    which region of it (``device_regions``; device None: host data, written by process 0)."""
     worker_load: dict[int, int] = {}
     device_load: dict[int, int] = {}
     chunks = []
@@ -186,7 +198,7 @@ def plan_tree(tree, chunk_limit: int) -> Plan:
         if spec.storage is None:
             continue
         key_dims = tuple((0, n) for n in spec.shape[len(spec.spec.shape):])
-        for region, devices in device_regions(spec.spec.sharding, spec.spec.shape).items():
+        for region, devices in regions_of(spec).items():
             region = region + key_dims
             for cell in _split_region(region, spec.chunk_shape):
                 nbytes = math.prod(hi - lo for lo, hi in cell) * spec.dtype.itemsize
@@ -198,7 +210,7 @@ def plan_tree(tree, chunk_limit: int) -> Plan:
                 worker_load[worker] = worker_load.get(worker, 0) + nbytes
                 device_load[_id(device)] = device_load.get(_id(device), 0) + nbytes
                 chunks.append(Chunk(spec.index, cell, nbytes, _id(device), worker))
-    return Plan(treedef, specs, tuple(chunks))
+    return tuple(chunks)
 
 
 def _process(device) -> int:

@@ -1,0 +1,72 @@
+"""Converting a stored checkpoint (Orbax or dispatch_io) into a new dispatch_io checkpoint.
+
+A conversion is an ordinary save whose "device to host copy" reads the source checkpoint:
+:func:`plan_stored` plans the destination from the source's manifest (key paths, dtypes, key
+impls and saved shardings kept; every chunk read and written by process 0), and
+:class:`StoredSource` is the runner that fills each batch's staging slice straight from the
+source's arrays (TensorStore decodes into it). Everything else -- batches under the budget,
+the staging ring, writes, the commit protocol and the manifest -- is the save driver's, so the
+host memory bound and "nothing committed on failure" hold as for any save.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from dispatch_io import tree as tree_lib
+from dispatch_io.batches import aligned
+from dispatch_io.manifest import Manifest
+from dispatch_io.plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec
+from workers import ArraySpec, Region, Session, numpy_dtype, read_regions
+
+
+def plan_stored(manifest: Manifest, chunk_limit: int) -> Plan:
+    """The plan of a save holding what ``manifest`` describes, read from storage (host data)."""
+    specs = []
+    for i, saved in enumerate(manifest.leaves):
+        if saved.kind == tree_lib.SCALAR:
+            specs.append(LeafSpec(i, saved.keypath, saved.kind, origin="python"))
+            continue
+        spec = jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=saved.sharding)
+        if saved.stored is not None:
+            shape, dtype = saved.stored.shape, numpy_dtype(saved.stored.dtype)
+        elif saved.kind == tree_lib.KEY:  # zero-size: nothing stored, the logical shape says it all
+            phys = jax.eval_shape(jax.random.key_data, spec)
+            shape, dtype = tuple(phys.shape), np.dtype(phys.dtype)
+        else:
+            shape, dtype = saved.shape, np.dtype(saved.dtype)
+        specs.append(stored_leaf_spec(i, saved.keypath, saved.kind, saved.origin, spec, tuple(shape), dtype, saved.key_impl, chunk_limit))
+    specs = tuple(specs)
+    return Plan(manifest.treedef, specs, plan_chunks(specs, lambda spec: device_regions(None, spec.spec.shape)))
+
+
+class StoredSource:
+    """A runner for :func:`plan_stored` plans: ``copy_to_host`` reads each chunk from the
+    source checkpoint (``stored[leaf]``: the source array of each leaf) into the staging ring;
+    writers and threads are ``runner``'s (a ``LocalRunner``)."""
+
+    host_staging = True
+
+    def __init__(self, runner, session: Session, stored: Sequence[ArraySpec | None]):
+        self._runner, self._session, self._stored = runner, session, list(stored)
+        self.threads = runner.threads
+        self.settings = runner.settings
+
+    def open_writer(self, target, arrays):
+        return self._runner.open_writer(target, arrays)
+
+    def copy_to_host(self, plan: Plan, chunks: Sequence[Chunk], sources, staging: np.ndarray) -> list:
+        regions, out, offset = [], [], 0
+        for chunk in chunks:
+            spec = plan.leaves[chunk.leaf]
+            shape = tuple(hi - lo for lo, hi in chunk.region)
+            out.append(staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape))
+            offset += aligned(chunk.nbytes)
+            regions.append(Region(self._stored[chunk.leaf], chunk.region, spec.keypath))
+        return read_regions(self._session, regions, out)  # raises ChunkError naming the leaf
+
+    def close(self):
+        self._session.close()
