@@ -10,6 +10,7 @@ worker code runs is the runner's business (``runner.py``): :class:`LocalDispatch
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 from typing import Callable
@@ -30,7 +31,7 @@ from dispatch_io.progress import Progress, RestoreStats, SaveStats
 from dispatch_io.runner import LocalRunner, Runner, platform
 from dispatch_io.save import SaveHandle, SaveJob, SaveRun
 from dispatch_io.staging import StagingRing
-from workers import Session
+from workers import Session, numpy_dtype
 from dispatch_io.formats import metadata, open_checkpoint  # noqa: F401 - metadata: public here too
 from dispatch_io.storage import Location
 
@@ -164,7 +165,11 @@ class Dispatcher:
                       progress=self.options.progress)
         local = self.runner if isinstance(self.runner, LocalRunner) else LocalRunner(self.runner.settings,
                                                                                       self.runner.threads)
-        reader = StoredSource(local, Session(source.arrays, self.runner.settings, source.context),
+        # Stored chunks larger than ours are read in several pieces: one decoded chunk is cached.
+        largest = max((math.prod(s.stored.chunk_shape) * numpy_dtype(s.stored.dtype).itemsize
+                       for s in source.manifest.leaves if s.stored is not None), default=0)
+        cache = largest if largest > self.options.chunk_bytes else 0
+        reader = StoredSource(local, Session(source.arrays, self.runner.settings, source.context, cache_bytes=cache),
                               [s.stored for s in source.manifest.leaves])
         try:
             stats = SaveHandle(self._launch(location, job, [None] * len(plan.leaves), reader, overwrite)).wait()

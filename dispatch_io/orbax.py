@@ -123,8 +123,10 @@ def _sharding(entry: dict | None):
                                                 is_leaf=lambda d: isinstance(d, dict)))
         if ids.shape != tuple(entry["shape"]) or not all(int(i) in devices for i in ids.flat):
             return None
+        types = entry.get("axis_types")  # e.g. "AxisType.Explicit"
+        types = None if not types else tuple(getattr(jax.sharding.AxisType, t.rpartition(".")[2]) for t in types)
         mesh = jax.sharding.Mesh(np.vectorize(lambda i: devices[int(i)], otypes=[object])(ids),
-                                 tuple(entry["axis_names"]))
+                                 tuple(entry["axis_names"]), axis_types=types)
         spec = [tuple(p) if isinstance(p, list) else p for p in entry["partition_spec"]]
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     if entry.get("sharding_type") == "SingleDeviceSharding":

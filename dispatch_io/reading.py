@@ -72,12 +72,23 @@ def read_item(out: Output, region, chunk_limit: int) -> ReadItem:
     saved = out.saved
     full = out.stored_bounds(region)
     shape = out.buffer_shape(region)
-    step = storage_chunk_shape(shape, np.dtype(out.dtype).itemsize, chunk_limit)
-    pieces = []
-    for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]):
-        local = tuple((s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
-        bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(full, local))
-        pieces.append((Region(saved.stored, bounds, saved.keypath), local))
+    stored = saved.stored
+    if math.prod(stored.chunk_shape) * np.dtype(out.dtype).itemsize > chunk_limit:
+        # Stored chunks over the limit (other writers' checkpoints) are decoded whole whatever
+        # is read of them: one piece per stored chunk, so each is decoded once, not per piece.
+        cells = [bounds for _, bounds in _stored_cells(out, region)]
+        pieces = []
+        for cell in cells:
+            bounds = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(cell, full))
+            local = tuple((a - lo, b - lo) for (a, b), (lo, _) in zip(bounds, full))
+            pieces.append((Region(stored, bounds, saved.keypath), local))
+    else:
+        step = storage_chunk_shape(shape, np.dtype(out.dtype).itemsize, chunk_limit)
+        pieces = []
+        for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]):
+            local = tuple((s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
+            bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(full, local))
+            pieces.append((Region(stored, bounds, saved.keypath), local))
     home = out.regions[region][0]
     return ReadItem(tuple(pieces), shape, np.dtype(out.dtype).name, key_impl=saved.key_impl,
                     on_host=out.where == HOST, device=None if home is None else home.id)

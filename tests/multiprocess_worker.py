@@ -258,6 +258,13 @@ def restore_only(mesh, path):
         return restore_and_compare(d, path, abstract(mesh, table), mesh, table, verify=True)
 
 
+def restore_orbax(mesh, path):
+    """Restore a checkpoint Orbax wrote (from the same table, by one process) onto this job's mesh."""
+    table = entries()
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        return restore_and_compare(d, path, abstract(mesh, table), mesh, table)
+
+
 def shares(mesh, path):
     """A 4 MiB tree in 16 KiB chunks: who writes what, by dispatch_io's count and the OS's."""
     table = entries(big=True)
@@ -380,7 +387,8 @@ def process_local_leaf(mesh, path):
     return {"bytes_written": stats.bytes_written, "restored_equal": same}
 
 
-SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only, "shares": shares,
+SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only,
+             "restore_orbax": restore_orbax, "shares": shares,
              "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),
              "sleep_in_write": _sleeper("in_write")}
 

@@ -223,6 +223,21 @@ def test_checkpoints_move_between_process_counts(jobs, tmp_path):
     assert_restored(restore_two.wait(limit), restore_two)
 
 
+def test_an_orbax_checkpoint_restores_on_several_processes(jobs, tmp_path):
+    """Orbax (one process, 8 devices) writes the table; 2 processes x 4 devices restore it."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    import multiprocess_worker as worker
+
+    path = tmp_path / "orbax"
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        ckptr.save(path, args=ocp.args.PyTreeSave(worker.build(jax.make_mesh((4, 2), ("data", "model")),
+                                                               worker.entries())))
+    job = jobs("restore_orbax", path, 2, 4)
+    assert_restored(job.wait(deadline()), job)
+
+
 # ---- who writes what ---------------------------------------------------------------------------
 
 def test_each_process_writes_only_its_share(jobs, tmp_path):

@@ -136,11 +136,12 @@ class Session:
     ``kvstore`` is the TensorStore kvstore spec of the arrays (``layout_kvstore`` of the
     checkpoint's arrays folder); ``settings`` says how to move bytes; ``context`` is a shared
     ``ts.Context`` (e.g. the memory kvstore's) or ``None`` for a fresh one that goes away with
-    the session (no process-global cache outlives an operation).
+    the session (no process-global cache outlives an operation). ``cache_bytes``: decoded chunks
+    the session may keep (for reads that take a stored chunk in several pieces; default none).
     """
 
     def __init__(self, kvstore: dict, settings: IOSettings, context: ts.Context | None = None,
-                 io_concurrency: int = 16):
+                 io_concurrency: int = 16, cache_bytes: int = 0):
         self.kvstore = kvstore
         self.fsync = settings.fsync
         self.checksums = settings.checksums  # write_regions returns each region's crc32c
@@ -157,7 +158,7 @@ class Session:
         # A shared context (the memory kvstore's) is a parent: this session still gets OCDBT
         # caches of its own, which cannot be stale from an earlier save to the same place.
         self.context = ts.Context(_NODE_CACHE, parent=context) if context is not None else ts.Context({
-            "cache_pool": {"total_bytes_limit": 0}, **_NODE_CACHE,
+            "cache_pool": {"total_bytes_limit": cache_bytes}, **_NODE_CACHE,
             "file_io_concurrency": {"limit": io_concurrency},
             "file_io_sync": settings.fsync,
         })
