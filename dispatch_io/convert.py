@@ -20,7 +20,7 @@ from dispatch_io import tree as tree_lib
 from dispatch_io.batches import aligned
 from dispatch_io.manifest import Manifest
 from dispatch_io.plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec
-from workers import ArraySpec, Region, Session, numpy_dtype, read_regions
+from workers import ArraySpec, Region, Session, aligned_empty, numpy_dtype, read_regions
 
 
 def plan_stored(manifest: Manifest, chunk_limit: int) -> Plan:
@@ -45,13 +45,15 @@ def plan_stored(manifest: Manifest, chunk_limit: int) -> Plan:
 
 class StoredSource:
     """A runner for :func:`plan_stored` plans: ``copy_to_host`` reads each chunk from the
-    source checkpoint (``stored[leaf]``: the source array of each leaf) into the staging ring;
-    writers and threads are ``runner``'s (a ``LocalRunner``)."""
+    source checkpoint (``stored[leaf]``: the source array of each leaf) into the staging ring,
+    then calls ``check_unchanged()`` (which raises if the source was replaced meanwhile: the
+    save then fails before its commit); writers and threads are ``runner``'s (a ``LocalRunner``)."""
 
     host_staging = True
 
-    def __init__(self, runner, session: Session, stored: Sequence[ArraySpec | None]):
+    def __init__(self, runner, session: Session, stored: Sequence[ArraySpec | None], check_unchanged):
         self._runner, self._session, self._stored = runner, session, list(stored)
+        self._check_unchanged = check_unchanged
         self.threads = runner.threads
         self.settings = runner.settings
 
@@ -63,10 +65,15 @@ class StoredSource:
         for chunk in chunks:
             spec = plan.leaves[chunk.leaf]
             shape = tuple(hi - lo for lo, hi in chunk.region)
-            out.append(staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape))
+            if staging is None:  # a ring that only counts bytes (a colocated dispatcher's)
+                out.append(aligned_empty(shape, spec.dtype))
+            else:
+                out.append(staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape))
             offset += aligned(chunk.nbytes)
             regions.append(Region(self._stored[chunk.leaf], chunk.region, spec.keypath))
-        return read_regions(self._session, regions, out)  # raises ChunkError naming the leaf
+        read = read_regions(self._session, regions, out)  # raises ChunkError naming the leaf
+        self._check_unchanged()
+        return read
 
     def close(self):
         self._session.close()

@@ -170,13 +170,11 @@ class Dispatcher:
                        for s in source.manifest.leaves if s.stored is not None), default=0)
         cache = largest if largest > self.options.chunk_bytes else 0
         reader = StoredSource(local, Session(source.arrays, self.runner.settings, source.context, cache_bytes=cache),
-                              [s.stored for s in source.manifest.leaves])
+                              [s.stored for s in source.manifest.leaves], source.check_unchanged)
         try:
-            stats = SaveHandle(self._launch(location, job, [None] * len(plan.leaves), reader, overwrite)).wait()
+            return SaveHandle(self._launch(location, job, [None] * len(plan.leaves), reader, overwrite)).wait()
         finally:
             reader.close()
-        source.check_unchanged()  # (a source replaced meanwhile: the copy may mix two checkpoints)
-        return stats
 
     def _snapshot_sync_overflow(self, plan: Plan, leaves: list, batches) -> set[int]:
         """``Options.device_snapshots``: replace the SYNC leaves beyond the host budget (on

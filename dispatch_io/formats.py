@@ -84,14 +84,14 @@ def open_checkpoint(path) -> Opened:
     item = orbax_item(path)
     if item is not None:
         display = os.fspath(path)
-        manifest, arrays = orbax.read(item, display)
         metadata = os.path.join(item, orbax.METADATA)
         before = _stat(metadata)  # Orbax replaces a checkpoint by writing a new directory
+        manifest, arrays = orbax.read(item, display)
 
         def check_orbax(cause: BaseException | None = None):
             if _stat(metadata) != before:
                 raise CheckpointError(f"the checkpoint at {display} was replaced while it was being "
-                                      "restored; restore it again") from cause
+                                      "read; read it again") from cause
 
         return Opened(display, manifest, arrays, None, check_orbax)
     location = Location.parse(path)

@@ -67,13 +67,9 @@ def items(step: str) -> list[str]:
     return sorted(n for n in names if is_item(os.path.join(step, n)))
 
 
-def is_step(directory: str) -> bool:
-    """Whether ``directory`` is an Orbax step: it holds at least one item."""
-    return bool(items(directory))
-
-
 def committed_steps(root: str) -> list[int]:
-    """The numbered step directories under ``root`` that hold a committed Orbax checkpoint."""
+    """The numbered step directories under ``root`` that hold a committed Orbax checkpoint of one
+    item (what a restore of the step reads; a step of several items names its item instead)."""
     try:
         names = os.listdir(root)
     except OSError:
@@ -81,7 +77,7 @@ def committed_steps(root: str) -> list[int]:
     steps = []
     for name in names:
         path = os.path.join(root, name)
-        if not (name.isdigit() and str(int(name)) == name and is_step(path)):
+        if not (name.isdigit() and str(int(name)) == name and len(items(path)) == 1):
             continue
         try:
             check_committed(path, path)
@@ -113,8 +109,16 @@ def check_committed(directory: str, display: str):
 
 # ---- shardings --------------------------------------------------------------------------------
 
-def _sharding(entry: dict | None):
-    """The saved sharding as a jax Sharding, if every device it names exists here; else None."""
+def _sharding(entry: dict | None, ndim: int):
+    """The saved sharding of a leaf of rank ``ndim`` as a jax Sharding, if every device it names
+    exists here and it can be read; else None (a saved sharding is a default, never required)."""
+    try:
+        return _parse_sharding(entry, ndim)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        return None
+
+
+def _parse_sharding(entry: dict | None, ndim: int):
     if not entry:
         return None
     devices = {d.id: d for d in jax.devices()}
@@ -127,7 +131,8 @@ def _sharding(entry: dict | None):
         types = None if not types else tuple(getattr(jax.sharding.AxisType, t.rpartition(".")[2]) for t in types)
         mesh = jax.sharding.Mesh(np.vectorize(lambda i: devices[int(i)], otypes=[object])(ids),
                                  tuple(entry["axis_names"]), axis_types=types)
-        spec = [tuple(p) if isinstance(p, list) else p for p in entry["partition_spec"]]
+        # (a PRNG key's entry is its key_data's: trailing key dimensions are dropped)
+        spec = [tuple(p) if isinstance(p, list) else p for p in entry["partition_spec"]][:ndim]
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     if entry.get("sharding_type") == "SingleDeviceSharding":
         named = [d for d in devices.values() if str(d) == entry.get("device_str")]
@@ -158,9 +163,16 @@ def _shardings(directory: str) -> dict:
     return out
 
 
-def _saved_sharding(entry: dict | None) -> dict:
-    """SavedLeaf's sharding fields for an Orbax sharding entry."""
-    return {"sharding": _sharding(entry), "described_sharding": _described(entry)}
+def _saved_sharding(entry: dict | None, ndim: int) -> dict:
+    """SavedLeaf's sharding fields for an Orbax sharding entry of a leaf of rank ``ndim``."""
+    described = None
+    try:
+        described = _described(entry)
+        if described and "spec" in described:
+            described["spec"] = described["spec"][:ndim]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass
+    return {"sharding": _sharding(entry, ndim), "described_sharding": described}
 
 
 def _key_impls(directory: str) -> dict[str, str]:
@@ -192,6 +204,10 @@ def _tree(entries: dict, display: str):
     for text, entry in entries.items():
         keys = entry["key_metadata"]
         value = entry["value_metadata"]
+        if not keys:  # the whole tree is one leaf (or an empty container)
+            if value.get("skip_deserialize") and value.get("value_type") in _EMPTY:
+                return _EMPTY[value["value_type"]]()
+            return _Leaf((), value)
         node = root
         path = ()
         for depth, k in enumerate(keys):
@@ -220,10 +236,11 @@ def _tree(entries: dict, display: str):
 
 # ---- arrays -----------------------------------------------------------------------------------
 
-def _open_arrays(kvstore: dict, names: list[str], driver: str, context: ts.Context) -> dict:
+def _open_arrays(kvstore: dict, names: list[str], driver: str, context: ts.Context, missing_is_fill: bool) -> dict:
     """name -> opened TensorStore, all opened concurrently (one metadata read each)."""
-    futures = {n: ts.open({"driver": driver, "kvstore": {**kvstore, "path": kvstore.get("path", "") + n + "/"}},
-                          open=True, read=True, context=context) for n in names}
+    futures = {n: ts.open({"driver": driver, "kvstore": {**kvstore, "path": kvstore.get("path", "") + n + "/"},
+                           "fill_missing_data_reads": missing_is_fill}, open=True, read=True, context=context)
+               for n in names}
     return {n: f.result() for n, f in futures.items()}
 
 
@@ -248,14 +265,20 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{display}: unreadable Orbax metadata ({type(exc).__name__}: {exc})") from exc
     flat, treedef = tree_lib.flatten(tree)
+    owners: dict[str, str] = {}
+    for keypath, leaf in flat:
+        other = owners.setdefault(leaf.name, keypath)
+        if other != keypath:
+            raise CheckpointError(f"{display}: {other} and {keypath} are both stored as {leaf.name!r} in this Orbax "
+                                  "checkpoint (their keys joined by '.'): which is which cannot be told")
     layout = "ocdbt" if ocdbt else "files"
     arrays = layout_kvstore({"driver": "file", "path": os.path.abspath(directory) + "/"}, layout)
     stored = [leaf.name for _, leaf in flat if leaf.value.get("value_type") != "string"]
     context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}})
     try:
-        opened = _open_arrays(arrays, stored, driver, context)
+        opened = _open_arrays(arrays, stored, driver, context, missing_is_fill)
     except Exception as exc:  # noqa: BLE001 - TensorStore raises ValueError / RuntimeError kinds
-        bad = _first_unopenable(arrays, stored, driver, context)
+        bad = _first_unopenable(arrays, stored, driver, context, missing_is_fill)
         keypath = next((k for k, leaf in flat if leaf.name == bad), bad)
         raise CheckpointError(f"{display}: cannot open the Orbax array of {keypath}: {exc}") from exc
     leaves = []
@@ -269,8 +292,11 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
             continue
         store = opened[leaf.name]
         if kind == "scalar":
-            leaves.append(SavedLeaf(keypath, tree_lib.SCALAR, "python",
-                                    value=store.read().result().item()))  # as Orbax: bool, int, float
+            try:
+                value = store.read().result().item()  # as Orbax: bool, int, float
+            except Exception as exc:  # noqa: BLE001 - TensorStore's errors, named by the key path
+                raise CheckpointError(f"{display}: cannot read the Orbax scalar {keypath}: {exc}") from exc
+            leaves.append(SavedLeaf(keypath, tree_lib.SCALAR, "python", value=value))
             continue
         if kind not in ("jax.Array", "np.ndarray"):
             raise CheckpointError(f"{display}: {keypath} has Orbax value type {kind!r}, which dispatch_io "
@@ -285,19 +311,19 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
         if impl is not None:
             key_dims = len(jax.eval_shape(jax.random.key_data, jax.random.key(0, impl=impl)).shape)
             leaves.append(SavedLeaf(keypath, tree_lib.KEY, "jax", shape[:len(shape) - key_dims], key_dtype(impl),
-                                    impl, stored_spec, **_saved_sharding(shardings.get(leaf.name))))
+                                    impl, stored_spec, **_saved_sharding(shardings.get(leaf.name), len(shape) - key_dims)))
         else:
             origin = "jax" if kind == "jax.Array" else "numpy"
             leaves.append(SavedLeaf(keypath, tree_lib.ARRAY, origin, shape, dtype, None, stored_spec,
-                                    **_saved_sharding(shardings.get(leaf.name))))
+                                    **_saved_sharding(shardings.get(leaf.name), len(shape))))
     return Manifest(treedef, tuple(leaves), total, layout, arrays="", format=FORMAT), arrays
 
 
-def _first_unopenable(kvstore: dict, names: list[str], driver: str, context) -> str | None:
+def _first_unopenable(kvstore: dict, names: list[str], driver: str, context, missing_is_fill: bool) -> str | None:
     """The first array of ``names`` that cannot be opened (to name it in an error)."""
     for name in names:
         try:
-            _open_arrays(kvstore, [name], driver, context)
+            _open_arrays(kvstore, [name], driver, context, missing_is_fill)
         except Exception:  # noqa: BLE001 - this is the one
             return name
     return None

@@ -302,3 +302,47 @@ def test_restore_and_convert_of_a_large_orbax_leaf_stay_within_the_budget(tmp_pa
         growth[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
     assert growth["restore"] < 128 * MiB + 8 * MiB + 64 * MiB, growth
     assert growth["convert"] < 8 * MiB + 64 * MiB, growth
+
+
+def orbax_save(path, tree, **kwargs):
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**kwargs)) as ckptr:
+        ckptr.save(path, args=ocp.args.PyTreeSave(tree))
+    return path
+
+
+def test_corner_cases_of_the_orbax_tree(tmp_path, mesh, dispatcher):
+    """Sharded PRNG keys (Orbax records their key_data's sharding), a bare array or scalar as the
+    whole tree, a lost scalar chunk, and two leaves whose joined names collide."""
+    keys = {"rng": jax.device_put(jax.random.key(0), NamedSharding(mesh, P())),
+            "split": jax.device_put(jax.random.split(jax.random.key(1), 4), NamedSharding(mesh, P("data")))}
+    path = orbax_save(tmp_path / "keys", keys)
+    meta = dio.metadata(path)
+    assert meta["split"].sharding == keys["split"].sharding and meta["rng"].sharding == keys["rng"].sharding
+    assert_trees_bit_equal(dispatcher.restore(path, meta), keys)
+    dispatcher.convert(path, tmp_path / "keys_converted")
+    assert_trees_bit_equal(dispatcher.restore(tmp_path / "keys_converted", keys), keys)
+
+    bare = orbax_save(tmp_path / "bare", jnp.arange(3.0))
+    assert host_bytes(dispatcher.restore(bare)) == np.arange(3, dtype=np.float32).tobytes()
+
+    lost = orbax_save(tmp_path / "lost", {"s": 7, "x": jnp.ones(2)}, use_ocdbt=False)
+    assert dispatcher.restore(lost)["s"] == 7
+    os.remove(lost / "s" / "0")
+    with pytest.raises(dio.CheckpointError, match=r"\['s'\]"):
+        dispatcher.restore(lost)
+
+    clash = orbax_save(tmp_path / "clash", {"a.b": {"c": jnp.ones(2)}, "a": {"b.c": jnp.zeros(2)}}, use_ocdbt=False)
+    with pytest.raises(dio.CheckpointError, match="both stored as 'a.b.c'"):
+        dio.metadata(clash)
+
+
+def test_a_manager_lists_only_orbax_steps_it_can_restore(tmp_path, mesh):
+    root = tmp_path / "run"
+    state = {"w": jnp.ones((4,))}
+    with ocp.CheckpointManager(root, item_names=("params", "opt")) as orbax_mgr:
+        orbax_mgr.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(state),
+                                                  opt=ocp.args.StandardSave(state)))
+        orbax_mgr.wait_until_finished()
+    with dio.CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == []   # two items: restore it by naming one, e.g. <root>/5/params
+        assert_trees_bit_equal(mgr.dispatcher.restore(root / "5" / "params", state), state)
