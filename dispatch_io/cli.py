@@ -184,14 +184,14 @@ def _steps_hint(path: str) -> str:
     import os
 
     from dispatch_io.errors import CheckpointError
-    from dispatch_io.formats import orbax_steps
+    from dispatch_io.formats import committed_steps
     from dispatch_io.storage import StepRoot
 
     try:
         if "://" not in path.removeprefix("file://") and not os.path.isdir(path.removeprefix("file://")):
             return ""  # (opening a directory root would create it)
         root = StepRoot.open(path)
-        steps = sorted(set(root.committed_steps()) | set(orbax_steps(root)))
+        steps = committed_steps(root)
     except (CheckpointError, OSError, ValueError):  # only a hint; the error above stands
         return ""
     if not steps:

@@ -62,9 +62,11 @@ def orbax_item(path) -> str | None:
     return os.path.join(directory, names[0]) if names else None
 
 
-def orbax_steps(root: StepRoot) -> list[int]:
-    """The committed Orbax steps under a manager's ``root`` (local directories only)."""
-    return orbax.committed_steps(root.display) if isinstance(root, DirectoryRoot) else []
+def committed_steps(root: StepRoot) -> list[int]:
+    """Every committed step under a manager's ``root``: dispatch_io's, and (local directories
+    only) Orbax's, ascending."""
+    orbax_steps = orbax.committed_steps(root.display) if isinstance(root, DirectoryRoot) else []
+    return sorted(set(root.committed_steps()) | set(orbax_steps))
 
 
 def _stat(path: str):

@@ -45,7 +45,7 @@ import numpy as np
 from absl import logging
 
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.formats import metadata, orbax_steps
+from dispatch_io.formats import committed_steps, metadata
 from dispatch_io.storage import StepRoot
 from dispatch_io.save import SaveHandle
 
@@ -112,7 +112,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending: dispatch_io's, and Orbax's in a directory root."""
-        return sorted(set(self._root.committed_steps()) | set(orbax_steps(self._root)))
+        return committed_steps(self._root)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
