@@ -26,13 +26,10 @@ the processes that never arrived, once the others have made no progress for
 
 from __future__ import annotations
 
-import hashlib
-import json
-import time
-
 import jax
 from absl import logging
 
+from dispatch_io.coordination import Room, job_client
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
 from dispatch_io.plan import Plan
 from dispatch_io.storage import KvLocation, Location, WriteTarget
@@ -42,12 +39,7 @@ def for_this_job(barrier_timeout: float) -> "SingleProcess | MultiProcess":
     """The coordinator for the running JAX job (one process, or several under jax.distributed)."""
     if jax.process_count() == 1:
         return SingleProcess()
-    from jax._src.distributed import global_state  # the coordination service's client
-
-    if global_state.client is None:
-        raise RuntimeError("several JAX processes but no coordination service client: "
-                           "call jax.distributed.initialize() before creating a dispatcher")
-    return MultiProcess(global_state.client, jax.process_index(), jax.process_count(), barrier_timeout)
+    return MultiProcess(job_client(), jax.process_index(), jax.process_count(), barrier_timeout)
 
 
 def _abort(target: WriteTarget | None):
@@ -133,97 +125,25 @@ class MultiProcessCommit:
 
     def __init__(self, job: MultiProcess, location: Location):
         self.job = job
-        self.client = job.client
         self.location = location
-        digest = hashlib.sha256(location.key.encode()).hexdigest()[:24]
-        self.prefix = "dispatch_io/save/" + digest
-        self.arrivals = "dispatch_io/arrived/" + digest
-        self.leader = job.process == 0
+        self.room = Room(job.client, job.process, job.count, job.timeout, "save", location.key,
+                         f"the save to {location.display}")
+        self.leader = self.room.leader
         self.target: WriteTarget | None = None
         self._failed_seen = False
-        if self.leader:  # keys of an earlier save of this path; nobody reads them before "begin"
-            self.client.key_value_delete(self.prefix + "/")
-        self._barrier("begin")
-
-    # -- key-value helpers ---------------------------------------------------------------------
-
-    def _set(self, key: str, value):
-        self.client.key_value_set(f"{self.prefix}/{key}", json.dumps(value), allow_overwrite=True)
-
-    def _entries(self, directory: str) -> dict[int, object]:
-        found = self.client.key_value_dir_get(f"{self.prefix}/{directory}/")
-        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in found}
-
-    def _barrier(self, phase: str):
-        """Wait until every process is here. Each process records its arrival first (outside
-        the save's keys, which the leader clears on open while others may already be waiting),
-        so a timeout names the processes that never came."""
-        barrier = f"{self.prefix}/{phase}"
-        arrivals = f"{self.arrivals}/{phase}/"
-        self.client.key_value_set(f"{arrivals}{self.job.process}", "1", allow_overwrite=True)
-        started = time.monotonic()
-        try:
-            self.client.wait_at_barrier(barrier, int(self.job.timeout * 1000))
-        except Exception as exc:  # noqa: BLE001 - the service's errors have no type of their own
-            timed_out = time.monotonic() - started >= self.job.timeout * 0.99
-            try:
-                arrived = {int(k.rsplit("/", 1)[1]) for k, _ in self.client.key_value_dir_get(arrivals)}
-            except Exception:  # noqa: BLE001 - the service itself is gone
-                arrived = set(range(self.job.count))
-            missing = sorted(set(range(self.job.count)) - arrived)
-            if not (missing or timed_out):
-                raise CheckpointError(f"barrier '{phase}' of the save to {self.location.display} failed (is the "
-                                      f"coordination service, on process 0, still up?): {exc}") from exc
-            who = f"process(es) {missing}" if missing else "some processes"
-            raise BarrierTimeoutError(f"{who} did not reach barrier '{phase}' of the save to "
-                                      f"{self.location.display} within {self.job.timeout:g} s",
-                                      processes=missing, barrier=barrier) from exc
-
-    def _from_leader(self, phase: str):
-        """What process 0 published for ``phase`` (waiting up to the timeout for it)."""
-        try:
-            return json.loads(self.client.blocking_key_value_get(f"{self.prefix}/{phase}",
-                                                                 int(self.job.timeout * 1000)))
-        except Exception as exc:  # noqa: BLE001 - not there in time, or the service is gone
-            raise BarrierTimeoutError(f"process 0 did not {phase} the save to {self.location.display} within "
-                                      f"{self.job.timeout:g} s: {exc}", processes=[0],
-                                      barrier=f"{self.prefix}/{phase}") from exc
-
-    def _gather(self, phase: str) -> dict[int, object]:
-        """Wait until every process has published ``phase``; the deadline moves while any
-        missing process still reports progress. Then a barrier, so all leave together."""
-        deadline = time.monotonic() + self.job.timeout
-        last_progress, pause = None, 0.005
-        while True:
-            entries = self._entries(phase)
-            if len(entries) == self.job.count:
-                break
-            progress = self._entries("progress")
-            if progress != last_progress:
-                last_progress, deadline = progress, time.monotonic() + self.job.timeout
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.job.count)) - set(entries))
-                doing = "finish writing their part of" if phase == "status" else f"reach '{phase}' of"
-                raise BarrierTimeoutError(
-                    f"process(es) {missing} did not {doing} the save to {self.location.display} "
-                    f"and made no progress for {self.job.timeout:g} s",
-                    processes=missing, barrier=f"{self.prefix}/{phase}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.2)
-        self._barrier(phase)
-        return entries
+        self.room.open()
 
     # -- the protocol ------------------------------------------------------------------------
 
     def check_same_plan(self, plan: Plan):
         """Every process must have planned the same save, or chunks would be written twice or
         by nobody. All processes see the same digests, so all raise (before anything is written)."""
-        self._set(f"plan/{self.job.process}", plan.digest)
-        digests = self._gather("plan")
+        self.room.set(f"plan/{self.job.process}", plan.digest)
+        digests = self.room.gather("plan")
         if len(set(digests.values())) == 1:
             return
-        self._set(f"leaves/{self.job.process}", plan.leaf_digests)
-        leaves = self._gather("leaves")
+        self.room.set(f"leaves/{self.job.process}", plan.leaf_digests)
+        leaves = self.room.gather("leaves")
         differ = sorted(p for p, d in digests.items() if d != digests[0])
         keypaths = [spec.keypath for spec in plan.leaves
                     if any(len(l) != len(plan.leaves) or l[spec.index] != leaves[0][spec.index]
@@ -242,11 +162,11 @@ class MultiProcessCommit:
             try:
                 self.target = self.location.start_write(overwrite)
             except Exception as exc:
-                self._set("start", {"error": _describe(exc), "type": type(exc).__name__})
+                self.room.set("start", {"error": _describe(exc), "type": type(exc).__name__})
                 raise
-            self._set("start", {"token": self.target.token})
+            self.room.set("start", {"token": self.target.token})
             return
-        started = self._from_leader("start")
+        started = self.room.from_leader("start")
         if "error" in started:
             kind = FileExistsError if started["type"] == "FileExistsError" else CheckpointError
             raise kind(f"process 0 could not start the save to {self.location.display}: {started['error']}")
@@ -258,22 +178,18 @@ class MultiProcessCommit:
     def peer_failed(self) -> bool:
         """True once another process reported a failure (so this one stops copying early)."""
         if not self._failed_seen:
-            try:
-                self.client.key_value_try_get(f"{self.prefix}/failed")
-                self._failed_seen = True
-            except Exception:  # noqa: BLE001 - NOT_FOUND: nobody failed
-                pass
+            self._failed_seen = self.room.get("failed") is not None
         return self._failed_seen
 
     def progress(self, nbytes: int):
         """This process has written ``nbytes``: the others' deadlines move while this grows."""
-        self._set(f"progress/{self.job.process}", nbytes)
+        self.room.set(f"progress/{self.job.process}", nbytes)
 
     def abandon(self, error: BaseException):
         """The save could not be run here: tell the others (they stop and raise), remove it."""
         try:
-            self._set("failed", self.job.process)
-            self._set(f"status/{self.job.process}", {"error": _describe(error), "keypath": None})
+            self.room.set("failed", self.job.process)
+            self.room.set(f"status/{self.job.process}", {"error": _describe(error), "keypath": None})
         finally:
             if self.leader:
                 _abort(self.target)
@@ -283,13 +199,13 @@ class MultiProcessCommit:
         checksums merged; if any process failed, the save is removed and every process raises
         (its own error, or a WorkerError naming the process that failed)."""
         if error is not None:
-            self._set("failed", self.job.process)
-            self._set(f"status/{self.job.process}", {"error": _describe(error),
+            self.room.set("failed", self.job.process)
+            self.room.set(f"status/{self.job.process}", {"error": _describe(error),
                                                       "keypath": getattr(error, "keypath", None)})
         else:
-            self._set(f"status/{self.job.process}", {"ok": True, "checksums": checksums})
+            self.room.set(f"status/{self.job.process}", {"ok": True, "checksums": checksums})
         try:
-            statuses = self._gather("status")
+            statuses = self.room.gather("status", doing="finish writing their part of")
         except BarrierTimeoutError:
             if self.leader:
                 _abort(self.target)
@@ -307,14 +223,14 @@ class MultiProcessCommit:
 
     def fail(self, error: BaseException):
         """The leader could not make the manifest: the save is removed, every process raises."""
-        self._set("commit", {"error": _describe(error)})
+        self.room.set("commit", {"error": _describe(error)})
         _abort(self.target)
         raise error
 
     def commit(self, manifest: bytes | None, fsync: bool):
         """The leader commits ``manifest``; every other process waits for the outcome."""
         if not self.leader:
-            result = self._from_leader("commit")
+            result = self.room.from_leader("commit")
             if "error" in result:
                 raise CheckpointError(f"process 0 could not commit the save to {self.location.display}: "
                                       f"{result['error']}")
@@ -322,17 +238,14 @@ class MultiProcessCommit:
         try:
             self.target.commit(manifest, fsync=fsync)
         except BaseException as exc:
-            self._set("commit", {"error": _describe(exc)})
+            self.room.set("commit", {"error": _describe(exc)})
             _abort(self.target)
             raise
-        self._set("commit", {"ok": True})
+        self.room.set("commit", {"ok": True})
 
     def end(self):
         """Everyone leaves together; the leader removes the save's keys."""
         try:
-            self._barrier("end")
-            if self.leader:
-                self.client.key_value_delete(self.prefix + "/")
-                self.client.key_value_delete(self.arrivals + "/")
+            self.room.close()
         except BarrierTimeoutError:  # the outcome is decided; only the key cleanup is skipped
             logging.warning("dispatch_io: a process did not reach the end of the save to %s", self.location.display)

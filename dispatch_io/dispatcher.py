@@ -19,7 +19,7 @@ import jax
 
 from dispatch_io import commit as commit_lib
 from dispatch_io import progress as progress_lib
-from dispatch_io import reading
+from dispatch_io import reading, scaleout
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Priority, make_batches, sync_overflow
@@ -30,6 +30,7 @@ from dispatch_io.plan import Plan, PlanCache
 from dispatch_io.progress import Progress, RestoreStats, SaveStats
 from dispatch_io.runner import LocalRunner, Runner, platform
 from dispatch_io.save import SaveHandle, SaveJob, SaveRun
+from dispatch_io.locks import PathLocks
 from dispatch_io.staging import StagingRing
 from workers import Session, numpy_dtype
 from dispatch_io.formats import metadata, open_checkpoint  # noqa: F401 - metadata: public here too
@@ -39,40 +40,6 @@ PriorityFn = Callable[[str, jax.ShapeDtypeStruct], Priority]
 
 # A CPU device's memory is host memory: a snapshot there would be host memory outside the budget.
 NO_SNAPSHOT_PLATFORMS = ("cpu",)
-
-
-class PathLocks:
-    """One lock per checkpoint path, so that saves to one path never overlap; entries go away
-    when no save holds or waits for them."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._locks: dict[str, list] = {}  # key -> [lock, saves holding or waiting for it]
-
-    def acquire(self, key: str):
-        with self._lock:
-            entry = self._locks.setdefault(key, [threading.Lock(), 0])
-            entry[1] += 1
-        try:
-            entry[0].acquire()
-        except BaseException:  # interrupted while waiting
-            self._leave(key, held=False)
-            raise
-
-    def release(self, key: str):
-        self._leave(key, held=True)
-
-    def _leave(self, key: str, held: bool):
-        with self._lock:
-            entry = self._locks[key]
-            if held:
-                entry[0].release()
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._locks[key]
-
-    def __len__(self) -> int:
-        return len(self._locks)
 
 
 class Dispatcher:
@@ -87,6 +54,7 @@ class Dispatcher:
         self._paths = PathLocks()
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
         self._lock = threading.Lock()
+        self._restoring = threading.Lock()
         self._closed = False
         # RestoreStats of the restore that finished last on this dispatcher (from any thread).
         self.last_restore_stats: RestoreStats | None = None
@@ -282,16 +250,21 @@ class Dispatcher:
         options = self.options
 
         def work(manifest, reader, progress, times):
+            received = 0
             treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
             times.append(time.perf_counter())
-            if verify:
-                reading.verify_outputs(reader, outputs, options.batch_bytes, progress)
+            if options.restore_broadcast and jax.process_count() > 1:
+                received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=times)
+            else:
+                if verify:
+                    reading.verify_outputs(reader, outputs, options.batch_bytes, progress)
+                times.append(time.perf_counter())
+                reading.read_outputs(reader, outputs, options.chunk_bytes, options.batch_bytes, progress)
             times.append(time.perf_counter())
-            reading.read_outputs(reader, outputs, options.chunk_bytes, options.batch_bytes, progress)
-            times.append(time.perf_counter())
-            return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify
+            return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, received
 
-        result, self.last_restore_stats = self._read("restore", path, work)
+        with self._restoring:  # a job's broadcast restores run one at a time, in the same order everywhere
+            result, self.last_restore_stats = self._read("restore", path, work)
         return result
 
     def verify(self, path) -> RestoreStats:
@@ -314,7 +287,7 @@ class Dispatcher:
             reading.verify_outputs(reader, outputs, self.options.batch_bytes, progress,
                                    compare=manifest.has_checksums)
             times += [time.perf_counter()] * 2  # nothing read into a result
-            return None, manifest.has_checksums
+            return None, manifest.has_checksums, 0
 
         _, stats = self._read("verify", path, work)
         return stats
@@ -323,7 +296,8 @@ class Dispatcher:
         """The skeleton restore and verify share: the manifest, a reader, progress, and the
         check that no save replaced the checkpoint while it was read. ``work(manifest, reader,
         progress, times)`` appends the times it planned, verified and read at and returns
-        (result, whether every chunk read was checked); returns (result, RestoreStats)."""
+        (result, whether every chunk read was checked, bytes received from other processes);
+        returns (result, RestoreStats)."""
         started = time.perf_counter()
         source = open_checkpoint(path)
         progress = Progress(kind, source.display, enabled=self.options.progress)
@@ -331,7 +305,7 @@ class Dispatcher:
         with progress:  # a terminal line is ended if this raises
             reader = self.runner.open_reader(source.arrays, source.context)
             try:
-                result, verified = work(source.manifest, reader, progress, times)
+                result, verified, received = work(source.manifest, reader, progress, times)
             except Exception as exc:
                 source.check_unchanged(exc)  # a read failure caused by a replacement
                 raise
@@ -343,7 +317,7 @@ class Dispatcher:
             path=source.display, bytes_read=sum(p.bytes_done for p in phases),
             batches=sum(p.batches_done for p in phases), plan_seconds=times[0] - started,
             verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
-            total_seconds=time.perf_counter() - started, verified=verified)
+            total_seconds=time.perf_counter() - started, verified=verified, bytes_broadcast=received)
         progress_lib.report(kind, progress, stats)
         return result, stats
 

@@ -42,6 +42,11 @@ class Options:
     checksums: store a CRC-32C of every chunk in the manifest, for ``restore(verify=True)``.
     barrier_timeout: seconds a process of a multi-process job waits for the others at a
         barrier (while they make no progress) before raising ``BarrierTimeoutError``.
+    restore_broadcast: in a multi-process job, read every stored region once per job: of the
+        processes holding a region, one reads it and the others receive it over the devices'
+        interconnect (an all-gather: gloo on CPU, NVLink / ICI on accelerators), so N replicas
+        do not read the checkpoint N times. False: each process reads all it holds (for a
+        fabric slower than the storage).
     progress: report saves and restores as they run: absl INFO lines (one summary line per
         operation, plus one every 2 s while a long one runs) or, when stderr is a terminal, one
         line rewritten in place. False: silent. ``SaveStats`` / ``RestoreStats`` and the
@@ -58,6 +63,7 @@ class Options:
     keep_page_cache: bool = False
     checksums: bool = False
     barrier_timeout: float = 300.0
+    restore_broadcast: bool = True
     progress: bool = True
 
     def __post_init__(self):

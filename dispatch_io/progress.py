@@ -36,6 +36,7 @@ Three outlets, each fed from the same counts:
   /dispatch_io/restore/read_duration_secs     duration  RestoreStats.read_seconds
   /dispatch_io/restore/total_duration_secs    duration  RestoreStats.total_seconds
   /dispatch_io/restore/bytes                  scalar    RestoreStats.bytes_read
+  /dispatch_io/restore/broadcast_bytes        scalar    RestoreStats.bytes_broadcast
   /dispatch_io/verify/total_duration_secs     duration  RestoreStats.total_seconds (verify())
   /dispatch_io/verify/bytes                   scalar    RestoreStats.bytes_read
   ==========================================  ========  =====================================
@@ -76,6 +77,7 @@ EVENTS: dict[str, tuple[str, str]] = {
     "/dispatch_io/restore/read_duration_secs": (DURATION, "read_seconds"),
     "/dispatch_io/restore/total_duration_secs": (DURATION, "total_seconds"),
     "/dispatch_io/restore/bytes": (SCALAR, "bytes_read"),
+    "/dispatch_io/restore/broadcast_bytes": (SCALAR, "bytes_broadcast"),
     "/dispatch_io/verify/total_duration_secs": (DURATION, "total_seconds"),
     "/dispatch_io/verify/bytes": (SCALAR, "bytes_read"),
 }
@@ -115,6 +117,7 @@ class RestoreStats:
     read_seconds: float     # reading the regions into the result's host buffers
     total_seconds: float    # called -> result built (arrays on their devices) / verified
     verified: bool          # every chunk read was checked against its saved CRC-32C
+    bytes_broadcast: int = 0  # result bytes received from other processes' reads (scale-out restore)
 
 def size(nbytes: float) -> str:
     """``412.3 MiB``."""
@@ -246,8 +249,9 @@ def save_summary(stats) -> str:
 def restore_summary(stats) -> str:
     """The one line a finished restore logs (``stats``: RestoreStats)."""
     checked = ", every chunk read checked against its CRC-32C" if stats.verified else ""
+    received = f", {size(stats.bytes_broadcast)} received from other processes" if stats.bytes_broadcast else ""
     return (f"dispatch_io: restored {stats.path}: {size(stats.bytes_read)} in {stats.batches} batches, "
-            f"{stats.total_seconds:.2f} s ({rate(stats.bytes_read, stats.total_seconds)}){checked}")
+            f"{stats.total_seconds:.2f} s ({rate(stats.bytes_read, stats.total_seconds)}){received}{checked}")
 
 
 def verify_summary(stats) -> str:

@@ -8,6 +8,7 @@ reads into a buffer, or from a session, that the caller has let go of.
 * :func:`read_outputs` (restore): every distinct region this process holds is one
   :class:`~workers.ReadItem` (read once even where several devices hold it), its pieces
   no larger than the chunk limit; items are packed into batches of at most half the budget.
+  ``scaleout.py`` uses the same pieces for the regions several processes hold.
 * :func:`verify_outputs` (``verify=True`` and ``Dispatcher.verify``): every stored chunk the
   restore needs, read whole, and its CRC-32C compared with the one saved in the manifest.
 """
@@ -37,8 +38,8 @@ def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futur
     """Run ``batches`` through ``submit`` (a future per batch), at most two in flight, and hand
     each batch's result to ``consume`` in order; count each on ``progress`` (as ``phase``).
 
-    Raises ``failure(exc, batch)`` (chained to ``exc``) for the first batch that fails, once
-    nothing submitted is still running."""
+    Raises ``failure(exc, batch)`` (chained to ``exc``) for the first batch that fails, and
+    what ``consume`` raises as it is, once nothing submitted is still running."""
     progress.phase(phase, len(batches), sum(map(size, batches)))
     in_flight: collections.deque = collections.deque()
     submitted = 0
@@ -51,7 +52,11 @@ def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futur
         except Exception as exc:  # noqa: BLE001 - each caller says what a failed batch means
             concurrent.futures.wait(in_flight)
             raise failure(exc, batch) from exc
-        consume(batch, result)
+        try:
+            consume(batch, result)
+        except BaseException:
+            concurrent.futures.wait(in_flight)
+            raise
         progress.advance(size(batch))
 
 
@@ -66,64 +71,92 @@ def needed_regions(outputs: list) -> list[tuple[Output, tuple]]:
     return found
 
 
-def read_item(out: Output, region, chunk_limit: int) -> ReadItem:
-    """The worker's view of one region of one result: its pieces (stored bounds, bounds in the
-    region's buffer), each at most ``chunk_limit`` bytes, cut from the leading axes."""
+def read_pieces(out: Output, region, chunk_limit: int) -> list[tuple[Region, tuple]]:
+    """The stored pieces filling ``region`` of the result ``out``: (stored region, bounds in the
+    region's buffer) pairs, each at most ``chunk_limit`` bytes, cut from the leading axes."""
     saved = out.saved
     full = out.stored_bounds(region)
     shape = out.buffer_shape(region)
-    stored = saved.stored
-    if math.prod(stored.chunk_shape) * np.dtype(out.dtype).itemsize > chunk_limit:
+    pieces = []
+    if math.prod(saved.stored.chunk_shape) * np.dtype(out.dtype).itemsize > chunk_limit:
         # Stored chunks over the limit (other writers' checkpoints) are decoded whole whatever
         # is read of them: one piece per stored chunk, so each is decoded once, not per piece.
-        cells = [bounds for _, bounds in _stored_cells(out, region)]
-        pieces = []
-        for cell in cells:
+        for _, cell in stored_cells(saved.stored, full):
             bounds = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(cell, full))
             local = tuple((a - lo, b - lo) for (a, b), (lo, _) in zip(bounds, full))
-            pieces.append((Region(stored, bounds, saved.keypath), local))
-    else:
-        step = storage_chunk_shape(shape, np.dtype(out.dtype).itemsize, chunk_limit)
-        pieces = []
-        for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]):
-            local = tuple((s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
-            bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(full, local))
-            pieces.append((Region(stored, bounds, saved.keypath), local))
+            pieces.append((Region(saved.stored, bounds, saved.keypath), local))
+        return pieces
+    step = storage_chunk_shape(shape, np.dtype(out.dtype).itemsize, chunk_limit)
+    for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]):
+        local = tuple((s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
+        bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(full, local))
+        pieces.append((Region(saved.stored, bounds, saved.keypath), local))
+    return pieces
+
+
+def read_item(out: Output, region, chunk_limit: int) -> ReadItem:
+    """The worker's view of one region of one result (:func:`read_pieces`), read for the first
+    device holding it (host results: on the host)."""
     home = out.regions[region][0]
-    return ReadItem(tuple(pieces), shape, np.dtype(out.dtype).name, key_impl=saved.key_impl,
-                    on_host=out.where == HOST, device=None if home is None else home.id)
+    return ReadItem(tuple(read_pieces(out, region, chunk_limit)), out.buffer_shape(region), np.dtype(out.dtype).name,
+                    key_impl=out.saved.key_impl, on_host=out.where == HOST, device=None if home is None else home.id)
+
+
+def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, batch_limit: int,
+                 progress: Progress, on_batch: Callable[[int], None] | None = None):
+    """Fill ``out.buffers[region]`` for each (output, region) of ``wanted`` through ``reader``
+    (host arrays, or arrays on a colocated CPU device), batches of at most ``batch_limit``
+    bytes, two in flight; counted on ``progress`` as ``read``. ``on_batch(bytes read so far)``
+    is called after each batch."""
+    work = [(out, region, read_item(out, region, chunk_limit)) for out, region in wanted]
+    batches = [items for items, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
+    done = 0
+
+    def consume(batch, arrays):
+        nonlocal done
+        for (out, region, item), array in zip(batch, arrays):
+            out.buffers[region] = array
+            done += item.nbytes
+        if on_batch is not None:
+            on_batch(done)
+
+    pipelined(batches, lambda batch: reader.read([item for _, _, item in batch]), consume,
+              lambda batch: sum(item.nbytes for _, _, item in batch), progress, "read",
+              lambda exc, batch: read_failure(exc, batch[0][2].keypath, progress.path))
+
+
+def read_failure(exc: BaseException, keypath: str, display: str) -> WorkerError:
+    """The WorkerError of this process's failed read (``keypath``: the batch's, unless the
+    worker's error names its own)."""
+    keypath = getattr(exc, "keypath", None) or keypath
+    worker = jax.process_index()
+    return WorkerError(f"worker {worker} failed reading {keypath} from {display}: {type(exc).__name__}: {exc}",
+                       worker=worker, keypath=keypath)
 
 
 def read_outputs(reader, outputs: list, chunk_limit: int, batch_limit: int, progress: Progress):
-    """Fill every output's ``buffers`` (region -> host array, or an array on a colocated CPU
-    device) through ``reader``, under the budget; counted on ``progress`` as ``read``."""
-    work = [(out, region, read_item(out, region, chunk_limit)) for out, region in needed_regions(outputs)]
-    batches = [items for items, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
-
-    def consume(batch, arrays):
-        for (out, region, _), array in zip(batch, arrays):
-            out.buffers[region] = array
-
-    def failure(exc, batch):
-        keypath = getattr(exc, "keypath", None) or batch[0][2].keypath
-        worker = jax.process_index()
-        return WorkerError(f"worker {worker} failed reading {keypath} from {progress.path}: "
-                           f"{type(exc).__name__}: {exc}", worker=worker, keypath=keypath)
-
-    pipelined(batches, lambda batch: reader.read([item for _, _, item in batch]), consume,
-              lambda batch: sum(item.nbytes for _, _, item in batch), progress, "read", failure)
+    """Fill every output's ``buffers`` with every region this process holds (:func:`read_regions`)."""
+    read_regions(reader, needed_regions(outputs), chunk_limit, batch_limit, progress)
 
 
-def _stored_cells(out: Output, region):
-    """(grid index, bounds) of every stored chunk overlapping ``region`` (whole chunks)."""
-    stored = out.saved.stored
-    axes = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(out.stored_bounds(region), stored.chunk_shape)]
+def stored_cells(stored, bounds):
+    """(grid index, bounds) of every chunk of the stored array ``stored`` overlapping ``bounds``
+    (whole chunks)."""
+    axes = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(bounds, stored.chunk_shape)]
     for grid in itertools.product(*axes):
         yield grid, tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, stored.chunk_shape, stored.shape))
 
 
 def verify_outputs(reader, outputs: list, batch_limit: int, progress: Progress, *, compare: bool = True):
-    """Check every stored chunk the outputs need against the CRC-32C saved in the manifest.
+    """:func:`verify_stored` for every region of the outputs that this process holds."""
+    verify_stored(reader, [(out, out.stored_bounds(region)) for out, region in needed_regions(outputs)],
+                  batch_limit, progress, compare=compare)
+
+
+def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, progress: Progress, *,
+                  compare: bool = True):
+    """Check every stored chunk overlapping each (output, stored bounds) of ``wanted`` against
+    the CRC-32C saved in the manifest.
 
     Each chunk is read whole by ``reader.checksums``, at most ``batch_limit`` bytes a call and
     two calls at a time, so host memory stays within the budget (or two chunks, for chunks
@@ -132,11 +165,11 @@ def verify_outputs(reader, outputs: list, batch_limit: int, progress: Progress, 
     chunk, which still finds what cannot be read or decoded. Counted on ``progress`` as ``verify``."""
     display = progress.path
     cells = {}
-    for out, region in needed_regions(outputs):
+    for out, wanted_bounds in wanted:
         if compare and out.saved.checksums is None:
             raise CheckpointError(f"{display} was saved without checksums (Options(checksums=True)): "
                                   f"cannot verify {out.saved.keypath}")
-        for grid, bounds in _stored_cells(out, region):
+        for grid, bounds in stored_cells(out.saved.stored, wanted_bounds):
             cells[(out.saved.keypath, grid)] = (out, Region(out.saved.stored, bounds, out.saved.keypath))
     work = [(grid, out, region) for (_, grid), (out, region) in cells.items()]
     batches = [batch for batch, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]

@@ -181,13 +181,38 @@ def sync(name: str):
 
 
 class TallyRunner(dio.LocalRunner):
-    """The LocalRunner, counting the bytes written per key path (``written``); while
-    ``fail_keypath`` is set, a batch holding that leaf fails with ``error()`` as the real worker
-    fails: a ChunkError naming the leaf."""
+    """The LocalRunner, counting the bytes written and read per key path (``written``, ``read``);
+    while ``fail_keypath`` is set, a batch holding that leaf fails with ``error()`` as the real
+    worker fails: a ChunkError naming the leaf (reads too, or only reads with
+    ``fail_reads_only``). ``stall_read`` (keypath, seconds): the first read holding that leaf
+    sleeps first."""
 
     def __init__(self, settings, fail_keypath=None, error=lambda: ValueError("injected")):
         super().__init__(settings)
-        self.fail_keypath, self.error, self.written = fail_keypath, error, {}
+        self.fail_keypath, self.error, self.written, self.read = fail_keypath, error, {}, {}
+        self.stall_read = None
+
+    def open_reader(self, kvstore, context):
+        reader = super().open_reader(kvstore, context)
+        real_read = reader.read
+
+        def read(items):
+            keypaths = {item.keypath for item in items}
+            if self.fail_keypath in keypaths:
+                cause = self.error()
+                error = ChunkError(self.fail_keypath, (), cause)
+                error.__cause__ = cause
+                failed = concurrent.futures.Future()
+                failed.set_exception(error)
+                return failed
+            if self.stall_read and self.stall_read[0] in keypaths:
+                time.sleep(self.stall_read[1])
+                self.stall_read = None
+            for item in items:
+                self.read[item.keypath] = self.read.get(item.keypath, 0) + item.nbytes
+            return real_read(items)
+        reader.read = read
+        return reader
 
     def open_writer(self, target, arrays):
         writer = super().open_writer(target, arrays)
@@ -212,6 +237,12 @@ class TallyRunner(dio.LocalRunner):
             return future
         writer.write = write
         return writer
+
+
+def os_bytes_read() -> int:
+    """Bytes this process has received from read(2)-like calls so far (all threads; Linux)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
 def tallying_dispatcher(fail_keypath=None, error=lambda: ValueError("injected"), **options):
@@ -280,6 +311,102 @@ def shares(mesh, path):
     return {"bytes_written": stats.bytes_written, "batches": stats.batches, "os_written": os_written,
             "per_keypath": written, "total_bytes": stored_nbytes(table),
             "array_bytes": {k: h.nbytes for k, (h, _) in _flat_entries(table)}, **checks}
+
+
+def scaleout(mesh, path):
+    """A 4 MiB tree with replicated, model-sharded (held by every process) and data-sharded
+    (held by one) leaves and a numpy leaf, restored with and without the broadcast: bytes read
+    by dispatch_io's count (per key path) and the OS's, bytes received, every shard compared."""
+    table = entries(big=True)
+    tree = build(mesh, table)
+    out = {"total_bytes": stored_nbytes(table), "array_bytes": {k: h.nbytes for k, (h, _) in _flat_entries(table)}}
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT, checksums=True) as d:
+        d.save(path, tree).wait()
+    target = abstract(mesh, table)
+    for broadcast in (True, False):
+        d, runner = tallying_dispatcher(max_chunk_bytes=64 << 10, restore_broadcast=broadcast)
+        with d:
+            sync(f"scaleout/{broadcast}")
+            before = os_bytes_read()
+            checks = restore_and_compare(d, path, target, mesh, table)
+            stats = d.last_restore_stats
+            out["on" if broadcast else "off"] = {
+                "os_read": os_bytes_read() - before, "per_keypath": runner.read, "bytes_read": stats.bytes_read,
+                "bytes_broadcast": stats.bytes_broadcast, **checks}
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        out["verified"] = restore_and_compare(d, path, target, mesh, table, verify=True)
+        out["replicated"] = restore_replicated(d, path, mesh, table)
+    return out
+
+
+def restore_replicated(d, path, mesh, table) -> dict:
+    """A partial restore (no ['opt']) onto a different replica structure: every array leaf,
+    PRNG keys too, replicated over the whole mesh; every shard compared with the host data."""
+    flat = {k: v for k, v in _flat_entries(table) if not k.startswith("['opt']") and v[1] not in ("numpy", "device5")}
+    replicated = NamedSharding(mesh, P())
+    target = {}
+    for keypath, (host, placement) in flat.items():
+        name = keypath[2:-2]
+        if isinstance(placement, tuple):
+            target[name] = jax.ShapeDtypeStruct(host.shape[:-1], jax.random.key(0, impl=placement[1]).dtype,
+                                                sharding=replicated)
+        else:
+            target[name] = jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=replicated)
+    restored = d.restore(path, target, partial=True)
+    bad, checked = [], 0
+    for name, out in restored.items():
+        host = flat[f"['{name}']"][0]
+        if jax.dtypes.issubdtype(out.dtype, jax.dtypes.prng_key):
+            out = jax.random.key_data(out)
+        for shard in out.addressable_shards:
+            checked += 1
+            if np.asarray(shard.data).tobytes() != host.tobytes():
+                bad.append(f"{name} on {shard.device}")
+    return {"checked": checked, "mismatches": bad, "bytes_read": d.last_restore_stats.bytes_read,
+            "bytes_broadcast": d.last_restore_stats.bytes_broadcast}
+
+
+def save_big(mesh, path):
+    """Save the 4 MiB tree (the one ``restore_big`` restores)."""
+    table = entries(big=True)
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        stats = d.save(path, build(mesh, table)).wait()
+    return {"bytes_written": stats.bytes_written, "total_bytes": stored_nbytes(table)}
+
+
+def restore_big(mesh, path):
+    """Restore the 4 MiB tree with the broadcast on, or off where DIO_TEST_BROADCAST=0."""
+    table = entries(big=True)
+    broadcast = os.environ.get("DIO_TEST_BROADCAST", "1") == "1"
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=64 << 10, barrier_timeout=BARRIER_TIMEOUT,
+                             restore_broadcast=broadcast) as d:
+        checks = restore_and_compare(d, path, abstract(mesh, table), mesh, table)
+        return {"bytes_read": d.last_restore_stats.bytes_read, **checks}
+
+
+def _scaleout_fault(kind):
+    """Process 1's read of ['rep'] (1 MiB held by every process, read in 64 KiB pieces by both)
+    fails (``kind`` "fails") or stalls for BARRIER_TIMEOUT + 3 s ("stalls"), in a restore with
+    the broadcast on."""
+    def scenario(mesh, path):
+        table = entries(big=True)
+        with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+            d.save(path, build(mesh, table)).wait()
+        d, runner = tallying_dispatcher(max_chunk_bytes=64 << 10)
+        if jax.process_index() == 1:
+            if kind == "fails":
+                runner.fail_keypath = "['rep']"
+            else:
+                runner.stall_read = ("['rep']", BARRIER_TIMEOUT + 3)
+        sync("scaleout_fault")
+        start = time.monotonic()
+        try:
+            with d:
+                d.restore(path, abstract(mesh, table))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {**error_fields(exc), "elapsed": time.monotonic() - start, "clean_exit": kind == "fails"}
+        return {"elapsed": time.monotonic() - start, "read": runner.read, "clean_exit": kind == "fails"}
+    return scenario
 
 
 def write_fails(mesh, path):
@@ -388,7 +515,9 @@ def process_local_leaf(mesh, path):
 
 
 SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only,
-             "restore_orbax": restore_orbax, "shares": shares,
+             "restore_orbax": restore_orbax, "shares": shares, "scaleout": scaleout,
+             "save_big": save_big, "restore_big": restore_big,
+             "scaleout_fails": _scaleout_fault("fails"), "scaleout_stalls": _scaleout_fault("stalls"),
              "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),
              "sleep_in_write": _sleeper("in_write")}
 

@@ -73,6 +73,7 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
         self.to_fail: list[tuple[str | None, int]] = []
         self.failed: list[tuple[str, str, int]] = []   # (method, path, status) answered with a fault
         self.requests: list[tuple[str, str]] = []      # (method, path without query) of every request
+        self.bytes_sent: dict[str, int] = {}           # method -> body bytes answered to the client
         self.forwarded = 0
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
@@ -130,6 +131,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
+            with self.server.lock:
+                self.server.bytes_sent[self.command] = self.server.bytes_sent.get(self.command, 0) + len(data)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
 

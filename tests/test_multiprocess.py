@@ -34,8 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(devices: int, barrier_timeout: float | None) -> dict:
-    env = dict(os.environ)
+def child_env(devices: int, barrier_timeout: float | None, extra: dict | None = None) -> dict:
+    env = {**os.environ, **(extra or {})}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
@@ -51,11 +51,11 @@ class Job:
     """The processes of one jax.distributed job (or one lone process) running a scenario."""
 
     def __init__(self, logs, scenario: str, path, processes: int, devices: int, *,
-                 barrier_timeout: float | None = None):
+                 barrier_timeout: float | None = None, env: dict | None = None):
         self.name = f"{scenario}-{processes}x{devices}"
         self.logs = logs
         port = free_port() if processes > 1 else 0
-        env = child_env(devices, barrier_timeout)
+        env = child_env(devices, barrier_timeout, env)
         self.procs, self.files = [], []
         for pid in range(processes):
             out = open(logs / f"{self.name}.{pid}.out", "w+")
@@ -351,3 +351,98 @@ def test_stalled_process_times_out(jobs, tmp_path, where):
     assert all(p.poll() is not None for p in job.procs)
     assert not committed(path)
     assert [n for n in leftovers(tmp_path) if n != "logs"] == []
+
+
+# ---- scale-out restore ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("processes, devices", [(2, 4), (4, 2)])
+def test_restore_reads_every_stored_byte_once_per_job(jobs, tmp_path, processes, devices):
+    """With the broadcast on, the regions several processes hold (replicated, model-sharded,
+    numpy) are read by one of them and received by the others: the bytes read, summed over
+    the processes, are the stored bytes -- by dispatch_io's count and by the OS's -- and no
+    process reads much more than its share. Off, each process reads all it holds."""
+    job = jobs("scaleout", tmp_path / "ckpt", processes, devices)
+    results = job.wait(deadline())
+    for r in results:
+        assert r.get("error_type") is None, f"process {r['process']}: {r.get('traceback')}\n{job.report()}"
+        for mode in ("on", "off"):
+            assert r[mode]["mismatches"] == [] and r[mode]["checked"] > 0, (mode, r[mode]["mismatches"])
+        assert r["verified"]["mismatches"] == [], r["verified"]
+        assert r["replicated"]["mismatches"] == [] and r["replicated"]["checked"] > 0, r["replicated"]
+    # onto a target replicated everywhere (a different replica structure), still read once in all
+    replicated = [r["replicated"] for r in results]
+    for r in replicated:
+        assert sum(x["bytes_read"] for x in replicated) == r["bytes_read"] + r["bytes_broadcast"], replicated
+    total = results[0]["total_bytes"]
+    on = [r["on"] for r in results]
+    off = [r["off"] for r in results]
+    assert sum(r["bytes_read"] for r in on) == total, [r["bytes_read"] for r in on]
+    for r in on:
+        assert sum(r["per_keypath"].values()) == r["bytes_read"]
+        assert r["bytes_read"] < 1.5 * total / processes, [x["bytes_read"] for x in on]   # about its share
+        assert r["bytes_broadcast"] > 0
+    # what each process received is what the others read of the regions it holds
+    assert sum(r["bytes_read"] for r in off) > 1.4 * total, [r["bytes_read"] for r in off]   # rep, proj: twice+
+    for r, r_off in zip(on, off):
+        assert r["bytes_read"] + r["bytes_broadcast"] == r_off["bytes_read"], (r, r_off)
+        assert r_off["bytes_broadcast"] == 0
+    # the OS agrees: the files were read about once in all (plus manifests and RPCs), N times without
+    os_on, os_off = sum(r["os_read"] for r in on), sum(r["os_read"] for r in off)
+    assert total <= os_on < 1.3 * total, (os_on, total)
+    assert os_off > 1.4 * total, (os_off, total)
+    sizes = results[0]["array_bytes"]
+    for keypath in ["['rep']", "['proj']"]:    # held by every process: split between them
+        per_process = [r["per_keypath"].get(keypath, 0) for r in on]
+        assert sum(per_process) == sizes[keypath] and min(per_process) > 0, (keypath, per_process)
+
+
+def test_a_failed_read_in_one_process_fails_every_process(jobs, tmp_path):
+    """Process 1's read of ['rep'] (a region both processes hold, broadcast) fails: both raise
+    WorkerError naming process 1 and the key path, at once (not after a timeout)."""
+    job = jobs("scaleout_fails", tmp_path / "ckpt", 2, 4, barrier_timeout=30)
+    results = job.wait(deadline())
+    for r in results:
+        assert r["is_worker_error"] and r["worker"] == 1 and r["keypath"] == "['rep']", r
+        assert "['rep']" in r["error_message"] and "injected" in r["error_message"], r
+        assert r["elapsed"] < 10, r
+    assert results[0]["error_message"].startswith("process 1 failed reading ['rep']"), results[0]
+
+
+def test_a_stalled_reader_times_out_every_process(jobs, tmp_path):
+    """Process 1 stalls in its read of ['rep'] for barrier_timeout + 3 s: process 0 raises
+    BarrierTimeoutError naming it after about the timeout; process 1, once awake, raises too."""
+    timeout = 3.0
+    job = jobs("scaleout_stalls", tmp_path / "ckpt", 2, 4, barrier_timeout=timeout)
+    results = job.wait(deadline(), needed=[0], grace=15)
+    leader = results[0]
+    assert leader["is_barrier_timeout"] and leader["processes"] == [1], leader
+    assert "process(es) [1]" in leader["error_message"], leader
+    assert timeout * 0.9 <= leader["elapsed"] < timeout + 7, leader
+    if results[1] is not None:   # it woke up before it was killed: it failed, never hung
+        assert results[1].get("error_type") is not None, results[1]
+
+
+def test_restore_from_s3_gets_every_stored_byte_once_per_job(jobs, s3_prefix, s3_server):
+    """On an object store, through a proxy counting what the server sent: two processes
+    restoring with the broadcast GET about the stored bytes once; without it, far more."""
+    from s3_server import FaultyProxy
+
+    path = f"{s3_prefix}/ckpt"
+    saved = jobs("save_big", path, 2, 4)
+    total = saved.wait(deadline())[0]["total_bytes"]
+    proxy = FaultyProxy(s3_server.port)
+    try:
+        sent = {}
+        for broadcast in ("1", "0"):
+            before = proxy.bytes_sent.get("GET", 0)
+            job = jobs("restore_big", path, 2, 4, env={"AWS_ENDPOINT_URL_S3": proxy.endpoint,
+                                                       "DIO_TEST_BROADCAST": broadcast})
+            results = job.wait(deadline())
+            assert_restored(results, job)
+            sent[broadcast] = proxy.bytes_sent.get("GET", 0) - before
+            if broadcast == "1":
+                assert sum(r["bytes_read"] for r in results) == total
+    finally:
+        proxy.stop()
+    assert total <= sent["1"] < 1.3 * total, (sent, total)
+    assert sent["0"] > 1.4 * total, (sent, total)
