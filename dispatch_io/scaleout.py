@@ -82,30 +82,35 @@ class Split:
     digest: str      # of the shared part, equal in every process that planned the same restore
 
 
-def holders(out: Output, count: int) -> dict:
+def holders(out: Output, count: int, seen: dict) -> dict:
     """{region of the result: the processes holding it}, over the whole job (host results: one
-    region, wanted by every process)."""
+    region, wanted by every process). ``seen`` caches it per (sharding, shape): a model's layers
+    share a few."""
     if out.where == HOST:
         return {region: tuple(range(count)) for region in output_regions(out)}
-    return {region: tuple(sorted({d.process_index for d in devices}))
-            for region, devices in device_regions(out.sharding, out.saved.shape).items()}
+    key = (out.sharding, out.saved.shape)
+    if key not in seen:
+        seen[key] = {region: tuple(sorted({d.process_index for d in devices}))
+                     for region, devices in device_regions(out.sharding, out.saved.shape).items()}
+    return seen[key]
 
 
 def _width(nbytes: int) -> int:
     """Row width for ``nbytes``: rounded up by at most 1/16, so few distinct shapes are compiled."""
-    step = 1 << max(6, nbytes.bit_length() - 4)
+    step = 1 << max(6, nbytes.bit_length() - 5)
     return max(step, -(-nbytes // step) * step)
 
 
 def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_limit: int) -> Split:
     """Split the restore of ``outputs`` (sets each ``out.regions``; allocates the buffers of the
     shared regions this process holds) into local regions and rounds of shared pieces."""
-    local, pieces, load = [], [], [0] * count
+    local, load, seen = [], [0] * count, {}
+    pieces: list[list[Piece]] = [[] for _ in range(count)]   # by reader
     for index, out in enumerate(outputs):
         if not isinstance(out, Output) or out.saved.stored is None:
             continue
         out.regions = output_regions(out)
-        for region, procs in holders(out, count).items():
+        for region, procs in holders(out, count, seen).items():
             if len(procs) == 1:
                 if procs[0] == process:
                     local.append((out, region))
@@ -119,15 +124,15 @@ def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_
                 reader = min(procs, key=lambda p: (load[p], p))
                 piece = Piece(index, region, bounds, item, reader, procs)
                 load[reader] += piece.nbytes
-                pieces.append(piece)
+                pieces[reader].append(piece)
     share = max(1, batch_limit // count)
-    queues = [pack([p for p in pieces if p.reader == r], lambda p: p.nbytes, share) for r in range(count)]
+    queues = [pack(mine, lambda p: p.nbytes, share) for mine in pieces]
     rounds = []
     for k in range(max(map(len, queues), default=0)):
         rows = tuple(tuple(q[k][0]) if k < len(q) else () for q in queues)
         rounds.append(Round(k, rows, _width(max(q[k][1] if k < len(q) else 0 for q in queues))))
     digest = hashlib.sha256(repr([(outputs[p.output].saved.keypath, p.region, p.local, p.reader, p.item.dtype)
-                                  for p in pieces]).encode()).hexdigest()
+                                  for mine in pieces for p in mine]).encode()).hexdigest()
     return Split(local, rounds, digest)
 
 
@@ -141,10 +146,10 @@ def carriers(count: int) -> list:
     return [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(count)]
 
 
-def all_gather(row: np.ndarray, count: int) -> np.ndarray:
-    """Every process's ``row`` (uint8, the same length everywhere), as a (count, len) host
-    array; all processes call it together."""
-    devices = carriers(count)
+def all_gather(row: np.ndarray, devices: list) -> np.ndarray:
+    """Every process's ``row`` (uint8, the same length everywhere), as a (processes, len) host
+    array, through ``devices`` (:func:`carriers`); all processes call it together."""
+    count = len(devices)
     mesh = Mesh(np.array(devices), ("processes",))
     mine = jax.device_put(row[None], devices[jax.process_index()])
     rows = jax.make_array_from_single_device_arrays((count, row.size), NamedSharding(mesh, PartitionSpec("processes")),
@@ -212,7 +217,8 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
 
 def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress) -> int:
     """Run the rounds (see the module doc); returns the bytes received from other processes."""
-    process, count, display = room.process, room.count, progress.path
+    process, display = room.process, progress.path
+    devices = carriers(room.count)
     received = 0
 
     def submit(round_: Round):
@@ -232,7 +238,7 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress)
             offset += aligned(data.size)
         room.set(f"round{round_.index}/{process}", True)
         room.gather(f"round{round_.index}", check=lambda: _peer_failed(room, display), together=False)
-        table = all_gather(row, count)
+        table = all_gather(row, devices)
         for reader_process, pieces in enumerate(round_.rows):
             offset = 0
             for piece in pieces:

@@ -1,0 +1,66 @@
+"""The scale-out restore's split (``dispatch_io.scaleout.plan_split``): pure, so checked here in
+one process for a job of several (host results are wanted by every process of the job). The
+restore itself runs in tests/test_multiprocess.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+import dispatch_io as dio
+from dispatch_io import formats, restore
+from dispatch_io.batches import aligned
+from dispatch_io.scaleout import plan_split
+
+KiB = 1 << 10
+
+
+def _outputs(tmp_path):
+    rng = np.random.default_rng(0)
+    tree = {"big": rng.standard_normal((256, 256)).astype(np.float32),      # 256 KiB
+            "small": np.arange(10, dtype=np.int16), "empty": np.zeros((0, 3), np.float32), "step": 7}
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=16 * KiB) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+    manifest = formats.open_checkpoint(tmp_path / "ckpt").manifest
+    return lambda: restore.plan_outputs(manifest, None, partial=False, cast=False)[1]
+
+
+def test_every_piece_has_one_reader_and_the_loads_balance(tmp_path):
+    make = _outputs(tmp_path)
+    count, chunk, batch = 3, 16 * KiB, 96 * KiB
+    splits = [plan_split(make(), p, count, chunk, batch) for p in range(count)]
+    assert len({s.digest for s in splits}) == 1            # every process planned the same
+    assert all(s.local == [] for s in splits)              # host results are wanted by all
+    rounds = splits[0].rounds
+    pieces = [piece for r in rounds for row in r.rows for piece in row]
+    assert all(piece.holders == (0, 1, 2) and piece.nbytes <= chunk for piece in pieces)
+    loads = [sum(p.nbytes for p in pieces if p.reader == r) for r in range(count)]
+    assert sum(loads) == 256 * 256 * 4 + 20 and max(loads) - min(loads) <= chunk, loads
+    for r in rounds:   # a row is at most its process's share of the batch, one piece at least
+        for row in r.rows:
+            size = sum(aligned(p.nbytes) for p in row)
+            assert size <= r.width and (size <= batch // count or len(row) == 1), (size, r.width)
+    # the pieces of each region tile its buffer exactly once
+    outputs = make()
+    for index, out in enumerate(outputs):
+        if not isinstance(out, restore.Output) or out.saved.stored is None:
+            continue
+        shape = out.buffer_shape(next(iter(restore.output_regions(out))))
+        covered = np.zeros(shape, np.int8)
+        for piece in (p for p in pieces if p.output == index):
+            covered[tuple(slice(lo, hi) for lo, hi in piece.local)] += 1
+        assert (covered == 1).all(), out.saved.keypath
+
+
+def test_a_lone_process_reads_everything_itself(tmp_path):
+    split = plan_split(_outputs(tmp_path)(), 0, 1, 16 * KiB, 96 * KiB)
+    assert split.rounds == [] and {out.saved.keypath for out, _ in split.local} == {"['big']", "['small']"}
+
+
+def test_row_widths_are_few(tmp_path):
+    from dispatch_io.scaleout import _width
+    widths = {_width(n) for n in itertools.chain(range(1, 5000, 7), range(10**6, 2 * 10**6, 997))}
+    assert all(w % 64 == 0 for w in widths)
+    assert all(n <= _width(n) <= max(64, n * 17 // 16 + 64) for n in range(1, 100000, 13))
+    assert len(widths) < 120
