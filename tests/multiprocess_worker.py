@@ -366,6 +366,19 @@ def restore_replicated(d, path, mesh, table) -> dict:
             "bytes_broadcast": d.last_restore_stats.bytes_broadcast}
 
 
+def restore_colocated(mesh, path):
+    """Save the 4 MiB tree, then restore it with a ColocatedDispatcher (broadcast on)."""
+    from dispatch_io.colocated import ColocatedDispatcher
+
+    table = entries(big=True)
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        d.save(path, build(mesh, table)).wait()
+    with ColocatedDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=64 << 10,
+                             barrier_timeout=BARRIER_TIMEOUT) as d:
+        checks = restore_and_compare(d, path, abstract(mesh, table), mesh, table)
+        return {"bytes_read": d.last_restore_stats.bytes_read, "total_bytes": stored_nbytes(table), **checks}
+
+
 def save_big(mesh, path):
     """Save the 4 MiB tree (the one ``restore_big`` restores)."""
     table = entries(big=True)
@@ -516,7 +529,7 @@ def process_local_leaf(mesh, path):
 
 SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only,
              "restore_orbax": restore_orbax, "shares": shares, "scaleout": scaleout,
-             "save_big": save_big, "restore_big": restore_big,
+             "save_big": save_big, "restore_colocated": restore_colocated, "restore_big": restore_big,
              "scaleout_fails": _scaleout_fault("fails"), "scaleout_stalls": _scaleout_fault("stalls"),
              "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),
              "sleep_in_write": _sleeper("in_write")}

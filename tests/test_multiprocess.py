@@ -446,3 +446,11 @@ def test_restore_from_s3_gets_every_stored_byte_once_per_job(jobs, s3_prefix, s3
         proxy.stop()
     assert total <= sent["1"] < 1.3 * total, (sent, total)
     assert sent["0"] > 1.4 * total, (sent, total)
+
+
+def test_a_colocated_dispatcher_restores_once_per_job(jobs, tmp_path):
+    """The same split with the worker code run through colocated_python."""
+    job = jobs("restore_colocated", tmp_path / "ckpt", 2, 4)
+    results = job.wait(deadline())
+    assert_restored(results, job)
+    assert sum(r["bytes_read"] for r in results) == results[0]["total_bytes"]
