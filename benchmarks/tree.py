@@ -2,7 +2,8 @@
 
 Import this module before jax (it sets XLA_FLAGS for 8 host devices). A tree is named by its
 ``size``: a number of logical MiB (what a checkpoint has to write, replicas counted once) for
-the training state, or ``"10k"`` for the many-small-leaves tree. Training state layout:
+the training state, ``"10k"`` for the many-small-leaves tree, or ``"tf1g"`` / ``"tf4g"`` for the
+transformer-shaped states. Training state layout:
 
 * 32 small leaves of 4 KiB .. 1 MiB (about 6 MiB together), dtypes cycling f32 / bf16 / i32,
   shardings cycling P() | P('data', None) | P(None, 'model') | P('data', 'model');
@@ -18,7 +19,16 @@ leaves above, plus the same ``step`` and ``rng``. Floats look like weights (rand
 mantissa, |x| in [2^-7, 2^-3)); int32 leaves are random bits. The same (size, seed) always
 gives the same bytes; :func:`digest` checks a restore bit for bit.
 
-    python benchmarks/tree.py [SIZE]    # prints the leaf inventory (MiB, or 10k)
+The transformer-shaped trees (``"tf1g"``, ``"tf4g"``) are a decoder's training state with Adam:
+``params``, ``opt_state / mu`` and ``opt_state / nu``, each holding ``embed`` (vocab x d_model),
+``final_norm`` (d_model) and ``layer_NN / {attn_norm, mlp_norm, q, k, v, o, up, gate, down}``
+(q/k/v/o d_model x d_model, up/gate d_model x 4 d_model, down 4 d_model x d_model), all float32.
+Matrices are sharded fsdp on ``'data'`` and tensor-parallel on ``'model'`` (q/k/v/up/gate
+``P('data', 'model')``, o/down/embed ``P('model', 'data')``); norm scales are replicated ``P()``.
+``tf1g``: d_model 512, 17 layers, 465 leaves (105 of them 2 KiB norm scales), 0.98 GiB;
+``tf4g``: d_model 1024, 19 layers, 519 leaves (4 KiB norm scales), 3.9 GiB. Plus ``step`` and ``rng``.
+
+    python benchmarks/tree.py [SIZE]    # prints the leaf inventory (MiB, 10k, tf1g or tf4g)
 """
 
 import os
@@ -53,6 +63,26 @@ MANY_PER_LAYER = 50
 
 
 @dataclasses.dataclass(frozen=True)
+class Transformer:
+    """The shape of a transformer-shaped training state (see the module docstring)."""
+
+    d_model: int
+    layers: int
+    vocab: int = 32_768
+
+    @property
+    def d_ff(self) -> int:
+        return 4 * self.d_model
+
+
+TRANSFORMERS = {"tf1g": Transformer(d_model=512, layers=17), "tf4g": Transformer(d_model=1024, layers=19)}
+# Where a size's bench targets compare it: the 40-leaf tree of about the same bytes, and the
+# smaller tree of the same family for the 4x-the-bytes scaling target.
+SAME_BYTES = {"tf1g": 1024, "tf4g": 4096}
+SCALES_FROM = {4096: 1024, "tf4g": "tf1g"}
+
+
+@dataclasses.dataclass(frozen=True)
 class Leaf:
     path: tuple[str, ...]
     shape: tuple[int, ...]
@@ -71,13 +101,40 @@ def mesh() -> jax.sharding.Mesh:
 
 
 def parse_size(text: str) -> int | str:
-    """A tree size from the command line: logical MiB, or ``10k``."""
-    return MANY if text.lower() == MANY else int(text)
+    """A tree size from the command line: logical MiB, ``10k``, or a transformer name (``tf1g``)."""
+    name = text.lower()
+    if name == MANY or name in TRANSFORMERS:
+        return name
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"unknown tree size {text!r}: MiB, {MANY!r} or one of {sorted(TRANSFORMERS)}") from None
 
 
 def layout(size: int | str) -> list[Leaf]:
     """The array leaves (without step and rng) of the tree named ``size``."""
-    return many_layout() if size == MANY else training_layout(size)
+    if size == MANY:
+        return many_layout()
+    if size in TRANSFORMERS:
+        return transformer_layout(TRANSFORMERS[size])
+    return training_layout(size)
+
+
+def transformer_layout(shape: Transformer) -> list[Leaf]:
+    """A decoder's params and Adam mu / nu (same shapes and shardings), float32 throughout."""
+    d, ff = shape.d_model, shape.d_ff
+    column, row, replicated = P("data", "model"), P("model", "data"), P()
+    per_layer = (("attn_norm", (d,), replicated), ("q", (d, d), column), ("k", (d, d), column),
+                 ("v", (d, d), column), ("o", (d, d), row), ("mlp_norm", (d,), replicated),
+                 ("up", (d, ff), column), ("gate", (d, ff), column), ("down", (ff, d), row))
+    params = [(("embed",), (shape.vocab, d), row)]
+    for layer in range(shape.layers):
+        params += [((f"layer_{layer:02d}", name), dims, spec) for name, dims, spec in per_layer]
+    params.append((("final_norm",), (d,), replicated))
+    f32 = np.dtype(np.float32)
+    return [Leaf(prefix + path, dims, f32, spec)
+            for prefix in (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
+            for path, dims, spec in params]
 
 
 def many_layout(count: int = MANY_COUNT) -> list[Leaf]:

@@ -72,8 +72,10 @@ def inspect(path: str, as_json: bool) -> int:
     rows = _rows(manifest)
     total = sum(r["bytes"] for r in rows)
     if as_json:
-        print(json.dumps({"path": path, "format": manifest.format, "layout": manifest.layout, "leaves": rows,
-                          "total_bytes": total, "checksums": manifest.has_checksums}, indent=1))
+        compression = None if manifest.compression is None else dict(zip(("codec", "level"), manifest.compression))
+        print(json.dumps({"path": path, "format": manifest.format, "layout": manifest.layout,
+                          "compression": compression, "leaves": rows, "total_bytes": total,
+                          "checksums": manifest.has_checksums}, indent=1))
         return 0
     table = [("key path", "shape", "dtype", "saved sharding", "bytes")]
     for r in rows:
@@ -87,8 +89,9 @@ def inspect(path: str, as_json: bool) -> int:
             print("  ".join("-" * w for w in widths))
     arrays = sum(r["kind"] != "scalar" for r in rows)
     written_by = "" if manifest.format == "dispatch_io" else f", written by {manifest.format.capitalize()}"
+    compressed = "" if manifest.compression is None else ", compression {} level {}".format(*manifest.compression)
     print(f"\n{len(rows)} leaves ({arrays} arrays), {humanize.naturalsize(total, binary=True)} stored "
-          f"({total} bytes), layout {manifest.layout}{written_by}")
+          f"({total} bytes), layout {manifest.layout}{compressed}{written_by}")
     return 0
 
 

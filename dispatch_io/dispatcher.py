@@ -50,7 +50,7 @@ class Dispatcher:
         self.options = options
         self.runner = runner
         self._plans = PlanCache(options.chunk_bytes)
-        self._ring = StagingRing(options.host_memory_budget, allocate=runner.host_staging)
+        self._ring = StagingRing(options.staging_bytes, allocate=runner.host_staging)
         self._paths = PathLocks()
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
         self._lock = threading.Lock()
@@ -149,7 +149,7 @@ class Dispatcher:
         accelerators) by copies on the same devices, wait for the copies, return their indices."""
         if not self.options.device_snapshots:
             return set()
-        indices = sorted(i for i in sync_overflow(plan, batches, self.options.host_memory_budget)
+        indices = sorted(i for i in sync_overflow(plan, batches, self.options.staging_bytes)
                          if platform(leaves[i]) not in NO_SNAPSHOT_PLATFORMS)
         worker = jax.process_index()
 

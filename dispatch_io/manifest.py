@@ -4,6 +4,7 @@
 
     {"format": "dispatch_io", "format_version": 1,
      "layout": "ocdbt" | "files",           # how arrays/ stores chunks (absent: "files")
+     "compression": {"codec": "zstd", "level": 3} | null,   # of every stored array (absent: null)
      "structure": {...},                   # tree.encode_structure
      "leaves": [{"keypath": "['params']['w']", "kind": "array" | "key" | "scalar",
                  "origin": "jax" | "numpy" | "numpy_scalar" | "python",
@@ -34,7 +35,7 @@ import jax
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError
 from dispatch_io.plan import Plan
-from workers import LAYOUTS, ArraySpec, numpy_dtype
+from workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype
 
 FORMAT = "dispatch_io"
 FORMAT_VERSION = 1
@@ -56,11 +57,12 @@ _ARRAYS_PATH = re.compile(r"^arrays/([0-9a-f]+/)?$")
 
 
 def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, layout: str = "ocdbt",
-          arrays: str = ARRAYS) -> bytes:
+          arrays: str = ARRAYS, compression: tuple[str, int] | None = None) -> bytes:
     """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values,
     ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed, ``layout``
     the chunk layout of ``arrays`` (where in the checkpoint the arrays are: ``arrays/``, or on
-    object stores ``arrays/<save id>/``)."""
+    object stores ``arrays/<save id>/``), ``compression`` the ``(codec, level)`` every array
+    was written with (None: uncompressed)."""
     by_leaf: dict[int, dict[str, str]] = {}
     for i, crc in (checksums or {}).items():
         chunk = plan.chunks[i]
@@ -81,7 +83,9 @@ def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, lay
             if spec.index in by_leaf:  # chunk grid index "i,j,..." -> CRC-32C, hex
                 entry["stored"]["crc32c"] = dict(sorted(by_leaf[spec.index].items()))
         entries.append(entry)
-    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout, **({"arrays": arrays} if arrays != ARRAYS else {}),
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout,
+           "compression": None if compression is None else {"codec": compression[0], "level": compression[1]},
+           **({"arrays": arrays} if arrays != ARRAYS else {}),
            "structure": tree_lib.encode_structure(plan.treedef), "leaves": entries,
            "total_bytes": plan.nbytes, "jax_version": jax.__version__}
     return json.dumps(doc, indent=1).encode()
@@ -125,6 +129,7 @@ class Manifest:
     total_bytes: int
     layout: str = "files"
     arrays: str = ARRAYS   # where the arrays are, relative to the checkpoint
+    compression: tuple[str, int] | None = None  # (codec, level) of our arrays; None: raw (or not ours)
     format: str = FORMAT   # who wrote it: "dispatch_io", or "orbax" (read by dispatch_io.orbax)
 
     @property
@@ -157,6 +162,9 @@ def _parse(doc: dict, where: str) -> Manifest:
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{where}: manifest format version {version} is not supported "
                               f"by this dispatch_io (reads version {FORMAT_VERSION})")
+    compression = doc.get("compression")
+    if compression is not None:  # a malformed value is a ValueError: "malformed manifest"
+        compression = compression_codec((compression["codec"], compression["level"]))
     leaves = []
     for e in doc["leaves"]:
         if e["kind"] == tree_lib.SCALAR:
@@ -170,7 +178,7 @@ def _parse(doc: dict, where: str) -> Manifest:
         leaves.append(SavedLeaf(
             e["keypath"], e["kind"], e["origin"], tuple(e["shape"]), dtype, e.get("key_impl"),
             None if stored is None else ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"],
-                                                  tuple(stored["chunk_shape"])),
+                                                  tuple(stored["chunk_shape"]), compression=compression),
             checksums=None if stored is None or "crc32c" not in stored else {
                 tuple(int(i) for i in grid.split(",") if i): int(crc, 16) for grid, crc in stored["crc32c"].items()},
             described_sharding=e.get("sharding")))
@@ -181,7 +189,7 @@ def _parse(doc: dict, where: str) -> Manifest:
     arrays = doc.get("arrays", ARRAYS)
     if not isinstance(arrays, str) or not _ARRAYS_PATH.match(arrays):
         raise CheckpointError(f"{where}: malformed manifest: arrays at {arrays!r}")
-    return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)), layout, arrays)
+    return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)), layout, arrays, compression=compression)
 
 
 def abstract_tree(manifest: Manifest):

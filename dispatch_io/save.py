@@ -287,7 +287,7 @@ class SaveRun:
                     if self.settings.layout == "ocdbt":
                         merge_writers(target.kvstore, target.context)
                     manifest = manifest_lib.build(self.job.plan, self.job.scalars, checksums, self.settings.layout,
-                                                  arrays=target.arrays)
+                                                  arrays=target.arrays, compression=self.settings.compression)
                 except BaseException as exc:  # noqa: BLE001 - every process must hear of it
                     self.commit.fail(exc)
             self.commit.commit(manifest, fsync=self.settings.fsync)

@@ -135,6 +135,7 @@ RSS_SCRIPT = textwrap.dedent(r"""
             f.write("5")
 
     path, budget, dispatcher_cls = sys.argv[1], int(sys.argv[2]), getattr(dio, sys.argv[3])
+    compression = None if sys.argv[4] == "none" else sys.argv[4]
     assert jax.device_count() == 8, jax.devices()
     mesh = jax.make_mesh((4, 2), ("data", "model"))
 
@@ -156,7 +157,7 @@ RSS_SCRIPT = textwrap.dedent(r"""
     tree_bytes = sum(x.nbytes for x in jax.tree.leaves(tree))
     gc.collect()
 
-    d = dispatcher_cls(host_memory_budget=budget)
+    d = dispatcher_cls(host_memory_budget=budget, compression=compression)
     rss_before_save = status("VmRSS")
     reset_hwm()
     stats = d.save(path, tree).wait()
@@ -185,19 +186,23 @@ RSS_SCRIPT = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.parametrize("dispatcher_name, allocator", [
-    ("LocalDispatcher", "glibc-default"),
-    ("LocalDispatcher", "fixed-mmap-threshold"),
+@pytest.mark.parametrize("dispatcher_name, allocator, compression", [
+    ("LocalDispatcher", "glibc-default", "none"),
+    ("LocalDispatcher", "fixed-mmap-threshold", "none"),
+    # zstd: TensorStore holds a batch's compressed chunks until its write commits; half the
+    # budget stages, half is theirs (Options.staging_bytes)
+    ("LocalDispatcher", "glibc-default", "zstd"),
     # ColocatedDispatcher's host copies are fresh XLA buffers per chunk (no reused staging buffer),
     # which glibc's dynamic threshold would keep in per-thread arenas once freed (VmHWM ~7x the
     # budget): the dispatcher fixes the threshold itself (workers.colocated.release_large_buffers_at_once),
     # so the default environment must hold the bound too.
-    ("ColocatedDispatcher", "glibc-default"),
-    ("ColocatedDispatcher", "fixed-mmap-threshold"),
-], ids=["local-glibc-default", "local-fixed-mmap-threshold", "colocated-glibc-default",
+    ("ColocatedDispatcher", "glibc-default", "none"),
+    ("ColocatedDispatcher", "fixed-mmap-threshold", "none"),
+], ids=["local-glibc-default", "local-fixed-mmap-threshold", "local-zstd", "colocated-glibc-default",
         "colocated-fixed-mmap-threshold"])
-def test_peak_rss_of_save_and_restore_stays_within_budget(tmp_path, dispatcher_name, allocator):
-    budget = 32 * MiB
+def test_peak_rss_of_save_and_restore_stays_within_budget(tmp_path, dispatcher_name, allocator, compression):
+    # zstd: a budget large next to the slack, so compressed copies beyond it would show
+    budget = 128 * MiB if compression == "zstd" else 32 * MiB
     slack = 64 * MiB
     colocated = dispatcher_name == "ColocatedDispatcher"
     env = dict(os.environ)
@@ -213,7 +218,8 @@ def test_peak_rss_of_save_and_restore_stays_within_budget(tmp_path, dispatcher_n
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 * MiB)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "ckpt"), str(budget), dispatcher_name],
+    proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "ckpt"), str(budget), dispatcher_name,
+                           compression],
                           env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

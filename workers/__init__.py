@@ -5,7 +5,18 @@ needs as plain, picklable data (``workers.contract``), so the same functions run
 in a colocated Python worker, or in another ``jax.distributed`` process.
 """
 
-from workers.contract import LAYOUTS, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype, storage_dtype_name
+from workers.contract import (
+    COMPRESSIONS,
+    LAYOUTS,
+    ArraySpec,
+    ChunkError,
+    IOSettings,
+    ReadItem,
+    Region,
+    compression_codec,
+    numpy_dtype,
+    storage_dtype_name,
+)
 from workers.tensorstore_io import (
     Session,
     aligned_empty,
@@ -19,6 +30,6 @@ from workers.tensorstore_io import (
     write_regions,
 )
 
-__all__ = ["LAYOUTS", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session", "aligned_empty",
-           "checksum_regions", "crc32c", "layout_kvstore", "merge_writers", "numpy_dtype", "read_items",
-           "read_regions", "shared_context", "storage_dtype_name", "write_regions"]
+__all__ = ["COMPRESSIONS", "LAYOUTS", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
+           "aligned_empty", "checksum_regions", "compression_codec", "crc32c", "layout_kvstore", "merge_writers",
+           "numpy_dtype", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_regions"]

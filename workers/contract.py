@@ -9,6 +9,8 @@ Everything a worker function receives is one of these (or a TensorStore kvstore 
 * :class:`ReadItem`: one region of a restore's result, and the stored pieces that fill it.
 * :class:`IOSettings`: how workers move bytes, built once from ``dispatch_io.Options``.
 * :class:`ChunkError`: what a worker raises when one region fails, naming its key path.
+
+Compression is a plain ``(codec, level)`` pair or ``None`` (:func:`compression_codec`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,27 @@ import numpy as np
 import tensorstore as ts
 
 LAYOUTS = ("ocdbt", "files")
+COMPRESSIONS = ("zstd",)
+ZSTD_DEFAULT_LEVEL = 3             # zstd's own default
+ZSTD_LEVELS = (-131072, 22)        # what zstd (and TensorStore's zarr3 codec) accepts
+
+
+def compression_codec(value) -> tuple[str, int] | None:
+    """``value`` as a plain ``(codec, level)`` pair, or None for no compression.
+
+    value: ``None``, ``"zstd"`` (level 3, zstd's default) or ``("zstd", level)`` with an int
+    level in [-131072, 22] (negative: zstd's fast modes). Raises ``ValueError`` naming the
+    ``compression`` option for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value, ZSTD_DEFAULT_LEVEL)
+    if not (isinstance(value, tuple) and len(value) == 2 and value[0] in COMPRESSIONS):
+        raise ValueError(f"compression must be None, 'zstd' or ('zstd', level), got {value!r}")
+    level = value[1]
+    if isinstance(level, bool) or not isinstance(level, int) or not ZSTD_LEVELS[0] <= level <= ZSTD_LEVELS[1]:
+        raise ValueError(f"compression level must be an int in [{ZSTD_LEVELS[0]}, {ZSTD_LEVELS[1]}], got {level!r}")
+    return value[0], level
 
 
 class ChunkError(Exception):
@@ -69,7 +92,8 @@ class ArraySpec:
     ``driver``: the TensorStore driver it is stored with (dispatch_io writes ``zarr3``; Orbax
     checkpoints are also read as ``zarr``). ``missing_is_fill``: a chunk that is not stored
     reads as the fill value (arrays whose writer skipped such chunks); otherwise a missing chunk
-    is lost data, an error."""
+    is lost data, an error. ``compression``: ``(codec, level)`` of the chunks (see
+    :func:`compression_codec`), None for raw little-endian bytes."""
 
     name: str
     shape: tuple[int, ...]
@@ -77,6 +101,7 @@ class ArraySpec:
     chunk_shape: tuple[int, ...]
     driver: str = "zarr3"
     missing_is_fill: bool = False
+    compression: tuple[str, int] | None = None
 
     @property
     def storage_dtype(self) -> str:
@@ -85,6 +110,10 @@ class ArraySpec:
     def tensorstore_spec(self, kvstore: dict) -> dict:
         """The spec of this array under ``kvstore`` (the checkpoint's arrays); ``metadata`` is
         what a new zarr3 array is created with (reads take the stored one)."""
+        codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        if self.compression is not None:
+            codec, level = self.compression
+            codecs.append({"name": codec, "configuration": {"level": level}})
         return {
             "driver": self.driver,
             "kvstore": {**kvstore, "path": kvstore.get("path", "") + self.name + "/"},
@@ -92,7 +121,7 @@ class ArraySpec:
                 "shape": list(self.shape),
                 "data_type": self.storage_dtype,
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                "codecs": codecs,
             },
         }
 
@@ -161,6 +190,8 @@ class IOSettings:
     threads: how many IO calls a runner runs at once.
     read_window: most stored bytes one read call decodes at a time (bounds TensorStore's
         temporary memory for regions larger than it).
+    compression: ``(codec, level)`` the arrays a writer creates are compressed with, or None
+        (:func:`compression_codec`); reads take each array's stored codecs.
     """
 
     layout: str = "ocdbt"
@@ -169,7 +200,10 @@ class IOSettings:
     keep_page_cache: bool = False
     threads: int = 2
     read_window: int = 64 << 20
+    compression: tuple[str, int] | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if compression_codec(self.compression) != self.compression:
+            raise ValueError(f"compression must be a (codec, level) pair or None, got {self.compression!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -146,6 +147,7 @@ class Session:
         self.fsync = settings.fsync
         self.checksums = settings.checksums  # write_regions returns each region's crc32c
         self.read_window = settings.read_window
+        self.compression = settings.compression  # of the arrays this session creates
         storage = _storage(kvstore)
         # Local files only: the directory whose page cache write_regions / read_regions drop.
         keep = settings.keep_page_cache
@@ -181,7 +183,7 @@ class Session:
         txn = ts.Transaction() if self.transactional else None
         futures = []
         for spec in arrays:
-            tspec = spec.tensorstore_spec(self.kvstore)
+            tspec = self._as_written(spec).tensorstore_spec(self.kvstore)
             futures.append(ts.open(tspec, create=True, open=True, context=self.context, transaction=txn))
         for future in futures:
             future.result()
@@ -194,7 +196,7 @@ class Session:
             future = self._open.get(spec.name)
             if future is None:
                 if create:
-                    tspec = spec.tensorstore_spec(self.kvstore)
+                    tspec = self._as_written(spec).tensorstore_spec(self.kvstore)
                     # Every chunk gets a file, all-zero ones too, so a missing file means lost data.
                     tspec["store_data_equal_to_fill_value"] = True
                     future = ts.open(tspec, create=True, open=True, context=self.context)
@@ -206,6 +208,12 @@ class Session:
                     future = ts.open(tspec, open=True, context=self.context)
                 self._open[spec.name] = future
         return future.result()
+
+    def _as_written(self, spec: ArraySpec) -> ArraySpec:
+        """``spec`` with the codecs this session writes (the plan's specs carry none)."""
+        if spec.compression == self.compression:
+            return spec
+        return dataclasses.replace(spec, compression=self.compression)
 
     def close(self):
         with self._lock:
