@@ -92,7 +92,13 @@ class SingleProcessCommit:
         return checksums
 
     def fail(self, error: BaseException):
-        """Remove the save and raise ``error``."""
+        """Remove the save and raise ``error`` -- or, where another save took the path over
+        meanwhile (the likely cause of ``error``), the CheckpointError that says so."""
+        try:
+            self.target.check()
+        except CheckpointError as superseded:
+            _abort(self.target)
+            raise superseded from error
         _abort(self.target)
         raise error
 

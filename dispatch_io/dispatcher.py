@@ -49,7 +49,7 @@ class Dispatcher:
     def __init__(self, options: Options, runner: Runner):
         self.options = options
         self.runner = runner
-        self._plans = PlanCache(options.chunk_bytes)
+        self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)
         self._ring = StagingRing(options.staging_bytes, allocate=runner.host_staging)
         self._paths = PathLocks()
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
@@ -251,7 +251,7 @@ class Dispatcher:
 
         def work(manifest, reader, progress, times):
             received = 0
-            treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast)
+            treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast, options.small_leaf_bytes)
             times.append(time.perf_counter())
             if options.restore_broadcast and jax.process_count() > 1:
                 received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=times)

@@ -49,6 +49,10 @@ class Options:
         budget holds with it on: half of it stages chunks, half holds their compressed copies.
     barrier_timeout: seconds a process of a multi-process job waits for the others at a
         barrier (while they make no progress) before raising ``BarrierTimeoutError``.
+    small_leaf_bytes: a sharded array of at most this many bytes whose devices are all in one
+        process is saved as one chunk and copied to host whole, and restored with one read:
+        per shard, small leaves (norm scales, biases) would cost a copy, a write and a read per
+        few KiB. 0: a chunk per shard, always. At most the chunk size limit.
     restore_broadcast: in a multi-process job, read every stored region once per job: of the
         processes holding a region, one reads it and the others receive it over the devices'
         interconnect (an all-gather: gloo on CPU, NVLink / ICI on accelerators), so N replicas
@@ -71,6 +75,7 @@ class Options:
     checksums: bool = False
     compression: str | tuple[str, int] | None = None
     barrier_timeout: float = 300.0
+    small_leaf_bytes: int = 256 << 10
     restore_broadcast: bool = True
     progress: bool = True
 
@@ -85,6 +90,8 @@ class Options:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         compression_codec(self.compression)  # ValueError naming the option for a bad value
+        if not isinstance(self.small_leaf_bytes, int) or self.small_leaf_bytes < 0:
+            raise ValueError(f"small_leaf_bytes must be a number of bytes >= 0, got {self.small_leaf_bytes!r}")
         if self.write_threads < 1:
             raise ValueError(f"write_threads must be >= 1, got {self.write_threads!r}")
 

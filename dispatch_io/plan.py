@@ -42,12 +42,13 @@ class LeafSpec:
     key_impl: str | None = None
     storage: str | None = None      # array name under arrays/; None: nothing stored (scalars, size 0)
     chunk_shape: tuple[int, ...] = ()
+    whole: bool = False             # a small sharded leaf: one chunk, copied whole (small_leaf_bytes)
 
     @property
     def nbytes(self) -> int:
         return 0 if self.dtype is None else math.prod(self.shape) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def array(self) -> ArraySpec:
         """What a worker needs to open this leaf's stored array."""
         return ArraySpec(self.storage, self.shape, self.dtype.name, self.chunk_shape)
@@ -146,7 +147,14 @@ def device_regions(sharding, shape, *, addressable_only: bool = False) -> dict:
     return regions
 
 
-def leaf_spec(index: int, keypath: str, leaf, chunk_limit: int) -> LeafSpec:
+def _copied_whole(spec: jax.ShapeDtypeStruct, nbytes: int, limit: int) -> bool:
+    """A sharded leaf of at most ``limit`` bytes on the devices of one process is stored as one
+    chunk and copied whole (``Options.small_leaf_bytes``)."""
+    devices = getattr(spec.sharding, "device_set", ())
+    return 0 < nbytes <= limit and len(devices) > 1 and len({d.process_index for d in devices}) == 1
+
+
+def leaf_spec(index: int, keypath: str, leaf, chunk_limit: int, small_leaf_bytes: int = 0) -> LeafSpec:
     kind = tree_lib.leaf_kind(keypath, leaf)
     if kind == tree_lib.SCALAR:
         return LeafSpec(index, keypath, kind, origin="python")
@@ -156,6 +164,9 @@ def leaf_spec(index: int, keypath: str, leaf, chunk_limit: int) -> LeafSpec:
         shape, dtype, impl = key_physical(leaf)
     else:
         shape, dtype, impl = tuple(leaf.shape), np.dtype(leaf.dtype), None
+    if _copied_whole(spec, math.prod(shape) * dtype.itemsize, min(small_leaf_bytes, chunk_limit)):
+        return LeafSpec(index, keypath, kind, origin, spec, shape, dtype, impl, _storage_name(index, keypath),
+                        shape, whole=True)
     return stored_leaf_spec(index, keypath, kind, origin, spec, shape, dtype, impl, chunk_limit)
 
 
@@ -181,11 +192,19 @@ def _split_region(region, chunk_shape):
         yield tuple((s, min(s + step, hi)) for s, step, (_, hi) in zip(starts, chunk_shape, region))
 
 
-def plan_tree(tree, chunk_limit: int) -> Plan:
-    """Build the plan for ``tree`` (TypeError naming the key path for unsupported leaves)."""
+def plan_tree(tree, chunk_limit: int, small_leaf_bytes: int = 0) -> Plan:
+    """Build the plan for ``tree`` (TypeError naming the key path for unsupported leaves);
+    sharded leaves of at most ``small_leaf_bytes`` on one process's devices are one chunk."""
     flat, treedef = tree_lib.flatten(tree)
-    specs = tuple(leaf_spec(i, path, leaf, chunk_limit) for i, (path, leaf) in enumerate(flat))
-    return Plan(treedef, specs, plan_chunks(specs, lambda spec: device_regions(spec.spec.sharding, spec.spec.shape)))
+    specs = tuple(leaf_spec(i, path, leaf, chunk_limit, small_leaf_bytes) for i, (path, leaf) in enumerate(flat))
+    return Plan(treedef, specs, plan_chunks(specs, _regions))
+
+
+def _regions(spec: LeafSpec) -> dict:
+    """Which devices hold which region of a leaf being saved (a whole leaf: its first device)."""
+    if spec.whole:
+        return {tuple((0, n) for n in spec.spec.shape): [min(spec.spec.sharding.device_set, key=lambda d: d.id)]}
+    return device_regions(spec.spec.sharding, spec.spec.shape)
 
 
 def plan_chunks(specs, regions_of) -> tuple[Chunk, ...]:
@@ -241,8 +260,9 @@ class PlanCache:
     batches of a priority assignment). A training loop saving the same state structure every N
     steps plans and batches once. Safe to use from several threads."""
 
-    def __init__(self, chunk_limit: int, size: int = 8):
+    def __init__(self, chunk_limit: int, small_leaf_bytes: int = 0, size: int = 8):
         self._chunk_limit = chunk_limit
+        self._small_leaf_bytes = small_leaf_bytes
         self._size = size
         self._plans: dict[tuple, tuple[Plan, dict]] = {}   # key -> (plan, derived values)
         self._lock = threading.Lock()
@@ -254,14 +274,14 @@ class PlanCache:
             key = plan_key(tree)
             hash(key)
         except TypeError:  # unhashable sharding: plan without caching
-            return plan_tree(tree, self._chunk_limit), False
+            return plan_tree(tree, self._chunk_limit, self._small_leaf_bytes), False
         with self._lock:
             entry = self._plans.pop(key, None)
             if entry is not None:
                 self.hits += 1
                 self._plans[key] = entry
                 return entry[0], True
-        plan = plan_tree(tree, self._chunk_limit)  # outside the lock: it may take a while
+        plan = plan_tree(tree, self._chunk_limit, self._small_leaf_bytes)  # outside the lock: it may take a while
         with self._lock:
             self._plans[key] = self._plans.pop(key, None) or (plan, {})
             while len(self._plans) > self._size:

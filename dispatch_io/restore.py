@@ -6,6 +6,7 @@ buffers the reads filled (:func:`finish`). The reading itself is ``reading.py``'
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ class Output:
     where: str                         # HOST (numpy) or DEVICE (jax.Array)
     dtype: np.dtype | None             # element dtype of the result (stored dtype for keys)
     sharding: Any = None               # DEVICE only
+    whole: bool = False                # read whole, once (small; all its devices are this process's)
     as_scalar: bool = False            # numpy scalar (np.generic) rather than a 0-d array
     regions: dict = dataclasses.field(default_factory=dict)  # region -> [devices] (DEVICE) / [None]
     buffers: dict = dataclasses.field(default_factory=dict)  # region -> host array
@@ -90,9 +92,11 @@ def _output_for(saved: SavedLeaf, leaf) -> Output:
     return Output(saved, DEVICE, dtype, sharding)
 
 
-def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool):
+def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool, small_leaf_bytes: int = 0):
     """(treedef, [Output or scalar value]) for the result; TreeMismatchError lists every problem.
-    ValueError for ``partial`` / ``cast`` without a ``target``: they would mean nothing."""
+    ValueError for ``partial`` / ``cast`` without a ``target``: they would mean nothing.
+    Sharded results of at most ``small_leaf_bytes`` whose devices are all this process's are
+    read whole (``Output.whole``)."""
     if target is None:
         if partial or cast:
             raise ValueError(f"{'partial' if partial else 'cast'}=True needs a target: it says which leaves "
@@ -116,13 +120,20 @@ def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool):
         elif saved.kind == tree_lib.SCALAR:
             outputs.append(_scalar_output(saved.value, leaf))
         else:
-            outputs.append(_output_for(saved, leaf))
+            outputs.append(_read_whole(_output_for(saved, leaf), small_leaf_bytes))
     if not partial:
         problems += [(s.keypath, "in the checkpoint but not in the target (pass partial=True to skip it)")
                      for s in manifest.leaves if s.keypath not in named]
     if problems:
         raise TreeMismatchError(problems)
     return treedef, outputs
+
+
+def _read_whole(out: Output, limit: int) -> Output:
+    if (out.where == DEVICE and out.saved.kind != tree_lib.KEY and len(out.sharding.device_set) > 1
+            and out.sharding.is_fully_addressable and math.prod(out.saved.shape) * out.dtype.itemsize <= limit):
+        out.whole = True
+    return out
 
 
 def _scalar_output(value, leaf):
@@ -135,8 +146,15 @@ def _scalar_output(value, leaf):
 
 
 def output_regions(out: Output) -> dict:
-    """{region: [devices]} of the result leaf ``out`` that this process holds (host: one region)."""
-    return device_regions(None if out.where == HOST else out.sharding, out.saved.shape, addressable_only=True)
+    """{region: [devices]} of the result leaf ``out`` that this process holds (host: one region).
+
+    A ``whole`` result is read once (``{whole array: [its first device]}``): for a small array a
+    read per device would cost more than its bytes."""
+    if out.where == HOST:
+        return device_regions(None, out.saved.shape)
+    if out.whole:
+        return {tuple((0, n) for n in out.saved.shape): [min(out.sharding.device_set, key=lambda d: d.id)]}
+    return device_regions(out.sharding, out.saved.shape, addressable_only=True)
 
 
 def finish(out) -> Any:
@@ -153,7 +171,9 @@ def finish(out) -> Any:
     if out.where == HOST:
         array = next(iter(out.buffers.values()))
         return array[()] if out.as_scalar else array
-    wrap = saved.kind == tree_lib.KEY
+    if saved.kind != tree_lib.KEY:
+        return _from_regions(out)
+    wrap = True
     by_device = {}
     for region, devices in out.regions.items():
         host = out.buffers.pop(region)   # numpy, or an array on a colocated CPU device
@@ -169,3 +189,20 @@ def finish(out) -> Any:
                                                     dtype=saved.dtype if wrap else out.dtype)
 
 
+
+
+def _from_regions(out: Output):
+    """The device result ``out`` from its host buffers, one put for all its devices."""
+    buffers = out.buffers
+    if not buffers:  # no device of this process holds a shard of it
+        return jax.make_array_from_single_device_arrays(out.saved.shape, out.sharding, [], dtype=out.dtype)
+    whole = tuple((0, n) for n in out.saved.shape)
+
+    def shard(index):
+        region = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, out.saved.shape))
+        return buffers[region] if region in buffers else buffers[whole][index]
+
+    try:
+        return jax.make_array_from_callback(out.saved.shape, out.sharding, shard, dtype=out.dtype)
+    finally:
+        buffers.clear()

@@ -63,6 +63,9 @@ class Sources:
             value, spec = self._leaves[leaf], self._plan.leaves[leaf]
             if spec.origin != "jax":
                 shards = {None: ((0,) * len(spec.shape), np.asarray(value))}
+            elif spec.whole:  # one chunk: the whole leaf, gathered from its devices
+                whole = np.asarray(jax.random.key_data(value) if spec.kind == tree_lib.KEY else value)
+                shards = {device: ((0,) * len(spec.shape), whole)}
             else:
                 if spec.kind == tree_lib.KEY:
                     value = jax.random.key_data(value)

@@ -33,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import math
 import time
 
 import jax
@@ -62,7 +63,7 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.item.shape, dtype=np.int64)) * numpy_dtype(self.item.dtype).itemsize
+        return math.prod(self.item.shape) * numpy_dtype(self.item.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +111,9 @@ def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_
         if not isinstance(out, Output) or out.saved.stored is None:
             continue
         out.regions = output_regions(out)
-        for region, procs in holders(out, count, seen).items():
-            if len(procs) == 1:
-                if procs[0] == process:
-                    local.append((out, region))
-                continue
+        shared = {region: procs for region, procs in holders(out, count, seen).items() if len(procs) > 1}
+        local += [(out, region) for region in out.regions if region not in shared]
+        for region, procs in shared.items():
             if process in procs:
                 out.buffers[region] = aligned_empty(out.buffer_shape(region), out.dtype)
             for stored, bounds in read_pieces(out, region, chunk_limit):

@@ -50,7 +50,7 @@ def test_manifest_holds_the_crc32c_of_every_stored_chunk(tmp_path, mesh, dispatc
 
 def test_flipped_byte_is_reported_with_key_path_and_chunk(tmp_path, mesh, dispatcher_cls, layout):
     tree = make_tree(mesh)
-    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
+    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True, layout=layout, small_leaf_bytes=0) as d:
         d.save(tmp_path / "ckpt", tree).wait()
         chunks = sh.chunks(tmp_path / "ckpt", "['w']")
         assert sorted(chunks) == [(i, j) for i in range(4) for j in range(2)]
@@ -71,7 +71,7 @@ def test_flipped_byte_is_reported_with_key_path_and_chunk(tmp_path, mesh, dispat
 
 def test_verify_covers_only_what_this_restore_reads_and_every_bad_chunk(tmp_path, mesh, layout):
     tree = make_tree(mesh)
-    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
+    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True, layout=layout, small_leaf_bytes=0) as d:
         d.save(tmp_path / "ckpt", tree).wait()
         chunks = sh.chunks(tmp_path / "ckpt", "['w']")
         sh.flip_byte(chunks[(0, 0)])

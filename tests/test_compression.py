@@ -103,7 +103,8 @@ def test_either_dispatcher_reads_the_other_ones_checkpoints(tmp_path, mesh, layo
 
 def test_checksums_cover_the_uncompressed_bytes_and_verify_passes(tmp_path, mesh, dispatcher_cls, layout):
     tree = make_tree(mesh)
-    with dispatcher_cls(host_memory_budget=64 << 10, layout=layout, compression="zstd", checksums=True) as d:
+    with dispatcher_cls(host_memory_budget=64 << 10, layout=layout, compression="zstd", checksums=True,
+                        small_leaf_bytes=0) as d:
         d.save(tmp_path / "ckpt", tree).wait()
         assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree, verify=True), tree)
         assert d.verify(tmp_path / "ckpt").verified

@@ -254,14 +254,17 @@ def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, la
     if layer == "worker_function":   # the runner's write fails, as a remote worker might
         hook = fail_batches_of(victim)
     else:                            # TensorStore fails inside the real worker function
-        real_array = workers.tensorstore_io.Session.array
+        real_open = workers.tensorstore_io.Session.open_arrays
 
-        def array(self, spec, *, create):
-            if create and spec.name.endswith(".victim"):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real_array(self, spec, create=create)
+        def open_arrays(self, specs, *, create):
+            futures = real_open(self, specs, create=create)
+            for spec in specs:
+                if create and spec.name.endswith(".victim"):
+                    futures[spec.name] = failed = concurrent.futures.Future()
+                    failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+            return futures
 
-        monkeypatch.setattr(workers.tensorstore_io.Session, "array", array)
+        monkeypatch.setattr(workers.tensorstore_io.Session, "open_arrays", open_arrays)
 
     tree = failing_tree(mesh)
     with hooked_dispatcher(dispatcher_cls, hook, host_memory_budget=64 * KiB) as d:
@@ -455,7 +458,7 @@ def test_missing_chunk_file_is_an_error_not_zeros(tmp_path, mesh, dispatcher_cls
     OCDBT: its key in the database) is lost data and reads fail instead of returning zeros."""
     tree = {"w": put(mesh, random_array(5, (64, 64)), "data", "model"),
             "z": put(mesh, np.zeros((64, 64), np.float32), "data", "model")}
-    with dispatcher_cls(host_memory_budget=MiB, layout=layout) as d:
+    with dispatcher_cls(host_memory_budget=MiB, layout=layout, small_leaf_bytes=0) as d:
         d.save(tmp_path / "ckpt", tree).wait(TIMEOUT)
         assert len(stored.chunks(tmp_path / "ckpt", "['w']")) == 8
         assert len(stored.chunks(tmp_path / "ckpt", "['z']")) == 8   # all-zero chunks are stored too

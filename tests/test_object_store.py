@@ -304,7 +304,7 @@ def test_a_taken_over_save_commits_nothing_and_deletes_nothing(mesh, monkeypatch
     first, second = make_tree(mesh, 1), make_tree(mesh, 2)
     monkeypatch.setattr(storage.Marker, "alive", property(lambda marker: False))  # as if on another host
     errors = []
-    with dio.LocalDispatcher(host_memory_budget=64 << 10, layout=layout, write_threads=1) as a, \
+    with dio.LocalDispatcher(host_memory_budget=64 << 10, layout=layout, write_threads=1, small_leaf_bytes=0) as a, \
             dio.LocalDispatcher(host_memory_budget=MiB, layout=layout, checksums=True) as b:
         def second_save(keypath):
             if not errors:

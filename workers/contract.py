@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 import tensorstore as ts
@@ -144,7 +145,7 @@ class Region:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.array.dtype).itemsize
+        return math.prod(self.shape) * numpy_dtype(self.array.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,7 @@ class ReadItem:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.stored_dtype).itemsize
+        return math.prod(self.shape) * numpy_dtype(self.stored_dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)

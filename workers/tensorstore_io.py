@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -179,35 +180,45 @@ class Session:
 
     def create_arrays(self, arrays: Sequence[ArraySpec]):
         """Create the arrays this session will write (their metadata), before any data: in one
-        transaction (one commit, OCDBT), so that later batches' transactions only add chunks."""
+        transaction (one commit, OCDBT), so that later batches' transactions only add chunks.
+        The opened arrays are kept for the writes (never opened again)."""
         txn = ts.Transaction() if self.transactional else None
-        futures = []
-        for spec in arrays:
-            tspec = self._as_written(spec).tensorstore_spec(self.kvstore)
-            futures.append(ts.open(tspec, create=True, open=True, context=self.context, transaction=txn))
-        for future in futures:
-            future.result()
+        futures = [ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
+                           transaction=txn) for spec in arrays]
+        stores = [future.result() for future in futures]
         if txn is not None:
             txn.commit_async().result()
+            stores = [store.with_transaction(None) for store in stores]
+        with self._lock:
+            for spec, store in zip(arrays, stores):
+                self._open[spec.name] = _done(store)
+
+    def open_arrays(self, specs: Sequence[ArraySpec], *, create: bool) -> dict[str, Any]:
+        """{name: future of the opened TensorStore} for ``specs``: each array is opened once per
+        session (shared by threads), and those not open yet are opened all at once."""
+        with self._lock:
+            for spec in specs:
+                if spec.name not in self._open:
+                    self._open[spec.name] = ts.open(self._spec(spec, create), create=create, open=True,
+                                                    context=self.context)
+            return {spec.name: self._open[spec.name] for spec in specs}
 
     def array(self, spec: ArraySpec, *, create: bool):
-        """The opened TensorStore (opened once per session, shared by threads)."""
-        with self._lock:
-            future = self._open.get(spec.name)
-            if future is None:
-                if create:
-                    tspec = self._as_written(spec).tensorstore_spec(self.kvstore)
-                    # Every chunk gets a file, all-zero ones too, so a missing file means lost data.
-                    tspec["store_data_equal_to_fill_value"] = True
-                    future = ts.open(tspec, create=True, open=True, context=self.context)
-                else:
-                    tspec = spec.tensorstore_spec(self.kvstore)
-                    del tspec["metadata"]
-                    if not spec.missing_is_fill:
-                        tspec["fill_missing_data_reads"] = False  # a lost chunk file is an error, not zeros
-                    future = ts.open(tspec, open=True, context=self.context)
-                self._open[spec.name] = future
-        return future.result()
+        """The opened TensorStore of ``spec`` (:meth:`open_arrays`)."""
+        return self.open_arrays([spec], create=create)[spec.name].result()
+
+    def _spec(self, spec: ArraySpec, create: bool) -> dict:
+        """The TensorStore spec that writes (``create``) or reads the array ``spec``."""
+        if create:
+            tspec = self._as_written(spec).tensorstore_spec(self.kvstore)
+            # Every chunk gets a file, all-zero ones too, so a missing file means lost data.
+            tspec["store_data_equal_to_fill_value"] = True
+            return tspec
+        tspec = spec.tensorstore_spec(self.kvstore)
+        del tspec["metadata"]
+        if not spec.missing_is_fill:
+            tspec["fill_missing_data_reads"] = False  # a lost chunk file is an error, not zeros
+        return tspec
 
     def _as_written(self, spec: ArraySpec) -> ArraySpec:
         """``spec`` with the codecs this session writes (the plan's specs carry none)."""
@@ -218,6 +229,12 @@ class Session:
     def close(self):
         with self._lock:
             self._open.clear()
+
+
+def _done(value) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def _wait_all(futures, regions):
@@ -257,9 +274,10 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
     """
     txn = ts.Transaction() if session.transactional else None
     futures = []
+    stores = session.open_arrays([r.array for r in regions], create=True)
     for region, buf in zip(regions, buffers):
         try:
-            store = session.array(region.array, create=True)
+            store = stores[region.array.name].result()
             if txn is not None:
                 store = store.with_transaction(txn)
             data = buf.view(region.array.storage_dtype) if buf.dtype.name != region.array.storage_dtype else buf
@@ -285,9 +303,10 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     bytes are touched once and no temporary is allocated. Otherwise a new array is returned."""
     out = list(out) if out is not None else [None] * len(regions)
     futures = []
+    stores = session.open_arrays([r.array for r in regions], create=False)
     for region, dst in zip(regions, out):
         try:
-            source = session.array(region.array, create=False)[region.index]
+            source = stores[region.array.name].result()[region.index]
             if dst is None:
                 futures.append(source.read())
             else:

@@ -70,6 +70,10 @@ class WriteTarget:
         """Remove what this save wrote, and nothing else."""
         raise NotImplementedError
 
+    def check(self):
+        """Raise CheckpointError if this save can no longer commit because another one took the
+        path over (then a failed write is a symptom of that, not the cause); else nothing."""
+
 
 class JoinedWrite(WriteTarget):
     """The share of a save another process started (``Location.join_write``): this process only

@@ -244,11 +244,14 @@ class KvWrite(WriteTarget):
     def _still_ours(self) -> bool:
         return self.location._get(WRITING) == self.marker
 
+    def check(self):
+        if not self._still_ours():
+            raise CheckpointError(f"another save to {self.location.display} started while this one was writing; "
+                                  "nothing was committed (saves to one path must not overlap)")
+
     def commit(self, manifest: bytes, fsync: bool = True):
         where = self.location.display
-        if not self._still_ours():
-            raise CheckpointError(f"another save to {where} started while this one was writing; "
-                                  "nothing was committed (saves to one path must not overlap)")
+        self.check()
         if self.location._get(COMMITTED) is not None:
             raise CheckpointError(f"another save committed {where} while this one was writing; nothing was committed")
         self._committing = True
