@@ -57,11 +57,12 @@ class Room:
         self.leader = process == 0
 
     def open(self):
-        """Start the operation together: the leader clears an earlier one's keys first (nobody
-        reads them before the barrier)."""
+        """Start the operation together: once every process is here (none is still in an
+        earlier operation on the path, reading its keys), the leader clears those keys."""
+        self.barrier("begin")
         if self.leader:
             self.client.key_value_delete(self.prefix + "/")
-        self.barrier("begin")
+        self.barrier("opened")
 
     def close(self):
         """Leave together; the leader removes the operation's keys."""
@@ -80,6 +81,18 @@ class Room:
             return json.loads(self.client.key_value_try_get(f"{self.prefix}/{key}"))
         except Exception:  # noqa: BLE001 - NOT_FOUND has no exception type of its own
             return None
+
+    def decide(self, key: str, value):
+        """Publish ``value`` under ``key`` unless something was published there first; returns
+        what is there now. Every process that decides the same key gets the same answer."""
+        try:
+            self.client.key_value_set(f"{self.prefix}/{key}", json.dumps(value), allow_overwrite=False)
+            return value
+        except Exception:  # noqa: BLE001 - ALREADY_EXISTS has no type of its own: the key tells
+            decided = self.get(key)
+            if decided is None:
+                raise
+            return decided
 
     def entries(self, directory: str) -> dict[int, object]:
         """{process: value} of what the processes published as ``directory/<process>``."""

@@ -54,7 +54,6 @@ class Dispatcher:
         self._paths = PathLocks()
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
         self._lock = threading.Lock()
-        self._restoring = threading.Lock()
         self._closed = False
         # RestoreStats of the restore that finished last on this dispatcher (from any thread).
         self.last_restore_stats: RestoreStats | None = None
@@ -263,8 +262,7 @@ class Dispatcher:
             times.append(time.perf_counter())
             return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, received
 
-        with self._restoring:  # a job's broadcast restores run one at a time, in the same order everywhere
-            result, self.last_restore_stats = self._read("restore", path, work)
+        result, self.last_restore_stats = self._read("restore", path, work)
         return result
 
     def verify(self, path) -> RestoreStats:

@@ -71,14 +71,15 @@ def needed_regions(outputs: list) -> list[tuple[Output, tuple]]:
     return found
 
 
-def read_pieces(out: Output, region, chunk_limit: int) -> list[tuple[Region, tuple]]:
+def read_pieces(out: Output, region, chunk_limit: int, whole_chunks: bool = True) -> list[tuple[Region, tuple]]:
     """The stored pieces filling ``region`` of the result ``out``: (stored region, bounds in the
-    region's buffer) pairs, each at most ``chunk_limit`` bytes, cut from the leading axes."""
+    region's buffer) pairs, each at most ``chunk_limit`` bytes, cut from the leading axes --
+    or, with ``whole_chunks``, one per stored chunk where those are larger."""
     saved = out.saved
     full = out.stored_bounds(region)
     shape = out.buffer_shape(region)
     pieces = []
-    if math.prod(saved.stored.chunk_shape) * np.dtype(out.dtype).itemsize > chunk_limit:
+    if whole_chunks and math.prod(saved.stored.chunk_shape) * np.dtype(out.dtype).itemsize > chunk_limit:
         # Stored chunks over the limit (other writers' checkpoints) are decoded whole whatever
         # is read of them: one piece per stored chunk, so each is decoded once, not per piece.
         for _, cell in stored_cells(saved.stored, full):
@@ -154,7 +155,7 @@ def verify_outputs(reader, outputs: list, batch_limit: int, progress: Progress, 
 
 
 def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, progress: Progress, *,
-                  compare: bool = True):
+                  compare: bool = True, on_batch: Callable[[int], None] | None = None):
     """Check every stored chunk overlapping each (output, stored bounds) of ``wanted`` against
     the CRC-32C saved in the manifest.
 
@@ -162,7 +163,8 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
     two calls at a time, so host memory stays within the budget (or two chunks, for chunks
     over half of it) however large the leaves. Raises CorruptCheckpointError naming every bad
     chunk's key path. ``compare=False`` (a checkpoint saved without checksums): only read every
-    chunk, which still finds what cannot be read or decoded. Counted on ``progress`` as ``verify``."""
+    chunk, which still finds what cannot be read or decoded. Counted on ``progress`` as ``verify``;
+    ``on_batch(bytes checked so far)`` is called after each batch."""
     display = progress.path
     cells = {}
     for out, wanted_bounds in wanted:
@@ -175,11 +177,17 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
     batches = [batch for batch, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
     bad = []
 
+    done = 0
+
     def consume(batch, sums):
+        nonlocal done
         for (grid, out, region), crc in zip(batch, sums):
             expected = out.saved.checksums.get(tuple(grid)) if compare else crc
             if expected != crc:
                 bad.append((region.keypath, grid, region.bounds, expected, crc))
+            done += region.nbytes
+        if on_batch is not None:
+            on_batch(done)
 
     def failure(exc, batch):
         keypath = getattr(exc, "keypath", None) or batch[0][2].keypath

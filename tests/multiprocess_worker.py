@@ -17,6 +17,7 @@ import concurrent.futures
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -172,12 +173,11 @@ def error_fields(exc: BaseException) -> dict:
             "is_barrier_timeout": isinstance(exc, dio.BarrierTimeoutError)}
 
 
-def sync(name: str):
-    """Line the processes up before a timed step (through the coordination service; device
-    collectives do not work on multi-process CPU)."""
+def sync(name: str, timeout_ms: int = 60_000):
+    """Line the processes up (through the coordination service, not a device collective)."""
     if jax.process_count() > 1:
         from jax._src.distributed import global_state
-        global_state.client.wait_at_barrier(f"dio-test/{name}", 60_000)
+        global_state.client.wait_at_barrier(f"dio-test/{name}", timeout_ms)
 
 
 class TallyRunner(dio.LocalRunner):
@@ -379,6 +379,43 @@ def restore_colocated(mesh, path):
         return {"bytes_read": d.last_restore_stats.bytes_read, "total_bytes": stored_nbytes(table), **checks}
 
 
+def scaleout_crossing(mesh, path):
+    """Two dispatchers in each process restore two checkpoints of the same shapes at once, from
+    two threads: each restore gives the right bytes or raises -- never another's data."""
+    table = entries(big=True)
+    tree = build(mesh, table)
+    swapped = {k: np.ascontiguousarray(h[::-1]) if not isinstance(p, tuple) else h for k, (h, p) in
+               _flat_entries(table)}
+    other = jax.tree.map(lambda x: x, table, is_leaf=is_entry)
+    for keypath, host in swapped.items():   # the second checkpoint: the first's rows reversed
+        node = other
+        names = keypath[2:-2].split("']['")
+        for name in names[:-1]:
+            node = node[name]
+        node[names[-1]] = (host, node[names[-1]][1])
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+        d.save(f"{path}/a", tree).wait()
+        d.save(f"{path}/b", build(mesh, other)).wait()
+    sync("crossing")
+    outcomes = {}
+
+    def restore(name, which):
+        with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=64 << 10,
+                                 barrier_timeout=BARRIER_TIMEOUT) as d:
+            try:
+                checks = restore_and_compare(d, f"{path}/{name}", abstract(mesh, which), mesh, which)
+                outcomes[name] = "right" if not checks["mismatches"] else "wrong"
+            except Exception as exc:  # noqa: BLE001 - an error is an acceptable outcome, wrong data is not
+                outcomes[name] = type(exc).__name__
+
+    threads = [threading.Thread(target=restore, args=args) for args in (("a", table), ("b", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"outcomes": outcomes}
+
+
 def save_big(mesh, path):
     """Save the 4 MiB tree (the one ``restore_big`` restores)."""
     table = entries(big=True)
@@ -397,28 +434,37 @@ def restore_big(mesh, path):
         return {"bytes_read": d.last_restore_stats.bytes_read, **checks}
 
 
-def _scaleout_fault(kind):
-    """Process 1's read of ['rep'] (1 MiB held by every process, read in 64 KiB pieces by both)
-    fails (``kind`` "fails") or stalls for BARRIER_TIMEOUT + 3 s ("stalls"), in a restore with
-    the broadcast on."""
+def _scaleout_fault(kind, faulty=1):
+    """Process ``faulty``'s read of ['rep'] (1 MiB held by every process, read in 64 KiB pieces
+    by both) fails (``kind`` "fails") or stalls for BARRIER_TIMEOUT + 3 s ("stalls"), in a
+    restore with the broadcast on. Every process then stays up until all have failed, and all
+    retry the restore without the fault (``retry``: what it gave)."""
     def scenario(mesh, path):
         table = entries(big=True)
         with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
             d.save(path, build(mesh, table)).wait()
         d, runner = tallying_dispatcher(max_chunk_bytes=64 << 10)
-        if jax.process_index() == 1:
+        if jax.process_index() == faulty:
             if kind == "fails":
                 runner.fail_keypath = "['rep']"
             else:
                 runner.stall_read = ("['rep']", BARRIER_TIMEOUT + 3)
         sync("scaleout_fault")
         start = time.monotonic()
-        try:
-            with d:
+        out = {}
+        with d:
+            try:
                 d.restore(path, abstract(mesh, table))
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            return {**error_fields(exc), "elapsed": time.monotonic() - start, "clean_exit": kind == "fails"}
-        return {"elapsed": time.monotonic() - start, "read": runner.read, "clean_exit": kind == "fails"}
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out = error_fields(exc)
+            out["elapsed"] = time.monotonic() - start
+            runner.fail_keypath = None
+            sync("scaleout_fault/failed", timeout_ms=int(4 * BARRIER_TIMEOUT * 1000))  # nobody left in the restore
+            try:
+                out["retry"] = restore_and_compare(d, path, abstract(mesh, table), mesh, table)
+            except Exception as exc:  # noqa: BLE001
+                out["retry"] = error_fields(exc)
+        return out
     return scenario
 
 
@@ -531,6 +577,7 @@ SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "
              "restore_orbax": restore_orbax, "shares": shares, "scaleout": scaleout,
              "save_big": save_big, "restore_colocated": restore_colocated, "restore_big": restore_big,
              "scaleout_fails": _scaleout_fault("fails"), "scaleout_stalls": _scaleout_fault("stalls"),
+             "scaleout_leader_fails": _scaleout_fault("fails", faulty=0), "scaleout_crossing": scaleout_crossing,
              "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),
              "sleep_in_write": _sleeper("in_write")}
 

@@ -396,30 +396,47 @@ def test_restore_reads_every_stored_byte_once_per_job(jobs, tmp_path, processes,
         assert sum(per_process) == sizes[keypath] and min(per_process) > 0, (keypath, per_process)
 
 
-def test_a_failed_read_in_one_process_fails_every_process(jobs, tmp_path):
-    """Process 1's read of ['rep'] (a region both processes hold, broadcast) fails: both raise
-    WorkerError naming process 1 and the key path, at once (not after a timeout)."""
-    job = jobs("scaleout_fails", tmp_path / "ckpt", 2, 4, barrier_timeout=30)
+@pytest.mark.parametrize("scenario, failing", [("scaleout_fails", 1), ("scaleout_leader_fails", 0)])
+def test_a_failed_read_in_one_process_fails_every_process(jobs, tmp_path, scenario, failing):
+    """One process's read of ['rep'] (a region both processes hold, broadcast) fails: both raise
+    WorkerError naming that process and the key path, at once (not after a timeout); a retry
+    without the fault then restores everything on both."""
+    job = jobs(scenario, tmp_path / "ckpt", 2, 4, barrier_timeout=30)
     results = job.wait(deadline())
     for r in results:
-        assert r["is_worker_error"] and r["worker"] == 1 and r["keypath"] == "['rep']", r
+        assert r["is_worker_error"] and r["worker"] == failing and r["keypath"] == "['rep']", r
         assert "['rep']" in r["error_message"] and "injected" in r["error_message"], r
         assert r["elapsed"] < 10, r
-    assert results[0]["error_message"].startswith("process 1 failed reading ['rep']"), results[0]
+        assert r["retry"].get("mismatches") == [] and r["retry"]["checked"] > 0, r["retry"]
+    other = results[1 - failing]
+    assert other["error_message"].startswith(f"process {failing} failed reading ['rep']"), other
 
 
 def test_a_stalled_reader_times_out_every_process(jobs, tmp_path):
     """Process 1 stalls in its read of ['rep'] for barrier_timeout + 3 s: process 0 raises
-    BarrierTimeoutError naming it after about the timeout; process 1, once awake, raises too."""
+    BarrierTimeoutError naming it after about the timeout; process 1, once awake, raises too
+    instead of entering the round's collective alone; then a retry restores everything."""
     timeout = 3.0
     job = jobs("scaleout_stalls", tmp_path / "ckpt", 2, 4, barrier_timeout=timeout)
-    results = job.wait(deadline(), needed=[0], grace=15)
-    leader = results[0]
+    results = job.wait(deadline())
+    leader, stalled = results
     assert leader["is_barrier_timeout"] and leader["processes"] == [1], leader
     assert "process(es) [1]" in leader["error_message"], leader
     assert timeout * 0.9 <= leader["elapsed"] < timeout + 7, leader
-    if results[1] is not None:   # it woke up before it was killed: it failed, never hung
-        assert results[1].get("error_type") is not None, results[1]
+    assert stalled["is_barrier_timeout"] and stalled["processes"] == [1], stalled
+    assert stalled["elapsed"] < 2 * timeout + 10, stalled
+    for r in results:
+        assert r["retry"].get("mismatches") == [] and r["retry"]["checked"] > 0, r["retry"]
+
+
+def test_crossing_restores_never_swap_data(jobs, tmp_path):
+    """Two restores at once in each process (two dispatchers, two threads): each gives its own
+    checkpoint's bytes or raises; neither returns the other's data."""
+    job = jobs("scaleout_crossing", tmp_path / "ckpt", 2, 4, barrier_timeout=5)
+    results = job.wait(deadline())
+    for r in results:
+        assert r.get("error_type") is None, r.get("traceback")
+        assert set(r["outcomes"]) == {"a", "b"} and "wrong" not in r["outcomes"].values(), r["outcomes"]
 
 
 def test_restore_from_s3_gets_every_stored_byte_once_per_job(jobs, s3_prefix, s3_server):
