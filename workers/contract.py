@@ -75,12 +75,17 @@ def _tensorstore_knows(name: str) -> bool:
 
 
 def storage_dtype_name(dtype) -> str:
-    """The TensorStore dtype a numpy/ml_dtypes dtype is stored as.
+    """The TensorStore dtype a numpy/ml_dtypes dtype (or its name) is stored as.
 
     Its own name when TensorStore knows it (so other zarr readers see real values);
     otherwise an unsigned integer of the same width holding the same bits (uint4, float6,
     newer float8 variants), which still round-trips bit-exactly."""
-    dtype = np.dtype(dtype)
+    return _storage_dtype_name(dtype if isinstance(dtype, str) else np.dtype(dtype).name)
+
+
+@functools.cache
+def _storage_dtype_name(name: str) -> str:
+    dtype = numpy_dtype(name)
     if _tensorstore_knows(dtype.name):
         return dtype.name
     return f"uint{8 * dtype.itemsize}"

@@ -280,7 +280,8 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
             store = stores[region.array.name].result()
             if txn is not None:
                 store = store.with_transaction(txn)
-            data = buf.view(region.array.storage_dtype) if buf.dtype.name != region.array.storage_dtype else buf
+            stored = numpy_dtype(region.array.storage_dtype)
+            data = buf.view(stored) if buf.dtype != stored else buf
             write = store[region.index].write(data, can_reference_source_data_indefinitely=session.reference_sources)
             futures.append(write.copy if txn else write.commit)
         except Exception as exc:  # noqa: BLE001
@@ -310,7 +311,8 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
             if dst is None:
                 futures.append(source.read())
             else:
-                view = dst.view(region.array.storage_dtype) if dst.dtype.name != region.array.storage_dtype else dst
+                stored = numpy_dtype(region.array.storage_dtype)
+                view = dst.view(stored) if dst.dtype != stored else dst
                 futures.append(ts.array(view, copy=False, write=True).write(source).commit)
         except Exception as exc:  # noqa: BLE001
             _wait_all(futures, regions)

@@ -55,7 +55,8 @@ TEMPORARY = SiblingName("tmp", hidden=True, id_chars=12)      # a save being wri
 REPLACED = SiblingName("old", hidden=False, id_chars=8)       # a checkpoint an overwrite moved aside
 DELETED = SiblingName("deleting", hidden=True, id_chars=8)    # a manager's step being deleted
 
-_MANIFEST_MARK = f'"format": "{manifest_lib.FORMAT}"'.encode()
+# The manifest's first key, however it is spaced (manifests are written compact; older ones indented).
+_MANIFEST_MARK = re.compile(rb'^\{\s*"format"\s*:\s*"' + manifest_lib.FORMAT.encode() + rb'"')
 
 
 def _arrays_kvstore(directory: str, arrays: str = ARRAYS) -> dict:
@@ -233,7 +234,7 @@ def _is_checkpoint(path: str) -> bool:
         return False
     try:
         with open(os.path.join(path, MANIFEST), "rb") as f:
-            return _MANIFEST_MARK in f.read(256)
+            return _MANIFEST_MARK.match(f.read(256)) is not None
     except OSError:
         return False
 
