@@ -46,7 +46,7 @@ class Options:
         are compressed by TensorStore's zarr3 ``zstd`` codec; the manifest records it, and
         restores read any checkpoint whatever this option says. Costs CPU per byte; pays where
         storage or the network is slower than compressing (weights compress ~10-20 %). The
-        budget holds with it on: half of it stages chunks, half holds their compressed copies.
+        budget holds with it on: a quarter of it stages chunks, the rest holds their compressed copies.
     barrier_timeout: seconds a process of a multi-process job waits for the others at a
         barrier (while they make no progress) before raising ``BarrierTimeoutError``.
     small_leaf_bytes: a sharded array of at most this many bytes whose devices are all in one
@@ -104,10 +104,10 @@ class Options:
 
     @property
     def staging_bytes(self) -> int:
-        """Host bytes a save stages chunks in: the budget, or half of it with compression on --
-        the compressed copies of the chunks being written (held until their batch is committed)
-        get the other half."""
-        return self.host_memory_budget if self.compression is None else max(1, self.host_memory_budget // 2)
+        """Host bytes a save stages chunks in: the budget, or a quarter of it with compression on
+        -- the copies TensorStore makes of the chunks being written (encoded, then in the data
+        file being written; held until their batch commits) get the rest (measured)."""
+        return self.host_memory_budget if self.compression is None else max(1, self.host_memory_budget // 4)
 
     @property
     def batch_bytes(self) -> int:

@@ -189,8 +189,8 @@ RSS_SCRIPT = textwrap.dedent(r"""
 @pytest.mark.parametrize("dispatcher_name, allocator, compression", [
     ("LocalDispatcher", "glibc-default", "none"),
     ("LocalDispatcher", "fixed-mmap-threshold", "none"),
-    # zstd: TensorStore holds a batch's compressed chunks until its write commits; half the
-    # budget stages, half is theirs (Options.staging_bytes)
+    # zstd: TensorStore holds a batch's compressed chunks until its write commits; a quarter of
+    # the budget stages, the rest is theirs (Options.staging_bytes)
     ("LocalDispatcher", "glibc-default", "zstd"),
     # ColocatedDispatcher's host copies are fresh XLA buffers per chunk (no reused staging buffer),
     # which glibc's dynamic threshold would keep in per-thread arenas once freed (VmHWM ~7x the
