@@ -94,12 +94,10 @@ class SingleProcessCommit:
     def fail(self, error: BaseException):
         """Remove the save and raise ``error`` -- or, where another save took the path over
         meanwhile (the likely cause of ``error``), the CheckpointError that says so."""
-        try:
-            self.target.check()
-        except CheckpointError as superseded:
-            _abort(self.target)
-            raise superseded from error
+        superseded = self.target.superseded()
         _abort(self.target)
+        if superseded is not None:
+            raise superseded from error
         raise error
 
     def commit(self, manifest: bytes | None, fsync: bool):

@@ -17,8 +17,9 @@ class Options:
         reads in flight for restores). Always respected, even for one array larger than it:
         such arrays are split into chunks.
     max_chunk_bytes: upper bound on one chunk (one storage chunk on disk, one unit of
-        device-to-host copy). ``None`` picks ``min(budget // 4, 64 MiB)`` so that two
-        batches (one copying, one writing) always fit in the budget together.
+        device-to-host copy). ``None`` picks ``min(staging // 4, 64 MiB)`` so that two
+        batches (one copying, one writing) always fit in the staging space together (staging:
+        the budget, a quarter of it with ``compression``); at most half the staging space.
     write_threads: worker threads writing batches concurrently.
     fsync: make files and directories durable before the commit marker is written.
     keep_staging_warm: keep the staging buffer between saves. Memory freed to the OS is
@@ -82,15 +83,17 @@ class Options:
     def __post_init__(self):
         if not isinstance(self.host_memory_budget, int) or self.host_memory_budget <= 0:
             raise ValueError(f"host_memory_budget must be a positive number of bytes, got {self.host_memory_budget!r}")
-        if self.max_chunk_bytes is not None and not 0 < self.max_chunk_bytes <= self.host_memory_budget // 2:
+        compression_codec(self.compression)  # ValueError naming the option for a bad value
+        if self.max_chunk_bytes is not None and not 0 < self.max_chunk_bytes <= self.staging_bytes // 2:
             raise ValueError(
-                f"max_chunk_bytes must be in (0, host_memory_budget // 2], got {self.max_chunk_bytes!r}")
+                f"max_chunk_bytes must be in (0, {self.staging_bytes // 2}] (half the staging space: "
+                f"host_memory_budget // 2, or // 8 with compression), got {self.max_chunk_bytes!r}")
         if not self.barrier_timeout > 0:
             raise ValueError(f"barrier_timeout must be a positive number of seconds, got {self.barrier_timeout!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        compression_codec(self.compression)  # ValueError naming the option for a bad value
-        if not isinstance(self.small_leaf_bytes, int) or self.small_leaf_bytes < 0:
+        if not isinstance(self.small_leaf_bytes, int) or isinstance(self.small_leaf_bytes, bool) \
+                or self.small_leaf_bytes < 0:
             raise ValueError(f"small_leaf_bytes must be a number of bytes >= 0, got {self.small_leaf_bytes!r}")
         if self.write_threads < 1:
             raise ValueError(f"write_threads must be >= 1, got {self.write_threads!r}")
@@ -100,7 +103,7 @@ class Options:
         """The chunk size limit actually used."""
         if self.max_chunk_bytes is not None:
             return self.max_chunk_bytes
-        return max(1, min(self.host_memory_budget // 4, 64 * MiB))
+        return max(1, min(self.staging_bytes // 4, 64 * MiB))
 
     @property
     def staging_bytes(self) -> int:

@@ -28,7 +28,7 @@ from dispatch_io.batches import pack
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, WorkerError
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.progress import Progress
-from dispatch_io.restore import HOST, Output, output_regions
+from dispatch_io.restore import HOST, Output, finish, output_regions
 from workers import ReadItem, Region
 
 
@@ -71,15 +71,15 @@ def needed_regions(outputs: list) -> list[tuple[Output, tuple]]:
     return found
 
 
-def read_pieces(out: Output, region, chunk_limit: int, whole_chunks: bool = True) -> list[tuple[Region, tuple]]:
+def read_pieces(out: Output, region, chunk_limit: int) -> list[tuple[Region, tuple]]:
     """The stored pieces filling ``region`` of the result ``out``: (stored region, bounds in the
     region's buffer) pairs, each at most ``chunk_limit`` bytes, cut from the leading axes --
-    or, with ``whole_chunks``, one per stored chunk where those are larger."""
+    or one per stored chunk where those are larger."""
     saved = out.saved
     full = out.stored_bounds(region)
     shape = out.buffer_shape(region)
     pieces = []
-    if whole_chunks and math.prod(saved.stored.chunk_shape) * np.dtype(out.dtype).itemsize > chunk_limit:
+    if math.prod(saved.stored.chunk_shape) * np.dtype(out.dtype).itemsize > chunk_limit:
         # Stored chunks over the limit (other writers' checkpoints) are decoded whole whatever
         # is read of them: one piece per stored chunk, so each is decoded once, not per piece.
         for _, cell in stored_cells(saved.stored, full):
@@ -117,6 +117,8 @@ def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, b
         nonlocal done
         for (out, region, item), array in zip(batch, arrays):
             out.buffers[region] = array
+            if out.whole:
+                finish(out)
             done += item.nbytes
         if on_batch is not None:
             on_batch(done)

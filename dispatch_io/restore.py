@@ -33,6 +33,7 @@ class Output:
     as_scalar: bool = False            # numpy scalar (np.generic) rather than a 0-d array
     regions: dict = dataclasses.field(default_factory=dict)  # region -> [devices] (DEVICE) / [None]
     buffers: dict = dataclasses.field(default_factory=dict)  # region -> host array
+    result: Any = None                 # the finished leaf, where built early (see finish)
 
     def stored_bounds(self, region) -> tuple:
         """``region`` (over the logical shape) as bounds over the stored array: PRNG keys'
@@ -158,9 +159,13 @@ def output_regions(out: Output) -> dict:
 
 
 def finish(out) -> Any:
-    """The result leaf for an Output whose buffers are full."""
+    """The result leaf for an Output whose buffers are full. Readers call it for a ``whole``
+    output as soon as it is read, so its host buffer goes at once (its devices' copies are not
+    the host buffer itself, as a region's are on CPU); later calls return that result."""
     if not isinstance(out, Output):
         return out
+    if out.result is not None:
+        return out.result
     saved = out.saved
     if saved.stored is None:  # zero-size: nothing was stored
         phys = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(saved.shape, saved.dtype)) \
@@ -171,7 +176,8 @@ def finish(out) -> Any:
     if out.where == HOST:
         array = next(iter(out.buffers.values()))
         return array[()] if out.as_scalar else array
-    return _keys_from_regions(out) if saved.kind == tree_lib.KEY else _from_regions(out)
+    out.result = _keys_from_regions(out) if saved.kind == tree_lib.KEY else _from_regions(out)
+    return out.result
 
 
 def _keys_from_regions(out: Output):

@@ -163,7 +163,7 @@ def platform(array) -> str:
 
 
 def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources, staging: np.ndarray) -> list[np.ndarray]:
-    """Copy each chunk's region from its device shard into consecutive staging slices.
+    """Copy each chunk's region from its device shard(s) into consecutive staging slices.
 
     On CPU the device buffer is host memory: ``np.asarray`` views it without a copy and the
     one copy is into staging. On accelerators the region is sliced on the device and all
@@ -172,18 +172,19 @@ def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources, staging: n
     for chunk in chunks:
         spec = plan.leaves[chunk.leaf]
         try:
-            data, local = sources.locate(chunk)
             shape = tuple(hi - lo for lo, hi in chunk.region)
             dst = staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape)
             offset += aligned(chunk.nbytes)
-            if isinstance(data, np.ndarray):
-                np.copyto(dst, data[local])
-            elif platform(data) == "cpu":
-                np.copyto(dst, np.asarray(data)[local])
-            else:
-                piece = data[local]
-                piece.copy_to_host_async()
-                pending.append((dst, piece, spec, chunk))
+            for data, local, within in sources.parts(chunk):
+                part = dst[within] if within else dst  # dst[()] of a 0-d array is no view
+                if isinstance(data, np.ndarray):
+                    np.copyto(part, data[local])
+                elif platform(data) == "cpu":
+                    np.copyto(part, np.asarray(data)[local])
+                else:
+                    piece = data[local]
+                    piece.copy_to_host_async()
+                    pending.append((part, piece, spec, chunk))
             out.append(dst)
         except Exception as exc:  # noqa: BLE001 - any failure is the chunk's, named by its key path
             raise ChunkError(spec.keypath, chunk.region, exc) from exc

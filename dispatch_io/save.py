@@ -50,21 +50,41 @@ class Sources:
         self._leaves = list(leaves)
         self._shards: dict[int, dict] = {}
 
-    def locate(self, chunk) -> tuple:
-        """(data, index): the shard holding ``chunk`` (a jax.Array or np.ndarray) and the
-        slices of it that are the chunk's region."""
-        start, data = self._shard(chunk.leaf, chunk.device)
-        return data, tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start))
+    def parts(self, chunk) -> list[tuple]:
+        """[(data, index in data, index in the chunk)]: where the chunk's bytes are -- one shard
+        (a jax.Array or np.ndarray) and the slices of it that are the chunk's region, or, for a
+        whole-copied leaf (``LeafSpec.whole``), each distinct shard and where it goes. Never
+        through the whole array (``np.asarray`` of a sharded array would leave a host copy
+        cached on the trainer's array)."""
+        spec = self._plan.leaves[chunk.leaf]
+        if not spec.whole:
+            start, data = self._shard(chunk.leaf, chunk.device)
+            return [(data, tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start)), ())]
+        value = self._leaves[chunk.leaf]
+        if spec.kind == tree_lib.KEY:
+            value = jax.random.key_data(value)
+        indices = value.sharding.addressable_devices_indices_map(value.shape)
+        parts, seen = [], set()
+        for i in range(len(indices)):
+            data = value.addressable_data(i)
+            index = indices[next(iter(data.devices()))]
+            region = tuple((s.start or 0, s.stop) for s in index)
+            if region not in seen:  # replicas: copied once
+                seen.add(region)
+                parts.append((data, (), index))
+        return parts
 
-    def gather(self, chunks):
-        """Fetch the whole-copied leaves (``LeafSpec.whole``) of ``chunks`` to host in one call:
-        one ``jax.device_get`` of many small arrays costs about what one costs alone."""
-        specs = self._plan.leaves
-        wanted = {c.leaf: c.device for c in chunks if specs[c.leaf].whole and c.leaf not in self._shards}
-        values = [jax.random.key_data(self._leaves[i]) if specs[i].kind == tree_lib.KEY else self._leaves[i]
-                  for i in wanted]
-        for (i, device), host in zip(wanted.items(), jax.device_get(values)):
-            self._shards[i] = {device: ((0,) * len(specs[i].shape), np.asarray(host))}
+    def locate(self, chunk) -> tuple:
+        """(data, index): an array holding ``chunk`` and the slices of it that are the chunk's
+        region (a whole-copied leaf: assembled on the host from its shards)."""
+        parts = self.parts(chunk)
+        if len(parts) == 1 and not parts[0][2]:
+            return parts[0][:2]
+        spec = self._plan.leaves[chunk.leaf]
+        whole = np.empty(spec.shape, spec.dtype)
+        for data, local, within in parts:
+            whole[within] = np.asarray(data)[local]
+        return whole, ()
 
     def _shard(self, leaf: int, device: int | None):
         """(start offsets, data) of the shard on ``device``."""
@@ -73,9 +93,6 @@ class Sources:
             value, spec = self._leaves[leaf], self._plan.leaves[leaf]
             if spec.origin != "jax":
                 shards = {None: ((0,) * len(spec.shape), np.asarray(value))}
-            elif spec.whole:  # one chunk: the whole leaf, gathered from its devices
-                whole = np.asarray(jax.random.key_data(value) if spec.kind == tree_lib.KEY else value)
-                shards = {device: ((0,) * len(spec.shape), whole)}
             else:
                 if spec.kind == tree_lib.KEY:
                     value = jax.random.key_data(value)
@@ -331,7 +348,6 @@ class SaveRun:
         chunks = [plan.chunks[i] for i in batch.chunks]
         t0 = time.perf_counter()
         try:
-            self.sources.gather(chunks)
             buffers = self.runner.copy_to_host(plan, chunks, self.sources, staging)
         except Exception as exc:  # noqa: BLE001
             self._fail(self._worker_error("copying to host", exc, chunks))

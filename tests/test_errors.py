@@ -494,3 +494,28 @@ def test_partial_or_cast_without_a_target_is_refused(tmp_path, dispatcher, flag)
     dispatcher.save(tmp_path / "ckpt", {"a": np.ones(4, np.float32)}).wait(TIMEOUT)
     with pytest.raises(ValueError, match=f"{flag}=True needs a target"):
         dispatcher.restore(tmp_path / "ckpt", **{flag: True})
+
+
+@pytest.mark.parametrize("small_leaf_bytes", [256 << 10, 0], ids=["whole", "per-shard"])
+def test_a_deleted_small_leaf_is_named_by_its_key_path(tmp_path, mesh, dispatcher_cls, small_leaf_bytes):
+    """A donated / deleted leaf among small sharded ones (copied whole, or per shard): the save
+    fails naming that leaf alone."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    tree = {f"l{i}": jax.device_put(np.full((8, 8), i, np.float32), sharding) for i in range(5)}
+    tree["l3"].delete()
+    with dispatcher_cls(host_memory_budget=8 << 20, small_leaf_bytes=small_leaf_bytes) as d:
+        with pytest.raises(dio.WorkerError) as info:
+            d.save(tmp_path / "ckpt", tree).wait()
+    assert info.value.keypath == "['l3']" and "deleted" in str(info.value), info.value
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_compression_keeps_chunks_within_its_staging_space():
+    """With compression a quarter of the budget stages chunks: a chunk limit over half of that
+    is refused, naming the option (a chunk must fit in a batch)."""
+    assert dio.Options(host_memory_budget=16 << 20, compression="zstd").chunk_bytes <= (16 << 20) // 8
+    with pytest.raises(ValueError, match="max_chunk_bytes must be in"):
+        dio.Options(host_memory_budget=16 << 20, compression="zstd", max_chunk_bytes=8 << 20)
+    dio.Options(host_memory_budget=16 << 20, max_chunk_bytes=8 << 20)   # fine without compression
+    with pytest.raises(ValueError, match="small_leaf_bytes"):
+        dio.Options(small_leaf_bytes=True)

@@ -617,3 +617,14 @@ def test_checkpoint_files_leave_the_page_cache(tmp_path, mesh, dispatcher_cls, l
         assert after_restore >= 4 * MiB
     else:
         assert after_save < 256 * KiB and after_restore < 256 * KiB  # metadata and B-tree nodes at most
+
+
+def test_a_save_leaves_no_host_copy_on_the_trainers_arrays(tmp_path, mesh, dispatcher_cls):
+    """Small sharded leaves are copied whole, shard by shard: never through the whole array,
+    whose host copy JAX would keep cached on the trainer's array for as long as it lives."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    tree = {f"l{i}": jax.device_put(np.full((64, 64), i, np.float32), sharding) for i in range(4)}
+    with dispatcher_cls(host_memory_budget=8 << 20) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        assert all(x._npy_value is None for x in tree.values())   # JAX's cache of a host copy
+        assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree), tree)

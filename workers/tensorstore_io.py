@@ -199,8 +199,12 @@ class Session:
         with self._lock:
             for spec in specs:
                 if spec.name not in self._open:
-                    self._open[spec.name] = ts.open(self._spec(spec, create), create=create, open=True,
-                                                    context=self.context)
+                    try:
+                        future = ts.open(self._spec(spec, create), create=create, open=True, context=self.context)
+                    except Exception as exc:  # noqa: BLE001 - raised by .result(), named by the caller
+                        future = concurrent.futures.Future()
+                        future.set_exception(exc)
+                    self._open[spec.name] = future
             return {spec.name: self._open[spec.name] for spec in specs}
 
     def array(self, spec: ArraySpec, *, create: bool):

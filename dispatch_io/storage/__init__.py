@@ -70,9 +70,11 @@ class WriteTarget:
         """Remove what this save wrote, and nothing else."""
         raise NotImplementedError
 
-    def check(self):
-        """Raise CheckpointError if this save can no longer commit because another one took the
-        path over (then a failed write is a symptom of that, not the cause); else nothing."""
+    def superseded(self) -> Exception | None:
+        """The CheckpointError to raise if another save is known to have taken the path over
+        (then a failed write is a symptom of that, not the cause); None otherwise, also when
+        that cannot be told."""
+        return None
 
 
 class JoinedWrite(WriteTarget):

@@ -244,14 +244,21 @@ class KvWrite(WriteTarget):
     def _still_ours(self) -> bool:
         return self.location._get(WRITING) == self.marker
 
-    def check(self):
-        if not self._still_ours():
-            raise CheckpointError(f"another save to {self.location.display} started while this one was writing; "
-                                  "nothing was committed (saves to one path must not overlap)")
+    def _taken_over(self) -> CheckpointError:
+        return CheckpointError(f"another save to {self.location.display} started while this one was writing; "
+                               "nothing was committed (saves to one path must not overlap)")
+
+    def superseded(self) -> Exception | None:
+        try:
+            ours = self._still_ours()
+        except Exception:  # noqa: BLE001 - the store failing: the save's own error says it
+            return None
+        return None if ours else self._taken_over()
 
     def commit(self, manifest: bytes, fsync: bool = True):
         where = self.location.display
-        self.check()
+        if not self._still_ours():
+            raise self._taken_over()
         if self.location._get(COMMITTED) is not None:
             raise CheckpointError(f"another save committed {where} while this one was writing; nothing was committed")
         self._committing = True
