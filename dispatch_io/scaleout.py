@@ -152,8 +152,9 @@ def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_
     for piece in (p for mine in pieces for p in mine if p.nbytes > share):
         rows = tuple((piece,) if r == piece.reader else () for r in range(count))
         rounds.append(Round(len(rounds), rows, _width(HEADER + piece.nbytes), solo=piece.reader))
-    digest = hashlib.sha256(repr([(outputs[p.output].saved.keypath, p.region, p.local, p.reader, p.item.dtype)
-                                  for mine in pieces for p in mine]).encode()).hexdigest()
+    # With the share: processes with different budgets would cut different rounds.
+    digest = hashlib.sha256(repr((share, [(outputs[p.output].saved.keypath, p.region, p.local, p.reader, p.item.dtype)
+                                          for mine in pieces for p in mine])).encode()).hexdigest()
     return Split(local, rounds, digest)
 
 
@@ -217,7 +218,7 @@ def _check_peers(room: Room, display: str):
 GO = "go"
 
 
-def _decision(room: Room, k: int, display: str) -> str:
+def _decision(room: Room, k: int) -> str:
     """Wait for round ``k``'s decision and return it: ``GO`` once every process is ready (any
     process may decide it), or why not -- a failure reported, or processes that made no
     progress for the timeout. The first decision published wins (``Room.decide``), so every
@@ -246,7 +247,7 @@ def _decision(room: Room, k: int, display: str) -> str:
 def _proceed(room: Room, k: int, display: str):
     """Return once every process will take part in round ``k``'s collective; else raise what
     stopped it (PeerFailure, or BarrierTimeoutError naming the processes that made no progress)."""
-    decided = _decision(room, k, display)
+    decided = _decision(room, k)
     if decided == GO:
         return
     if isinstance(decided, dict):
