@@ -256,9 +256,9 @@ class Dispatcher:
                 received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=times)
             else:
                 if verify:
-                    reading.verify_outputs(reader, outputs, options.batch_bytes, progress)
+                    reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
                 times.append(time.perf_counter())
-                reading.read_outputs(reader, outputs, options.chunk_bytes, options.batch_bytes, progress)
+                reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress)
             times.append(time.perf_counter())
             return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, received
 
@@ -282,7 +282,7 @@ class Dispatcher:
         def work(manifest, reader, progress, times):
             _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
             times.append(time.perf_counter())
-            reading.verify_outputs(reader, outputs, self.options.batch_bytes, progress,
+            reading.verify_outputs(reader, outputs, self.options.read_batch_bytes, progress,
                                    compare=manifest.has_checksums)
             times += [time.perf_counter()] * 2  # nothing read into a result
             return None, manifest.has_checksums, 0

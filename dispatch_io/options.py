@@ -114,11 +114,17 @@ class Options:
 
     @property
     def batch_bytes(self) -> int:
-        """Largest batch: half the staging space, so one batch copies while the previous one writes."""
+        """Largest save batch: half the staging space, so one batch copies while the previous one writes."""
         return max(1, self.staging_bytes // 2)
+
+    @property
+    def read_batch_bytes(self) -> int:
+        """Largest batch of reads (restore, verify): half the budget, so one batch reads while the
+        previous one's results are placed (compression does not change what a read holds)."""
+        return max(1, self.host_memory_budget // 2)
 
     def io_settings(self) -> IOSettings:
         """The plain settings the workers need (a dispatcher makes them once)."""
         return IOSettings(layout=self.layout, fsync=self.fsync, checksums=self.checksums,
                           keep_page_cache=self.keep_page_cache, threads=self.write_threads,
-                          read_window=self.batch_bytes, compression=compression_codec(self.compression))
+                          read_window=self.read_batch_bytes, compression=compression_codec(self.compression))

@@ -12,7 +12,7 @@ every process):
   picks the writer of a replicated chunk, so every process reads about its share.
 
 The shared pieces travel in **rounds**. In round k each process reads its next pieces (at most
-``batch_bytes / processes`` of them, so a round's rows together stay within half the budget)
+``read_batch_bytes / processes`` of them, so a round's rows together stay within half the budget)
 into a row of bytes headed by the round's identity, and says it is ready. A round's
 **decision** is published once (``Room.decide``: the first write wins): "go" when every
 process is ready, else a reported failure or the processes that made no progress for
@@ -25,8 +25,8 @@ round's reads run while a round is gathered. A piece over a process's share is s
 broadcast (:func:`broadcast`, a sum where the others add zeros), not by an all-gather that would
 make every row that large.
 
-Bounds, per process: host memory holds at most two rounds' reads (``batch_bytes``) and one
-gathered round (``batch_bytes`` plus padding) beyond the restored arrays; device memory on the
+Bounds, per process: host memory holds at most two rounds' reads (``read_batch_bytes``) and one
+gathered round (``read_batch_bytes`` plus padding) beyond the restored arrays; device memory on the
 carrying device one round's row and its gathered copy. A stored chunk larger than the share
 costs about four times its size while it is sent.
 
@@ -284,7 +284,7 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
 
 def _fill(reader, outputs: list, options, progress: Progress, verify: bool, times: list) -> int:
     process, count, display = jax.process_index(), jax.process_count(), progress.path
-    split = plan_split(outputs, process, count, options.chunk_bytes, options.batch_bytes)
+    split = plan_split(outputs, process, count, options.chunk_bytes, options.read_batch_bytes)
     room = open_room("restore", display, f"the restore of {display}", options.barrier_timeout)
     report = lambda done: room.set(f"progress/{process}", done)  # noqa: E731 - moves the others' deadlines
     upcoming = [0]   # the next round this process has not said it is ready for
@@ -300,10 +300,10 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
         if verify:
             verify_stored(reader, [(outputs[p.output], p.item.pieces[0][0].bounds) for p in mine] +
                           [(out, out.stored_bounds(region)) for out, region in split.local],
-                          options.batch_bytes, progress, on_batch=report)
+                          options.read_batch_bytes, progress, on_batch=report)
         times.append(time.perf_counter())
         received = _rounds(reader, outputs, split.rounds, room, progress, upcoming)
-        read_regions(reader, split.local, options.chunk_bytes, options.batch_bytes, progress, on_batch=report)
+        read_regions(reader, split.local, options.chunk_bytes, options.read_batch_bytes, progress, on_batch=report)
     except BaseException as exc:
         if not isinstance(exc, PeerFailure):  # the first failure is the one every process reports
             room.set("failed", {"process": process, "keypath": getattr(exc, "keypath", None),
