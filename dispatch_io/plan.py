@@ -142,9 +142,21 @@ def device_regions(sharding, shape, *, addressable_only: bool = False) -> dict:
         sharding.devices_indices_map(shape)
     regions: dict[tuple, list] = {}
     for device, index in indices.items():
-        region = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+        region = index_region(index, shape)
         regions.setdefault(region, []).append(device)
     return regions
+
+
+def index_region(index, shape) -> tuple:
+    """``index`` (a device's slices, as ``devices_indices_map`` gives them) as a region
+    ``((start, stop), ...)`` of ``shape``."""
+    return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+
+
+def whole_on_one_device(sharding, shape) -> dict:
+    """``{the whole array: [the sharding's first device]}``: how a small leaf is copied (saves)
+    or read (restores) whole, once."""
+    return {tuple((0, n) for n in shape): [min(sharding.device_set, key=lambda d: d.id)]}
 
 
 def _copied_whole(spec: jax.ShapeDtypeStruct, nbytes: int, limit: int) -> bool:
@@ -203,7 +215,7 @@ def plan_tree(tree, chunk_limit: int, small_leaf_bytes: int = 0) -> Plan:
 def _regions(spec: LeafSpec) -> dict:
     """Which devices hold which region of a leaf being saved (a whole leaf: its first device)."""
     if spec.whole:
-        return {tuple((0, n) for n in spec.spec.shape): [min(spec.spec.sharding.device_set, key=lambda d: d.id)]}
+        return whole_on_one_device(spec.spec.sharding, spec.spec.shape)
     return device_regions(spec.spec.sharding, spec.spec.shape)
 
 

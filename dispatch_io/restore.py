@@ -16,7 +16,7 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import TreeMismatchError
 from dispatch_io.manifest import Manifest, SavedLeaf
-from dispatch_io.plan import device_regions
+from dispatch_io.plan import device_regions, index_region, whole_on_one_device
 
 HOST, DEVICE = "host", "device"
 
@@ -154,7 +154,7 @@ def output_regions(out: Output) -> dict:
     if out.where == HOST:
         return device_regions(None, out.saved.shape)
     if out.whole:
-        return {tuple((0, n) for n in out.saved.shape): [min(out.sharding.device_set, key=lambda d: d.id)]}
+        return whole_on_one_device(out.sharding, out.saved.shape)
     return device_regions(out.sharding, out.saved.shape, addressable_only=True)
 
 
@@ -206,7 +206,7 @@ def _from_regions(out: Output):
     whole = tuple((0, n) for n in out.saved.shape)
 
     def shard(index):
-        region = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, out.saved.shape))
+        region = index_region(index, out.saved.shape)
         return buffers[region] if region in buffers else buffers[whole][index]
 
     try:

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.plan import Plan
+from dispatch_io.plan import Plan, index_region
 
 
 class Sources:
@@ -38,7 +38,7 @@ class Sources:
         for i in range(len(indices)):
             data = value.addressable_data(i)
             index = indices[next(iter(data.devices()))]
-            region = tuple((s.start or 0, s.stop) for s in index)
+            region = index_region(index, value.shape)
             if region not in seen:  # replicas: copied once
                 seen.add(region)
                 parts.append((data, (), index))
