@@ -7,12 +7,7 @@ import enum
 from typing import Sequence
 
 from dispatch_io.plan import Plan
-
-ALIGN = 64  # staging offsets are cache-line aligned
-
-
-def aligned(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+from dispatch_io.staging import aligned
 
 
 class Priority(enum.IntEnum):
@@ -58,12 +53,26 @@ def pack(items, nbytes, limit: int, group=lambda item: None) -> list[tuple[list,
 def make_batches(plan: Plan, priorities: Sequence[Priority], limit: int, worker: int | None = None
                  ) -> tuple[Batch, ...]:
     """Batches of ``worker``'s chunks (all if None): SYNC, then HIGH, then LOW, each in tree
-    order; a batch never mixes priorities and never holds more than ``limit`` staging bytes."""
-    prio = lambda i: priorities[plan.chunks[i].leaf]  # noqa: E731
-    order = sorted((i for i, c in enumerate(plan.chunks) if worker is None or c.worker == worker),
-                   key=lambda i: (prio(i), i))
-    return tuple(Batch(prio(chunks[0]), tuple(chunks), size)
-                 for chunks, size in pack(order, lambda i: plan.chunks[i].nbytes, limit, group=prio))
+    order; a batch never mixes priorities and never holds more than ``limit`` staging bytes.
+
+    The leaves of a pack (``LeafSpec.packed``) stay together, in the batch of their most
+    urgent leaf, and count their pack's bytes twice: the writer copies them into it."""
+    units: dict = {}   # pack name, or chunk index -> [chunk indices]
+    for i, c in enumerate(plan.chunks):
+        if worker is None or c.worker == worker:
+            packed = plan.leaves[c.leaf].packed
+            units.setdefault(i if packed is None else packed[0], []).append(i)
+    prio = {key: min(priorities[plan.chunks[i].leaf] for i in chunks) for key, chunks in units.items()}
+    size = {key: sum(aligned(plan.chunks[i].nbytes) for i in chunks) + _pack_bytes(plan, chunks)
+            for key, chunks in units.items()}
+    order = sorted(units, key=lambda key: (prio[key], units[key][0]))
+    return tuple(Batch(prio[keys[0]], tuple(i for key in keys for i in units[key]), nbytes)
+                 for keys, nbytes in pack(order, size.__getitem__, limit, group=prio.__getitem__))
+
+
+def _pack_bytes(plan: Plan, chunks: list[int]) -> int:
+    packed = plan.leaves[plan.chunks[chunks[0]].leaf].packed
+    return 0 if packed is None else aligned(packed[1])
 
 
 def sync_overflow(plan: Plan, batches: Sequence[Batch], capacity: int) -> set[int]:

@@ -56,7 +56,8 @@ def _rows(manifest) -> list[dict]:
         nbytes = 0 if stored is None else math.prod(stored.shape) * numpy_dtype(stored.dtype).itemsize
         dtype = str(leaf.dtype) + (f" ({leaf.key_impl})" if leaf.key_impl else "")
         rows.append({"keypath": leaf.keypath, "kind": leaf.kind, "shape": list(leaf.shape), "dtype": dtype,
-                     "sharding": leaf.described_sharding, "bytes": nbytes})
+                     "sharding": leaf.described_sharding, "bytes": nbytes,
+                     "pack": None if stored is None or stored.packed is None else stored.packed[0].name})
     return rows
 
 
@@ -90,7 +91,10 @@ def inspect(path: str, as_json: bool) -> int:
     arrays = sum(r["kind"] != "scalar" for r in rows)
     written_by = "" if manifest.format == "dispatch_io" else f", written by {manifest.format.capitalize()}"
     compressed = "" if manifest.compression is None else ", compression {} level {}".format(*manifest.compression)
-    print(f"\n{len(rows)} leaves ({arrays} arrays), {humanize.naturalsize(total, binary=True)} stored "
+    packs = {r["pack"] for r in rows if r.get("pack")}
+    count = sum(bool(r.get("pack")) for r in rows)
+    packed = f", {count} of them packed into {len(packs)} stored array{'s' * (len(packs) != 1)}" if packs else ""
+    print(f"\n{len(rows)} leaves ({arrays} arrays{packed}), {humanize.naturalsize(total, binary=True)} stored "
           f"({total} bytes), layout {manifest.layout}{compressed}{written_by}")
     return 0
 

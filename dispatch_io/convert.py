@@ -17,14 +17,15 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.batches import aligned
+from dispatch_io.staging import aligned
 from dispatch_io.manifest import Manifest
-from dispatch_io.plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec
+from dispatch_io.plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec, with_packs
 from workers import ArraySpec, Region, Session, aligned_empty, numpy_dtype, read_regions
 
 
-def plan_stored(manifest: Manifest, chunk_limit: int) -> Plan:
-    """The plan of a save holding what ``manifest`` describes, read from storage (host data)."""
+def plan_stored(manifest: Manifest, chunk_limit: int, small_leaf_bytes: int = 0) -> Plan:
+    """The plan of a save holding what ``manifest`` describes, read from storage (host data);
+    leaves of at most ``small_leaf_bytes`` are packed (``plan.with_packs``)."""
     specs = []
     for i, saved in enumerate(manifest.leaves):
         if saved.kind == tree_lib.SCALAR:
@@ -40,7 +41,8 @@ def plan_stored(manifest: Manifest, chunk_limit: int) -> Plan:
             shape, dtype = saved.shape, np.dtype(saved.dtype)
         specs.append(stored_leaf_spec(i, saved.keypath, saved.kind, saved.origin, spec, tuple(shape), dtype, saved.key_impl, chunk_limit))
     specs = tuple(specs)
-    return Plan(manifest.treedef, specs, plan_chunks(specs, lambda spec: device_regions(None, spec.spec.shape)))
+    plan = Plan(manifest.treedef, specs, plan_chunks(specs, lambda spec: device_regions(None, spec.spec.shape)))
+    return with_packs(plan, small_leaf_bytes, chunk_limit // 2)
 
 
 class StoredSource:

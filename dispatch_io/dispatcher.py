@@ -10,6 +10,7 @@ worker code runs is the runner's business (``runner.py``): :class:`LocalDispatch
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Callable
 import jax
 
 from dispatch_io import commit as commit_lib
+from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
 from dispatch_io import reading, scaleout
 from dispatch_io import restore as restore_lib
@@ -26,7 +28,7 @@ from dispatch_io.batches import Priority, make_batches, sync_overflow
 from dispatch_io.convert import StoredSource, plan_stored
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
-from dispatch_io.plan import Plan, PlanCache
+from dispatch_io.plan import Plan, PlanCache, with_packs
 from dispatch_io.progress import Progress, RestoreStats, SaveStats
 from dispatch_io.runner import LocalRunner, Runner, platform
 from dispatch_io.save import SaveHandle, SaveJob, SaveRun
@@ -80,15 +82,16 @@ class Dispatcher:
         plan, cached = self._plans.get(tree)
         leaves = jax.tree_util.tree_leaves(tree)
         priorities = self._priorities(plan, priority)
-        batches = self._batches(plan, priorities)
-        overflow = self._snapshot_sync_overflow(plan, leaves, batches)
+        packed, batches, describe = self._layout(plan, priorities)
+        overflow = self._snapshot_sync_overflow(packed, leaves, batches)
         if overflow:  # on their devices now: to host later, with HIGH priority
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
-            batches = self._batches(plan, priorities)
-        job = SaveJob(plan, tuple(leaf if spec.kind == tree_lib.SCALAR else None for spec, leaf in zip(plan.leaves, leaves)),
+            packed, batches, describe = self._layout(plan, priorities)
+        job = SaveJob(packed, tuple(leaf if spec.kind == tree_lib.SCALAR else None for spec, leaf in zip(plan.leaves, leaves)),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
-                      snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress)
+                      snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
+                      describe=describe)
         run = self._launch(location, job, leaves, self.runner, overwrite)
         run.wait_until_sync_copied()
         return SaveHandle(run)
@@ -124,7 +127,7 @@ class Dispatcher:
         started = time.perf_counter()
         source = open_checkpoint(src)
         location = Location.parse(dst)
-        plan = plan_stored(source.manifest, self.options.chunk_bytes)
+        plan = plan_stored(source.manifest, self.options.chunk_bytes, self.options.small_leaf_bytes)
         batches = make_batches(plan, [Priority.LOW] * len(plan.leaves), self.options.batch_bytes,
                                worker=jax.process_index())
         job = SaveJob(plan, tuple(s.value if s.kind == tree_lib.SCALAR else None for s in source.manifest.leaves),
@@ -169,11 +172,17 @@ class Dispatcher:
                 raise failed(i, exc) from exc
         return set(indices)
 
-    def _batches(self, plan: Plan, priorities: list[Priority]):
-        """This process's batches for ``priorities`` (a training loop saving the same state batches once)."""
-        limit, worker = self.options.batch_bytes, jax.process_index()
-        return self._plans.derive(plan, ("batches", tuple(priorities), limit, worker),
-                                  lambda: make_batches(plan, priorities, limit, worker=worker))
+    def _layout(self, plan: Plan, priorities: list[Priority]):
+        """(``plan`` with its small leaves packed, this process's batches, a function returning
+        ``manifest.describe`` of it) for ``priorities``: a training loop saving the same state
+        packs, batches and describes it once."""
+        options, worker = self.options, jax.process_index()
+
+        def make():
+            packed = with_packs(plan, options.small_leaf_bytes, options.chunk_bytes // 2, priorities)
+            batches = make_batches(packed, priorities, options.batch_bytes, worker=worker)
+            return packed, batches, functools.cache(lambda: manifest_lib.describe(packed))
+        return self._plans.derive(plan, ("layout", tuple(priorities), worker), make)
 
     def _start(self, run: SaveRun, run_key: str):
         """Register ``run`` (unless the dispatcher was closed meanwhile) and start its driver."""

@@ -2,7 +2,7 @@
 
 ::
 
-    {"format": "dispatch_io", "format_version": 1,
+    {"format": "dispatch_io", "format_version": 2,     # 1: written without packs
      "layout": "ocdbt" | "files",           # how arrays/ stores chunks (absent: "files")
      "compression": {"codec": "zstd", "level": 3} | null,   # of every stored array (absent: null)
      "structure": {...},                   # tree.encode_structure
@@ -12,14 +12,18 @@
                  "key_impl": "threefry2x32" | null,
                  "stored": {"name": "00003.params.w", "shape": [...], "dtype": "bfloat16",
                             "chunk_shape": [...],
+                            "pack": "packed.00001.layer", "offset": 4096,  # packed leaves only
                             "crc32c": {"0,1": "8c3f0a1e", ...}} | null,  # crc32c: Options(checksums=True);
                                                                          # null: scalars, zero-size arrays
                  "sharding": {...} | null,               # as saved, for people (inspect)
                  "value": {...}},                         # Python scalars only
                 ...],
+     "packs": {"packed.00001.layer": {"nbytes": N}, ...},   # version 2 only
      "total_bytes": N}
 
-Dtypes are stored by their numpy / ml_dtypes name, never by numpy descr strings.
+Dtypes are stored by their numpy / ml_dtypes name, never by numpy descr strings. A packed
+leaf's bytes (C order, stored dtype) are ``[offset, offset + nbytes)`` of its pack, a 1-D
+``uint8`` array under ``arrays/`` (``workers.packs``); its one chunk is the whole leaf.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ import jax
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError
 from dispatch_io.plan import Plan
-from workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype
+from workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
 
 FORMAT = "dispatch_io"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # written when the checkpoint has packs; 1 otherwise
+READS_VERSIONS = (1, 2)
 
 
 def describe_sharding(sharding) -> dict | None:
@@ -56,37 +61,53 @@ ARRAYS = "arrays/"
 _ARRAYS_PATH = re.compile(r"^arrays/([0-9a-f]+/)?$")
 
 
-def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, layout: str = "ocdbt",
-          arrays: str = ARRAYS, compression: tuple[str, int] | None = None) -> bytes:
-    """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values,
-    ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed, ``layout``
-    the chunk layout of ``arrays`` (where in the checkpoint the arrays are: ``arrays/``, or on
-    object stores ``arrays/<save id>/``), ``compression`` the ``(codec, level)`` every array
-    was written with (None: uncompressed)."""
-    by_leaf: dict[int, dict[str, str]] = {}
-    for i, crc in (checksums or {}).items():
-        chunk = plan.chunks[i]
-        grid = (lo // step for (lo, _), step in zip(chunk.region, plan.leaves[chunk.leaf].chunk_shape))
-        by_leaf.setdefault(chunk.leaf, {})[",".join(map(str, grid))] = f"{crc:08x}"
-    entries = []
-    for spec, leaf in zip(plan.leaves, leaves):
+def describe(plan: Plan) -> tuple[dict, list[dict], dict]:
+    """(structure, leaf entries, packs) of the manifest of ``plan``: what every save of the
+    plan writes the same (:func:`build` adds scalar values and checksums). Callers may keep it
+    for later saves of the plan; nothing here changes it."""
+    entries, packs = [], {}
+    for spec in plan.leaves:
         entry: dict[str, Any] = {"keypath": spec.keypath, "kind": spec.kind, "origin": spec.origin}
-        if spec.kind == tree_lib.SCALAR:
-            entry["value"] = tree_lib.encode_scalar(leaf)
-        else:
+        if spec.kind != tree_lib.SCALAR:
             entry.update(
                 shape=list(spec.spec.shape), dtype=str(spec.spec.dtype), key_impl=spec.key_impl,
                 sharding=describe_sharding(spec.spec.sharding),
                 stored=None if spec.storage is None else {
                     "name": spec.storage, "shape": list(spec.shape), "dtype": spec.dtype.name,
                     "chunk_shape": list(spec.chunk_shape)})
-            if spec.index in by_leaf:  # chunk grid index "i,j,..." -> CRC-32C, hex
-                entry["stored"]["crc32c"] = dict(sorted(by_leaf[spec.index].items()))
+            if spec.packed is not None:
+                name, size, offset = spec.packed
+                entry["stored"].update(pack=name, offset=offset)
+                packs[name] = {"nbytes": size}
         entries.append(entry)
-    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout,
+    return tree_lib.encode_structure(plan.treedef), entries, packs
+
+
+def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, layout: str = "ocdbt",
+          arrays: str = ARRAYS, compression: tuple[str, int] | None = None, described=None) -> bytes:
+    """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values,
+    ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed, ``layout``
+    the chunk layout of ``arrays`` (where in the checkpoint the arrays are: ``arrays/``, or on
+    object stores ``arrays/<save id>/``), ``compression`` the ``(codec, level)`` every array
+    was written with (None: uncompressed), ``described`` :func:`describe` of ``plan`` if
+    already known."""
+    structure, entries, packs = described or describe(plan)
+    by_leaf: dict[int, dict[str, str]] = {}
+    for i, crc in (checksums or {}).items():
+        chunk = plan.chunks[i]
+        grid = (lo // step for (lo, _), step in zip(chunk.region, plan.leaves[chunk.leaf].chunk_shape))
+        by_leaf.setdefault(chunk.leaf, {})[",".join(map(str, grid))] = f"{crc:08x}"
+    entries = list(entries)
+    for spec, leaf in zip(plan.leaves, leaves):
+        if spec.kind == tree_lib.SCALAR:
+            entries[spec.index] = {**entries[spec.index], "value": tree_lib.encode_scalar(leaf)}
+        elif spec.index in by_leaf:  # chunk grid index "i,j,..." -> CRC-32C, hex
+            entry = entries[spec.index]
+            entries[spec.index] = {**entry, "stored": {**entry["stored"], "crc32c": dict(sorted(by_leaf[spec.index].items()))}}
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION if packs else 1, "layout": layout,
            "compression": None if compression is None else {"codec": compression[0], "level": compression[1]},
            **({"arrays": arrays} if arrays != ARRAYS else {}),
-           "structure": tree_lib.encode_structure(plan.treedef), "leaves": entries,
+           "structure": structure, "leaves": entries, **({"packs": packs} if packs else {}),
            "total_bytes": plan.nbytes, "jax_version": jax.__version__}
     return json.dumps(doc, separators=(",", ":")).encode()  # compact: C-encoded, 10x faster on 10k leaves
 
@@ -159,12 +180,13 @@ def parse(doc: dict, where: str) -> Manifest:
 
 def _parse(doc: dict, where: str) -> Manifest:
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READS_VERSIONS:
         raise CheckpointError(f"{where}: manifest format version {version} is not supported "
-                              f"by this dispatch_io (reads version {FORMAT_VERSION})")
+                              f"by this dispatch_io (reads versions {', '.join(map(str, READS_VERSIONS))})")
     compression = doc.get("compression")
     if compression is not None:  # a malformed value is a ValueError: "malformed manifest"
         compression = compression_codec((compression["codec"], compression["level"]))
+    packs = {name: pack_spec(name, int(p["nbytes"]), compression) for name, p in doc.get("packs", {}).items()}
     leaves = []
     for e in doc["leaves"]:
         if e["kind"] == tree_lib.SCALAR:
@@ -177,8 +199,7 @@ def _parse(doc: dict, where: str) -> Manifest:
             dtype = numpy_dtype(e["dtype"])
         leaves.append(SavedLeaf(
             e["keypath"], e["kind"], e["origin"], tuple(e["shape"]), dtype, e.get("key_impl"),
-            None if stored is None else ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"],
-                                                  tuple(stored["chunk_shape"]), compression=compression),
+            _stored_array(stored, compression, packs),
             checksums=None if stored is None or "crc32c" not in stored else {
                 tuple(int(i) for i in grid.split(",") if i): int(crc, 16) for grid, crc in stored["crc32c"].items()},
             described_sharding=e.get("sharding")))
@@ -190,6 +211,17 @@ def _parse(doc: dict, where: str) -> Manifest:
     if not isinstance(arrays, str) or not _ARRAYS_PATH.match(arrays):
         raise CheckpointError(f"{where}: malformed manifest: arrays at {arrays!r}")
     return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)), layout, arrays, compression=compression)
+
+
+def _stored_array(stored: dict | None, compression, packs: dict[str, ArraySpec]) -> ArraySpec | None:
+    """The ArraySpec of a leaf's ``stored`` entry (KeyError: a pack the manifest does not list;
+    ValueError: a leaf that does not fit in its pack)."""
+    if stored is None:
+        return None
+    if "pack" in stored:
+        return packed_leaf(packs[stored["pack"]], int(stored["offset"]), tuple(stored["shape"]), stored["dtype"])
+    return ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"], tuple(stored["chunk_shape"]),
+                     compression=compression)
 
 
 def abstract_tree(manifest: Manifest):

@@ -53,7 +53,10 @@ class Options:
     small_leaf_bytes: a sharded array of at most this many bytes whose devices are all in one
         process is saved as one chunk and copied to host whole, and restored with one read:
         per shard, small leaves (norm scales, biases) would cost a copy, a write and a read per
-        few KiB. 0: a chunk per shard, always. At most the chunk size limit.
+        few KiB. Leaves this small that one device's host writes whole are packed, many to a
+        stored array (format version 2): thousands of leaves are a few arrays to create, write
+        and open. 0: a chunk per shard and an array per leaf, always (format version 1). At
+        most the chunk size limit.
     restore_broadcast: in a multi-process job, read every stored region once per job: of the
         processes holding a region, one reads it and the others receive it over the devices'
         interconnect (an all-gather: gloo on CPU, NVLink / ICI on accelerators), so N replicas

@@ -6,11 +6,13 @@ copied from which device by which worker. Replicas are written exactly once; the
 copy each chunk from is chosen so replicated bytes spread evenly over workers (processes) and
 devices.
 Shards larger than the chunk limit are split along their leading axes, so the host memory
-budget holds even for one array many times its size.
+budget holds even for one array many times its size. Small leaves written whole by one
+device's host are packed into shared byte arrays (:func:`pack_small_leaves`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -18,13 +20,14 @@ import itertools
 import math
 import re
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from workers import ArraySpec
+from dispatch_io.staging import aligned
+from workers import ArraySpec, pack_spec, packed_leaf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,7 @@ class LeafSpec:
     storage: str | None = None      # array name under arrays/; None: nothing stored (scalars, size 0)
     chunk_shape: tuple[int, ...] = ()
     whole: bool = False             # a small sharded leaf: one chunk, copied whole (small_leaf_bytes)
+    packed: tuple[str, int, int] | None = None   # (pack name, pack bytes, offset): stored in a pack
 
     @property
     def nbytes(self) -> int:
@@ -50,7 +54,10 @@ class LeafSpec:
 
     @functools.cached_property
     def array(self) -> ArraySpec:
-        """What a worker needs to open this leaf's stored array."""
+        """What a worker needs to open this leaf's stored array (or its place in a pack)."""
+        if self.packed is not None:
+            name, size, offset = self.packed
+            return packed_leaf(pack_spec(name, size), offset, self.shape, self.dtype.name)
         return ArraySpec(self.storage, self.shape, self.dtype.name, self.chunk_shape)
 
 
@@ -88,7 +95,7 @@ class Plan:
         for c in self.chunks:
             chunks[c.leaf].append((c.region, c.device, c.worker))
         return tuple(hashlib.sha256(repr((spec.keypath, spec.kind, spec.shape, str(spec.dtype), spec.storage,
-                                          spec.chunk_shape, chunks[spec.index])).encode()).hexdigest()[:16]
+                                          spec.chunk_shape, spec.packed, chunks[spec.index])).encode()).hexdigest()[:16]
                      for spec in self.leaves)
 
     @functools.cached_property
@@ -206,10 +213,44 @@ def _split_region(region, chunk_shape):
 
 def plan_tree(tree, chunk_limit: int, small_leaf_bytes: int = 0) -> Plan:
     """Build the plan for ``tree`` (TypeError naming the key path for unsupported leaves);
-    sharded leaves of at most ``small_leaf_bytes`` on one process's devices are one chunk."""
+    sharded leaves of at most ``small_leaf_bytes`` on one process's devices are one chunk.
+    Nothing is packed yet: that depends on the save's priorities (:func:`with_packs`)."""
     flat, treedef = tree_lib.flatten(tree)
     specs = tuple(leaf_spec(i, path, leaf, chunk_limit, small_leaf_bytes) for i, (path, leaf) in enumerate(flat))
     return Plan(treedef, specs, plan_chunks(specs, _regions))
+
+
+def with_packs(plan: Plan, limit: int, pack_limit: int, priorities: Sequence = ()) -> Plan:
+    """``plan`` with its leaves of at most ``limit`` bytes that are one chunk packed together:
+    per (priority, worker, device copying them), in tree order, into packs of at most
+    ``pack_limit`` bytes, each leaf at a 64-byte aligned offset (``LeafSpec.packed``).
+
+    One device's host writes each pack, whole, in one batch (``batches.make_batches``), and a
+    pack never mixes priorities (``priorities[leaf]``; none: all alike), so it is copied when
+    each of its leaves asked to be. A pack that would hold one leaf is not made."""
+    specs = plan.leaves
+    per_leaf = collections.Counter(c.leaf for c in plan.chunks)
+    groups: dict[tuple, list] = {}    # (priority, worker, device) -> the open pack's [(leaf, offset)]
+    packs: list[list] = []
+    for c in plan.chunks:
+        spec = specs[c.leaf]
+        if per_leaf[c.leaf] != 1 or not 0 < spec.nbytes <= limit or spec.nbytes > pack_limit:
+            continue
+        group = (priorities[c.leaf] if priorities else None, c.worker, c.device)
+        members = groups.get(group)
+        end = 0 if not members else aligned(members[-1][1] + specs[members[-1][0]].nbytes)
+        if members is None or end + spec.nbytes > pack_limit:
+            members, end = [], 0
+            groups[group] = members
+            packs.append(members)
+        members.append((c.leaf, end))
+    out = list(specs)
+    for members in (m for m in packs if len(m) > 1):
+        name = f"packed.{specs[members[0][0]].storage}"
+        size = members[-1][1] + specs[members[-1][0]].nbytes
+        for leaf, offset in members:
+            out[leaf] = dataclasses.replace(specs[leaf], storage=name, packed=(name, size, offset))
+    return dataclasses.replace(plan, leaves=tuple(out))
 
 
 def _regions(spec: LeafSpec) -> dict:

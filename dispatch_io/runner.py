@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from dispatch_io.batches import aligned
+from dispatch_io.staging import aligned
 from dispatch_io.plan import Chunk, Plan
 from dispatch_io.storage import WriteTarget
 from workers import (ArraySpec, ChunkError, IOSettings, ReadItem, Region, Session, checksum_regions, read_items,

@@ -57,6 +57,7 @@ class SaveJob:
     plan_cached: bool = False
     snapshot_bytes: int = 0
     progress: bool = True         # Options.progress
+    describe: Callable[[], tuple] | None = None   # manifest.describe(plan), kept across saves of the plan
 
 
 class SaveHandle:
@@ -251,7 +252,8 @@ class SaveRun:
                     if self.settings.layout == "ocdbt":
                         merge_writers(target.kvstore, target.context)
                     manifest = manifest_lib.build(self.job.plan, self.job.scalars, checksums, self.settings.layout,
-                                                  arrays=target.arrays, compression=self.settings.compression)
+                                                  arrays=target.arrays, compression=self.settings.compression,
+                                                  described=self.job.describe() if self.job.describe else None)
                 except BaseException as exc:  # noqa: BLE001 - every process must hear of it
                     self.commit.fail(exc)
             self.commit.commit(manifest, fsync=self.settings.fsync)

@@ -48,7 +48,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dispatch_io.batches import aligned, pack
+from dispatch_io.batches import pack
+from dispatch_io.staging import aligned
 from dispatch_io.coordination import Room, open_room
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
 from dispatch_io.plan import device_regions

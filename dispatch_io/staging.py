@@ -13,6 +13,13 @@ import threading
 
 import numpy as np
 
+ALIGN = 64  # staging offsets (and offsets in packs) are cache-line aligned
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
 
 class StagingRing:
     """``allocate=False``: count bytes only (the copies live elsewhere, e.g. on colocated CPU

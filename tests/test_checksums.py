@@ -32,8 +32,8 @@ def make_tree(mesh):
 
 
 def test_manifest_holds_the_crc32c_of_every_stored_chunk(tmp_path, mesh, dispatcher_cls, layout):
-    tree = make_tree(mesh)
-    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
+    tree = make_tree(mesh)   # an array per leaf (packed leaves: test_packs.py)
+    with dispatcher_cls(host_memory_budget=64 << 10, checksums=True, layout=layout, small_leaf_bytes=0) as d:
         d.save(tmp_path / "ckpt", tree).wait()
         assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree, verify=True), tree)
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
@@ -85,7 +85,7 @@ def test_verify_covers_only_what_this_restore_reads_and_every_bad_chunk(tmp_path
 
 def test_copied_checkpoint_verifies_and_a_corrupted_copy_is_caught(tmp_path, mesh, layout):
     tree = make_tree(mesh)
-    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:
+    with dio.LocalDispatcher(host_memory_budget=64 << 10, checksums=True, layout=layout, small_leaf_bytes=0) as d:
         d.save(tmp_path / "a" / "ckpt", tree).wait()
         shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt")   # cp -r
         assert_trees_bit_equal(d.restore(tmp_path / "b" / "ckpt", tree, verify=True), tree)

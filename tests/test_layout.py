@@ -10,6 +10,7 @@ import textwrap
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
@@ -27,17 +28,18 @@ HOSTILE_KEYS = ["../../escape", "/etc/passwd", "a/b", "..", ".", "", " spaces an
 OCDBT_FILE = re.compile(r"^arrays/(?:(?:p|cpu)\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$")
 
 
-def test_hostile_key_paths_stay_inside_the_checkpoint(tmp_path, mesh, dispatcher_cls, layout):
+@pytest.mark.parametrize("small_leaf_bytes", [0, 256 << 10], ids=["array-per-leaf", "packed"])
+def test_hostile_key_paths_stay_inside_the_checkpoint(tmp_path, mesh, dispatcher_cls, layout, small_leaf_bytes):
     tree = {k: jax.device_put(np.full((8, 4), i, np.int32), NamedSharding(mesh, P("data")))
             for i, k in enumerate(HOSTILE_KEYS)}
     path = tmp_path / "inner" / "ckpt"
-    with dispatcher_cls(host_memory_budget=1 << 20, layout=layout) as dispatcher:
+    with dispatcher_cls(host_memory_budget=1 << 20, layout=layout, small_leaf_bytes=small_leaf_bytes) as dispatcher:
         dispatcher.save(path, tree).wait(60)
         assert sorted(os.listdir(tmp_path)) == ["inner"]
         assert sorted(os.listdir(tmp_path / "inner")) == ["ckpt"]
         assert sorted(os.listdir(path)) == ["COMMITTED", "arrays", "manifest.json"]
         names = stored.array_names(path)   # files: directories under arrays/; OCDBT: keys' first component
-        assert len(names) == len(HOSTILE_KEYS)
+        assert len(names) == (len(HOSTILE_KEYS) if small_leaf_bytes == 0 else 1)   # or one pack
         for name in names:
             assert name == os.path.basename(name) and not name.startswith(".") and len(name) <= 100, name
             assert all(c.isalnum() or c in "._-" for c in name), name

@@ -10,7 +10,7 @@ import numpy as np
 
 import dispatch_io as dio
 from dispatch_io import formats, restore
-from dispatch_io.batches import aligned
+from dispatch_io.staging import aligned
 from dispatch_io.scaleout import plan_split
 
 KiB = 1 << 10

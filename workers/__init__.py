@@ -17,13 +17,13 @@ from workers.contract import (
     numpy_dtype,
     storage_dtype_name,
 )
+from workers.layouts import layout_kvstore, merge_writers
+from workers.packs import pack_spec, packed_leaf
 from workers.tensorstore_io import (
     Session,
     aligned_empty,
     checksum_regions,
     crc32c,
-    layout_kvstore,
-    merge_writers,
     read_items,
     read_regions,
     shared_context,
@@ -32,4 +32,4 @@ from workers.tensorstore_io import (
 
 __all__ = ["COMPRESSIONS", "LAYOUTS", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
            "aligned_empty", "checksum_regions", "compression_codec", "crc32c", "layout_kvstore", "merge_writers",
-           "numpy_dtype", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_regions"]
+           "numpy_dtype", "pack_spec", "packed_leaf", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_regions"]

@@ -4,7 +4,8 @@ Everything a worker function receives is one of these (or a TensorStore kvstore 
 ``dict``), so the same functions run in-process, in a colocated Python worker, or in another
 ``jax.distributed`` process:
 
-* :class:`ArraySpec`: one stored array (name, shape, dtype, chunk shape).
+* :class:`ArraySpec`: one stored array (name, shape, dtype, chunk shape), or one small leaf
+  packed into a byte array shared with others (:attr:`ArraySpec.packed`).
 * :class:`Region`: a box of one stored array, named by the key path of its leaf.
 * :class:`ReadItem`: one region of a restore's result, and the stored pieces that fill it.
 * :class:`IOSettings`: how workers move bytes, built once from ``dispatch_io.Options``.
@@ -99,7 +100,12 @@ class ArraySpec:
     checkpoints are also read as ``zarr``). ``missing_is_fill``: a chunk that is not stored
     reads as the fill value (arrays whose writer skipped such chunks); otherwise a missing chunk
     is lost data, an error. ``compression``: ``(codec, level)`` of the chunks (see
-    :func:`compression_codec`), None for raw little-endian bytes."""
+    :func:`compression_codec`), None for raw little-endian bytes.
+
+    ``packed``: ``(pack, offset)`` for a small leaf stored as bytes ``[offset, offset + nbytes)``
+    of ``pack``, a 1-D ``uint8`` array holding many leaves (``workers.packs``); its own
+    ``shape`` / ``dtype`` are the leaf's and it is one chunk (``chunk_shape == shape``). Workers
+    read and write such leaves through their pack (``workers.tensorstore_io``)."""
 
     name: str
     shape: tuple[int, ...]
@@ -108,10 +114,20 @@ class ArraySpec:
     driver: str = "zarr3"
     missing_is_fill: bool = False
     compression: tuple[str, int] | None = None
+    packed: "tuple[ArraySpec, int] | None" = None
 
     @property
     def storage_dtype(self) -> str:
         return storage_dtype_name(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
+
+    @property
+    def stored(self) -> "ArraySpec":
+        """The array that holds the bytes: the pack of a packed leaf, else this one."""
+        return self if self.packed is None else self.packed[0]
 
     def tensorstore_spec(self, kvstore: dict) -> dict:
         """The spec of this array under ``kvstore`` (the checkpoint's arrays); ``metadata`` is

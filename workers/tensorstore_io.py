@@ -13,63 +13,9 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from workers.contract import LAYOUTS, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
-
-
-# ---- layouts: where the zarr arrays of a checkpoint keep their chunks --------------------------
-
-_WRITER_MANIFEST = "/manifest.ocdbt"
-# OCDBT's B-tree nodes get a small cache of their own (array chunks are never cached): without
-# it every chunk read walks the tree from storage again.
-_NODE_CACHE = {"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}}
-
-
-_OBJECT_STORES = ("s3", "gcs")
-
-
-def layout_kvstore(base: dict, layout: str, writer: str | None = None) -> dict:
-    """The kvstore holding a checkpoint's zarr arrays, given ``base``, its ``arrays/`` kvstore.
-
-    ``"files"``: ``base`` itself, one file (key) per stored chunk. ``"ocdbt"``: an OCDBT
-    database in ``base``: chunks packed into a few large data files. Each writer (a process,
-    a colocated host) writes a database of its own under ``base/<writer>/``, and
-    :func:`merge_writers` makes them one database at ``base`` before the commit: the merge copies
-    references to the data files, not the data.
-    """
-    if layout == "files":
-        return base
-    if layout != "ocdbt":
-        raise ValueError(f"unknown checkpoint layout {layout!r}; expected one of {LAYOUTS}")
-    spec = {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
-    if writer is not None:
-        spec = _created({**spec, "base": {**base, "path": base.get("path", "") + writer + "/"}})
-    return spec
-
-
-def _created(spec: dict) -> dict:
-    """The spec of an OCDBT database this save creates. Each commit of a database rewrites its
-    manifest.ocdbt, and creating one writes it twice; GCS allows about one write per second to
-    an object name (429s beyond), and a writer commits once per batch. On object stores,
-    numbered manifests make every commit a new object. (Readers pass no config: they read what
-    is stored, so a checkpoint copied from disk, with a single manifest, reads the same.)"""
-    if _storage(spec["base"]).get("driver") in _OBJECT_STORES:
-        return {**spec, "config": {"manifest_kind": "numbered"}}
-    return spec
-
-
-def merge_writers(base: dict, context: ts.Context | None = None):
-    """Merge every writer database under ``base`` (see :func:`layout_kvstore`) into the
-    database at ``base``, in one transaction."""
-    context = ts.Context(_NODE_CACHE, parent=context) if context is not None else ts.Context(_NODE_CACHE)
-    listing = ts.KvStore.open(base, context=context).result().list().result()
-    writers = sorted(key.decode()[:-len(_WRITER_MANIFEST)] for key in listing
-                     if key.decode().endswith(_WRITER_MANIFEST) and key.decode().count("/") == 1)
-    target = ts.KvStore.open(_created(layout_kvstore(base, "ocdbt")), context=context).result()
-    txn = ts.Transaction()
-    for writer in writers:
-        source = ts.KvStore.open(layout_kvstore(base, "ocdbt", writer), context=context).result()
-        source.experimental_copy_range_to(target.with_transaction(txn)).result()
-    txn.commit_async().result()
+from workers import packs
+from workers.contract import ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
+from workers.layouts import NODE_CACHE, layout_kvstore, storage_of
 
 
 def release_page_cache(session: "Session", regions: Sequence[Region]):
@@ -102,13 +48,6 @@ def release_page_cache(session: "Session", regions: Sequence[Region]):
                     os.close(fd)
 
 
-def _storage(kvstore: dict) -> dict:
-    """The kvstore that holds the bytes (under any OCDBT database)."""
-    while kvstore.get("driver") == "ocdbt":
-        kvstore = kvstore["base"]
-    return kvstore
-
-
 @functools.cache
 def _memory_context() -> ts.Context:
     # memory:// data lives in a context resource: every save and restore of this process must
@@ -119,7 +58,7 @@ def _memory_context() -> ts.Context:
 def shared_context(kvstore: dict) -> ts.Context | None:
     """The process-wide context for kvstores whose data lives in a context (``memory``):
     writers and readers must share it to see each other's data. None for the rest."""
-    return _memory_context() if _storage(kvstore).get("driver") == "memory" else None
+    return _memory_context() if storage_of(kvstore).get("driver") == "memory" else None
 
 
 def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
@@ -149,7 +88,7 @@ class Session:
         self.checksums = settings.checksums  # write_regions returns each region's crc32c
         self.read_window = settings.read_window
         self.compression = settings.compression  # of the arrays this session creates
-        storage = _storage(kvstore)
+        storage = storage_of(kvstore)
         # Local files only: the directory whose page cache write_regions / read_regions drop.
         keep = settings.keep_page_cache
         self.directory = storage.get("path") if storage.get("driver") == "file" and not keep else None
@@ -160,8 +99,8 @@ class Session:
         self.transactional = kvstore.get("driver") == "ocdbt"
         # A shared context (the memory kvstore's) is a parent: this session still gets OCDBT
         # caches of its own, which cannot be stale from an earlier save to the same place.
-        self.context = ts.Context(_NODE_CACHE, parent=context) if context is not None else ts.Context({
-            "cache_pool": {"total_bytes_limit": cache_bytes}, **_NODE_CACHE,
+        self.context = ts.Context(NODE_CACHE, parent=context) if context is not None else ts.Context({
+            "cache_pool": {"total_bytes_limit": cache_bytes}, **NODE_CACHE,
             "file_io_concurrency": {"limit": io_concurrency},
             "file_io_sync": settings.fsync,
         })
@@ -181,7 +120,9 @@ class Session:
     def create_arrays(self, arrays: Sequence[ArraySpec]):
         """Create the arrays this session will write (their metadata), before any data: in one
         transaction (one commit, OCDBT), so that later batches' transactions only add chunks.
-        The opened arrays are kept for the writes (never opened again)."""
+        The opened arrays are kept for the writes (never opened again). Packed leaves create
+        their pack."""
+        arrays = list(dict.fromkeys(spec.stored for spec in arrays))
         txn = ts.Transaction() if self.transactional else None
         futures = [ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
                            transaction=txn) for spec in arrays]
@@ -195,7 +136,9 @@ class Session:
 
     def open_arrays(self, specs: Sequence[ArraySpec], *, create: bool) -> dict[str, Any]:
         """{name: future of the opened TensorStore} for ``specs``: each array is opened once per
-        session (shared by threads), and those not open yet are opened all at once."""
+        session (shared by threads), and those not open yet are opened all at once. Packed
+        leaves open their pack (named alike)."""
+        specs = [spec.stored for spec in specs]
         with self._lock:
             for spec in specs:
                 if spec.name not in self._open:
@@ -275,11 +218,14 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
 
     The buffers are referenced, not copied: the caller keeps them unchanged until this returns.
     A transactional session (OCDBT) writes them in one transaction: one commit per call.
+    Packed leaves are copied into their pack, which is written whole (``packs.assemble``: every
+    leaf of a pack must be in the call).
     """
+    written, data = packs.assemble(regions, buffers)
     txn = ts.Transaction() if session.transactional else None
     futures = []
-    stores = session.open_arrays([r.array for r in regions], create=True)
-    for region, buf in zip(regions, buffers):
+    stores = session.open_arrays([r.array for r in written], create=True)
+    for region, buf in zip(written, data):
         try:
             store = stores[region.array.name].result()
             if txn is not None:
@@ -289,14 +235,14 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
             write = store[region.index].write(data, can_reference_source_data_indefinitely=session.reference_sources)
             futures.append(write.copy if txn else write.commit)
         except Exception as exc:  # noqa: BLE001
-            _wait_all(futures, regions)
+            _wait_all(futures, written)
             raise ChunkError(region.keypath, region.bounds, exc) from exc
     sums = [crc32c(b) if session.checksums else None for b in buffers]  # overlaps the writes
-    _wait_all(futures, regions)
+    _wait_all(futures, written)
     if txn is not None:
         txn.commit_async().result()  # a failure here names the batch's key paths (the caller's)
     if session.fsync:  # clean pages only: unsynced ones would stay anyway
-        release_page_cache(session, regions)
+        release_page_cache(session, written)
     return sums
 
 
@@ -305,12 +251,21 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     """Read each region (in parallel) as an array of the region's logical dtype.
 
     ``out[i]``, when given, is filled in place: TensorStore decodes straight into it, so the
-    bytes are touched once and no temporary is allocated. Otherwise a new array is returned."""
+    bytes are touched once and no temporary is allocated. Otherwise a new array is returned.
+    Packed leaves are read from their pack, one read per run of nearby leaves (``packs.spans``)."""
     out = list(out) if out is not None else [None] * len(regions)
-    futures = []
+    spans = packs.spans(regions)
+    futures, waited = [], []
     stores = session.open_arrays([r.array for r in regions], create=False)
-    for region, dst in zip(regions, out):
-        try:
+    region = None
+    try:
+        for pack, start, stop in spans:
+            region = Region(pack, ((start, stop),), _first_keypath(regions, pack))
+            futures.append(stores[pack.name].result()[start:stop].read())
+            waited.append(region)
+        for region, dst in zip(regions, out):
+            if region.array.packed is not None:
+                continue
             source = stores[region.array.name].result()[region.index]
             if dst is None:
                 futures.append(source.read())
@@ -318,19 +273,34 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
                 stored = numpy_dtype(region.array.storage_dtype)
                 view = dst.view(stored) if dst.dtype != stored else dst
                 futures.append(ts.array(view, copy=False, write=True).write(source).commit)
-        except Exception as exc:  # noqa: BLE001
-            _wait_all(futures, regions)
-            raise ChunkError(region.keypath, region.bounds, exc) from exc
-    arrays = _wait_all(futures, regions)
-    release_page_cache(session, regions)
+            waited.append(region)
+    except Exception as exc:  # noqa: BLE001
+        _wait_all(futures, waited)
+        raise ChunkError(region.keypath, region.bounds, exc) from exc
+    arrays = _wait_all(futures, waited)
+    release_page_cache(session, waited)
+    read = {}
+    for (pack, start, _), data in zip(spans, arrays):
+        read.setdefault(pack.name, []).append((start, data))
     results = []
-    for region, dst, arr in zip(regions, out, arrays):
+    plain = iter(arrays[len(spans):])
+    for region, dst in zip(regions, out):
+        arr = packs.extract(region, read) if region.array.packed is not None else next(plain)
         if dst is not None:
+            if region.array.packed is not None:
+                np.copyto(dst.view(arr.dtype) if dst.dtype != arr.dtype else dst, arr)
             results.append(dst)
             continue
+        if region.array.packed is not None:
+            arr = arr.copy()  # not a view holding the whole span
         dtype = numpy_dtype(region.array.dtype)
         results.append(arr if arr.dtype == dtype else arr.view(dtype))
     return results
+
+
+def _first_keypath(regions: Sequence[Region], pack: ArraySpec) -> str:
+    """The key path a failed read of ``pack`` is reported under: its first leaf read here."""
+    return next(r.keypath for r in regions if r.array.packed is not None and r.array.packed[0].name == pack.name)
 
 
 def read_items(session: Session, items: Sequence[ReadItem], out: Sequence[np.ndarray] | None = None

@@ -1,0 +1,116 @@
+"""Packs: many small leaves stored as byte ranges of one 1-D ``uint8`` array.
+
+A checkpoint of thousands of small leaves would otherwise be thousands of arrays, each with
+its metadata to write and open and its own chunk to read. A packed leaf is an
+:class:`~workers.ArraySpec` with ``packed=(pack, offset)``: its bytes (C order, stored dtype)
+are ``pack[offset:offset + nbytes]``. Everything above the workers handles it as a one-chunk
+array of the leaf's shape; this module is how workers turn that into pack IO:
+
+* :func:`assemble` (writes): the packed leaves of a write become one buffer per pack, written
+  whole -- a pack is always written in one call, so no chunk of it is ever read back and merged.
+* :func:`spans` / :func:`extract` (reads): the byte spans of the packs a read needs, one read
+  per run of nearby leaves, and each leaf's region taken from them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from workers.contract import ArraySpec, Region, numpy_dtype
+
+PACK_CHUNK_BYTES = 1 << 20   # chunk size of pack arrays: the most a read of one small leaf decodes
+
+
+def pack_spec(name: str, nbytes: int, compression: tuple[str, int] | None = None) -> ArraySpec:
+    """The 1-D ``uint8`` array ``name`` of ``nbytes`` that leaves are packed into, in chunks of
+    ``PACK_CHUNK_BYTES``."""
+    return ArraySpec(name, (nbytes,), "uint8", (min(nbytes, PACK_CHUNK_BYTES),), compression=compression)
+
+
+def packed_leaf(pack: ArraySpec, offset: int, shape: Sequence[int], dtype: str) -> ArraySpec:
+    """The ArraySpec of a leaf of ``shape`` / ``dtype`` (a numpy or ml_dtypes name) stored at
+    byte ``offset`` of ``pack``. ValueError if it does not fit."""
+    leaf = ArraySpec(pack.name, tuple(shape), dtype, tuple(shape), compression=pack.compression, packed=(pack, offset))
+    if offset < 0 or offset + leaf.nbytes > pack.shape[0]:
+        raise ValueError(f"a leaf of {leaf.nbytes} bytes at offset {offset} does not fit in pack {pack.name!r} "
+                         f"of {pack.shape[0]} bytes")
+    return leaf
+
+
+def _as_bytes(buffer: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)
+
+
+def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> tuple[list[Region], list[np.ndarray]]:
+    """``regions`` / ``buffers`` with every packed leaf replaced by its pack: one region
+    covering the whole pack and one new buffer holding its leaves at their offsets (zeros
+    between them). Unpacked regions are passed through in order, packs follow.
+
+    Raises ValueError naming the key path of a packed region that is not its whole leaf, and
+    the pack, if a pack's leaves are not all in the call (it would be written incomplete)."""
+    plain_regions, plain_buffers = [], []
+    packs: dict[str, tuple[ArraySpec, np.ndarray, list]] = {}
+    for region, buffer in zip(regions, buffers):
+        if region.array.packed is None:
+            plain_regions.append(region)
+            plain_buffers.append(buffer)
+            continue
+        pack, offset = region.array.packed
+        if region.bounds != tuple((0, n) for n in region.array.shape):
+            raise ValueError(f"{region.keypath}: a packed leaf is written whole, not region {list(region.bounds)}")
+        if pack.name not in packs:
+            packs[pack.name] = (pack, np.zeros(pack.shape[0], np.uint8), [])
+        _, data, members = packs[pack.name]
+        data[offset:offset + region.array.nbytes] = _as_bytes(buffer)
+        members.append((offset, region.array.nbytes, region.keypath))
+    for pack, data, members in packs.values():
+        if len({offset for offset, _, _ in members}) != len(members) or not _covers(members, pack.shape[0]):
+            raise ValueError(f"pack {pack.name!r}: its leaves must be written together, once each")
+        more = f" and {len(members) - 1} more small leaves" if len(members) > 1 else ""
+        plain_regions.append(Region(pack, ((0, pack.shape[0]),), f"{members[0][2]}{more} (packed in {pack.name})"))
+        plain_buffers.append(data)
+    return plain_regions, plain_buffers
+
+
+def _covers(members: list[tuple[int, int, str]], nbytes: int) -> bool:
+    """Whether the leaves reach the pack's end (packs are laid out without a trailing gap)."""
+    return max(offset + n for offset, n, _ in members) == nbytes
+
+
+def spans(regions: Sequence[Region]) -> list[tuple[ArraySpec, int, int]]:
+    """(pack, start, stop): the byte spans to read for the packed leaves among ``regions``,
+    one per run of leaves no more than a pack chunk apart (each chunk is then decoded once)."""
+    wanted: dict[str, tuple[ArraySpec, set]] = {}
+    for region in regions:
+        if region.array.packed is not None:
+            pack, offset = region.array.packed
+            wanted.setdefault(pack.name, (pack, set()))[1].add((offset, offset + region.array.nbytes))
+    out = []
+    for pack, ranges in wanted.values():
+        chunk = pack.chunk_shape[0]
+        start = stop = None
+        for lo, hi in sorted(ranges):
+            if start is not None and lo < -(-stop // chunk) * chunk:  # starts in the chunk the run ends in
+                stop = max(stop, hi)
+                continue
+            if start is not None:
+                out.append((pack, start, stop))
+            start, stop = lo, hi
+        out.append((pack, start, stop))
+    return out
+
+
+def extract(region: Region, read: dict[str, list[tuple[int, np.ndarray]]]) -> np.ndarray:
+    """The packed leaf ``region`` as an array of its stored dtype, a view of the span that
+    holds it; ``read`` maps each pack name to its spans as read ((start, bytes), ...)."""
+    pack, offset = region.array.packed
+    nbytes = region.array.nbytes
+    for start, data in read[pack.name]:
+        if start <= offset and offset + nbytes <= start + data.size:
+            leaf = data[offset - start:offset - start + nbytes]
+            stored = numpy_dtype(region.array.storage_dtype)
+            return leaf.view(stored).reshape(region.array.shape)[region.index]
+    raise KeyError(f"{region.keypath}: bytes [{offset}, {offset + nbytes}) of {pack.name} were not read")
+
