@@ -186,7 +186,7 @@ def _parse(doc: dict, where: str) -> Manifest:
     compression = doc.get("compression")
     if compression is not None:  # a malformed value is a ValueError: "malformed manifest"
         compression = compression_codec((compression["codec"], compression["level"]))
-    packs = {name: pack_spec(name, int(p["nbytes"]), compression) for name, p in doc.get("packs", {}).items()}
+    packs = {name: pack_spec(name, _count(p["nbytes"]), compression) for name, p in doc.get("packs", {}).items()}
     leaves = []
     for e in doc["leaves"]:
         if e["kind"] == tree_lib.SCALAR:
@@ -219,9 +219,16 @@ def _stored_array(stored: dict | None, compression, packs: dict[str, ArraySpec])
     if stored is None:
         return None
     if "pack" in stored:
-        return packed_leaf(packs[stored["pack"]], int(stored["offset"]), tuple(stored["shape"]), stored["dtype"])
+        return packed_leaf(packs[stored["pack"]], _count(stored["offset"]), tuple(stored["shape"]), stored["dtype"])
     return ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"], tuple(stored["chunk_shape"]),
                      compression=compression)
+
+
+def _count(value) -> int:
+    """``value`` if it is a JSON integer >= 0 (ValueError otherwise: a malformed manifest)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a byte count, got {value!r}")
+    return value
 
 
 def abstract_tree(manifest: Manifest):

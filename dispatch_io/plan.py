@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.staging import aligned
 from workers import ArraySpec, pack_spec, packed_leaf
+from workers.packs import pack_offsets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +166,10 @@ def whole_on_one_device(sharding, shape) -> dict:
     return {tuple((0, n) for n in shape): [min(sharding.device_set, key=lambda d: d.id)]}
 
 
+def _native(dtype: np.dtype) -> np.dtype:
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
 def _copied_whole(spec: jax.ShapeDtypeStruct, nbytes: int, limit: int) -> bool:
     """A sharded leaf of at most ``limit`` bytes on the devices of one process is stored as one
     chunk and copied whole (``Options.small_leaf_bytes``)."""
@@ -182,7 +186,8 @@ def leaf_spec(index: int, keypath: str, leaf, chunk_limit: int, small_leaf_bytes
     if kind == tree_lib.KEY:
         shape, dtype, impl = key_physical(leaf)
     else:
-        shape, dtype, impl = tuple(leaf.shape), np.dtype(leaf.dtype), None
+        # Stored little-endian whatever the leaf's byte order (the copy to staging converts).
+        shape, dtype, impl = tuple(leaf.shape), _native(np.dtype(leaf.dtype)), None
     if _copied_whole(spec, math.prod(shape) * dtype.itemsize, min(small_leaf_bytes, chunk_limit)):
         return LeafSpec(index, keypath, kind, origin, spec, shape, dtype, impl, _storage_name(index, keypath),
                         shape, whole=True)
@@ -230,25 +235,25 @@ def with_packs(plan: Plan, limit: int, pack_limit: int, priorities: Sequence = (
     each of its leaves asked to be. A pack that would hold one leaf is not made."""
     specs = plan.leaves
     per_leaf = collections.Counter(c.leaf for c in plan.chunks)
-    groups: dict[tuple, list] = {}    # (priority, worker, device) -> the open pack's [(leaf, offset)]
+    groups: dict[tuple, tuple[list, int]] = {}   # (priority, worker, device) -> its open pack, its bytes
     packs: list[list] = []
     for c in plan.chunks:
         spec = specs[c.leaf]
         if per_leaf[c.leaf] != 1 or not 0 < spec.nbytes <= limit or spec.nbytes > pack_limit:
             continue
         group = (priorities[c.leaf] if priorities else None, c.worker, c.device)
-        members = groups.get(group)
-        end = 0 if not members else aligned(members[-1][1] + specs[members[-1][0]].nbytes)
-        if members is None or end + spec.nbytes > pack_limit:
-            members, end = [], 0
-            groups[group] = members
+        members, end = groups.get(group, (None, 0))
+        end = pack_offsets([end, spec.nbytes])[1]   # this leaf after what the pack holds
+        if members is None or end > pack_limit:
+            members, end = [], spec.nbytes
             packs.append(members)
-        members.append((c.leaf, end))
+        members.append(c.leaf)
+        groups[group] = (members, end)
     out = list(specs)
     for members in (m for m in packs if len(m) > 1):
-        name = f"packed.{specs[members[0][0]].storage}"
-        size = members[-1][1] + specs[members[-1][0]].nbytes
-        for leaf, offset in members:
+        name = f"packed.{specs[members[0]].storage}"
+        offsets, size = pack_offsets([specs[leaf].nbytes for leaf in members])
+        for leaf, offset in zip(members, offsets):
             out[leaf] = dataclasses.replace(specs[leaf], storage=name, packed=(name, size, offset))
     return dataclasses.replace(plan, leaves=tuple(out))
 

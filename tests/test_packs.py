@@ -203,6 +203,43 @@ def test_priorities_order_the_copies_and_fire_every_callback_once(tmp_path, mesh
     assert len(packed_leaves(tmp_path / "ckpt")) >= 8
 
 
+@pytest.mark.parametrize("small_leaf_bytes", [0, 256 << 10], ids=["array-per-leaf", "packed"])
+def test_big_endian_host_leaves_keep_their_values(tmp_path, dispatcher_cls, small_leaf_bytes):
+    """Stored little-endian (the copy converts); restored as saved: the same values."""
+    tree = {"be": np.arange(1, 7, dtype=">f4").reshape(2, 3), "be_i": np.arange(5, dtype=">i8"),
+            "le": np.arange(4, dtype="<f4")}
+    with dispatcher_cls(host_memory_budget=8 << 20, small_leaf_bytes=small_leaf_bytes) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        restored = d.restore(tmp_path / "ckpt")
+    for k, v in tree.items():
+        np.testing.assert_array_equal(restored[k], v)
+        assert restored[k].dtype == v.dtype.newbyteorder("=")
+
+
+def test_a_lost_pack_chunk_is_blamed_on_a_leaf_stored_in_it(tmp_path, dispatcher_cls):
+    """A pack spanning several 1 MiB chunks loses one: restore and verify name a leaf whose
+    bytes are in that chunk, and the leaves elsewhere still restore."""
+    rng = np.random.default_rng(5)
+    tree = {f"w{i:02d}": rng.standard_normal(50_000 + 16 * i).astype(np.float32) for i in range(30)}  # ~200 KiB each
+    with dispatcher_cls(host_memory_budget=64 << 20, layout="files", checksums=True) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        packed = packed_leaves(tmp_path / "ckpt")
+        name = packed["['w00']"]["pack"]
+        in_chunk_1 = {k for k, s in packed.items() if s["pack"] == name and s["offset"] < 2 << 20
+                      and s["offset"] + tree[k[2:-2]].nbytes > 1 << 20}
+        assert in_chunk_1
+        (tmp_path / "ckpt" / "arrays" / name / "c" / "1").unlink()
+        with pytest.raises(dio.WorkerError) as info:
+            d.restore(tmp_path / "ckpt")
+        assert info.value.keypath in in_chunk_1, (info.value.keypath, in_chunk_1)
+        with pytest.raises(dio.CorruptCheckpointError) as info:
+            d.verify(tmp_path / "ckpt")
+        assert info.value.keypath in in_chunk_1, (info.value.keypath, in_chunk_1)
+        first = {"w00": tree["w00"]}
+        assert "['w00']" not in in_chunk_1
+        np.testing.assert_array_equal(d.restore(tmp_path / "ckpt", first, partial=True)["w00"], tree["w00"])
+
+
 # ---- the worker side ---------------------------------------------------------------------------
 
 def test_assemble_writes_each_pack_whole_and_refuses_part_of_one():
@@ -218,6 +255,10 @@ def test_assemble_writes_each_pack_whole_and_refuses_part_of_one():
     assert not data[1][16:64].any()  # the gap is zeros, never stale staging bytes
     with pytest.raises(ValueError, match="written together"):
         packs.assemble(regions[:2], buffers[:2])  # b missing: the pack would be written short
+    c_pack = pack_spec("q", 64 * 2 + 4)
+    ends = [Region(packed_leaf(c_pack, offset, (1,), "float32"), ((0, 1),), f"l{offset}") for offset in (0, 128)]
+    with pytest.raises(ValueError, match="written together"):
+        packs.assemble(ends, [np.ones(1, np.float32)] * 2)  # the middle leaf (offset 64) missing
     with pytest.raises(ValueError, match="written whole"):
         packs.assemble([Region(a, ((0, 2),), "a")], [buffers[0][:2]])
     with pytest.raises(ValueError, match="does not fit"):

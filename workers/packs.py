@@ -21,6 +21,17 @@ import numpy as np
 from workers.contract import ArraySpec, Region, numpy_dtype
 
 PACK_CHUNK_BYTES = 1 << 20   # chunk size of pack arrays: the most a read of one small leaf decodes
+PACK_ALIGN = 64               # leaves start at multiples of this (the staging ring's alignment too)
+
+
+def pack_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """(offset of each leaf, pack bytes) of leaves of ``sizes`` bytes packed in this order: each
+    at the first ``PACK_ALIGN`` multiple after the previous one, no gap after the last."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(-(-end // PACK_ALIGN) * PACK_ALIGN)
+        end = offsets[-1] + n
+    return offsets, end
 
 
 def pack_spec(name: str, nbytes: int, compression: tuple[str, int] | None = None) -> ArraySpec:
@@ -31,11 +42,11 @@ def pack_spec(name: str, nbytes: int, compression: tuple[str, int] | None = None
 
 def packed_leaf(pack: ArraySpec, offset: int, shape: Sequence[int], dtype: str) -> ArraySpec:
     """The ArraySpec of a leaf of ``shape`` / ``dtype`` (a numpy or ml_dtypes name) stored at
-    byte ``offset`` of ``pack``. ValueError if it does not fit."""
+    byte ``offset`` of ``pack``. ValueError if it does not fit or is not aligned."""
     leaf = ArraySpec(pack.name, tuple(shape), dtype, tuple(shape), compression=pack.compression, packed=(pack, offset))
-    if offset < 0 or offset + leaf.nbytes > pack.shape[0]:
+    if offset < 0 or offset % PACK_ALIGN or offset + leaf.nbytes > pack.shape[0]:
         raise ValueError(f"a leaf of {leaf.nbytes} bytes at offset {offset} does not fit in pack {pack.name!r} "
-                         f"of {pack.shape[0]} bytes")
+                         f"of {pack.shape[0]} bytes at a multiple of {PACK_ALIGN}")
     return leaf
 
 
@@ -48,8 +59,10 @@ def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> tuple[
     covering the whole pack and one new buffer holding its leaves at their offsets (zeros
     between them). Unpacked regions are passed through in order, packs follow.
 
-    Raises ValueError naming the key path of a packed region that is not its whole leaf, and
-    the pack, if a pack's leaves are not all in the call (it would be written incomplete)."""
+    The pack region is named by the key path of its first leaf. Raises ValueError naming the
+    key path of a packed region that is not its whole leaf, and the pack, if its leaves are not
+    all in the call, once each (:func:`pack_offsets` says where they are: a gap means one
+    missing, and the pack would be written with zeros in its place)."""
     plain_regions, plain_buffers = [], []
     packs: dict[str, tuple[ArraySpec, np.ndarray, list]] = {}
     for region, buffer in zip(regions, buffers):
@@ -66,17 +79,12 @@ def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> tuple[
         data[offset:offset + region.array.nbytes] = _as_bytes(buffer)
         members.append((offset, region.array.nbytes, region.keypath))
     for pack, data, members in packs.values():
-        if len({offset for offset, _, _ in members}) != len(members) or not _covers(members, pack.shape[0]):
+        members.sort()
+        if pack_offsets([n for _, n, _ in members]) != ([offset for offset, _, _ in members], pack.shape[0]):
             raise ValueError(f"pack {pack.name!r}: its leaves must be written together, once each")
-        more = f" and {len(members) - 1} more small leaves" if len(members) > 1 else ""
-        plain_regions.append(Region(pack, ((0, pack.shape[0]),), f"{members[0][2]}{more} (packed in {pack.name})"))
+        plain_regions.append(Region(pack, ((0, pack.shape[0]),), members[0][2]))
         plain_buffers.append(data)
     return plain_regions, plain_buffers
-
-
-def _covers(members: list[tuple[int, int, str]], nbytes: int) -> bool:
-    """Whether the leaves reach the pack's end (packs are laid out without a trailing gap)."""
-    return max(offset + n for offset, n, _ in members) == nbytes
 
 
 def spans(regions: Sequence[Region]) -> list[tuple[ArraySpec, int, int]]:

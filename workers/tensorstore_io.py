@@ -277,7 +277,13 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     except Exception as exc:  # noqa: BLE001
         _wait_all(futures, waited)
         raise ChunkError(region.keypath, region.bounds, exc) from exc
-    arrays = _wait_all(futures, waited)
+    try:
+        arrays = _wait_all(futures, waited)
+    except ChunkError:
+        for span, future in zip(spans, futures):
+            if future.exception() is not None:
+                _blame_leaf(stores, regions, span)
+        raise
     release_page_cache(session, waited)
     read = {}
     for (pack, start, _), data in zip(spans, arrays):
@@ -299,8 +305,25 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
 
 
 def _first_keypath(regions: Sequence[Region], pack: ArraySpec) -> str:
-    """The key path a failed read of ``pack`` is reported under: its first leaf read here."""
+    """The key path a failed read of ``pack`` is reported under, unless :func:`_blame_leaf`
+    finds the leaf whose bytes fail: its first leaf read here."""
     return next(r.keypath for r in regions if r.array.packed is not None and r.array.packed[0].name == pack.name)
+
+
+def _blame_leaf(stores: dict, regions: Sequence[Region], span: tuple[ArraySpec, int, int]):
+    """``span`` (pack, start, stop) failed to read: read the leaves of ``regions`` in it one by
+    one and raise the ChunkError of the first that fails, naming that leaf; returns if each
+    reads alone."""
+    pack, start, stop = span
+    for region in regions:
+        if region.array.packed is None or region.array.packed[0].name != pack.name:
+            continue
+        offset = region.array.packed[1]
+        if start <= offset < stop:
+            try:
+                stores[pack.name].result()[offset:offset + region.array.nbytes].read().result()
+            except Exception as exc:  # noqa: BLE001 - this leaf's bytes are what failed
+                raise ChunkError(region.keypath, region.bounds, exc) from exc
 
 
 def read_items(session: Session, items: Sequence[ReadItem], out: Sequence[np.ndarray] | None = None
