@@ -7,7 +7,7 @@ copy each chunk from is chosen so replicated bytes spread evenly over workers (p
 devices.
 Shards larger than the chunk limit are split along their leading axes, so the host memory
 budget holds even for one array many times its size. Small leaves written whole by one
-device's host are packed into shared byte arrays (:func:`pack_small_leaves`).
+device's host are packed into shared byte arrays, per save (:func:`with_packs`).
 """
 
 from __future__ import annotations

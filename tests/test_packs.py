@@ -270,7 +270,7 @@ def test_spans_read_each_pack_chunk_once_and_skip_far_gaps():
     leaves = [packed_leaf(pack, offset, (16,), "uint8") for offset in (0, 64, 100 << 10, 3 << 20)]
     regions = [Region(leaf, ((0, 16),), f"l{i}") for i, leaf in enumerate(leaves)]
     regions.append(Region(leaves[1], ((0, 8),), "l1"))  # a second region of one leaf: read once
-    assert [(s, e) for _, s, e in packs.spans(regions)] == [(0, (100 << 10) + 16), (3 << 20, (3 << 20) + 16)]
+    assert [(s, e) for _, s, e, _ in packs.spans(regions)] == [(0, (100 << 10) + 16), (3 << 20, (3 << 20) + 16)]
     read = {"p": [(0, np.arange((100 << 10) + 16, dtype=np.uint64).astype(np.uint8))]}
     np.testing.assert_array_equal(packs.extract(regions[1], read), np.arange(64, 80, dtype=np.uint8))
     with pytest.raises(KeyError, match="were not read"):

@@ -87,26 +87,27 @@ def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> tuple[
     return plain_regions, plain_buffers
 
 
-def spans(regions: Sequence[Region]) -> list[tuple[ArraySpec, int, int]]:
-    """(pack, start, stop): the byte spans to read for the packed leaves among ``regions``,
-    one per run of leaves no more than a pack chunk apart (each chunk is then decoded once)."""
-    wanted: dict[str, tuple[ArraySpec, set]] = {}
+def spans(regions: Sequence[Region]) -> list[tuple[ArraySpec, int, int, str]]:
+    """(pack, start, stop, key path of its first leaf): the byte spans to read for the packed
+    leaves among ``regions``, one per run of leaves no more than a pack chunk apart (each chunk
+    is then decoded once)."""
+    wanted: dict[str, tuple[ArraySpec, dict]] = {}
     for region in regions:
         if region.array.packed is not None:
             pack, offset = region.array.packed
-            wanted.setdefault(pack.name, (pack, set()))[1].add((offset, offset + region.array.nbytes))
+            wanted.setdefault(pack.name, (pack, {}))[1][offset] = (offset + region.array.nbytes, region.keypath)
     out = []
-    for pack, ranges in wanted.values():
+    for pack, leaves in wanted.values():
         chunk = pack.chunk_shape[0]
-        start = stop = None
-        for lo, hi in sorted(ranges):
-            if start is not None and lo < -(-stop // chunk) * chunk:  # starts in the chunk the run ends in
-                stop = max(stop, hi)
+        run = None   # [start, stop, key path]
+        for lo, (hi, keypath) in sorted(leaves.items()):
+            if run is not None and lo < -(-run[1] // chunk) * chunk:  # starts in the chunk the run ends in
+                run[1] = max(run[1], hi)
                 continue
-            if start is not None:
-                out.append((pack, start, stop))
-            start, stop = lo, hi
-        out.append((pack, start, stop))
+            if run is not None:
+                out.append((pack, *run))
+            run = [lo, hi, keypath]
+        out.append((pack, *run))
     return out
 
 

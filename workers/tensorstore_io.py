@@ -259,8 +259,8 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     stores = session.open_arrays([r.array for r in regions], create=False)
     region = None
     try:
-        for pack, start, stop in spans:
-            region = Region(pack, ((start, stop),), _first_keypath(regions, pack))
+        for pack, start, stop, keypath in spans:
+            region = Region(pack, ((start, stop),), keypath)
             futures.append(stores[pack.name].result()[start:stop].read())
             waited.append(region)
         for region, dst in zip(regions, out):
@@ -286,7 +286,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
         raise
     release_page_cache(session, waited)
     read = {}
-    for (pack, start, _), data in zip(spans, arrays):
+    for (pack, start, _, _), data in zip(spans, arrays):
         read.setdefault(pack.name, []).append((start, data))
     results = []
     plain = iter(arrays[len(spans):])
@@ -304,17 +304,11 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     return results
 
 
-def _first_keypath(regions: Sequence[Region], pack: ArraySpec) -> str:
-    """The key path a failed read of ``pack`` is reported under, unless :func:`_blame_leaf`
-    finds the leaf whose bytes fail: its first leaf read here."""
-    return next(r.keypath for r in regions if r.array.packed is not None and r.array.packed[0].name == pack.name)
-
-
-def _blame_leaf(stores: dict, regions: Sequence[Region], span: tuple[ArraySpec, int, int]):
-    """``span`` (pack, start, stop) failed to read: read the leaves of ``regions`` in it one by
+def _blame_leaf(stores: dict, regions: Sequence[Region], span: tuple[ArraySpec, int, int, str]):
+    """``span`` (``packs.spans``) failed to read: read the leaves of ``regions`` in it one by
     one and raise the ChunkError of the first that fails, naming that leaf; returns if each
-    reads alone."""
-    pack, start, stop = span
+    reads alone (the span's failure then names its first leaf)."""
+    pack, start, stop, _ = span
     for region in regions:
         if region.array.packed is None or region.array.packed[0].name != pack.name:
             continue
