@@ -30,6 +30,12 @@ class Options:
         file systems handle far better than one file per chunk at the same speed.
         ``"files"``: one file per chunk under ``arrays/<leaf>/``, readable by any zarr v3 reader
         with no OCDBT support. Restores read either; the manifest records which.
+    data_file_bytes: with the OCDBT layout, the size of its data files: a writer starts a new
+        one once a file holds about this many bytes (a chunk is never split), and writes the
+        files of a batch concurrently. Smaller files write faster (the disk and the copies into
+        the page cache work in parallel: on this project's benchmark VM 16 MiB files save twice
+        as fast as one per batch) and suit object stores (a PUT each); larger ones make fewer
+        files (about ``bytes / data_file_bytes`` per checkpoint). None: one data file per batch.
     device_snapshots: when the SYNC leaves do not fit in the host budget at once, copy the
         ones that do not fit on their own accelerators first (it costs their size in device
         memory until each is copied to host), so that ``save()`` returns after one device-side
@@ -74,6 +80,7 @@ class Options:
     fsync: bool = True
     keep_staging_warm: bool = True
     layout: str = "ocdbt"
+    data_file_bytes: int | None = 16 * MiB
     device_snapshots: bool = True
     keep_page_cache: bool = False
     checksums: bool = False
@@ -91,6 +98,9 @@ class Options:
             raise ValueError(
                 f"max_chunk_bytes must be in (0, {self.staging_bytes // 2}] (half the staging space: "
                 f"host_memory_budget // 2, or // 8 with compression), got {self.max_chunk_bytes!r}")
+        if self.data_file_bytes is not None and (not isinstance(self.data_file_bytes, int)
+                                                 or isinstance(self.data_file_bytes, bool) or self.data_file_bytes <= 0):
+            raise ValueError(f"data_file_bytes must be a positive number of bytes or None, got {self.data_file_bytes!r}")
         if not self.barrier_timeout > 0:
             raise ValueError(f"barrier_timeout must be a positive number of seconds, got {self.barrier_timeout!r}")
         if self.layout not in LAYOUTS:
@@ -130,4 +140,5 @@ class Options:
         """The plain settings the workers need (a dispatcher makes them once)."""
         return IOSettings(layout=self.layout, fsync=self.fsync, checksums=self.checksums,
                           keep_page_cache=self.keep_page_cache, threads=self.write_threads,
-                          read_window=self.read_batch_bytes, compression=compression_codec(self.compression))
+                          read_window=self.read_batch_bytes, compression=compression_codec(self.compression),
+                          data_file_bytes=self.data_file_bytes)

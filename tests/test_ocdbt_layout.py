@@ -135,6 +135,48 @@ def test_training_state_is_a_few_files_and_round_trips_bit_exact(tmp_path, mesh)
     assert data >= stats.bytes_written >= 16 * MiB
 
 
+
+def _data_files(path) -> dict[str, list]:
+    """{data file: [stored values in it]} of the writer databases' data files (chunks only)."""
+    out = collections.defaultdict(list)
+    for key, value in stored.stored_values(path).items():
+        if value.file is not None and not key.endswith("zarr.json"):
+            out[value.file].append(value)
+    return out
+
+
+def test_data_file_bytes_splits_a_batch_into_files_and_round_trips(tmp_path, mesh, dispatcher_cls):
+    """``data_file_bytes``: a writer starts a new data file once one holds that many bytes (the
+    files of a batch are written concurrently); None: about one data file per batch and writer.
+    A chunk is never split across files."""
+    tree = {f"w{i}": put(mesh, values(20 + i, (256, 256), np.float32), "data") for i in range(6)}  # 6 x 256 KiB
+    tree["step"] = 7
+    counts = {}
+    for data_file_bytes in (256 * KiB, None):
+        path = tmp_path / f"ckpt-{data_file_bytes}"
+        with dispatcher_cls(host_memory_budget=4 * MiB, data_file_bytes=data_file_bytes, small_leaf_bytes=0) as d:
+            d.save(path, tree).wait(TIMEOUT)
+            assert_trees_bit_equal(d.restore(path, tree), tree)
+        files = _data_files(path)
+        chunk_bytes = max(v.length for in_file in files.values() for v in in_file)
+        for file, in_file in files.items():
+            size = os.path.getsize(file)
+            assert sum(v.length for v in in_file) <= size   # every value lies whole inside its file
+            if data_file_bytes is not None:
+                assert size < data_file_bytes + chunk_bytes + 64 * KiB, (file, size)
+        counts[data_file_bytes] = len(files)
+    # 1.5 MiB of chunks: in files of ~256 KiB, or in a file per batch (one batch here)
+    assert counts[256 * KiB] >= 1536 * KiB // (256 * KiB + 64 * KiB), counts
+    if dispatcher_cls is dio.LocalDispatcher:   # one writer
+        assert counts[None] <= 2 < counts[256 * KiB], counts
+
+
+def test_data_file_bytes_must_be_positive_or_none():
+    assert dio.Options().data_file_bytes == 16 * MiB
+    for bad in (0, -1, 1.5, True, "16M"):
+        with pytest.raises(ValueError, match="data_file_bytes"):
+            dio.Options(data_file_bytes=bad)
+
 # ---- either layout reads the other ------------------------------------------------------------------
 
 def test_restore_reads_the_layout_the_manifest_records(tmp_path, mesh, dispatcher_cls):

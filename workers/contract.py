@@ -214,6 +214,9 @@ class IOSettings:
         temporary memory for regions larger than it).
     compression: ``(codec, level)`` the arrays a writer creates are compressed with, or None
         (:func:`compression_codec`); reads take each array's stored codecs.
+    data_file_bytes: OCDBT layout: a writer starts a new data file once one holds about this
+        many bytes (a value is never split), so a batch is written as several files at once;
+        None: one data file per batch.
     """
 
     layout: str = "ocdbt"
@@ -223,6 +226,7 @@ class IOSettings:
     threads: int = 2
     read_window: int = 64 << 20
     compression: tuple[str, int] | None = None
+    data_file_bytes: int | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:

@@ -16,14 +16,17 @@ NODE_CACHE = {"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}}
 _OBJECT_STORES = ("s3", "gcs")
 
 
-def layout_kvstore(base: dict, layout: str, writer: str | None = None) -> dict:
+def layout_kvstore(base: dict, layout: str, writer: str | None = None, data_file_bytes: int | None = None) -> dict:
     """The kvstore holding a checkpoint's zarr arrays, given ``base``, its ``arrays/`` kvstore.
 
     ``"files"``: ``base`` itself, one file (key) per stored chunk. ``"ocdbt"``: an OCDBT
     database in ``base``: chunks packed into a few large data files. Each writer (a process,
     a colocated host) writes a database of its own under ``base/<writer>/``, and
     :func:`merge_writers` makes them one database at ``base`` before the commit: the merge copies
-    references to the data files, not the data.
+    references to the data files, not the data. ``data_file_bytes`` (a writer's, when it writes):
+    the size at which the writer starts a new data file. TensorStore writes the data files of
+    one commit concurrently, so smaller files write a batch in parallel (on local disk here, 16
+    MiB files save twice as fast as one file per batch); None: one file per commit.
     """
     if layout == "files":
         return base
@@ -32,6 +35,8 @@ def layout_kvstore(base: dict, layout: str, writer: str | None = None) -> dict:
     spec = {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
     if writer is not None:
         spec = _created({**spec, "base": {**base, "path": base.get("path", "") + writer + "/"}})
+    if data_file_bytes is not None:
+        spec["target_data_file_size"] = data_file_bytes
     return spec
 
 

@@ -115,7 +115,8 @@ class Session:
                ) -> "Session":
         """The session of one writer (a process, a colocated host) of a save whose arrays
         folder is ``arrays``: with the OCDBT layout, a database of its own (``layout_kvstore``)."""
-        return cls(layout_kvstore(arrays, settings.layout, writer=writer), settings, context)
+        kvstore = layout_kvstore(arrays, settings.layout, writer=writer, data_file_bytes=settings.data_file_bytes)
+        return cls(kvstore, settings, context)
 
     def create_arrays(self, arrays: Sequence[ArraySpec]):
         """Create the arrays this session will write (their metadata), before any data: in one
