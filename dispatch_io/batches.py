@@ -56,7 +56,9 @@ def make_batches(plan: Plan, priorities: Sequence[Priority], limit: int, worker:
     order; a batch never mixes priorities and never holds more than ``limit`` staging bytes.
 
     The leaves of a pack (``LeafSpec.packed``) stay together, in the batch of their most
-    urgent leaf, and count their pack's bytes twice: the writer copies them into it."""
+    urgent leaf, in pack order (so a staging slice holds them at their pack offsets), and
+    count their pack's bytes twice: a writer that cannot write the pack from staging copies them
+    into a pack buffer (``workers.packs.assemble``)."""
     units: dict = {}   # pack name, or chunk index -> [chunk indices]
     for i, c in enumerate(plan.chunks):
         if worker is None or c.worker == worker:

@@ -265,6 +265,50 @@ def test_assemble_writes_each_pack_whole_and_refuses_part_of_one():
         packed_leaf(pack, 70, (3,), "int32")
 
 
+def test_assemble_uses_the_staging_slice_its_leaves_already_sit_in():
+    """Leaves laid out at their pack offsets in one buffer (how a batch's staging slice holds
+    them): the pack is that memory, gaps zeroed, no copy; any other layout is copied."""
+    pack = pack_spec("p", 64 + 64 + 8)
+    specs = [packed_leaf(pack, 0, (5,), "float32"), packed_leaf(pack, 64, (3,), "int16"),
+             packed_leaf(pack, 128, (2,), "float32")]
+    staging = np.full(512, 0xAB, np.uint8)   # stale bytes everywhere
+    at = 64                                  # the batch's slice starts here
+    views = [staging[at + o:at + o + s.nbytes].view(np.dtype(s.dtype)) for s, o in zip(specs, (0, 64, 128))]
+    for i, view in enumerate(views):
+        view[...] = np.arange(view.size) + 10 * i
+    expected = [v.copy() for v in views]
+    regions = [Region(s, ((0, s.shape[0]),), f"l{i}") for i, s in enumerate(specs)]
+    _, (data,) = packs.assemble(regions[::-1], views[::-1])   # any order of the regions
+    assert np.shares_memory(data, staging) and data.__array_interface__["data"][0] == staging.ctypes.data + at
+    assert data.size == 136
+    for spec, offset, want in zip(specs, (0, 64, 128), expected):
+        assert data[offset:offset + spec.nbytes].tobytes() == want.tobytes()
+    assert not data[20:64].any() and not data[70:128].any()          # the gaps zeroed
+    assert (staging[:at] == 0xAB).all() and (staging[at + 136:] == 0xAB).all()   # nothing outside
+    # A leaf one byte off its offset, or leaves in separate buffers: copied, the staging untouched.
+    shifted = [staging[at + o:at + o + s.nbytes].view(np.uint8) for s, o in zip(specs, (0, 65, 128))]
+    before = staging.copy()
+    _, (copy,) = packs.assemble(regions, shifted)
+    assert not np.shares_memory(copy, staging) and (staging == before).all()
+    _, (copy,) = packs.assemble(regions, expected)
+    assert not np.shares_memory(copy, expected[0]) and copy[:20].tobytes() == expected[0].tobytes()
+
+
+def test_local_saves_write_packs_from_staging_without_a_copy(tmp_path, mesh, monkeypatch):
+    """LocalDispatcher copies a pack's leaves into the batch's staging slice at their pack
+    offsets, so the pack is written from there: no buffer of its own, host memory stays the
+    staging ring's."""
+    copies = []
+    copied = packs._copied
+    monkeypatch.setattr(packs, "_copied", lambda members, nbytes: copies.append(nbytes) or copied(members, nbytes))
+    tree = small_tree(mesh)
+    with dio.LocalDispatcher(host_memory_budget=8 << 20) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        assert len({s["pack"] for s in packed_leaves(tmp_path / "ckpt").values()}) >= 2
+        assert copies == []
+        assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree), tree)
+
+
 def test_spans_read_each_pack_chunk_once_and_skip_far_gaps():
     pack = pack_spec("p", 4 << 20)   # 1 MiB chunks
     leaves = [packed_leaf(pack, offset, (16,), "uint8") for offset in (0, 64, 100 << 10, 3 << 20)]

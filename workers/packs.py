@@ -56,15 +56,20 @@ def _as_bytes(buffer: np.ndarray) -> np.ndarray:
 
 def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> tuple[list[Region], list[np.ndarray]]:
     """``regions`` / ``buffers`` with every packed leaf replaced by its pack: one region
-    covering the whole pack and one new buffer holding its leaves at their offsets (zeros
-    between them). Unpacked regions are passed through in order, packs follow.
+    covering the whole pack and one buffer holding its leaves at their offsets (zeros between
+    them). Unpacked regions are passed through in order, packs follow.
+
+    Where the leaves' buffers already sit at their pack offsets in one buffer (a save's staging
+    slice: the batch lays a pack's leaves out in order, 64-byte aligned, as :func:`pack_offsets`
+    does), the pack is that memory, its gaps zeroed: no copy, no memory beyond the batch's.
+    Otherwise the leaves are copied into a new buffer.
 
     The pack region is named by the key path of its first leaf. Raises ValueError naming the
     key path of a packed region that is not its whole leaf, and the pack, if its leaves are not
     all in the call, once each (:func:`pack_offsets` says where they are: a gap means one
     missing, and the pack would be written with zeros in its place)."""
     plain_regions, plain_buffers = [], []
-    packs: dict[str, tuple[ArraySpec, np.ndarray, list]] = {}
+    packs: dict[str, tuple[ArraySpec, list]] = {}
     for region, buffer in zip(regions, buffers):
         if region.array.packed is None:
             plain_regions.append(region)
@@ -73,18 +78,53 @@ def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> tuple[
         pack, offset = region.array.packed
         if region.bounds != tuple((0, n) for n in region.array.shape):
             raise ValueError(f"{region.keypath}: a packed leaf is written whole, not region {list(region.bounds)}")
-        if pack.name not in packs:
-            packs[pack.name] = (pack, np.zeros(pack.shape[0], np.uint8), [])
-        _, data, members = packs[pack.name]
-        data[offset:offset + region.array.nbytes] = _as_bytes(buffer)
-        members.append((offset, region.array.nbytes, region.keypath))
-    for pack, data, members in packs.values():
-        members.sort()
-        if pack_offsets([n for _, n, _ in members]) != ([offset for offset, _, _ in members], pack.shape[0]):
+        packs.setdefault(pack.name, (pack, []))[1].append((offset, region.array.nbytes, region.keypath, buffer))
+    for pack, members in packs.values():
+        members.sort(key=lambda m: m[0])
+        if pack_offsets([n for _, n, _, _ in members]) != ([offset for offset, *_ in members], pack.shape[0]):
             raise ValueError(f"pack {pack.name!r}: its leaves must be written together, once each")
         plain_regions.append(Region(pack, ((0, pack.shape[0]),), members[0][2]))
-        plain_buffers.append(data)
+        data = _in_place(members, pack.shape[0])
+        plain_buffers.append(data if data is not None else _copied(members, pack.shape[0]))
     return plain_regions, plain_buffers
+
+
+def _address(buffer: np.ndarray) -> int:
+    return buffer.__array_interface__["data"][0]
+
+
+def _root(buffer: np.ndarray) -> np.ndarray:
+    while isinstance(buffer.base, np.ndarray):
+        buffer = buffer.base
+    return buffer
+
+
+def _in_place(members: list, nbytes: int) -> np.ndarray | None:
+    """The pack of ``members`` ((offset, nbytes, key path, buffer), by offset) as a view of the
+    writable byte buffer they all lie in at their offsets, with the bytes between them zeroed;
+    None where they do not lie so."""
+    root = _root(members[0][3])
+    if root.ndim != 1 or root.dtype != np.uint8 or not root.flags.c_contiguous or not root.flags.writeable:
+        return None
+    start = _address(members[0][3]) - _address(root)
+    if not 0 <= start <= root.size - nbytes:
+        return None
+    for offset, _, _, buffer in members:
+        if _root(buffer) is not root or not buffer.flags.c_contiguous \
+                or _address(buffer) != _address(root) + start + offset:
+            return None
+    data = root[start:start + nbytes]
+    for (offset, size, _, _), (following, *_) in zip(members, members[1:]):
+        data[offset + size:following] = 0
+    return data
+
+
+def _copied(members: list, nbytes: int) -> np.ndarray:
+    """A new buffer of the pack of ``members`` (as for :func:`_in_place`), zeros between them."""
+    data = np.zeros(nbytes, np.uint8)
+    for offset, size, _, buffer in members:
+        data[offset:offset + size] = _as_bytes(buffer)
+    return data
 
 
 def spans(regions: Sequence[Region]) -> list[tuple[ArraySpec, int, int, str]]:
