@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 
+from dispatch_io import collector
 from dispatch_io import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
@@ -79,14 +80,16 @@ class Dispatcher:
         self._check_usable("save")
         started = time.perf_counter()
         location = Location.parse(path)
-        plan, cached = self._plans.get(tree)
-        leaves = jax.tree_util.tree_leaves(tree)
-        priorities = self._priorities(plan, priority)
-        packed, batches, describe = self._layout(plan, priorities)
+        with collector.paused():
+            plan, cached = self._plans.get(tree)
+            leaves = jax.tree_util.tree_leaves(tree)
+            priorities = self._priorities(plan, priority)
+            packed, batches, describe = self._layout(plan, priorities)
         overflow = self._snapshot_sync_overflow(packed, leaves, batches)
         if overflow:  # on their devices now: to host later, with HIGH priority
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
-            packed, batches, describe = self._layout(plan, priorities)
+            with collector.paused():
+                packed, batches, describe = self._layout(plan, priorities)
         job = SaveJob(packed, tuple(leaf if spec.kind == tree_lib.SCALAR else None for spec, leaf in zip(plan.leaves, leaves)),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
@@ -304,9 +307,14 @@ class Dispatcher:
         check that no save replaced the checkpoint while it was read. ``work(manifest, reader,
         progress, times)`` appends the times it planned, verified and read at and returns
         (result, whether every chunk read was checked, bytes received from other processes);
-        returns (result, RestoreStats)."""
+        returns (result, RestoreStats). The garbage collector is paused throughout (``collector``)."""
         started = time.perf_counter()
-        source = open_checkpoint(path)
+        with collector.paused():
+            source = open_checkpoint(path)
+            return self._read_from(kind, source, work, started)
+
+    def _read_from(self, kind: str, source, work, started: float):
+        """:meth:`_read` of the opened checkpoint ``source``."""
         progress = Progress(kind, source.display, enabled=self.options.progress)
         times: list[float] = []
         with progress:  # a terminal line is ended if this raises

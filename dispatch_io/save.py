@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from dispatch_io import collector
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
 from dispatch_io import tree as tree_lib
@@ -191,8 +192,9 @@ class SaveRun:
                         self._callback(job.on_write_end, spec.keypath)
                 if self._last_sync < 0:
                     self._sync_finished()
-                writer = self.runner.open_writer(self.commit.target, plan.arrays_by_device(
-                    [plan.chunks[i] for batch in job.batches for i in batch.chunks]))
+                with collector.paused():  # per-leaf bookkeeping (collector.py)
+                    arrays = plan.arrays_by_device([plan.chunks[i] for batch in job.batches for i in batch.chunks])
+                writer = self.runner.open_writer(self.commit.target, arrays)
                 for k, batch in enumerate(job.batches):
                     ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
                     if ticket is None:
@@ -251,9 +253,11 @@ class SaveRun:
                     target = self.commit.target
                     if self.settings.layout == "ocdbt":
                         merge_writers(target.kvstore, target.context)
-                    manifest = manifest_lib.build(self.job.plan, self.job.scalars, checksums, self.settings.layout,
-                                                  arrays=target.arrays, compression=self.settings.compression,
-                                                  described=self.job.describe() if self.job.describe else None)
+                    with collector.paused():
+                        manifest = manifest_lib.build(
+                            self.job.plan, self.job.scalars, checksums, self.settings.layout, arrays=target.arrays,
+                            compression=self.settings.compression,
+                            described=self.job.describe() if self.job.describe else None)
                 except BaseException as exc:  # noqa: BLE001 - every process must hear of it
                     self.commit.fail(exc)
             self.commit.commit(manifest, fsync=self.settings.fsync)
