@@ -31,11 +31,12 @@ class Options:
         ``"files"``: one file per chunk under ``arrays/<leaf>/``, readable by any zarr v3 reader
         with no OCDBT support. Restores read either; the manifest records which.
     data_file_bytes: with the OCDBT layout, the size of its data files: a writer starts a new
-        one once a file holds about this many bytes (a chunk is never split), and writes the
-        files of a batch concurrently. Smaller files write faster (the disk and the copies into
-        the page cache work in parallel: on this project's benchmark VM 16 MiB files save twice
-        as fast as one per batch) and suit object stores (a PUT each); larger ones make fewer
-        files (about ``bytes / data_file_bytes`` per checkpoint). None: one data file per batch.
+        one once a file holds about this many bytes (a chunk is never split: a larger chunk is a
+        file of its own), and writes the files of a batch concurrently. Smaller files write
+        faster (the disk and the copies into the page cache work in parallel: 1.15-1.5x the save
+        GB/s of one file per batch in the benchmark, up to 2x in-process, docs/benchmarks.md) and
+        suit object stores (a PUT each); larger ones make fewer files: about one per
+        ``data_file_bytes`` saved, at least one per batch and writer. None: one data file per batch.
     device_snapshots: when the SYNC leaves do not fit in the host budget at once, copy the
         ones that do not fit on their own accelerators first (it costs their size in device
         memory until each is copied to host), so that ``save()`` returns after one device-side
@@ -99,8 +100,10 @@ class Options:
                 f"max_chunk_bytes must be in (0, {self.staging_bytes // 2}] (half the staging space: "
                 f"host_memory_budget // 2, or // 8 with compression), got {self.max_chunk_bytes!r}")
         if self.data_file_bytes is not None and (not isinstance(self.data_file_bytes, int)
-                                                 or isinstance(self.data_file_bytes, bool) or self.data_file_bytes <= 0):
-            raise ValueError(f"data_file_bytes must be a positive number of bytes or None, got {self.data_file_bytes!r}")
+                                                 or isinstance(self.data_file_bytes, bool)
+                                                 or not 0 < self.data_file_bytes < 1 << 63):
+            raise ValueError(f"data_file_bytes must be a number of bytes in [1, 2**63) or None, "
+                             f"got {self.data_file_bytes!r}")
         if not self.barrier_timeout > 0:
             raise ValueError(f"barrier_timeout must be a positive number of seconds, got {self.barrier_timeout!r}")
         if self.layout not in LAYOUTS:

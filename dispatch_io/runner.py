@@ -134,7 +134,7 @@ class LocalWriter:
 
     def _write(self, regions, buffers):
         self._created.result()
-        return write_regions(self._session, regions, buffers)
+        return write_regions(self._session, regions, buffers, staging=True)  # views of the staging ring
 
     def settle(self):
         concurrent.futures.wait([self._created])

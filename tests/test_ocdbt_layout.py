@@ -173,9 +173,12 @@ def test_data_file_bytes_splits_a_batch_into_files_and_round_trips(tmp_path, mes
 
 def test_data_file_bytes_must_be_positive_or_none():
     assert dio.Options().data_file_bytes == 16 * MiB
-    for bad in (0, -1, 1.5, True, "16M"):
+    for bad in (0, -1, 1.5, True, "16M", 1 << 63):
         with pytest.raises(ValueError, match="data_file_bytes"):
             dio.Options(data_file_bytes=bad)
+        with pytest.raises(ValueError, match="data_file_bytes"):
+            workers.IOSettings(data_file_bytes=bad)
+    assert dio.Options(data_file_bytes=(1 << 63) - 1).io_settings().data_file_bytes == (1 << 63) - 1
 
 # ---- either layout reads the other ------------------------------------------------------------------
 

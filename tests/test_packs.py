@@ -278,7 +278,10 @@ def test_assemble_uses_the_staging_slice_its_leaves_already_sit_in():
         view[...] = np.arange(view.size) + 10 * i
     expected = [v.copy() for v in views]
     regions = [Region(s, ((0, s.shape[0]),), f"l{i}") for i, s in enumerate(specs)]
-    _, (data,) = packs.assemble(regions[::-1], views[::-1])   # any order of the regions
+    before = staging.copy()
+    _, (copy,) = packs.assemble(regions, views)   # not the caller's staging: copied, nothing written
+    assert not np.shares_memory(copy, staging) and (staging == before).all()
+    _, (data,) = packs.assemble(regions[::-1], views[::-1], staging=True)   # any order of the regions
     assert np.shares_memory(data, staging) and data.__array_interface__["data"][0] == staging.ctypes.data + at
     assert data.size == 136
     for spec, offset, want in zip(specs, (0, 64, 128), expected):
@@ -288,10 +291,15 @@ def test_assemble_uses_the_staging_slice_its_leaves_already_sit_in():
     # A leaf one byte off its offset, or leaves in separate buffers: copied, the staging untouched.
     shifted = [staging[at + o:at + o + s.nbytes].view(np.uint8) for s, o in zip(specs, (0, 65, 128))]
     before = staging.copy()
-    _, (copy,) = packs.assemble(regions, shifted)
+    _, (copy,) = packs.assemble(regions, shifted, staging=True)
     assert not np.shares_memory(copy, staging) and (staging == before).all()
-    _, (copy,) = packs.assemble(regions, expected)
+    _, (copy,) = packs.assemble(regions, expected, staging=True)
     assert not np.shares_memory(copy, expected[0]) and copy[:20].tobytes() == expected[0].tobytes()
+    frozen = [v.copy() for v in views]   # read-only views: never written to
+    for v in views:
+        v.flags.writeable = False
+    _, (copy,) = packs.assemble(regions, views, staging=True)
+    assert not np.shares_memory(copy, staging) and all((v == f).all() for v, f in zip(views, frozen))
 
 
 def test_local_saves_write_packs_from_staging_without_a_copy(tmp_path, mesh, monkeypatch):

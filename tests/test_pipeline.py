@@ -619,6 +619,36 @@ def test_checkpoint_files_leave_the_page_cache(tmp_path, mesh, dispatcher_cls, l
         assert after_save < 256 * KiB and after_restore < 256 * KiB  # metadata and B-tree nodes at most
 
 
+def test_page_cache_is_dropped_once_per_unchanged_file(tmp_path, monkeypatch):
+    """After a write, each batch drops the page cache of the files written since the last one:
+    unchanged files (earlier batches' data files) are not dropped again, changed ones are;
+    after a read, every file."""
+    from workers import tensorstore_io
+    from workers.contract import IOSettings
+
+    folder = tmp_path / "arrays"
+    (folder / "d").mkdir(parents=True)
+    for name in ("a", "b"):
+        (folder / "d" / name).write_bytes(b"x" * 4096)
+    session = tensorstore_io.Session({"driver": "ocdbt", "base": {"driver": "file", "path": str(folder) + "/"}},
+                                     IOSettings())
+    dropped = []
+    advise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: dropped.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or advise(fd, *a))
+    tensorstore_io.release_page_cache(session, [], written=True)
+    assert sorted(map(os.path.basename, dropped)) == ["a", "b"]
+    del dropped[:]
+    (folder / "d" / "c").write_bytes(b"y" * 4096)
+    with open(folder / "d" / "a", "ab") as f:   # grown since it was dropped
+        f.write(b"z")
+    tensorstore_io.release_page_cache(session, [], written=True)
+    assert sorted(map(os.path.basename, dropped)) == ["a", "c"]
+    del dropped[:]
+    tensorstore_io.release_page_cache(session, [], written=False)   # reads may cache any file again
+    assert sorted(map(os.path.basename, dropped)) == ["a", "b", "c"]
+
+
 def test_a_save_leaves_no_host_copy_on_the_trainers_arrays(tmp_path, mesh, dispatcher_cls):
     """Small sharded leaves are copied whole, shard by shard: never through the whole array,
     whose host copy JAX would keep cached on the trainer's array for as long as it lives."""

@@ -231,5 +231,8 @@ class IOSettings:
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        size = self.data_file_bytes
+        if size is not None and not (type(size) is int and 0 < size < 1 << 63):
+            raise ValueError(f"data_file_bytes must be a number of bytes in [1, 2**63) or None, got {self.data_file_bytes!r}")
         if compression_codec(self.compression) != self.compression:
             raise ValueError(f"compression must be a (codec, level) pair or None, got {self.compression!r}")

@@ -25,8 +25,7 @@ def layout_kvstore(base: dict, layout: str, writer: str | None = None, data_file
     :func:`merge_writers` makes them one database at ``base`` before the commit: the merge copies
     references to the data files, not the data. ``data_file_bytes`` (a writer's, when it writes):
     the size at which the writer starts a new data file. TensorStore writes the data files of
-    one commit concurrently, so smaller files write a batch in parallel (on local disk here, 16
-    MiB files save twice as fast as one file per batch); None: one file per commit.
+    one commit concurrently, so smaller files write a batch in parallel; None: one file per commit.
     """
     if layout == "files":
         return base

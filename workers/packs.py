@@ -54,15 +54,18 @@ def _as_bytes(buffer: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)
 
 
-def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> tuple[list[Region], list[np.ndarray]]:
+def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray], staging: bool = False
+             ) -> tuple[list[Region], list[np.ndarray]]:
     """``regions`` / ``buffers`` with every packed leaf replaced by its pack: one region
     covering the whole pack and one buffer holding its leaves at their offsets (zeros between
     them). Unpacked regions are passed through in order, packs follow.
 
-    Where the leaves' buffers already sit at their pack offsets in one buffer (a save's staging
-    slice: the batch lays a pack's leaves out in order, 64-byte aligned, as :func:`pack_offsets`
-    does), the pack is that memory, its gaps zeroed: no copy, no memory beyond the batch's.
-    Otherwise the leaves are copied into a new buffer.
+    ``staging=True``: the buffers are slices of the caller's staging memory, which this may
+    write between them. Where a pack's leaves already sit at their pack offsets in one such
+    buffer (a save's batch lays a pack's leaves out in order, 64-byte aligned, as
+    :func:`pack_offsets` does), the pack is that memory with its gaps zeroed: no copy, no memory
+    beyond the batch's. Otherwise (and always without ``staging``) the leaves are copied into a
+    new buffer.
 
     The pack region is named by the key path of its first leaf. Raises ValueError naming the
     key path of a packed region that is not its whole leaf, and the pack, if its leaves are not
@@ -84,7 +87,7 @@ def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray]) -> tuple[
         if pack_offsets([n for _, n, _, _ in members]) != ([offset for offset, *_ in members], pack.shape[0]):
             raise ValueError(f"pack {pack.name!r}: its leaves must be written together, once each")
         plain_regions.append(Region(pack, ((0, pack.shape[0]),), members[0][2]))
-        data = _in_place(members, pack.shape[0])
+        data = _in_place(members, pack.shape[0]) if staging else None
         plain_buffers.append(data if data is not None else _copied(members, pack.shape[0]))
     return plain_regions, plain_buffers
 
@@ -110,7 +113,7 @@ def _in_place(members: list, nbytes: int) -> np.ndarray | None:
     if not 0 <= start <= root.size - nbytes:
         return None
     for offset, _, _, buffer in members:
-        if _root(buffer) is not root or not buffer.flags.c_contiguous \
+        if _root(buffer) is not root or not buffer.flags.c_contiguous or not buffer.flags.writeable \
                 or _address(buffer) != _address(root) + start + offset:
             return None
     data = root[start:start + nbytes]
