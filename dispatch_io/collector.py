@@ -8,7 +8,8 @@ work is not moved later either: one full collection after the call costs what it
 
 The collector is one per process, so its pause is too (``paused``): pauses overlapping in
 several threads nest, and the collector is enabled again when the last one ends, unless it was
-already disabled when the first began.
+already disabled when the first began. (A program that disables it while a pause is on sees it
+enabled again when the pause ends: nothing tells that apart from the pause's own disabling.)
 """
 
 from __future__ import annotations

@@ -620,16 +620,18 @@ def test_checkpoint_files_leave_the_page_cache(tmp_path, mesh, dispatcher_cls, l
 
 
 def test_page_cache_is_dropped_once_per_unchanged_file(tmp_path, monkeypatch):
-    """After a write, each batch drops the page cache of the files written since the last one:
-    unchanged files (earlier batches' data files) are not dropped again, changed ones are;
-    after a read, every file."""
+    """After a write, each batch drops the page cache of the data files written since the last
+    one: unchanged ones (earlier batches') are not dropped again, changed ones and small files
+    (B-tree nodes, which commits read back) are; after a read, every file."""
     from workers import tensorstore_io
     from workers.contract import IOSettings
 
     folder = tmp_path / "arrays"
     (folder / "d").mkdir(parents=True)
+    big = tensorstore_io.SKIP_UNCHANGED_FROM
     for name in ("a", "b"):
-        (folder / "d" / name).write_bytes(b"x" * 4096)
+        (folder / "d" / name).write_bytes(b"x" * big)
+    (folder / "d" / "node").write_bytes(b"n" * 4096)   # small: a B-tree node later commits read
     session = tensorstore_io.Session({"driver": "ocdbt", "base": {"driver": "file", "path": str(folder) + "/"}},
                                      IOSettings())
     dropped = []
@@ -637,16 +639,16 @@ def test_page_cache_is_dropped_once_per_unchanged_file(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: dropped.append(os.readlink(f"/proc/self/fd/{fd}"))
                         or advise(fd, *a))
     tensorstore_io.release_page_cache(session, [], written=True)
-    assert sorted(map(os.path.basename, dropped)) == ["a", "b"]
+    assert sorted(map(os.path.basename, dropped)) == ["a", "b", "node"]
     del dropped[:]
-    (folder / "d" / "c").write_bytes(b"y" * 4096)
+    (folder / "d" / "c").write_bytes(b"y" * big)
     with open(folder / "d" / "a", "ab") as f:   # grown since it was dropped
         f.write(b"z")
     tensorstore_io.release_page_cache(session, [], written=True)
-    assert sorted(map(os.path.basename, dropped)) == ["a", "c"]
+    assert sorted(map(os.path.basename, dropped)) == ["a", "c", "node"]
     del dropped[:]
     tensorstore_io.release_page_cache(session, [], written=False)   # reads may cache any file again
-    assert sorted(map(os.path.basename, dropped)) == ["a", "b", "c"]
+    assert sorted(map(os.path.basename, dropped)) == ["a", "b", "c", "node"]
 
 
 def test_a_save_leaves_no_host_copy_on_the_trainers_arrays(tmp_path, mesh, dispatcher_cls):
