@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers import LAYOUTS, IOSettings, compression_codec
+from workers import LAYOUTS, IOSettings, check_data_file_bytes, compression_codec
 
 MiB = 1 << 20
 
@@ -99,11 +99,7 @@ class Options:
             raise ValueError(
                 f"max_chunk_bytes must be in (0, {self.staging_bytes // 2}] (half the staging space: "
                 f"host_memory_budget // 2, or // 8 with compression), got {self.max_chunk_bytes!r}")
-        if self.data_file_bytes is not None and (not isinstance(self.data_file_bytes, int)
-                                                 or isinstance(self.data_file_bytes, bool)
-                                                 or not 0 < self.data_file_bytes < 1 << 63):
-            raise ValueError(f"data_file_bytes must be a number of bytes in [1, 2**63) or None, "
-                             f"got {self.data_file_bytes!r}")
+        check_data_file_bytes(self.data_file_bytes)
         if not self.barrier_timeout > 0:
             raise ValueError(f"barrier_timeout must be a positive number of seconds, got {self.barrier_timeout!r}")
         if self.layout not in LAYOUTS:

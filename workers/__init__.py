@@ -13,6 +13,7 @@ from workers.contract import (
     IOSettings,
     ReadItem,
     Region,
+    check_data_file_bytes,
     compression_codec,
     numpy_dtype,
     storage_dtype_name,
@@ -31,5 +32,6 @@ from workers.tensorstore_io import (
 )
 
 __all__ = ["COMPRESSIONS", "LAYOUTS", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
-           "aligned_empty", "checksum_regions", "compression_codec", "crc32c", "layout_kvstore", "merge_writers",
+           "aligned_empty", "check_data_file_bytes", "checksum_regions", "compression_codec", "crc32c",
+           "layout_kvstore", "merge_writers",
            "numpy_dtype", "pack_spec", "packed_leaf", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_regions"]

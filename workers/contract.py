@@ -29,6 +29,13 @@ ZSTD_DEFAULT_LEVEL = 3             # zstd's own default
 ZSTD_LEVELS = (-131072, 22)        # what zstd (and TensorStore's zarr3 codec) accepts
 
 
+def check_data_file_bytes(value) -> None:
+    """Raise ValueError (naming the option) unless ``value`` is None or a number of bytes in
+    [1, 2**63), what TensorStore's OCDBT ``target_data_file_size`` takes."""
+    if value is not None and not (type(value) is int and 0 < value < 1 << 63):
+        raise ValueError(f"data_file_bytes must be a number of bytes in [1, 2**63) or None, got {value!r}")
+
+
 def compression_codec(value) -> tuple[str, int] | None:
     """``value`` as a plain ``(codec, level)`` pair, or None for no compression.
 
@@ -231,8 +238,6 @@ class IOSettings:
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        size = self.data_file_bytes
-        if size is not None and not (type(size) is int and 0 < size < 1 << 63):
-            raise ValueError(f"data_file_bytes must be a number of bytes in [1, 2**63) or None, got {self.data_file_bytes!r}")
+        check_data_file_bytes(self.data_file_bytes)
         if compression_codec(self.compression) != self.compression:
             raise ValueError(f"compression must be a (codec, level) pair or None, got {self.compression!r}")
