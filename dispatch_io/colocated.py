@@ -26,7 +26,7 @@ import numpy as np
 
 from dispatch_io.dispatcher import Dispatcher
 from dispatch_io.options import Options
-from dispatch_io.plan import Chunk
+from dispatch_io.plan import Chunk, native_order
 from dispatch_io.runner import IOThreads
 from workers import ChunkError, IOSettings, ReadItem, Region, Session
 from workers import colocated as remote
@@ -217,7 +217,7 @@ def _to_colocated_cpu(chunk: Chunk, sources) -> jax.Array:
     data, local = sources.locate(chunk)
     cpu = _cpu_sharding(_device(chunk.device))
     if isinstance(data, np.ndarray):  # host data, as raw bytes (jax would turn float64 into float32)
-        native = data.dtype if data.dtype.isnative else data.dtype.newbyteorder("=")
+        native = native_order(data.dtype)
         # a copy (CPU device_put may alias aligned numpy), in native byte order as stored
         raw = np.array(data[local], dtype=native, order="C").reshape(-1).view(np.uint8)
         return jax.device_put(raw, cpu)

@@ -166,7 +166,8 @@ def whole_on_one_device(sharding, shape) -> dict:
     return {tuple((0, n) for n in shape): [min(sharding.device_set, key=lambda d: d.id)]}
 
 
-def _native(dtype: np.dtype) -> np.dtype:
+def native_order(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this host's byte order: how a numpy leaf is stored (little-endian)."""
     return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
@@ -187,7 +188,7 @@ def leaf_spec(index: int, keypath: str, leaf, chunk_limit: int, small_leaf_bytes
         shape, dtype, impl = key_physical(leaf)
     else:
         # Stored little-endian whatever the leaf's byte order (the copy to staging converts).
-        shape, dtype, impl = tuple(leaf.shape), _native(np.dtype(leaf.dtype)), None
+        shape, dtype, impl = tuple(leaf.shape), native_order(np.dtype(leaf.dtype)), None
     if _copied_whole(spec, math.prod(shape) * dtype.itemsize, min(small_leaf_bytes, chunk_limit)):
         return LeafSpec(index, keypath, kind, origin, spec, shape, dtype, impl, _storage_name(index, keypath),
                         shape, whole=True)
