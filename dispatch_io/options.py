@@ -20,7 +20,8 @@ class Options:
         device-to-host copy). ``None`` picks ``min(staging // 4, 64 MiB)`` so that two
         batches (one copying, one writing) always fit in the staging space together (staging:
         the budget, a quarter of it with ``compression``); at most half the staging space.
-    write_threads: worker threads writing batches concurrently.
+    write_threads: worker threads writing batches concurrently (a save batch is at most
+        ``staging / (write_threads + 1)`` bytes: one per writer, one being copied).
     fsync: make files and directories durable before the commit marker is written.
     keep_staging_warm: keep the staging buffer between saves. Memory freed to the OS is
         slow to touch again, so a warm buffer makes repeated saves several times faster;
@@ -126,8 +127,11 @@ class Options:
 
     @property
     def batch_bytes(self) -> int:
-        """Largest save batch: half the staging space, so one batch copies while the previous one writes."""
-        return max(1, self.staging_bytes // 2)
+        """Largest save batch: the staging space shared by one batch per write thread and one
+        more. Batches being written share the disk and finish about together; the extra one is
+        copied meanwhile, so a writer never waits for a copy (with one batch per writer, the
+        disk idled while the next was copied)."""
+        return max(1, self.staging_bytes // (self.write_threads + 1))
 
     @property
     def read_batch_bytes(self) -> int:

@@ -276,7 +276,7 @@ def plan_chunks(specs, regions_of) -> tuple[Chunk, ...]:
         if spec.storage is None:
             continue
         key_dims = tuple((0, n) for n in spec.shape[len(spec.spec.shape):])
-        for region, devices in regions_of(spec).items():
+        for region, devices in sorted(regions_of(spec).items(), key=_stacked_order):
             region = region + key_dims
             for cell in _split_region(region, spec.chunk_shape):
                 nbytes = math.prod(hi - lo for lo, hi in cell) * spec.dtype.itemsize
@@ -289,6 +289,14 @@ def plan_chunks(specs, regions_of) -> tuple[Chunk, ...]:
                 device_load[_id(device)] = device_load.get(_id(device), 0) + nbytes
                 chunks.append(Chunk(spec.index, cell, nbytes, _id(device), worker))
     return tuple(chunks)
+
+
+def _stacked_order(item) -> tuple:
+    # Regions stacked along axis 0 (alike on the other axes) next to each other, top to bottom:
+    # a batch then holds their chunks back to back, and a writer writes each such run with one
+    # call (workers.runs).
+    region = item[0]
+    return region[1:], region[:1]
 
 
 def _process(device) -> int:

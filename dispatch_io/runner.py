@@ -126,15 +126,12 @@ class LocalRunner:
 class LocalWriter:
     def __init__(self, threads: IOThreads, session: Session, arrays: list[ArraySpec]):
         self._threads, self._session = threads, session
-        # In the background: SYNC copies need not wait for the arrays' metadata, only writes do.
-        self._created = threads.submit(session.create_arrays, arrays)
+        # In the background: SYNC copies need not wait for the arrays' metadata, and each
+        # write waits only for its own arrays (Session.create_arrays).
+        self._created = session.create_arrays(arrays, submit=threads.submit)
 
     def write(self, regions, buffers):
-        return self._threads.submit(self._write, regions, buffers)
-
-    def _write(self, regions, buffers):
-        self._created.result()
-        return write_regions(self._session, regions, buffers, staging=True)  # views of the staging ring
+        return self._threads.submit(write_regions, self._session, regions, buffers, True)  # views of the staging ring
 
     def settle(self):
         concurrent.futures.wait([self._created])

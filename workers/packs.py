@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from workers.contract import ArraySpec, Region, numpy_dtype
+from workers.runs import address, root
 
 PACK_CHUNK_BYTES = 1 << 20   # chunk size of pack arrays: the most a read of one small leaf decodes
 PACK_ALIGN = 64               # leaves start at multiples of this (the staging ring's alignment too)
@@ -92,31 +93,21 @@ def assemble(regions: Sequence[Region], buffers: Sequence[np.ndarray], staging: 
     return plain_regions, plain_buffers
 
 
-def _address(buffer: np.ndarray) -> int:
-    return buffer.__array_interface__["data"][0]
-
-
-def _root(buffer: np.ndarray) -> np.ndarray:
-    while isinstance(buffer.base, np.ndarray):
-        buffer = buffer.base
-    return buffer
-
-
 def _in_place(members: list, nbytes: int) -> np.ndarray | None:
     """The pack of ``members`` ((offset, nbytes, key path, buffer), by offset) as a view of the
     writable byte buffer they all lie in at their offsets, with the bytes between them zeroed;
     None where they do not lie so."""
-    root = _root(members[0][3])
-    if root.ndim != 1 or root.dtype != np.uint8 or not root.flags.c_contiguous or not root.flags.writeable:
+    owner = root(members[0][3])
+    if owner.ndim != 1 or owner.dtype != np.uint8 or not owner.flags.c_contiguous or not owner.flags.writeable:
         return None
-    start = _address(members[0][3]) - _address(root)
-    if not 0 <= start <= root.size - nbytes:
+    start = address(members[0][3]) - address(owner)
+    if not 0 <= start <= owner.size - nbytes:
         return None
     for offset, _, _, buffer in members:
-        if _root(buffer) is not root or not buffer.flags.c_contiguous or not buffer.flags.writeable \
-                or _address(buffer) != _address(root) + start + offset:
+        if root(buffer) is not owner or not buffer.flags.c_contiguous or not buffer.flags.writeable \
+                or address(buffer) != address(owner) + start + offset:
             return None
-    data = root[start:start + nbytes]
+    data = owner[start:start + nbytes]
     for (offset, size, _, _), (following, *_) in zip(members, members[1:]):
         data[offset + size:following] = 0
     return data

@@ -14,11 +14,13 @@ import numpy as np
 import tensorstore as ts
 
 from workers import packs
+from workers.runs import runs
 from workers.contract import ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
 from workers.layouts import NODE_CACHE, layout_kvstore, storage_of
 
 
 SKIP_UNCHANGED_FROM = 1 << 20   # files this large are chunk data: a write never reads them back
+FIRST_CREATED = 32              # arrays created by a session's first transaction (Session.create_arrays)
 
 
 def release_page_cache(session: "Session", regions: Sequence[Region], written: bool):
@@ -132,22 +134,40 @@ class Session:
         kvstore = layout_kvstore(arrays, settings.layout, writer=writer, data_file_bytes=settings.data_file_bytes)
         return cls(kvstore, settings, context)
 
-    def create_arrays(self, arrays: Sequence[ArraySpec]):
-        """Create the arrays this session will write (their metadata), before any data: in one
-        transaction (one commit, OCDBT), so that later batches' transactions only add chunks.
-        The opened arrays are kept for the writes (never opened again). Packed leaves create
-        their pack."""
-        arrays = list(dict.fromkeys(spec.stored for spec in arrays))
-        txn = ts.Transaction() if self.transactional else None
-        futures = [ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
-                           transaction=txn) for spec in arrays]
-        stores = [future.result() for future in futures]
-        if txn is not None:
-            txn.commit_async().result()
-            stores = [store.with_transaction(None) for store in stores]
+    def create_arrays(self, arrays: Sequence[ArraySpec], submit=None) -> concurrent.futures.Future | None:
+        """Create the arrays this session will write (their metadata) before their data, given
+        in the order of first use: in transactions (OCDBT: commits) of ``FIRST_CREATED``
+        arrays, then twice as many each time, so that later batches' transactions only add
+        chunks while the first batch's write waits only for the first few arrays. Each array
+        is open (``open_arrays``) once its transaction commits, and kept for the writes.
+        Packed leaves create their pack. ``submit`` (an executor's): create there and return
+        its future at once (writes may start meanwhile); else create before returning."""
+        pending: dict[str, concurrent.futures.Future] = {}
         with self._lock:
-            for spec, store in zip(arrays, stores):
-                self._open[spec.name] = _done(store)
+            for spec in dict.fromkeys(spec.stored for spec in arrays):
+                if spec.name not in self._open:
+                    self._open[spec.name] = pending[spec] = concurrent.futures.Future()
+        return self._create(pending) if submit is None else submit(self._create, pending)
+
+    def _create(self, pending: dict):
+        specs, start, size = list(pending), 0, FIRST_CREATED
+        try:
+            while start < len(specs):
+                group = specs[start:start + size]
+                txn = ts.Transaction() if self.transactional else None
+                futures = [ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
+                                   transaction=txn) for spec in group]
+                stores = [future.result() for future in futures]
+                if txn is not None:
+                    txn.commit_async().result()
+                    stores = [store.with_transaction(None) for store in stores]
+                for spec, store in zip(group, stores):
+                    pending[spec].set_result(store)
+                start, size = start + size, size * 2
+        except BaseException as exc:  # every write waiting for these arrays fails with it
+            for spec in specs[start:]:
+                pending[spec].set_exception(exc)
+            raise
 
     def open_arrays(self, specs: Sequence[ArraySpec], *, create: bool) -> dict[str, Any]:
         """{name: future of the opened TensorStore} for ``specs``: each array is opened once per
@@ -193,12 +213,6 @@ class Session:
             self._open.clear()
 
 
-def _done(value) -> concurrent.futures.Future:
-    future = concurrent.futures.Future()
-    future.set_result(value)
-    return future
-
-
 def _wait_all(futures, regions):
     """Wait for every future (even after one fails: its buffer may still be read), then
     raise the first failure as a ChunkError."""
@@ -236,9 +250,10 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
     Packed leaves go into their pack, which is written whole (``packs.assemble``: with
     ``staging``, the buffers are slices of the caller's staging memory and a pack whose leaves
     lie at their offsets in it is written from there, the bytes between them zeroed; every
-    leaf of a pack must be in the call).
+    leaf of a pack must be in the call). Regions that continue each other in their array and
+    in memory are written with one call (``runs.runs``).
     """
-    written, data = packs.assemble(regions, buffers, staging)
+    written, data = runs(*packs.assemble(regions, buffers, staging))
     txn = ts.Transaction() if session.transactional else None
     futures = []
     stores = session.open_arrays([r.array for r in written], create=True)

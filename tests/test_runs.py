@@ -1,0 +1,123 @@
+"""Runs (``workers.runs``): a leaf sharded over the leading mesh axis is still stored one chunk
+per shard, but the chunks a batch holds stacked along axis 0, back to back in staging, go to
+TensorStore in one write. And the arrays of a save are created in growing transactions, so a
+write waits only for its own arrays (``Session.create_arrays``)."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dispatch_io as dio
+import storage_helpers as sh
+import workers.tensorstore_io
+from conftest import assert_trees_bit_equal
+from workers import ArraySpec, Region
+from workers.runs import address, runs
+
+F32 = np.dtype(np.float32)
+
+
+def _chunk(staging, offset, shape, dtype=F32):
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    return staging[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def test_chunks_stacked_in_their_array_and_in_memory_become_one_region_and_view():
+    staging = np.arange(1024, dtype=np.uint8)
+    a = ArraySpec("a", (8, 8), "float32", (2, 4))
+    regions = [Region(a, ((0, 2), (0, 4)), "['a']"), Region(a, ((2, 4), (0, 4)), "['a']"),
+               Region(a, ((4, 6), (0, 4)), "['a']"), Region(a, ((0, 2), (4, 8)), "['a']")]
+    buffers = [_chunk(staging, 32 * i, (2, 4)) for i in range(4)]
+    merged, data = runs(regions, buffers)
+    assert [r.bounds for r in merged] == [((0, 6), (0, 4)), ((0, 2), (4, 8))]
+    assert [r.keypath for r in merged] == ["['a']", "['a']"]
+    assert data[0].shape == (6, 4) and address(data[0]) == address(staging)   # a view, not a copy
+    assert data[0].tobytes() == b"".join(b.tobytes() for b in buffers[:3])
+    assert data[1] is buffers[3]
+
+
+@pytest.mark.parametrize("case", ["gap", "other_memory", "other_array", "other_columns", "not_next_rows",
+                                  "other_dtype", "strided", "0-d"])
+def test_regions_that_do_not_continue_each_other_are_written_as_they_are(case):
+    staging = np.zeros(1024, np.uint8)
+    a, b = ArraySpec("a", (8, 8), "float32", (2, 4)), ArraySpec("b", (8, 8), "float32", (2, 4))
+    first, second = Region(a, ((0, 2), (0, 4)), "['a']"), Region(a, ((2, 4), (0, 4)), "['a']")
+    one, two = _chunk(staging, 0, (2, 4)), _chunk(staging, 32, (2, 4))
+    if case == "gap":
+        two = _chunk(staging, 64, (2, 4))
+    elif case == "other_memory":
+        two = np.zeros((2, 4), np.float32)
+    elif case == "other_array":
+        second = Region(b, second.bounds, "['b']")
+    elif case == "other_columns":
+        second = Region(a, ((2, 4), (4, 8)), "['a']")
+    elif case == "not_next_rows":
+        second = Region(a, ((4, 6), (0, 4)), "['a']")
+    elif case == "other_dtype":
+        two = _chunk(staging, 32, (2, 4), np.dtype(np.int32))
+    elif case == "strided":
+        one = staging[:64].view(F32).reshape(4, 4)[::2]
+    elif case == "0-d":
+        z = ArraySpec("z", (), "float32", ())
+        first, second = Region(z, (), "['z']"), Region(z, (), "['z']")
+        one, two = _chunk(staging, 0, ()), _chunk(staging, 4, ())
+    merged, data = runs([first, second], [one, two])
+    assert merged == [first, second] and data[0] is one and data[1] is two
+
+
+def test_a_save_writes_each_stacked_column_of_shards_once_and_keeps_a_chunk_per_shard(tmp_path, mesh, monkeypatch,
+                                                                                     layout):
+    writes = []
+
+    def counting(regions, buffers):
+        merged = runs(regions, buffers)
+        writes.append((len(regions), len(merged[0])))
+        return merged
+
+    monkeypatch.setattr(workers.tensorstore_io, "runs", counting)
+    rng = np.random.default_rng(0)
+    tree = {"w": jax.device_put(rng.standard_normal((64, 32), dtype=np.float32), NamedSharding(mesh, P("data", "model"))),
+            "o": jax.device_put(rng.standard_normal((32, 64), dtype=np.float32), NamedSharding(mesh, P("model", "data")))}
+    with dio.LocalDispatcher(host_memory_budget=64 << 20, layout=layout, small_leaf_bytes=0, progress=False) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree), tree)
+    # 8 shards each; stacked 4 high ('data' on axis 0) and 2 high ('model' on axis 0).
+    assert writes == [(16, 2 + 4)]
+    assert set(sh.chunks(tmp_path / "ckpt", "['w']")) == {(i, j) for i in range(4) for j in range(2)}
+    assert set(sh.chunks(tmp_path / "ckpt", "['o']")) == {(i, j) for i in range(2) for j in range(4)}
+
+
+@pytest.mark.parametrize("fail_at, named", [(None, None), (0, "['w00']"), (5, "['w02']")])
+def test_arrays_are_created_in_growing_transactions_before_their_writes(tmp_path, mesh, monkeypatch, fail_at,
+                                                                         named):
+    """Writes wait only for their own arrays; every array is created once, in order of first use,
+    in transactions of 2, 4, 8, ...; a failed creation fails the writes of its transaction's
+    arrays, named by the first leaf written there (array 5 is in the transaction of 2..5)."""
+    monkeypatch.setattr(workers.tensorstore_io, "FIRST_CREATED", 2)
+    created, real_open = [], workers.tensorstore_io.ts.open
+
+    def open_(spec, *args, transaction=None, **kwargs):
+        if kwargs.get("create"):
+            created.append((spec["kvstore"]["path"], transaction))
+            if len(created) - 1 == fail_at:
+                raise OSError("no room for metadata")
+        return real_open(spec, *args, transaction=transaction, **kwargs)
+
+    monkeypatch.setattr(workers.tensorstore_io.ts, "open", open_)
+    rng = np.random.default_rng(1)
+    tree = {f"w{i:02d}": jax.device_put(rng.standard_normal((64, 8), dtype=np.float32), NamedSharding(mesh, P("data")))
+            for i in range(20)}
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, small_leaf_bytes=0, progress=False) as d:
+        handle = d.save(tmp_path / "ckpt", tree)
+        if fail_at is not None:
+            with pytest.raises(dio.WorkerError, match="no room for metadata") as info:
+                handle.wait(60)
+            assert info.value.keypath == named
+            return
+        handle.wait(60)
+        assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree), tree)
+    names = [path.split("/")[-2] for path, _ in created]
+    assert len(names) == len(set(names)) == 20 and names == sorted(names)   # once each, in tree order
+    groups = [len({id(t) for _, t in created[lo:hi]}) for lo, hi in ((0, 2), (2, 6), (6, 14), (14, 20))]
+    assert groups == [1, 1, 1, 1] and len({id(t) for _, t in created}) == 4
