@@ -126,9 +126,11 @@ class LocalRunner:
 class LocalWriter:
     def __init__(self, threads: IOThreads, session: Session, arrays: list[ArraySpec]):
         self._threads, self._session = threads, session
-        # In the background: SYNC copies need not wait for the arrays' metadata, and each
-        # write waits only for its own arrays (Session.create_arrays).
-        self._created = session.create_arrays(arrays, submit=threads.submit)
+        # On a thread of its own: SYNC copies need not wait for the arrays' metadata, each
+        # write waits only for its own arrays (Session.create_arrays), and every write thread
+        # writes meanwhile.
+        self._creator = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{threads.name}-create")
+        self._created = session.create_arrays(arrays, submit=self._creator.submit)
 
     def write(self, regions, buffers):
         return self._threads.submit(write_regions, self._session, regions, buffers, True)  # views of the staging ring
@@ -137,6 +139,7 @@ class LocalWriter:
         concurrent.futures.wait([self._created])
 
     def close(self):
+        self._creator.shutdown(wait=True)
         self._session.close()
 
 

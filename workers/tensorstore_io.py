@@ -270,9 +270,14 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
             _wait_all(futures, written)
             raise ChunkError(region.keypath, region.bounds, exc) from exc
     sums = [crc32c(b) if session.checksums else None for b in buffers]  # overlaps the writes
-    _wait_all(futures, written)
     if txn is not None:
-        txn.commit_async().result()  # a failure here names the batch's key paths (the caller's)
+        # The commit waits for the writes (it would leave out one that failed: checked below).
+        try:
+            txn.commit_async().result()
+        except Exception:
+            _wait_all(futures, written)  # a failed write names its leaf; else the commit's failure
+            raise                        # names the batch's key paths (the caller's)
+    _wait_all(futures, written)
     if session.fsync:  # clean pages only: unsynced ones would stay anyway
         release_page_cache(session, written, written=True)
     return sums
