@@ -152,3 +152,14 @@ def test_the_callback_thread_is_one_of_the_runners():
     run.future.result(TIMEOUT)
     assert seen == [True] and not runner.threads.is_current()
     assert threading.current_thread() is threading.main_thread()
+
+
+def test_save_batches_share_staging_between_the_writers_and_one_copy():
+    """A batch per write thread plus one being copied; half the staging where a share would be
+    under 8 MiB (a commit per batch would cost more than the overlap gains)."""
+    MiB = 1 << 20
+    assert dio.Options(host_memory_budget=256 * MiB).batch_bytes == 256 * MiB // 3
+    assert dio.Options(host_memory_budget=256 * MiB, write_threads=3).batch_bytes == 64 * MiB
+    assert dio.Options(host_memory_budget=256 * MiB, write_threads=1).batch_bytes == 128 * MiB
+    assert dio.Options(host_memory_budget=256 * MiB, compression="zstd").batch_bytes == 64 * MiB // 3
+    assert dio.Options(host_memory_budget=4 * MiB).batch_bytes == 2 * MiB

@@ -1,7 +1,7 @@
 """Runs: regions of one write that continue each other in their array and in memory, written
 with one call.
 
-A leaf sharded over the leading axis of a mesh is stored as one chunk per shard. The plan
+A leaf sharded over the leading axis of a mesh is stored as (at least) one chunk per shard. The plan
 orders a leaf's chunks so that those stacked along axis 0 (equal bounds on every other axis)
 follow each other, and a save's batch lays its chunks out back to back in staging: such a run
 of chunks is one C-contiguous block of the array, and TensorStore writes the block's chunks
@@ -9,8 +9,9 @@ from one call as it would from one call each -- without a Python call, a future 
 job per chunk, which on a transformer-shaped state (thousands of 128 KiB chunks) cost about as
 much as the bytes.
 
-Buffers that do not lie so (other memory, padding between them, another dtype) are written as
-they are: merging is an optimisation, never a requirement.
+Buffers that do not lie so (other memory, such as a colocated writer's arrays; padding between
+them; another dtype; chunks cut from a shard along a later axis) are written as they are:
+merging is an optimisation, never a requirement.
 """
 
 from __future__ import annotations

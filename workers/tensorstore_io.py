@@ -28,14 +28,12 @@ def release_page_cache(session: "Session", regions: Sequence[Region], written: b
     fsync) or read from.
 
     A checkpoint's bytes are written or read once; kept cached, they push out pages the program
-    needs, and every batch's IO needs fresh page-cache memory. Dropped, the next batch's IO reuses
-    the same, still warm, pages — on hosts that hand freed memory back to a hypervisor (this VM:
-    ~0.4 GB/s to touch such memory again) that doubles save speed. Best effort: errors are ignored.
-    After writes, files of at least ``SKIP_UNCHANGED_FROM`` bytes unchanged since this session
-    dropped them are skipped, so a save of N batches does not drop O(N^2) data files; smaller
-    files (OCDBT B-tree nodes and manifests, which later commits read back) are dropped every
-    time, as every file is after reads.
-    """
+    needs. Dropped, the next batch's IO reuses the same, still warm, pages: on hosts that hand
+    freed memory back to a hypervisor (~0.4 GB/s to touch again) that doubles save speed. Best
+    effort: errors are ignored. After writes, files of ``SKIP_UNCHANGED_FROM`` bytes or more
+    unchanged since this session dropped them are skipped (a save of N batches does not drop
+    O(N^2) data files); smaller ones (B-tree nodes, manifests: later commits read them back)
+    are dropped every time, as every file is after reads."""
     if session.directory is None:
         return
     if session.transactional:  # OCDBT: the database's files
@@ -135,14 +133,13 @@ class Session:
         return cls(kvstore, settings, context)
 
     def create_arrays(self, arrays: Sequence[ArraySpec], submit=None) -> concurrent.futures.Future | None:
-        """Create the arrays this session will write (their metadata) before their data, given
-        in the order of first use: in transactions (OCDBT: commits) of ``FIRST_CREATED``
-        arrays, then twice as many each time, so that later batches' transactions only add
-        chunks while the first batch's write waits only for the first few arrays. Each array
-        is open (``open_arrays``) once its transaction commits, and kept for the writes.
-        Packed leaves create their pack. ``submit`` (an executor's): create there and return
-        its future at once (writes may start meanwhile); else create before returning."""
-        pending: dict[str, concurrent.futures.Future] = {}
+        """Create the arrays this session will write (their metadata) before their data, given in
+        order of first use, in transactions (OCDBT: commits) of ``FIRST_CREATED`` arrays, then twice
+        as many each time: the first batch's write waits for its own arrays only, later batches'
+        transactions only add chunks. An array is open (``open_arrays``) once its transaction
+        commits. Packed leaves create their pack. ``submit`` (an executor's): create there and
+        return its future at once; else create, then return."""
+        pending: dict[ArraySpec, concurrent.futures.Future] = {}
         with self._lock:
             for spec in dict.fromkeys(spec.stored for spec in arrays):
                 if spec.name not in self._open:
@@ -155,9 +152,14 @@ class Session:
             while start < len(specs):
                 group = specs[start:start + size]
                 txn = ts.Transaction() if self.transactional else None
-                futures = [ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
-                                   transaction=txn) for spec in group]
-                stores = [future.result() for future in futures]
+                futures = []
+                try:
+                    futures += (ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
+                                        transaction=txn) for spec in group)
+                    stores = [future.result() for future in futures]
+                except BaseException:
+                    [future.exception() for future in futures]  # none still writing once a failed save is removed
+                    raise
                 if txn is not None:
                     txn.commit_async().result()
                     stores = [store.with_transaction(None) for store in stores]
