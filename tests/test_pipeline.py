@@ -623,12 +623,12 @@ def test_page_cache_is_dropped_once_per_unchanged_file(tmp_path, monkeypatch):
     """After a write, each batch drops the page cache of the data files written since the last
     one: unchanged ones (earlier batches') are not dropped again, changed ones and small files
     (B-tree nodes, which commits read back) are; after a read, every file."""
-    from workers import tensorstore_io
+    from workers import page_cache, tensorstore_io
     from workers.contract import IOSettings
 
     folder = tmp_path / "arrays"
     (folder / "d").mkdir(parents=True)
-    big = tensorstore_io.SKIP_UNCHANGED_FROM
+    big = page_cache.SKIP_UNCHANGED_FROM
     for name in ("a", "b"):
         (folder / "d" / name).write_bytes(b"x" * big)
     (folder / "d" / "node").write_bytes(b"n" * 4096)   # small: a B-tree node later commits read
@@ -638,16 +638,16 @@ def test_page_cache_is_dropped_once_per_unchanged_file(tmp_path, monkeypatch):
     advise = os.posix_fadvise
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: dropped.append(os.readlink(f"/proc/self/fd/{fd}"))
                         or advise(fd, *a))
-    tensorstore_io.release_page_cache(session, [], written=True)
+    page_cache.release_page_cache(session, [], written=True)
     assert sorted(map(os.path.basename, dropped)) == ["a", "b", "node"]
     del dropped[:]
     (folder / "d" / "c").write_bytes(b"y" * big)
     with open(folder / "d" / "a", "ab") as f:   # grown since it was dropped
         f.write(b"z")
-    tensorstore_io.release_page_cache(session, [], written=True)
+    page_cache.release_page_cache(session, [], written=True)
     assert sorted(map(os.path.basename, dropped)) == ["a", "c", "node"]
     del dropped[:]
-    tensorstore_io.release_page_cache(session, [], written=False)   # reads may cache any file again
+    page_cache.release_page_cache(session, [], written=False)   # reads may cache any file again
     assert sorted(map(os.path.basename, dropped)) == ["a", "b", "c", "node"]
 
 

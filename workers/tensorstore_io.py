@@ -6,7 +6,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
-import os
 import threading
 from typing import Any, Sequence
 
@@ -17,48 +16,10 @@ from workers import packs
 from workers.runs import runs
 from workers.contract import ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
 from workers.layouts import NODE_CACHE, layout_kvstore, storage_of
+from workers.page_cache import release_page_cache
 
 
-SKIP_UNCHANGED_FROM = 1 << 20   # files this large are chunk data: a write never reads them back
 FIRST_CREATED = 32              # arrays created by a session's first transaction (Session.create_arrays)
-
-
-def release_page_cache(session: "Session", regions: Sequence[Region], written: bool):
-    """Ask the kernel to drop the page cache of the files the regions were ``written`` to (after
-    fsync) or read from.
-
-    A checkpoint's bytes are written or read once; kept cached, they push out pages the program
-    needs. Dropped, the next batch's IO reuses the same, still warm, pages: on hosts that hand
-    freed memory back to a hypervisor (~0.4 GB/s to touch again) that doubles save speed. Best
-    effort: errors are ignored. After writes, files of ``SKIP_UNCHANGED_FROM`` bytes or more
-    unchanged since this session dropped them are skipped (a save of N batches does not drop
-    O(N^2) data files); smaller ones (B-tree nodes, manifests: later commits read them back)
-    are dropped every time, as every file is after reads."""
-    if session.directory is None:
-        return
-    if session.transactional:  # OCDBT: the database's files
-        folders = [session.directory]
-    else:  # one array directory per region's array
-        folders = {os.path.join(session.directory, r.array.name) for r in regions}
-    for folder in folders:
-        for root, _, names in os.walk(folder):
-            for name in names:
-                path = os.path.join(root, name)
-                try:
-                    st = os.stat(path)
-                    version = (st.st_ino, st.st_size, st.st_mtime_ns)
-                    if written and st.st_size >= SKIP_UNCHANGED_FROM and session.dropped.get(path) == version:
-                        continue
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    session.dropped[path] = version
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
 
 
 @functools.cache
@@ -151,25 +112,31 @@ class Session:
         try:
             while start < len(specs):
                 group = specs[start:start + size]
-                txn = ts.Transaction() if self.transactional else None
-                futures = []
-                try:
-                    futures += (ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
-                                        transaction=txn) for spec in group)
-                    stores = [future.result() for future in futures]
-                except BaseException:
-                    [future.exception() for future in futures]  # none still writing once a failed save is removed
-                    raise
-                if txn is not None:
-                    txn.commit_async().result()
-                    stores = [store.with_transaction(None) for store in stores]
-                for spec, store in zip(group, stores):
+                for spec, store in zip(group, self._create_group(group)):
                     pending[spec].set_result(store)
                 start, size = start + size, size * 2
         except BaseException as exc:  # every write waiting for these arrays fails with it
             for spec in specs[start:]:
                 pending[spec].set_exception(exc)
             raise
+
+    def _create_group(self, group: list[ArraySpec]) -> list:
+        """Create ``group`` in one transaction; returns the opened arrays, outside it."""
+        txn = ts.Transaction() if self.transactional else None
+        futures = []
+        try:
+            for spec in group:
+                futures.append(ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
+                                       transaction=txn))
+            stores = [future.result() for future in futures]
+        except BaseException:
+            for future in futures:  # none may still be writing once a failed save is removed
+                future.exception()
+            raise
+        if txn is None:
+            return stores
+        txn.commit_async().result()
+        return [store.with_transaction(None) for store in stores]
 
     def open_arrays(self, specs: Sequence[ArraySpec], *, create: bool) -> dict[str, Any]:
         """{name: future of the opened TensorStore} for ``specs``: each array is opened once per
