@@ -19,7 +19,9 @@ Here (no Pathways) colocated_python runs in-process on the CPU devices; the code
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
+import threading
 
 import jax
 import numpy as np
@@ -116,10 +118,13 @@ class ColocatedRunner:
 class ColocatedWriter:
     """This process's part of a save: each colocated host writes the chunks of its devices.
     Their arrays are created first, from here, so that the hosts' concurrent writes only ever
-    add chunks."""
+    add chunks. A host writes one batch at a time: each call opens its database afresh, and
+    two commits racing for one database's next manifest would write that object twice (object
+    stores throttle rewrites of a name) and redo the loser's commit."""
 
     def __init__(self, runner: ColocatedRunner, target, arrays_by_cpu: dict):
         self._runner, self._arrays = runner, target.kvstore
+        self._busy = {_writer_name(cpu): threading.Lock() for cpu in arrays_by_cpu}
         settings = runner.settings
 
         def create():
@@ -138,16 +143,19 @@ class ColocatedWriter:
         groups: dict = {}
         for i, array in enumerate(arrays):
             groups.setdefault(array.sharding, []).append(i)
-        calls = []
-        for sharding, indices in groups.items():
-            request = remote.encode_request(remote.WriteRequest(
-                self._arrays, _writer_name(next(iter(sharding.device_set))), settings,
-                tuple(regions[i] for i in indices)), sharding)
-            calls.append((indices, remote.write_arrays(request, [arrays[i] for i in indices])))
+        writers = {sharding: _writer_name(next(iter(sharding.device_set))) for sharding in groups}
         sums: list = [None] * len(arrays)
-        for indices, result in calls:
-            for i, crc in zip(indices, np.asarray(result).tolist()):
-                sums[i] = crc if settings.checksums else None
+        with contextlib.ExitStack() as held:
+            for name in sorted(set(writers.values())):  # in one order: batches never deadlock
+                held.enter_context(self._busy[name])
+            calls = []
+            for sharding, indices in groups.items():
+                request = remote.encode_request(remote.WriteRequest(
+                    self._arrays, writers[sharding], settings, tuple(regions[i] for i in indices)), sharding)
+                calls.append((indices, remote.write_arrays(request, [arrays[i] for i in indices])))
+            for indices, result in calls:
+                for i, crc in zip(indices, np.asarray(result).tolist()):
+                    sums[i] = crc if settings.checksums else None
         return sums
 
     def settle(self):

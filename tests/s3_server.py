@@ -75,12 +75,23 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
         self.requests: list[tuple[str, str]] = []      # (method, path without query) of every request
         self.bytes_sent: dict[str, int] = {}           # method -> body bytes answered to the client
         self.forwarded = 0
+        self.delays: list[tuple[str, float]] = []     # (part of a path, seconds) to hold such requests
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
 
     def fail(self, count: int, status: int = 503, method: str | None = None):
         with self.lock:
             self.to_fail += [(method, status)] * count
+
+    def slow(self, path_part: str, seconds: float):
+        """Hold every request whose path contains ``path_part`` for ``seconds`` before it is
+        answered: widens the window in which concurrent writers of one object would race."""
+        with self.lock:
+            self.delays.append((path_part, seconds))
+
+    def delay_for(self, path: str) -> float:
+        with self.lock:
+            return sum(seconds for part, seconds in self.delays if part in path)
 
     def fault_for(self, method: str, path: str) -> int | None:
         with self.lock:
@@ -108,6 +119,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
     def _relay(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         status = self.server.fault_for(self.command, self.path)
+        time.sleep(self.server.delay_for(self.path))
         if status is not None:
             reply = b"<Error><Code>SlowDown</Code><Message>injected by the test proxy</Message></Error>"
             self.send_response(status)

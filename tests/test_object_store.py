@@ -199,8 +199,10 @@ def test_transient_503_and_429_are_retried(s3_server, s3_prefix, mesh, monkeypat
 @pytest.mark.parametrize("dispatcher_cls", [dio.LocalDispatcher, dio.ColocatedDispatcher], ids=["local", "colocated"])
 def test_no_object_is_written_twice_in_a_save(s3_server, s3_prefix, mesh, monkeypatch, dispatcher_cls):
     """GCS takes about one write per second to an object name: a save (many batches, each an
-    OCDBT commit) must never rewrite an object -- numbered OCDBT manifests on object stores."""
+    OCDBT commit) must never rewrite an object -- numbered OCDBT manifests on object stores, and
+    one commit at a time per database (slow manifests make racing commits overlap)."""
     proxy = FaultyProxy(s3_server.port)
+    proxy.slow("/manifest.", 0.1)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
         path = f"{s3_prefix}/ckpt"
