@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dispatch_io.staging import ALIGN
 from workers import LAYOUTS, IOSettings, check_data_file_bytes, compression_codec
 
 MiB = 1 << 20
@@ -16,7 +17,8 @@ class Options:
 
     host_memory_budget: bytes of host memory the IO may hold at once (staging for saves,
         reads in flight for restores). Always respected, even for one array larger than it:
-        such arrays are split into chunks.
+        such arrays are split into chunks. At least 64 bytes (256 with ``compression``): each
+        chunk takes a 64-byte aligned staging slot or more.
     max_chunk_bytes: upper bound on one chunk (one storage chunk on disk, one unit of
         device-to-host copy). ``None`` picks ``min(staging // 4, 64 MiB)`` (staging: the
         budget, a quarter of it with ``compression``); at most half the staging space, so
@@ -99,6 +101,10 @@ class Options:
         if not isinstance(self.host_memory_budget, int) or self.host_memory_budget <= 0:
             raise ValueError(f"host_memory_budget must be a positive number of bytes, got {self.host_memory_budget!r}")
         compression_codec(self.compression)  # ValueError naming the option for a bad value
+        least = ALIGN if self.compression is None else 4 * ALIGN  # one aligned staging slot per chunk
+        if self.host_memory_budget < least:
+            raise ValueError(f"host_memory_budget must be at least {least} bytes with compression="
+                             f"{self.compression!r}, got {self.host_memory_budget}")
         if self.max_chunk_bytes is not None and not 0 < self.max_chunk_bytes <= self.staging_bytes // 2:
             raise ValueError(
                 f"max_chunk_bytes must be in (0, {self.staging_bytes // 2}] (half the staging space: "

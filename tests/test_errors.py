@@ -59,6 +59,15 @@ def test_non_positive_budget_is_rejected(dispatcher_cls, budget):
         dispatcher_cls(host_memory_budget=budget)
 
 
+@pytest.mark.parametrize("budget,compression", [(63, None), (255, "zstd")])
+def test_a_budget_below_one_staging_slot_is_rejected_up_front(dispatcher_cls, budget, compression):
+    """Each chunk takes at least one 64-byte staging slot (a quarter of the budget is staging
+    with compression): a smaller budget could never save, so the dispatcher says so."""
+    with pytest.raises(ValueError, match=f"host_memory_budget must be at least {budget + 1} bytes"):
+        dispatcher_cls(host_memory_budget=budget, compression=compression)
+    dispatcher_cls(host_memory_budget=budget + 1, compression=compression).close()
+
+
 # ---- 2. unsupported leaves ---------------------------------------------------------------------------
 
 def test_unsupported_leaf_names_its_key_path_and_creates_nothing(tmp_path, dispatcher):

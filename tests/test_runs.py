@@ -3,6 +3,8 @@ per shard, but the chunks a batch holds stacked along axis 0, back to back in st
 TensorStore in one write. And the arrays of a save are created in growing transactions, so a
 write waits only for its own arrays (``Session.create_arrays``)."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -121,3 +123,24 @@ def test_arrays_are_created_in_growing_transactions_before_their_writes(tmp_path
     assert len(names) == len(set(names)) == 20 and names == sorted(names)   # once each, in tree order
     groups = [len({id(t) for _, t in created[lo:hi]}) for lo, hi in ((0, 2), (2, 6), (6, 14), (14, 20))]
     assert groups == [1, 1, 1, 1] and len({id(t) for _, t in created}) == 4
+
+
+def test_an_interrupt_while_writing_returns_only_once_tensorstore_is_done_with_the_buffers(tmp_path, monkeypatch):
+    """A KeyboardInterrupt (no Exception) between issuing the writes and their end still waits for
+    them: the caller's next batch reuses the staging they read. Files layout: writes in flight."""
+    n = 1 << 21   # 8 MiB float32 per array
+    session = workers.tensorstore_io.Session.writer({"driver": "file", "path": f"{tmp_path}/"}, "p0",
+                                                    workers.IOSettings(layout="files", checksums=True))
+    specs = [ArraySpec(f"a{i}", (n,), "float32", (n,)) for i in range(6)]
+    session.create_arrays(specs)
+    buffers = [np.full(n, i + 1, np.float32) for i in range(6)]
+
+    def interrupt(buffer):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers.tensorstore_io, "crc32c", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        workers.tensorstore_io.write_regions(session, [Region(s, ((0, n),), f"['a{i}']") for i, s in enumerate(specs)],
+                                             buffers)
+    sizes = [os.path.getsize(tmp_path / f"a{i}" / "c" / "0") for i in range(6)]   # right away: all written
+    assert sizes == [4 * n] * 6

@@ -224,28 +224,33 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
     """
     written, data = runs(*packs.assemble(regions, buffers, staging))
     txn = ts.Transaction() if session.transactional else None
-    futures = []
+    futures, commit = [], None  # both done before this returns, whatever is raised
     stores = session.open_arrays([r.array for r in written], create=True)
-    for region, buf in zip(written, data):
-        try:
-            store = stores[region.array.name].result()
-            if txn is not None:
-                store = store.with_transaction(txn)
-            stored = numpy_dtype(region.array.storage_dtype)
-            data = buf.view(stored) if buf.dtype != stored else buf
-            write = store[region.index].write(data, can_reference_source_data_indefinitely=session.reference_sources)
-            futures.append(write.copy if txn else write.commit)
-        except Exception as exc:  # noqa: BLE001
-            _wait_all(futures, written)
-            raise ChunkError(region.keypath, region.bounds, exc) from exc
-    sums = [crc32c(b) if session.checksums else None for b in buffers]  # overlaps the writes
-    if txn is not None:
-        # The commit waits for the writes (it would leave out one that failed: checked below).
-        try:
-            txn.commit_async().result()
-        except Exception:
-            _wait_all(futures, written)  # a failed write names its leaf; else the commit's failure
-            raise                        # names the batch's key paths (the caller's)
+    try:
+        for region, buf in zip(written, data):
+            try:
+                store = stores[region.array.name].result()
+                if txn is not None:
+                    store = store.with_transaction(txn)
+                stored = numpy_dtype(region.array.storage_dtype)
+                view = buf.view(stored) if buf.dtype != stored else buf
+                write = store[region.index].write(view, can_reference_source_data_indefinitely=session.reference_sources)
+                futures.append(write.copy if txn else write.commit)
+            except Exception as exc:  # noqa: BLE001
+                raise ChunkError(region.keypath, region.bounds, exc) from exc
+        sums = [crc32c(b) if session.checksums else None for b in buffers]  # overlaps the writes
+        if txn is not None:
+            # The commit waits for the writes (it would leave out one that failed: checked below).
+            commit = txn.commit_async()
+            try:
+                commit.result()
+            except Exception:
+                _wait_all(futures, written)  # a failed write names its leaf; else the commit's failure
+                raise                        # names the batch's key paths (the caller's)
+    except BaseException:  # KeyboardInterrupt too: TensorStore must be done with the buffers
+        for future in futures if commit is None else [*futures, commit]:  # before the caller
+            future.exception()                                            # reuses them
+        raise
     _wait_all(futures, written)
     if session.fsync:  # clean pages only: unsynced ones would stay anyway
         release_page_cache(session, written, written=True)
