@@ -36,7 +36,7 @@ from dispatch_io.save import SaveHandle, SaveJob, SaveRun
 from dispatch_io.locks import PathLocks
 from dispatch_io.staging import StagingRing
 from workers import Session, numpy_dtype
-from dispatch_io.formats import metadata, open_checkpoint  # noqa: F401 - metadata: public here too
+from dispatch_io.formats import open_checkpoint
 from dispatch_io.storage import Location
 
 PriorityFn = Callable[[str, jax.ShapeDtypeStruct], Priority]

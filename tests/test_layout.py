@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import dispatch_io as dio
 import storage_helpers as stored
 from conftest import assert_trees_bit_equal
 

@@ -4,7 +4,6 @@ Every check compares bytes (``assert_trees_bit_equal``) or exact directory listi
 that could hang waits with a timeout so a regression fails instead of blocking the suite.
 """
 
-import errno
 import json
 import os
 import shutil

@@ -10,7 +10,6 @@ import uuid
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import tensorstore as ts
 from jax.sharding import NamedSharding
