@@ -34,6 +34,7 @@ from dispatch_io.progress import Progress, RestoreStats, SaveStats
 from dispatch_io.runner import LocalRunner, Runner, platform
 from dispatch_io.save import SaveHandle, SaveJob, SaveRun
 from dispatch_io.locks import PathLocks
+from dispatch_io.shared_verify import verify_shared
 from dispatch_io.staging import StagingRing
 from workers import Session, numpy_dtype
 from dispatch_io.formats import open_checkpoint
@@ -286,16 +287,22 @@ class Dispatcher:
         every chunk is read whole, as a restore would decode it. Raises ``CorruptCheckpointError``
         naming each bad chunk's key path, ``WorkerError`` / ``CheckpointError`` for what cannot
         be read, before that ``FileNotFoundError`` / ``IncompleteCheckpointError`` for a path
-        that holds no committed checkpoint. Reads the whole checkpoint in every process
-        (``dispatch-io verify`` calls it).
+        that holds no committed checkpoint. In a multi-process job (all processes call it) each
+        process checks a share of the chunks and every process raises what any found
+        (``shared_verify``). ``dispatch-io verify`` calls it.
         """
         self._check_usable("verify")
+        options = self.options
 
         def work(manifest, reader, progress, times):
             _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
             times.append(time.perf_counter())
-            reading.verify_outputs(reader, outputs, self.options.read_batch_bytes, progress,
-                                   compare=manifest.has_checksums)
+            if jax.process_count() > 1:
+                verify_shared(reader, outputs, options.read_batch_bytes, options.barrier_timeout, progress,
+                              compare=manifest.has_checksums)
+            else:
+                reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress,
+                                       compare=manifest.has_checksums)
             times += [time.perf_counter()] * 2  # nothing read into a result
             return None, manifest.has_checksums, 0
 

@@ -52,9 +52,12 @@ class BarrierTimeoutError(CheckpointError, TimeoutError):
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match the checksum saved with them (``restore(verify=True)``).
 
-    ``keypath`` names the leaf, ``chunk`` the chunk grid index; the message lists every bad chunk."""
+    ``keypath`` names the leaf, ``chunk`` the chunk grid index; the message lists every bad chunk,
+    and ``chunks`` holds them: (key path, grid index, stored region, saved CRC-32C or None, read
+    CRC-32C) each (empty where a chunk could not be read at all)."""
 
-    def __init__(self, message, *, keypath=None, chunk=None):
+    def __init__(self, message, *, keypath=None, chunk=None, chunks=()):
         self.keypath = keypath
         self.chunk = chunk
+        self.chunks = list(chunks)
         super().__init__(message)

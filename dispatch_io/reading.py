@@ -157,9 +157,11 @@ def verify_outputs(reader, outputs: list, batch_limit: int, progress: Progress, 
 
 
 def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, progress: Progress, *,
-                  compare: bool = True, on_batch: Callable[[int], None] | None = None):
+                  compare: bool = True, on_batch: Callable[[int], None] | None = None,
+                  share: tuple[int, int] = (0, 1)):
     """Check every stored chunk overlapping each (output, stored bounds) of ``wanted`` against
-    the CRC-32C saved in the manifest.
+    the CRC-32C saved in the manifest; with ``share=(k, n)``, only the k-th of n shares of those
+    chunks (:func:`share_of`: n processes given the same ``wanted`` check each chunk once).
 
     Each chunk is read whole by ``reader.checksums``, at most ``batch_limit`` bytes a call and
     two calls at a time, so host memory stays within the budget (or two chunks, for chunks
@@ -175,7 +177,8 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
                                   f"cannot verify {out.saved.keypath}")
         for grid, bounds in stored_cells(out.saved.stored, wanted_bounds):
             cells[(out.saved.keypath, grid)] = (out, Region(out.saved.stored, bounds, out.saved.keypath))
-    work = [(grid, out, region) for (_, grid), (out, region) in cells.items()]
+    work = share_of([(grid, out, region) for (_, grid), (out, region) in cells.items()],
+                    lambda w: w[2].nbytes, *share)
     batches = [batch for batch, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
     bad = []
 
@@ -199,7 +202,28 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
     pipelined(batches, lambda batch: reader.checksums([region for _, _, region in batch]), consume,
               lambda batch: sum(region.nbytes for _, _, region in batch), progress, "verify", failure)
     if bad:
-        lines = "\n".join(f"  {k} chunk {list(g)} (region {[list(b) for b in r]}): saved crc32c "
-                          f"{'none' if e is None else f'{e:08x}'}, read {c:08x}" for k, g, r, e, c in bad)
-        raise CorruptCheckpointError(f"{display}: {len(bad)} chunk(s) do not match their checksums:\n{lines}",
-                                     keypath=bad[0][0], chunk=bad[0][1])
+        raise mismatches(display, bad)
+
+
+def mismatches(display: str, bad: list[tuple]) -> CorruptCheckpointError:
+    """The error for chunks whose bytes do not match their saved checksums: ``bad`` holds
+    (key path, grid index, stored region, saved CRC-32C or None, read CRC-32C) each."""
+    lines = "\n".join(f"  {k} chunk {list(g)} (region {[list(b) for b in r]}): saved crc32c "
+                      f"{'none' if e is None else f'{e:08x}'}, read {c:08x}" for k, g, r, e, c in bad)
+    return CorruptCheckpointError(f"{display}: {len(bad)} chunk(s) do not match their checksums:\n{lines}",
+                                  keypath=bad[0][0], chunk=bad[0][1], chunks=bad)
+
+
+def share_of(work: list, nbytes: Callable, index: int, count: int) -> list:
+    """The ``index``-th of ``count`` shares of ``work``: in order, each item goes to the share
+    holding the fewest bytes so far (the lowest index on ties), so the shares are even and every
+    process given the same ``work`` computes the same ones."""
+    if count == 1:
+        return work
+    held, mine = [0] * count, []
+    for item in work:
+        least = held.index(min(held))
+        held[least] += nbytes(item)
+        if least == index:
+            mine.append(item)
+    return mine

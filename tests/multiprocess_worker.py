@@ -417,11 +417,30 @@ def scaleout_crossing(mesh, path):
 
 
 def save_big(mesh, path):
-    """Save the 4 MiB tree (the one ``restore_big`` restores)."""
+    """Save the 4 MiB tree (the one ``restore_big`` restores), with checksums where
+    DIO_TEST_CHECKSUMS=1."""
     table = entries(big=True)
-    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT) as d:
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, barrier_timeout=BARRIER_TIMEOUT,
+                             checksums=os.environ.get("DIO_TEST_CHECKSUMS") == "1") as d:
         stats = d.save(path, build(mesh, table)).wait()
     return {"bytes_written": stats.bytes_written, "total_bytes": stored_nbytes(table)}
+
+
+def verify(mesh, path):
+    """``Dispatcher.verify`` of the checkpoint at ``path`` in 64 KiB batches: the bytes this
+    process checked, by dispatch_io's count and the OS's, or what it raised (every process
+    stays up until all have returned)."""
+    with dio.LocalDispatcher(host_memory_budget=128 << 10, barrier_timeout=BARRIER_TIMEOUT) as d:
+        sync("verify")
+        before = os_bytes_read()
+        try:
+            stats = d.verify(path)
+            out = {"bytes_read": stats.bytes_read, "verified": stats.verified}
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out = error_fields(exc)
+        out.update(os_read=os_bytes_read() - before, total_bytes=stored_nbytes(entries(big=True)))
+        sync("verify/done")
+    return out
 
 
 def restore_big(mesh, path):
@@ -575,7 +594,7 @@ def process_local_leaf(mesh, path):
 
 SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only,
              "restore_orbax": restore_orbax, "shares": shares, "scaleout": scaleout,
-             "save_big": save_big, "restore_colocated": restore_colocated, "restore_big": restore_big,
+             "save_big": save_big, "verify": verify, "restore_colocated": restore_colocated, "restore_big": restore_big,
              "scaleout_fails": _scaleout_fault("fails"), "scaleout_stalls": _scaleout_fault("stalls"),
              "scaleout_leader_fails": _scaleout_fault("fails", faulty=0), "scaleout_crossing": scaleout_crossing,
              "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),

@@ -473,3 +473,36 @@ def test_a_colocated_dispatcher_restores_once_per_job(jobs, tmp_path):
     results = job.wait(deadline())
     assert_restored(results, job)
     assert sum(r["bytes_read"] for r in results) == results[0]["total_bytes"]
+
+
+def test_verify_in_a_job_checks_each_chunk_once_and_every_process_raises_what_any_found(jobs, tmp_path):
+    """Dispatcher.verify on 2 processes: each checks about half of the stored chunks (its own
+    count and the OS's), together all of them once; after two chunks of different leaves are
+    corrupted, both processes raise the same CorruptCheckpointError naming both; where a chunk
+    cannot be read, both raise for it."""
+    path = tmp_path / "ckpt"
+    saved = jobs("save_big", path, 2, 4, env={"DIO_TEST_CHECKSUMS": "1"})
+    assert_saved(saved.wait(deadline()), saved)
+    job = jobs("verify", path, 2, 4)
+    results = job.wait(deadline())
+    for r in results:
+        assert r.get("error_type") is None, f"process {r['process']}: {r.get('traceback')}\n{job.report()}"
+        assert r["verified"] and 0.3 * r["total_bytes"] < r["bytes_read"] < 0.7 * r["total_bytes"], r
+        assert r["os_read"] < 0.75 * r["total_bytes"], r
+    assert sum(r["bytes_read"] for r in results) == results[0]["total_bytes"]
+
+    stored.flip_byte(stored.chunks(path, "['w']")[(0, 0)])
+    stored.flip_byte(stored.chunks(path, "['rep']")[(0, 0)], offset=100)
+    job = jobs("verify", path, 2, 4)
+    results = job.wait(deadline())
+    assert [r.get("error_type") for r in results] == ["CorruptCheckpointError"] * 2, job.report()
+    assert results[0]["error_message"] == results[1]["error_message"]
+    message = results[0]["error_message"]
+    assert "2 chunk(s) do not match" in message and "['w'] chunk [0, 0]" in message and "['rep'] chunk [0, 0]" in message
+
+    stored.remove_chunk(path, "['emb']", (1, 0))   # unreadable: its process fails, so does the other
+    job = jobs("verify", path, 2, 4)
+    results = job.wait(deadline())
+    assert [(r.get("error_type"), r.get("keypath")) for r in results] == [("CorruptCheckpointError", "['emb']")] * 2, \
+        job.report()
+    assert sum("could not verify its part" in r["error_message"] for r in results) == 1, results
