@@ -148,14 +148,19 @@ class ColocatedWriter:
         with contextlib.ExitStack() as held:
             for name in sorted(set(writers.values())):  # in one order: batches never deadlock
                 held.enter_context(self._busy[name])
-            calls = []
-            for sharding, indices in groups.items():
-                request = remote.encode_request(remote.WriteRequest(
-                    self._arrays, writers[sharding], settings, tuple(regions[i] for i in indices)), sharding)
-                calls.append((indices, remote.write_arrays(request, [arrays[i] for i in indices])))
-            for indices, result in calls:
-                for i, crc in zip(indices, np.asarray(result).tolist()):
-                    sums[i] = crc if settings.checksums else None
+            calls: list = []
+            try:
+                for sharding, indices in groups.items():
+                    request = remote.encode_request(remote.WriteRequest(
+                        self._arrays, writers[sharding], settings, tuple(regions[i] for i in indices)), sharding)
+                    calls.append((indices, remote.write_arrays(request, [arrays[i] for i in indices])))
+            finally:  # the hosts' locks are held until every call of the batch has ended
+                ended = [(indices, _ended(result)) for indices, result in calls]
+        for indices, result in ended:
+            if isinstance(result, BaseException):
+                raise result
+            for i, crc in zip(indices, result.tolist()):
+                sums[i] = crc if settings.checksums else None
         return sums
 
     def settle(self):
@@ -218,6 +223,14 @@ class ColocatedDispatcher(Dispatcher):
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         options = Options(host_memory_budget=host_memory_budget, **options)
         super().__init__(options, ColocatedRunner(options.io_settings()))
+
+
+def _ended(result: jax.Array):
+    """A colocated call's result on the host once the call has ended, or the exception it raised."""
+    try:
+        return np.asarray(result)
+    except Exception as exc:  # noqa: BLE001 - raised by the caller once every call has ended
+        return exc
 
 
 def _to_colocated_cpu(chunk: Chunk, sources) -> jax.Array:

@@ -10,6 +10,9 @@ process, and every process raises the same error:
   ``CorruptCheckpointError`` where the failure was an unreadable chunk), naming it and the leaf;
 * otherwise, chunks that do not match their checksums, wherever found: one
   ``CorruptCheckpointError`` listing them all, in key path order.
+
+A process whose wait for the others times out (``BarrierTimeoutError``) leaves word, so that one
+that comes late raises too instead of waiting for it at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import jax
 
 from dispatch_io.coordination import open_room
-from dispatch_io.errors import CorruptCheckpointError, WorkerError
+from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, WorkerError
 from dispatch_io.progress import Progress
 from dispatch_io.reading import mismatches, needed_regions, verify_stored
 
@@ -43,7 +46,13 @@ def verify_shared(reader, outputs: list, batch_limit: int, timeout: float, progr
     room.set(f"outcome/{process}", outcome)
     if mine is not None and not isinstance(mine, Exception):  # KeyboardInterrupt: the others see it
         raise mine
-    outcomes = room.gather("outcome", doing="finish verifying their part of", together=False)
+    try:
+        outcomes = room.gather("outcome", doing="finish verifying their part of", check=lambda: _check_left(room),
+                               together=False)
+    except BarrierTimeoutError:
+        room.set("left", process)  # a late process must not wait for this one to leave together
+        raise
+    _check_left(room)
     failed = sorted(p for p, found in outcomes.items() if "error" in found)
     if failed:  # its process may be gone: nobody waits for the others to leave
         first = outcomes[failed[0]]
@@ -54,10 +63,18 @@ def verify_shared(reader, outputs: list, batch_limit: int, timeout: float, progr
             raise CorruptCheckpointError(message, keypath=first["keypath"])
         raise WorkerError(message, worker=failed[0], keypath=first["keypath"])
     room.close()
-    bad = sorted((chunk for found in outcomes.values() for chunk in found.get("bad", ())),
-                 key=lambda chunk: (chunk[0], chunk[1]))
+    bad = sorted((keypath, tuple(grid), tuple(map(tuple, region)), saved, read)  # JSON made them lists
+                 for found in outcomes.values() for keypath, grid, region, saved, read in found.get("bad", ()))
     if bad:
         raise mismatches(display, bad)
+
+
+def _check_left(room):
+    """Raise if a process stopped waiting for the others (its wait timed out)."""
+    left = room.get("left")
+    if left is not None:
+        raise CheckpointError(f"process {left} gave up waiting for the other processes' parts of {room.what} "
+                              f"after {room.timeout:g} s (barrier_timeout), so it fails here too")
 
 
 def _failure(exc: BaseException) -> dict:

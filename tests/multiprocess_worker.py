@@ -185,16 +185,23 @@ class TallyRunner(dio.LocalRunner):
     while ``fail_keypath`` is set, a batch holding that leaf fails with ``error()`` as the real
     worker fails: a ChunkError naming the leaf (reads too, or only reads with
     ``fail_reads_only``). ``stall_read`` (keypath, seconds): the first read holding that leaf
-    sleeps first."""
+    sleeps first; ``stall_checksums`` (seconds): the first checksum call (verify) sleeps first."""
 
     def __init__(self, settings, fail_keypath=None, error=lambda: ValueError("injected")):
         super().__init__(settings)
         self.fail_keypath, self.error, self.written, self.read = fail_keypath, error, {}, {}
-        self.stall_read = None
+        self.stall_read = self.stall_checksums = None
 
     def open_reader(self, kvstore, context):
         reader = super().open_reader(kvstore, context)
-        real_read = reader.read
+        real_read, real_checksums = reader.read, reader.checksums
+
+        def checksums(regions):
+            if self.stall_checksums:
+                time.sleep(self.stall_checksums)
+                self.stall_checksums = None
+            return real_checksums(regions)
+        reader.checksums = checksums
 
         def read(items):
             keypaths = {item.keypath for item in items}
@@ -438,8 +445,26 @@ def verify(mesh, path):
             out = {"bytes_read": stats.bytes_read, "verified": stats.verified}
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out = error_fields(exc)
+            out["chunk_is_tuple"] = isinstance(getattr(exc, "chunk", ()), tuple)
         out.update(os_read=os_bytes_read() - before, total_bytes=stored_nbytes(entries(big=True)))
         sync("verify/done")
+    return out
+
+
+def verify_stalls(mesh, path):
+    """Process 1's verify stalls past the barrier timeout; then both verify again (``retry``)."""
+    d, runner = tallying_dispatcher()
+    if jax.process_index() == 1:
+        runner.stall_checksums = BARRIER_TIMEOUT + 2
+    out = {}
+    with d:
+        sync("verify_stalls")
+        try:
+            d.verify(path)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out = error_fields(exc)
+        sync("verify_stalls/failed", timeout_ms=int(4 * BARRIER_TIMEOUT * 1000))
+        out["retry"] = d.verify(path).verified
     return out
 
 
@@ -594,7 +619,7 @@ def process_local_leaf(mesh, path):
 
 SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only,
              "restore_orbax": restore_orbax, "shares": shares, "scaleout": scaleout,
-             "save_big": save_big, "verify": verify, "restore_colocated": restore_colocated, "restore_big": restore_big,
+             "save_big": save_big, "verify": verify, "verify_stalls": verify_stalls, "restore_colocated": restore_colocated, "restore_big": restore_big,
              "scaleout_fails": _scaleout_fault("fails"), "scaleout_stalls": _scaleout_fault("stalls"),
              "scaleout_leader_fails": _scaleout_fault("fails", faulty=0), "scaleout_crossing": scaleout_crossing,
              "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),

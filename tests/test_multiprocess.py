@@ -497,6 +497,7 @@ def test_verify_in_a_job_checks_each_chunk_once_and_every_process_raises_what_an
     results = job.wait(deadline())
     assert [r.get("error_type") for r in results] == ["CorruptCheckpointError"] * 2, job.report()
     assert results[0]["error_message"] == results[1]["error_message"]
+    assert all(r["chunk_is_tuple"] for r in results)   # as with one process, though it came through JSON
     message = results[0]["error_message"]
     assert "2 chunk(s) do not match" in message and "['w'] chunk [0, 0]" in message and "['rep'] chunk [0, 0]" in message
 
@@ -506,3 +507,18 @@ def test_verify_in_a_job_checks_each_chunk_once_and_every_process_raises_what_an
     assert [(r.get("error_type"), r.get("keypath")) for r in results] == [("CorruptCheckpointError", "['emb']")] * 2, \
         job.report()
     assert sum("could not verify its part" in r["error_message"] for r in results) == 1, results
+
+
+def test_a_verify_that_times_out_fails_everywhere_and_the_next_one_passes(jobs, tmp_path):
+    """Process 1's verify stalls past the barrier timeout: process 0 names it in a
+    BarrierTimeoutError and leaves word, so process 1, coming late, fails too rather than wait
+    for process 0 at the end; both then verify again, and pass (no barrier left out of step)."""
+    path = tmp_path / "ckpt"
+    saved = jobs("save_big", path, 2, 4, env={"DIO_TEST_CHECKSUMS": "1"})
+    assert_saved(saved.wait(deadline()), saved)
+    job = jobs("verify_stalls", path, 2, 4, barrier_timeout=3)
+    first, second = job.wait(deadline())
+    assert (first.get("error_type"), first.get("processes")) == ("BarrierTimeoutError", [1]), job.report()
+    assert second.get("error_type") == "CheckpointError" and "process 0 gave up waiting" in second["error_message"], \
+        job.report()
+    assert first["retry"] is True and second["retry"] is True
