@@ -19,9 +19,8 @@ Here (no Pathways) colocated_python runs in-process on the CPU devices; the code
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
-import threading
+import queue
 
 import jax
 import numpy as np
@@ -59,9 +58,9 @@ def _device(device_id: int | None):
     return _local_devices_by_id()[device_id] if device_id is not None else jax.local_devices()[0]
 
 
-def _writer_name(cpu) -> str:
-    """Each colocated host writes a database of its own (OCDBT layout)."""
-    return f"cpu{cpu.id}"
+def _writer_name(cpu, lane: int = 0) -> str:
+    """Each colocated host writes databases of its own (OCDBT layout), one per lane."""
+    return f"cpu{cpu.id}" if lane == 0 else f"cpu{cpu.id}.{lane}"
 
 
 class ColocatedRunner:
@@ -117,45 +116,61 @@ class ColocatedRunner:
 
 class ColocatedWriter:
     """This process's part of a save: each colocated host writes the chunks of its devices.
-    Their arrays are created first, from here, so that the hosts' concurrent writes only ever
-    add chunks. A host writes one batch at a time: each call opens its database afresh, and
-    two commits racing for one database's next manifest would write that object twice (object
-    stores throttle rewrites of a name) and redo the loser's commit."""
+
+    Each call opens its host's database afresh, and two commits to one database racing for its
+    next manifest would write that object twice (object stores throttle rewrites of a name) and
+    redo the loser's commit. So each batch in flight takes a *lane* (one per write thread) and
+    writes into that lane's database on every host (``cpu<id>``, ``cpu<id>.1``, ...): batches
+    still overlap, and no database has two writers. The arrays are created in every lane's
+    databases first, from here, so that the hosts' writes only ever add chunks."""
 
     def __init__(self, runner: ColocatedRunner, target, arrays_by_cpu: dict):
         self._runner, self._arrays = runner, target.kvstore
-        self._busy = {_writer_name(cpu): threading.Lock() for cpu in arrays_by_cpu}
         settings = runner.settings
+        self._lanes: queue.SimpleQueue = queue.SimpleQueue()
 
-        def create():
-            for cpu, arrays in arrays_by_cpu.items():
-                Session.writer(self._arrays, _writer_name(cpu), settings, target.context).create_arrays(arrays)
-        self._created = runner.threads.submit(create)  # SYNC copies need not wait for it
+        self._created = [concurrent.futures.Future() for _ in range(settings.threads)]
+
+        def create():  # lane by lane: the first batch waits for the first lane only (SYNC copies for none)
+            for lane, created in enumerate(self._created):
+                try:
+                    for cpu, arrays in arrays_by_cpu.items():
+                        Session.writer(self._arrays, _writer_name(cpu, lane), settings,
+                                       target.context).create_arrays(arrays)
+                except BaseException as exc:  # every batch fails with it (a lane to wait on included)
+                    for later in range(lane, len(self._created)):
+                        self._created[later].set_exception(exc)
+                        self._lanes.put(later)
+                    raise
+                created.set_result(None)
+                self._lanes.put(lane)
+        runner.threads.submit(create)
 
     def write(self, regions, buffers):
         return self._runner.threads.submit(self._write, list(regions), list(buffers))
 
     def _write(self, regions: list[Region], arrays: list[jax.Array]) -> list:
-        """One colocated write call per CPU device holding part of the batch; returns the
-        CRC-32C per region (None without checksums), like ``workers.write_regions``."""
-        self._created.result()
+        """One colocated write call per CPU device holding part of the batch, in a free lane;
+        returns the CRC-32C per region (None without checksums), like ``workers.write_regions``."""
         settings = self._runner.settings
         groups: dict = {}
         for i, array in enumerate(arrays):
             groups.setdefault(array.sharding, []).append(i)
-        writers = {sharding: _writer_name(next(iter(sharding.device_set))) for sharding in groups}
         sums: list = [None] * len(arrays)
-        with contextlib.ExitStack() as held:
-            for name in sorted(set(writers.values())):  # in one order: batches never deadlock
-                held.enter_context(self._busy[name])
+        lane = self._lanes.get()
+        try:
+            self._created[lane].result()
             calls: list = []
             try:
                 for sharding, indices in groups.items():
+                    writer = _writer_name(next(iter(sharding.device_set)), lane)
                     request = remote.encode_request(remote.WriteRequest(
-                        self._arrays, writers[sharding], settings, tuple(regions[i] for i in indices)), sharding)
+                        self._arrays, writer, settings, tuple(regions[i] for i in indices)), sharding)
                     calls.append((indices, remote.write_arrays(request, [arrays[i] for i in indices])))
-            finally:  # the hosts' locks are held until every call of the batch has ended
+            finally:  # the lane is free once every call of the batch has ended, failed ones too
                 ended = [(indices, _ended(result)) for indices, result in calls]
+        finally:
+            self._lanes.put(lane)
         for indices, result in ended:
             if isinstance(result, BaseException):
                 raise result
@@ -164,7 +179,7 @@ class ColocatedWriter:
         return sums
 
     def settle(self):
-        concurrent.futures.wait([self._created])
+        concurrent.futures.wait(self._created)
 
     def close(self):
         pass

@@ -386,3 +386,31 @@ def test_requests_of_similar_size_share_one_signature():
     big = {"path": "x" * 1500}
     assert workers.colocated.encode_request(big, cpu).shape == (2048,)
     assert workers.colocated.decode_request(workers.colocated.encode_request(big, cpu)) == big
+
+
+@pytest.mark.parametrize("fail_at", [0, 5])
+def test_a_failed_array_creation_fails_the_save_in_any_lane(tmp_path, mesh, monkeypatch, fail_at):
+    """Arrays are created lane by lane (a database per host and batch in flight): a creation that
+    fails -- in the first lane (0) or once batches may already write -- fails the save with the
+    error, naming the batch's leaves, and leaves nothing; no batch waits for a lane that will
+    never come."""
+    import workers.tensorstore_io
+
+    created, real_open = [], workers.tensorstore_io.ts.open
+
+    def open_(spec, *args, **kwargs):
+        if kwargs.get("create"):
+            created.append(spec["kvstore"]["path"])
+            if len(created) - 1 == fail_at:
+                raise OSError("no room for metadata")
+        return real_open(spec, *args, **kwargs)
+
+    monkeypatch.setattr(workers.tensorstore_io.ts, "open", open_)
+    rng = np.random.default_rng(3)
+    tree = {f"w{i}": jax.device_put(rng.standard_normal((64, 8), dtype=np.float32), NamedSharding(mesh, P("data")))
+            for i in range(3)}
+    with dio.ColocatedDispatcher(host_memory_budget=16 << 10, small_leaf_bytes=0, progress=False) as d:
+        with pytest.raises(dio.WorkerError, match="no room for metadata") as info:
+            d.save(tmp_path / "ckpt", tree).wait(60)
+    assert "['w0']" in str(info.value)   # the batch that could not be written, by its leaves
+    assert not (tmp_path / "ckpt").exists()

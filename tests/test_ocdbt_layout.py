@@ -251,8 +251,9 @@ def test_small_budget_many_batches_and_concurrent_transactions(tmp_path, mesh, d
         databases = sorted(n for n in os.listdir(path / "arrays") if (path / "arrays" / n).is_dir())
         if dispatcher_cls is dio.LocalDispatcher:   # one writer database: both transactions into it
             assert [n for n in databases if n != "d"] == ["p0"], databases
-        else:                                       # a database per colocated CPU device
-            assert [n for n in databases if n != "d"] == sorted(f"cpu{i}" for i in range(8)), databases
+        else:                                       # a database per colocated CPU device and lane
+            assert [n for n in databases if n != "d"] == sorted(f"cpu{i}{lane}" for i in range(8)
+                                                                for lane in ("", ".1")), databases
         assert_trees_bit_equal(d.restore(path, tree), tree)
     with dispatcher_cls(host_memory_budget=MiB) as other:   # a fresh reader, another budget
         assert_trees_bit_equal(other.restore(path), jax.device_get(tree))
