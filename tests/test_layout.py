@@ -24,7 +24,7 @@ HOSTILE_KEYS = ["../../escape", "/etc/passwd", "a/b", "..", ".", "", " spaces an
 # What an OCDBT checkpoint's arrays/ holds: the merged database (manifest and its B-tree data
 # files) and each writer's database (a process p<k> or colocated CPU device cpu<id>), whose data
 # files the merged one references. Data files are named by TensorStore (hex), never by a key path.
-OCDBT_FILE = re.compile(r"^arrays/(?:(?:p|cpu)\d+/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$")
+OCDBT_FILE = re.compile(r"^arrays/(?:(?:p\d+|cpu\d+(?:\.\d+)?)/)?(?:manifest\.ocdbt|d/[0-9a-f]{32})$")  # cpu<id>.<lane>
 
 
 @pytest.mark.parametrize("small_leaf_bytes", [0, 256 << 10], ids=["array-per-leaf", "packed"])
