@@ -128,18 +128,20 @@ class ColocatedWriter:
         self._runner, self._arrays = runner, target.kvstore
         settings = runner.settings
         self._lanes: queue.SimpleQueue = queue.SimpleQueue()
-
         self._created = [concurrent.futures.Future() for _ in range(settings.threads)]
 
         def create():  # lane by lane: the first batch waits for the first lane only (SYNC copies for none)
             for lane, created in enumerate(self._created):
+                if not created.set_running_or_notify_cancel():  # settled: no batch is left to need it
+                    continue                                       # (and settle waits for this notice)
                 try:
                     for cpu, arrays in arrays_by_cpu.items():
                         Session.writer(self._arrays, _writer_name(cpu, lane), settings,
                                        target.context).create_arrays(arrays)
                 except BaseException as exc:  # every batch fails with it (a lane to wait on included)
                     for later in range(lane, len(self._created)):
-                        self._created[later].set_exception(exc)
+                        if not self._created[later].cancelled():
+                            self._created[later].set_exception(exc)
                         self._lanes.put(later)
                     raise
                 created.set_result(None)
@@ -179,6 +181,8 @@ class ColocatedWriter:
         return sums
 
     def settle(self):
+        for created in self._created:  # the lanes not begun: every write has ended
+            created.cancel()
         concurrent.futures.wait(self._created)
 
     def close(self):
