@@ -140,8 +140,9 @@ class ColocatedWriter:
                                        target.context).create_arrays(arrays)
                 except BaseException as exc:  # every batch fails with it (a lane to wait on included)
                     for later in range(lane, len(self._created)):
-                        if not self._created[later].cancelled():
-                            self._created[later].set_exception(exc)
+                        future = self._created[later]  # a lane cancelled by settle is only notified
+                        if later == lane or future.set_running_or_notify_cancel():
+                            future.set_exception(exc)
                         self._lanes.put(later)
                     raise
                 created.set_result(None)

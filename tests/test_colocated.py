@@ -429,3 +429,40 @@ def test_four_write_threads_write_in_four_lanes_and_round_trip(tmp_path, mesh):
         assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree), tree)
     lanes = {name.partition(".")[2] for name in os.listdir(tmp_path / "ckpt" / "arrays") if name.startswith("cpu")}
     assert "" in lanes and lanes <= {"", "1", "2", "3"}, lanes
+
+
+def test_settle_returns_when_a_lane_fails_after_later_lanes_were_cancelled(tmp_path, monkeypatch):
+    """The end of a save cancels the lanes whose creation has not begun; a lane whose creation
+    then fails must still let every cancelled lane be notified, or settle() waits forever."""
+    import threading
+    import time
+    import types
+
+    import workers.tensorstore_io
+    from dispatch_io import colocated as colocated_lib
+    from workers import ArraySpec, IOSettings
+
+    real_open = workers.tensorstore_io.ts.open
+
+    def open_(spec, *args, **kwargs):
+        if "/cpu" in spec["kvstore"]["base"]["path"] and ".1/" in spec["kvstore"]["base"]["path"]:
+            time.sleep(0.5)   # lane 1: still being created when the save ends, then fails
+            raise OSError("no room for metadata")
+        return real_open(spec, *args, **kwargs)
+
+    monkeypatch.setattr(workers.tensorstore_io.ts, "open", open_)
+    runner = colocated_lib.ColocatedRunner(IOSettings(threads=4))
+    try:
+        cpu = colocated_lib._colocated_cpus()[jax.devices()[0]]
+        target = types.SimpleNamespace(kvstore={"driver": "file", "path": f"{tmp_path}/arrays/"}, context=None)
+        writer = colocated_lib.ColocatedWriter(runner, target, {cpu: [ArraySpec("a", (8,), "float32", (8,))]})
+        writer._created[0].result(30)     # lane 0 created: the save's only batch could have been written
+        time.sleep(0.1)                   # lane 1 is being created
+        settled = threading.Thread(target=writer.settle, daemon=True)
+        settled.start()
+        settled.join(30)
+        assert not settled.is_alive(), [f._state for f in writer._created]
+        assert [f.cancelled() for f in writer._created] == [False, False, True, True]
+        assert isinstance(writer._created[1].exception(), OSError)
+    finally:
+        runner.close()
