@@ -177,9 +177,9 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
                                   f"cannot verify {out.saved.keypath}")
         for grid, bounds in stored_cells(out.saved.stored, wanted_bounds):
             cells[(out.saved.keypath, grid)] = (out, Region(out.saved.stored, bounds, out.saved.keypath))
-    work = share_of([(grid, out, region) for (_, grid), (out, region) in cells.items()],
-                    lambda w: w[2].nbytes, *share)
-    batches = [batch for batch, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
+    nbytes = lambda w: w[2].nbytes  # noqa: E731
+    work = share_of([(grid, out, region) for (_, grid), (out, region) in cells.items()], nbytes, *share)
+    batches = [batch for batch, _ in pack(work, nbytes, batch_limit)]
     bad = []
 
     done = 0

@@ -130,8 +130,7 @@ class Session:
                                        transaction=txn))
             stores = [future.result() for future in futures]
         except BaseException:
-            for future in futures:  # none may still be writing once a failed save is removed
-                future.exception()
+            _ended(futures)  # none may still be writing once a failed save is removed
             raise
         if txn is None:
             return stores
@@ -180,6 +179,12 @@ class Session:
     def close(self):
         with self._lock:
             self._open.clear()
+
+
+def _ended(futures):
+    """Wait until every future has ended, raising nothing (the caller raises what it has)."""
+    for future in futures:
+        future.exception()
 
 
 def _wait_all(futures, regions):
@@ -248,8 +253,7 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
                 _wait_all(futures, written)  # a failed write names its leaf; else the commit's failure
                 raise                        # names the batch's key paths (the caller's)
     except BaseException:  # KeyboardInterrupt too: TensorStore must be done with the buffers
-        for future in futures if commit is None else [*futures, commit]:  # before the caller
-            future.exception()                                            # reuses them
+        _ended(futures if commit is None else [*futures, commit])  # before the caller reuses them
         raise
     _wait_all(futures, written)
     if session.fsync:  # clean pages only: unsynced ones would stay anyway
