@@ -29,7 +29,7 @@ from dispatch_io.dispatcher import Dispatcher
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, native_order
 from dispatch_io.runner import IOThreads
-from workers import ChunkError, IOSettings, ReadItem, Region, Session
+from workers import ChunkError, IOSettings, ReadItem, Region
 from workers import colocated as remote
 
 
@@ -86,11 +86,8 @@ class ColocatedRunner:
                 return fn(*args)
         return self.threads.submit(run)
 
-    def open_writer(self, target, arrays) -> "ColocatedWriter":
-        by_cpu: dict = {}
-        for device_id, array in arrays:
-            by_cpu.setdefault(_colocated_cpus()[_device(device_id)], {})[array] = None
-        return ColocatedWriter(self, target, {cpu: list(mine) for cpu, mine in by_cpu.items()})
+    def open_writer(self, target) -> "ColocatedWriter":
+        return ColocatedWriter(self, target)
 
     def copy_to_host(self, plan, chunks, sources, staging) -> list[jax.Array]:
         """Each chunk onto the CPU device colocated with its device; returns once all arrived."""
@@ -121,33 +118,13 @@ class ColocatedWriter:
     next manifest would write that object twice (object stores throttle rewrites of a name) and
     redo the loser's commit. So each batch in flight takes a *lane* (one per write thread) and
     writes into that lane's database on every host (``cpu<id>``, ``cpu<id>.1``, ...): batches
-    still overlap, and no database has two writers. The arrays are created in every lane's
-    databases first, from here, so that the hosts' writes only ever add chunks."""
+    still overlap, and no database has two writers."""
 
-    def __init__(self, runner: ColocatedRunner, target, arrays_by_cpu: dict):
+    def __init__(self, runner: ColocatedRunner, target):
         self._runner, self._arrays = runner, target.kvstore
-        settings = runner.settings
         self._lanes: queue.SimpleQueue = queue.SimpleQueue()
-        self._created = [concurrent.futures.Future() for _ in range(settings.threads)]
-
-        def create():  # lane by lane: the first batch waits for the first lane only (SYNC copies for none)
-            for lane, created in enumerate(self._created):
-                if not created.set_running_or_notify_cancel():  # settled: no batch is left to need it
-                    continue                                       # (and settle waits for this notice)
-                try:
-                    for cpu, arrays in arrays_by_cpu.items():
-                        Session.writer(self._arrays, _writer_name(cpu, lane), settings,
-                                       target.context).create_arrays(arrays)
-                except BaseException as exc:  # every batch fails with it (a lane to wait on included)
-                    for later in range(lane, len(self._created)):
-                        future = self._created[later]  # a lane cancelled by settle is only notified
-                        if later == lane or future.set_running_or_notify_cancel():
-                            future.set_exception(exc)
-                        self._lanes.put(later)
-                    raise
-                created.set_result(None)
-                self._lanes.put(lane)
-        runner.threads.submit(create)
+        for lane in range(runner.settings.threads):
+            self._lanes.put(lane)
 
     def write(self, regions, buffers):
         return self._runner.threads.submit(self._write, list(regions), list(buffers))
@@ -162,7 +139,6 @@ class ColocatedWriter:
         sums: list = [None] * len(arrays)
         lane = self._lanes.get()
         try:
-            self._created[lane].result()
             calls: list = []
             try:
                 for sharding, indices in groups.items():
@@ -180,11 +156,6 @@ class ColocatedWriter:
             for i, crc in zip(indices, result.tolist()):
                 sums[i] = crc if settings.checksums else None
         return sums
-
-    def settle(self):
-        for created in self._created:  # the lanes not begun: every write has ended
-            created.cancel()
-        concurrent.futures.wait(self._created)
 
     def close(self):
         pass

@@ -59,8 +59,8 @@ class StoredSource:
         self.threads = runner.threads
         self.settings = runner.settings
 
-    def open_writer(self, target, arrays):
-        return self._runner.open_writer(target, arrays)
+    def open_writer(self, target):
+        return self._runner.open_writer(target)
 
     def copy_to_host(self, plan: Plan, chunks: Sequence[Chunk], sources, staging: np.ndarray) -> list:
         regions, out, offset = [], [], 0

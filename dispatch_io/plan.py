@@ -83,9 +83,11 @@ class Plan:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
-    def arrays_by_device(self, chunks) -> list[tuple[int | None, ArraySpec]]:
-        """(device id, stored array) for every array the ``chunks`` write, each pair once, in order."""
-        return list(dict.fromkeys((c.device, self.leaves[c.leaf].array) for c in chunks))
+    @functools.cached_property
+    def arrays(self) -> tuple[ArraySpec, ...]:
+        """Every stored array a save of this plan writes chunks of, each once (a pack stands
+        for its packed leaves), in order of first chunk."""
+        return tuple(dict.fromkeys(self.leaves[c.leaf].array.stored for c in self.chunks))
 
     @functools.cached_property
     def leaf_digests(self) -> tuple[str, ...]:

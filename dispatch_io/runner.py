@@ -3,8 +3,9 @@
 A :class:`Runner` answers five questions for the save and restore drivers, which never see a
 dispatcher:
 
-* ``open_writer(target, arrays)``: a :class:`Writer` for this process's part of a save (its
-  arrays created in the background); ``writer.write(regions, buffers)`` writes one batch.
+* ``open_writer(target)``: a :class:`Writer` for this process's part of a save;
+  ``writer.write(regions, buffers)`` writes one batch's chunks (the leader stores the arrays'
+  metadata when the save commits: ``workers.finish_arrays``).
 * ``copy_to_host(plan, chunks, sources, staging)``: one batch off its devices.
 * ``open_reader(kvstore, context)``: a :class:`Reader` of a checkpoint's arrays;
   ``reader.read(items)`` reads :class:`~workers.ReadItem` s, ``reader.checksums(regions)``
@@ -29,7 +30,7 @@ import tensorstore as ts
 from dispatch_io.staging import aligned
 from dispatch_io.plan import Chunk, Plan
 from dispatch_io.storage import WriteTarget
-from workers import (ArraySpec, ChunkError, IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
+from workers import (ChunkError, IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
                      write_regions)
 
 _current = threading.local()  # .owner: the IOThreads the running thread belongs to
@@ -62,9 +63,6 @@ class Writer(Protocol):
     def write(self, regions: Sequence[Region], buffers: Sequence) -> concurrent.futures.Future:
         """Write a batch; resolves to the CRC-32C of each region (None without checksums)."""
 
-    def settle(self):
-        """Wait until nothing of this writer runs in the background any more."""
-
     def close(self):
         ...
 
@@ -84,9 +82,8 @@ class Runner(Protocol):
     threads: IOThreads
     host_staging: bool  # copies land in the staging ring (False: elsewhere; the ring only counts bytes)
 
-    def open_writer(self, target: WriteTarget, arrays: Sequence[tuple[int | None, ArraySpec]]) -> Writer:
-        """A writer of this process's chunks into ``target``; ``arrays`` are (device id, array)
-        pairs: the arrays to create, and which device's host writes them."""
+    def open_writer(self, target: WriteTarget) -> Writer:
+        """A writer of this process's chunks into ``target``."""
 
     def copy_to_host(self, plan: Plan, chunks: Sequence[Chunk], sources, staging) -> list:
         """The chunks' data on the host (numpy views of ``staging``, or arrays on colocated CPU
@@ -109,9 +106,9 @@ class LocalRunner:
         self.settings = settings
         self.threads = threads or IOThreads(settings.threads, "dispatch_io-worker")
 
-    def open_writer(self, target: WriteTarget, arrays) -> "LocalWriter":
-        session = Session.writer(target.kvstore, f"p{jax.process_index()}", self.settings, target.context)
-        return LocalWriter(self.threads, session, list(dict.fromkeys(array for _, array in arrays)))
+    def open_writer(self, target: WriteTarget) -> "LocalWriter":
+        return LocalWriter(self.threads, Session.writer(target.kvstore, f"p{jax.process_index()}", self.settings,
+                                                        target.context))
 
     def copy_to_host(self, plan, chunks, sources, staging):
         return copy_chunks_to_host(plan, chunks, sources, staging)
@@ -124,22 +121,13 @@ class LocalRunner:
 
 
 class LocalWriter:
-    def __init__(self, threads: IOThreads, session: Session, arrays: list[ArraySpec]):
+    def __init__(self, threads: IOThreads, session: Session):
         self._threads, self._session = threads, session
-        # On a thread of its own: SYNC copies need not wait for the arrays' metadata, each
-        # write waits only for its own arrays (Session.create_arrays), and every write thread
-        # writes meanwhile.
-        self._creator = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{threads.name}-create")
-        self._created = session.create_arrays(arrays, submit=self._creator.submit)
 
     def write(self, regions, buffers):
         return self._threads.submit(write_regions, self._session, regions, buffers, True)  # views of the staging ring
 
-    def settle(self):
-        concurrent.futures.wait([self._created])
-
     def close(self):
-        self._creator.shutdown(wait=True)
         self._session.close()
 
 

@@ -38,7 +38,7 @@ from dispatch_io.plan import Plan
 from dispatch_io.progress import SaveStats
 from dispatch_io.sources import Sources
 from dispatch_io.staging import StagingRing
-from workers import ChunkError, IOSettings, Region, merge_writers
+from workers import ChunkError, IOSettings, Region, finish_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +192,7 @@ class SaveRun:
                         self._callback(job.on_write_end, spec.keypath)
                 if self._last_sync < 0:
                     self._sync_finished()
-                with collector.paused():  # per-leaf bookkeeping (collector.py)
-                    arrays = plan.arrays_by_device([plan.chunks[i] for batch in job.batches for i in batch.chunks])
-                writer = self.runner.open_writer(self.commit.target, arrays)
+                writer = self.runner.open_writer(self.commit.target)
                 for k, batch in enumerate(job.batches):
                     ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
                     if ticket is None:
@@ -212,7 +210,7 @@ class SaveRun:
                         break
             except BaseException as exc:  # noqa: BLE001 - decided on (and surfaced) below
                 self._fail(exc)
-            self._settle(writes, writer)
+            self._settle(writes)
             t0 = time.perf_counter()
             self._commit()
             done = time.perf_counter()
@@ -227,7 +225,7 @@ class SaveRun:
             self.future.set_result(stats)
         except BaseException as exc:  # noqa: BLE001 - surfaces from wait()
             self.progress.fail()
-            self._settle(writes, writer)
+            self._settle(writes)
             self._let_go_of_uncopied()
             if not isinstance(exc, (CheckpointError, FileExistsError)):
                 err = CheckpointError(f"save to {job.display} failed: {type(exc).__name__}: {exc}")
@@ -243,7 +241,7 @@ class SaveRun:
 
     def _commit(self):
         """Agree with the other processes (every one contributes its chunks' checksums); the
-        leader then puts the arrays in their final form (writer databases merged) and writes
+        leader then puts the arrays in their final form (metadata stored, writer databases merged) and writes
         the manifest that describes them. Raises (after removing the save) if anything failed."""
         checksums = self.commit.agree(self._error, self._checksums)
         try:
@@ -251,8 +249,8 @@ class SaveRun:
             if self.commit.leader:
                 try:
                     target = self.commit.target
-                    if self.settings.layout == "ocdbt":
-                        merge_writers(target.kvstore, target.context)
+                    finish_arrays(target.kvstore, self.settings.layout, self.job.plan.arrays,
+                                  self.settings.compression, target.context)
                     with collector.paused():
                         manifest = manifest_lib.build(
                             self.job.plan, self.job.scalars, checksums, self.settings.layout, arrays=target.arrays,
@@ -272,12 +270,10 @@ class SaveRun:
         return (self._sync_at or self.job.started) - self.job.started
 
     @staticmethod
-    def _settle(writes, writer):
-        """Wait until nothing of this save writes any more (the writes, and the arrays' creation,
-        which runs in the background): only then may a failed save's files be removed."""
+    def _settle(writes):
+        """Wait until nothing of this save writes any more: only then may a failed save's files
+        be removed."""
         concurrent.futures.wait(writes)
-        if writer is not None:
-            writer.settle()
 
     def _transfer(self, k: int, batch: Batch, ticket: int, staging: np.ndarray, writer
                   ) -> concurrent.futures.Future | None:

@@ -88,10 +88,9 @@ class HookedRunner:
             return self._pool.submit(run)
         return hooked
 
-    def open_writer(self, target, arrays):
-        writer = self.runner.open_writer(target, arrays)
-        return types.SimpleNamespace(write=self._hooked(writer.write, "write_hook"), settle=writer.settle,
-                                     close=writer.close)
+    def open_writer(self, target):
+        writer = self.runner.open_writer(target)
+        return types.SimpleNamespace(write=self._hooked(writer.write, "write_hook"), close=writer.close)
 
     def open_reader(self, kvstore, context):
         reader = self.runner.open_reader(kvstore, context)

@@ -221,8 +221,8 @@ class TallyRunner(dio.LocalRunner):
         reader.read = read
         return reader
 
-    def open_writer(self, target, arrays):
-        writer = super().open_writer(target, arrays)
+    def open_writer(self, target):
+        writer = super().open_writer(target)
         real_write = writer.write
 
         def write(regions, buffers):

@@ -85,8 +85,8 @@ def stop_here(what):
 class KillingRunner(dio.LocalRunner):   # once armed: stops before its kill_at-th batch write
     calls, lock, armed = itertools.count(1), threading.Lock(), False
 
-    def open_writer(self, target, arrays):
-        writer = super().open_writer(target, arrays)
+    def open_writer(self, target):
+        writer = super().open_writer(target)
         real_write = writer.write
         def write(regions, buffers):
             with self.lock:

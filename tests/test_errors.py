@@ -265,10 +265,10 @@ def test_failing_write_names_worker_and_key_path(tmp_path, mesh, monkeypatch, la
     else:                            # TensorStore fails inside the real worker function
         real_open = workers.tensorstore_io.Session.open_arrays
 
-        def open_arrays(self, specs, *, create):
-            futures = real_open(self, specs, create=create)
+        def open_arrays(self, specs, *, write):
+            futures = real_open(self, specs, write=write)
             for spec in specs:
-                if create and spec.name.endswith(".victim"):
+                if write and spec.name.endswith(".victim"):
                     futures[spec.name] = failed = concurrent.futures.Future()
                     failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
             return futures

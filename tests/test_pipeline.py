@@ -350,15 +350,15 @@ def test_write_bookkeeping_is_finished_before_wait_returns(tmp_path, mesh, dispa
             super().add_done_callback(late)
 
     class LateRunner(HookedRunner):   # every write's future runs its done-callbacks late
-        def open_writer(self, target, arrays):
-            writer = self.runner.open_writer(target, arrays)
+        def open_writer(self, target):
+            writer = self.runner.open_writer(target)
 
             def write(regions, buffers):
                 inner, outer = writer.write(regions, buffers), LateCallbacks()
                 inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception()
                                         else outer.set_result(f.result()))
                 return outer
-            return types.SimpleNamespace(write=write, settle=writer.settle, close=writer.close)
+            return types.SimpleNamespace(write=write, close=writer.close)
 
     tree = {"a": put(mesh, random_array(0, (64, 64)), "data"), "b": random_array(1, (32, 16))}
     rec = Recorder()

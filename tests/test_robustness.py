@@ -380,8 +380,8 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
 
         def writes_raising(error):   # the runner's writers: every write raises on an IO thread
             def replacement(real_open_writer):
-                def open_writer(target, arrays):
-                    writer = real_open_writer(target, arrays)
+                def open_writer(target):
+                    writer = real_open_writer(target)
                     def raise_it():
                         raise error
                     writer.write = lambda regions, buffers: d.runner.threads.submit(raise_it)

@@ -1,7 +1,6 @@
 """Runs (``workers.runs``): a leaf sharded over the leading mesh axis is still stored one chunk
 per shard, but the chunks a batch holds stacked along axis 0, back to back in staging, go to
-TensorStore in one write. And the arrays of a save are created in growing transactions, so a
-write waits only for its own arrays (``Session.create_arrays``)."""
+TensorStore in one write."""
 
 import os
 
@@ -90,41 +89,6 @@ def test_a_save_writes_each_stacked_column_of_shards_once_and_keeps_a_chunk_per_
     assert set(sh.chunks(tmp_path / "ckpt", "['o']")) == {(i, j) for i in range(2) for j in range(4)}
 
 
-@pytest.mark.parametrize("fail_at, named", [(None, None), (0, "['w00']"), (5, "['w02']")])
-def test_arrays_are_created_in_growing_transactions_before_their_writes(tmp_path, mesh, monkeypatch, fail_at,
-                                                                         named):
-    """Writes wait only for their own arrays; every array is created once, in order of first use,
-    in transactions of 2, 4, 8, ...; a failed creation fails the writes of its transaction's
-    arrays, named by the first leaf written there (array 5 is in the transaction of 2..5)."""
-    monkeypatch.setattr(workers.tensorstore_io, "FIRST_CREATED", 2)
-    created, real_open = [], workers.tensorstore_io.ts.open
-
-    def open_(spec, *args, transaction=None, **kwargs):
-        if kwargs.get("create"):
-            created.append((spec["kvstore"]["path"], transaction))
-            if len(created) - 1 == fail_at:
-                raise OSError("no room for metadata")
-        return real_open(spec, *args, transaction=transaction, **kwargs)
-
-    monkeypatch.setattr(workers.tensorstore_io.ts, "open", open_)
-    rng = np.random.default_rng(1)
-    tree = {f"w{i:02d}": jax.device_put(rng.standard_normal((64, 8), dtype=np.float32), NamedSharding(mesh, P("data")))
-            for i in range(20)}
-    with dio.LocalDispatcher(host_memory_budget=1 << 20, small_leaf_bytes=0, progress=False) as d:
-        handle = d.save(tmp_path / "ckpt", tree)
-        if fail_at is not None:
-            with pytest.raises(dio.WorkerError, match="no room for metadata") as info:
-                handle.wait(60)
-            assert info.value.keypath == named
-            return
-        handle.wait(60)
-        assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree), tree)
-    names = [path.split("/")[-2] for path, _ in created]
-    assert len(names) == len(set(names)) == 20 and names == sorted(names)   # once each, in tree order
-    groups = [len({id(t) for _, t in created[lo:hi]}) for lo, hi in ((0, 2), (2, 6), (6, 14), (14, 20))]
-    assert groups == [1, 1, 1, 1] and len({id(t) for _, t in created}) == 4
-
-
 def test_an_interrupt_while_writing_returns_only_once_tensorstore_is_done_with_the_buffers(tmp_path, monkeypatch):
     """A KeyboardInterrupt (no Exception) between issuing the writes and their end still waits for
     them: the caller's next batch reuses the staging they read. Files layout: writes in flight."""
@@ -132,7 +96,6 @@ def test_an_interrupt_while_writing_returns_only_once_tensorstore_is_done_with_t
     session = workers.tensorstore_io.Session.writer({"driver": "file", "path": f"{tmp_path}/"}, "p0",
                                                     workers.IOSettings(layout="files", checksums=True))
     specs = [ArraySpec(f"a{i}", (n,), "float32", (n,)) for i in range(6)]
-    session.create_arrays(specs)
     buffers = [np.full(n, i + 1, np.float32) for i in range(6)]
 
     def interrupt(buffer):

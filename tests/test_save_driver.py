@@ -41,9 +41,6 @@ class FakeWriter:
         done.set_result([None] * len(regions))
         return done
 
-    def settle(self):
-        pass
-
     def close(self):
         self.runner.closed += 1
 
@@ -55,8 +52,7 @@ class FakeRunner:
         self.threads = IOThreads(1, "fake")
         self.written, self.fail_keypath, self.closed = {}, fail_keypath, 0
 
-    def open_writer(self, target, arrays):
-        self.arrays = arrays
+    def open_writer(self, target):
         return FakeWriter(self)
 
     def copy_to_host(self, plan, chunks, sources, staging):
@@ -65,7 +61,8 @@ class FakeRunner:
 
 class FakeCommit:
     leader = True
-    target = type("Target", (), {"kvstore": {}, "context": None, "arrays": "arrays/"})()
+    target = type("Target", (), {"kvstore": {"driver": "memory", "path": "fake/"}, "context": None,
+                                 "arrays": "arrays/"})()  # the arrays' metadata goes there
 
     def __init__(self):
         self.calls = []

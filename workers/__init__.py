@@ -18,7 +18,7 @@ from workers.contract import (
     numpy_dtype,
     storage_dtype_name,
 )
-from workers.layouts import layout_kvstore, merge_writers
+from workers.layouts import finish_arrays, layout_kvstore
 from workers.packs import pack_spec, packed_leaf
 from workers.tensorstore_io import (
     Session,
@@ -33,5 +33,5 @@ from workers.tensorstore_io import (
 
 __all__ = ["COMPRESSIONS", "LAYOUTS", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
            "aligned_empty", "check_data_file_bytes", "checksum_regions", "compression_codec", "crc32c",
-           "layout_kvstore", "merge_writers",
+           "finish_arrays", "layout_kvstore",
            "numpy_dtype", "pack_spec", "packed_leaf", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_regions"]

@@ -137,22 +137,38 @@ class ArraySpec:
         return self if self.packed is None else self.packed[0]
 
     def tensorstore_spec(self, kvstore: dict) -> dict:
-        """The spec of this array under ``kvstore`` (the checkpoint's arrays); ``metadata`` is
-        what a new zarr3 array is created with (reads take the stored one)."""
-        codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        if self.compression is not None:
-            codec, level = self.compression
-            codecs.append({"name": codec, "configuration": {"level": level}})
+        """The spec that opens this stored array under ``kvstore`` (the checkpoint's arrays),
+        reading its metadata from storage."""
+        return {"driver": self.driver, "kvstore": {**kvstore, "path": kvstore.get("path", "") + self.name + "/"}}
+
+    def zarr_metadata(self, compression: tuple[str, int] | None) -> dict:
+        """This array's zarr v3 metadata (``zarr.json``) when its chunks are stored with
+        ``compression`` (:func:`compression_codec`), in the form TensorStore writes it."""
+        stored = numpy_dtype(self.storage_dtype)
+        codecs: list = [{"name": "bytes", "configuration": {"endian": "little"}} if stored.itemsize > 1
+                        else {"name": "bytes"}]
+        if compression is not None:
+            codec, level = compression
+            codecs.append({"name": codec, "configuration": {"checksum": False, "level": level}})
         return {
-            "driver": self.driver,
-            "kvstore": {**kvstore, "path": kvstore.get("path", "") + self.name + "/"},
-            "metadata": {
-                "shape": list(self.shape),
-                "data_type": self.storage_dtype,
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
-                "codecs": codecs,
-            },
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": codecs,
+            "data_type": self.storage_dtype,
+            "fill_value": _zero(self.storage_dtype),
+            "node_type": "array",
+            "shape": list(self.shape),
+            "zarr_format": 3,
         }
+
+
+def _zero(storage_dtype: str):
+    """The zero fill value of a stored dtype, as zarr v3 JSON (by name: ml_dtypes' are numpy kind "V")."""
+    if storage_dtype == "bool":
+        return False
+    if storage_dtype.startswith("complex"):
+        return [0.0, 0.0]
+    return 0 if storage_dtype.startswith(("int", "uint")) else 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,14 @@
 """Layouts: where the zarr arrays of a checkpoint keep their chunks (``"files"`` or ``"ocdbt"``),
-and the merge of a save's per-writer OCDBT databases into one."""
+and a save's last step on its arrays: their metadata stored, per-writer OCDBT databases merged."""
 
 from __future__ import annotations
 
+import json
+from typing import Sequence
+
 import tensorstore as ts
 
-from workers.contract import LAYOUTS
+from workers.contract import LAYOUTS, ArraySpec
 
 _WRITER_MANIFEST = "/manifest.ocdbt"
 # OCDBT's B-tree nodes get a small cache of their own (array chunks are never cached): without
@@ -14,6 +17,7 @@ NODE_CACHE = {"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}}
 
 
 _OBJECT_STORES = ("s3", "gcs")
+_INLINE_BYTES = 4096  # values up to this size are kept in the merged database's B-tree
 
 
 def layout_kvstore(base: dict, layout: str, writer: str | None = None, data_file_bytes: int | None = None) -> dict:
@@ -22,7 +26,7 @@ def layout_kvstore(base: dict, layout: str, writer: str | None = None, data_file
     ``"files"``: ``base`` itself, one file (key) per stored chunk. ``"ocdbt"``: an OCDBT
     database in ``base``: chunks packed into a few large data files. Each writer (a process,
     a colocated host) writes a database of its own under ``base/<writer>/``, and
-    :func:`merge_writers` makes them one database at ``base`` before the commit: the merge copies
+    :func:`finish_arrays` makes them one database at ``base`` before the commit: the merge copies
     references to the data files, not the data. ``data_file_bytes`` (a writer's, when it writes):
     the size at which the writer starts a new data file. TensorStore writes the data files of
     one commit concurrently, so smaller files write a batch in parallel; None: one file per commit.
@@ -50,18 +54,36 @@ def _created(spec: dict) -> dict:
     return spec
 
 
-def merge_writers(base: dict, context: ts.Context | None = None):
-    """Merge every writer database under ``base`` (see :func:`layout_kvstore`) into the
-    database at ``base``, in one transaction."""
+def finish_arrays(base: dict, layout: str, arrays: Sequence[ArraySpec], compression: tuple[str, int] | None,
+                  context: ts.Context | None = None):
+    """A save's last step on its arrays, taken by one process once every writer is done.
+
+    Writers write chunks only (``Session.open_arrays``): this stores each array's zarr metadata
+    (``zarr.json``, for chunks stored with ``compression``) and, with the ``"ocdbt"`` layout,
+    merges every writer database under ``base`` (see :func:`layout_kvstore`) into the database
+    at ``base``, all in one transaction. ``arrays``: every array the save wrote (packed leaves
+    stand for their pack). Raises what TensorStore raises."""
     context = ts.Context(NODE_CACHE, parent=context) if context is not None else ts.Context(NODE_CACHE)
+    metadata = {f"{spec.name}/zarr.json": json.dumps(spec.zarr_metadata(compression), separators=(",", ":"))
+                for spec in dict.fromkeys(spec.stored for spec in arrays)}
+    if layout != "ocdbt":
+        store = ts.KvStore.open(base, context=context).result()
+        for write in [store.write(key, value) for key, value in metadata.items()]:
+            write.result()
+        return
     listing = ts.KvStore.open(base, context=context).result().list().result()
     writers = sorted(key.decode()[:-len(_WRITER_MANIFEST)] for key in listing
                      if key.decode().endswith(_WRITER_MANIFEST) and key.decode().count("/") == 1)
-    target = ts.KvStore.open(_created(layout_kvstore(base, "ocdbt")), context=context).result()
+    spec = _created(layout_kvstore(base, "ocdbt"))
+    # The metadata lives in the merged database's B-tree, not in a data file of its own.
+    spec["config"] = {**spec.get("config", {}), "max_inline_value_bytes": _INLINE_BYTES}
+    target = ts.KvStore.open(spec, context=context).result()
     txn = ts.Transaction()
     for writer in writers:
         source = ts.KvStore.open(layout_kvstore(base, "ocdbt", writer), context=context).result()
         source.experimental_copy_range_to(target.with_transaction(txn)).result()
+    for key, value in metadata.items():
+        target.with_transaction(txn)[key] = value
     txn.commit_async().result()
 
 

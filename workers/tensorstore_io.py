@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import math
 import threading
@@ -17,9 +16,6 @@ from workers.runs import runs
 from workers.contract import ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
 from workers.layouts import NODE_CACHE, layout_kvstore, storage_of
 from workers.page_cache import release_page_cache
-
-
-FIRST_CREATED = 32              # arrays created by a session's first transaction (Session.create_arrays)
 
 
 @functools.cache
@@ -61,7 +57,7 @@ class Session:
         self.fsync = settings.fsync
         self.checksums = settings.checksums  # write_regions returns each region's crc32c
         self.read_window = settings.read_window
-        self.compression = settings.compression  # of the arrays this session creates
+        self.compression = settings.compression  # of the chunks this session writes
         storage = storage_of(kvstore)
         # Local files only: the directory whose page cache write_regions / read_regions drop.
         keep = settings.keep_page_cache
@@ -93,88 +89,34 @@ class Session:
         kvstore = layout_kvstore(arrays, settings.layout, writer=writer, data_file_bytes=settings.data_file_bytes)
         return cls(kvstore, settings, context)
 
-    def create_arrays(self, arrays: Sequence[ArraySpec], submit=None) -> concurrent.futures.Future | None:
-        """Create the arrays this session will write (their metadata) before their data, given in
-        order of first use, in transactions (OCDBT: commits) of ``FIRST_CREATED`` arrays, then twice
-        as many each time: the first batch's write waits for its own arrays only, later batches'
-        transactions only add chunks. An array is open (``open_arrays``) once its transaction
-        commits. Packed leaves create their pack. ``submit`` (an executor's): create there and
-        return its future at once; else create, then return."""
-        pending: dict[ArraySpec, concurrent.futures.Future] = {}
-        with self._lock:
-            for spec in dict.fromkeys(spec.stored for spec in arrays):
-                if spec.name not in self._open:
-                    self._open[spec.name] = pending[spec] = concurrent.futures.Future()
-        return self._create(pending) if submit is None else submit(self._create, pending)
-
-    def _create(self, pending: dict):
-        specs, start, size = list(pending), 0, FIRST_CREATED
-        try:
-            while start < len(specs):
-                group = specs[start:start + size]
-                for spec, store in zip(group, self._create_group(group)):
-                    pending[spec].set_result(store)
-                start, size = start + size, size * 2
-        except BaseException as exc:  # every write waiting for these arrays fails with it
-            for spec in specs[start:]:
-                pending[spec].set_exception(exc)
-            raise
-
-    def _create_group(self, group: list[ArraySpec]) -> list:
-        """Create ``group`` in one transaction; returns the opened arrays, outside it."""
-        txn = ts.Transaction() if self.transactional else None
-        futures = []
-        try:
-            for spec in group:
-                futures.append(ts.open(self._spec(spec, create=True), create=True, open=True, context=self.context,
-                                       transaction=txn))
-            stores = [future.result() for future in futures]
-        except BaseException:
-            _ended(futures)  # none may still be writing once a failed save is removed
-            raise
-        if txn is None:
-            return stores
-        txn.commit_async().result()
-        return [store.with_transaction(None) for store in stores]
-
-    def open_arrays(self, specs: Sequence[ArraySpec], *, create: bool) -> dict[str, Any]:
+    def open_arrays(self, specs: Sequence[ArraySpec], *, write: bool) -> dict[str, Any]:
         """{name: future of the opened TensorStore} for ``specs``: each array is opened once per
         session (shared by threads), and those not open yet are opened all at once. Packed
-        leaves open their pack (named alike)."""
+        leaves open their pack (named alike). ``write``: open to write chunks, with the metadata
+        the session writes (nothing is read or written for it: :func:`workers.layouts.finish_arrays`
+        stores it when the save commits); else read the stored metadata."""
         specs = [spec.stored for spec in specs]
         with self._lock:
             for spec in specs:
                 if spec.name not in self._open:
                     try:
-                        future = ts.open(self._spec(spec, create), create=create, open=True, context=self.context)
+                        future = ts.open(self._spec(spec, write), assume_metadata=write, open=True, context=self.context)
                     except Exception as exc:  # noqa: BLE001 - raised by .result(), named by the caller
                         future = concurrent.futures.Future()
                         future.set_exception(exc)
                     self._open[spec.name] = future
             return {spec.name: self._open[spec.name] for spec in specs}
 
-    def array(self, spec: ArraySpec, *, create: bool):
-        """The opened TensorStore of ``spec`` (:meth:`open_arrays`)."""
-        return self.open_arrays([spec], create=create)[spec.name].result()
-
-    def _spec(self, spec: ArraySpec, create: bool) -> dict:
-        """The TensorStore spec that writes (``create``) or reads the array ``spec``."""
-        if create:
-            tspec = self._as_written(spec).tensorstore_spec(self.kvstore)
+    def _spec(self, spec: ArraySpec, write: bool) -> dict:
+        """The TensorStore spec that writes or reads the array ``spec``."""
+        tspec = spec.tensorstore_spec(self.kvstore)
+        if write:
+            tspec["metadata"] = spec.zarr_metadata(self.compression)
             # Every chunk gets a file, all-zero ones too, so a missing file means lost data.
             tspec["store_data_equal_to_fill_value"] = True
-            return tspec
-        tspec = spec.tensorstore_spec(self.kvstore)
-        del tspec["metadata"]
-        if not spec.missing_is_fill:
+        elif not spec.missing_is_fill:
             tspec["fill_missing_data_reads"] = False  # a lost chunk file is an error, not zeros
         return tspec
-
-    def _as_written(self, spec: ArraySpec) -> ArraySpec:
-        """``spec`` with the codecs this session writes (the plan's specs carry none)."""
-        if spec.compression == self.compression:
-            return spec
-        return dataclasses.replace(spec, compression=self.compression)
 
     def close(self):
         with self._lock:
@@ -230,7 +172,7 @@ def write_regions(session: Session, regions: Sequence[Region], buffers: Sequence
     written, data = runs(*packs.assemble(regions, buffers, staging))
     txn = ts.Transaction() if session.transactional else None
     futures, commit = [], None  # both done before this returns, whatever is raised
-    stores = session.open_arrays([r.array for r in written], create=True)
+    stores = session.open_arrays([r.array for r in written], write=True)
     try:
         for region, buf in zip(written, data):
             try:
@@ -271,7 +213,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     out = list(out) if out is not None else [None] * len(regions)
     spans = packs.spans(regions)
     futures, waited = [], []
-    stores = session.open_arrays([r.array for r in regions], create=False)
+    stores = session.open_arrays([r.array for r in regions], write=False)
     region = None
     try:
         for pack, start, stop, keypath in spans:
