@@ -79,11 +79,12 @@ def finish_arrays(base: dict, layout: str, arrays: Sequence[ArraySpec], compress
     spec["config"] = {**spec.get("config", {}), "max_inline_value_bytes": _INLINE_BYTES}
     target = ts.KvStore.open(spec, context=context).result()
     txn = ts.Transaction()
+    staged = target.with_transaction(txn)
     for writer in writers:
         source = ts.KvStore.open(layout_kvstore(base, "ocdbt", writer), context=context).result()
-        source.experimental_copy_range_to(target.with_transaction(txn)).result()
+        source.experimental_copy_range_to(staged).result()
     for key, value in metadata.items():
-        target.with_transaction(txn)[key] = value
+        staged[key] = value
     txn.commit_async().result()
 
 
