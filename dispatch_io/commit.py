@@ -4,11 +4,12 @@ A coordinator (:func:`for_this_job`) opens one commit object per save; the save 
 it in this order and never the other way round::
 
     commit = coordinator.open(location)
-    commit.check_same_plan(plan)      # every process planned the same save (else all raise)
+    commit.check_same_plan(plan, stored)  # every process planned the same save (else all raise)
     commit.start(overwrite)           # the leader creates the temporary checkpoint, the others join it
     ... every process writes its chunks, reporting commit.progress(bytes) ...
     checksums = commit.agree(error, checksums)   # raises everywhere if any process failed
-    leader: merge the writers' databases, build the manifest      (the driver, not the commit)
+    leader: store the arrays' metadata, merge the writers' databases, build the manifest
+                                      (the driver, not the commit)
     commit.commit(manifest)           # the leader writes it (others: wait for its outcome)
     commit.end()                      # everyone leaves together
 
@@ -69,7 +70,7 @@ class SingleProcessCommit:
         self.location = location
         self.target: WriteTarget | None = None
 
-    def check_same_plan(self, plan: Plan):
+    def check_same_plan(self, plan: Plan, stored: dict):
         pass
 
     def start(self, overwrite: bool):
@@ -139,11 +140,21 @@ class MultiProcessCommit:
 
     # -- the protocol ------------------------------------------------------------------------
 
-    def check_same_plan(self, plan: Plan):
+    def check_same_plan(self, plan: Plan, stored: dict):
         """Every process must have planned the same save, or chunks would be written twice or
-        by nobody. All processes see the same digests, so all raise (before anything is written)."""
-        self.room.set(f"plan/{self.job.process}", plan.digest)
-        digests = self.room.gather("plan")
+        by nobody, and store it alike (``stored``: the options that shape the stored bytes, e.g.
+        ``{"layout": ..., "compression": ...}``), or the leader's metadata would describe other
+        processes' chunks wrongly. All processes see the same digests and options, so all raise
+        ValueError (before anything is written)."""
+        self.room.set(f"plan/{self.job.process}", [plan.digest, stored])
+        published = self.room.gather("plan")
+        options = {p: o for p, (_, o) in published.items()}
+        if any(o != options[0] for o in options.values()):
+            differ = sorted(p for p, o in options.items() if o != options[0])
+            raise ValueError(f"the processes save {self.location.display} with different options: process(es) "
+                             f"{differ} store {options[differ[0]]}, process 0 {options[0]}. Every process must "
+                             "save with the same Options.")
+        digests = {p: d for p, (d, _) in published.items()}
         if len(set(digests.values())) == 1:
             return
         self.room.set(f"leaves/{self.job.process}", plan.leaf_digests)

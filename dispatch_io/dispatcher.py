@@ -107,10 +107,12 @@ class Dispatcher:
         commit = None
         try:
             opened = self.coordinator.open(location)
-            opened.check_same_plan(job.plan)
+            settings = runner.settings
+            opened.check_same_plan(job.plan, {"layout": settings.layout, "compression": settings.compression,
+                                              "checksums": settings.checksums})
             opened.start(overwrite)
             commit = opened
-            run = SaveRun(job, leaves, runner, commit, self._ring, runner.settings, self._finished)
+            run = SaveRun(job, leaves, runner, commit, self._ring, settings, self._finished)
             self._start(run, location.key)
         except BaseException as exc:
             if commit is not None:

@@ -186,7 +186,7 @@ def _parse(doc: dict, where: str) -> Manifest:
     compression = doc.get("compression")
     if compression is not None:  # a malformed value is a ValueError: "malformed manifest"
         compression = compression_codec((compression["codec"], compression["level"]))
-    packs = {name: pack_spec(name, _count(p["nbytes"]), compression) for name, p in doc.get("packs", {}).items()}
+    packs = {name: pack_spec(name, _count(p["nbytes"])) for name, p in doc.get("packs", {}).items()}
     leaves = []
     for e in doc["leaves"]:
         if e["kind"] == tree_lib.SCALAR:
@@ -199,7 +199,7 @@ def _parse(doc: dict, where: str) -> Manifest:
             dtype = numpy_dtype(e["dtype"])
         leaves.append(SavedLeaf(
             e["keypath"], e["kind"], e["origin"], tuple(e["shape"]), dtype, e.get("key_impl"),
-            _stored_array(stored, compression, packs),
+            _stored_array(stored, packs),
             checksums=None if stored is None or "crc32c" not in stored else {
                 tuple(int(i) for i in grid.split(",") if i): int(crc, 16) for grid, crc in stored["crc32c"].items()},
             described_sharding=e.get("sharding")))
@@ -213,15 +213,14 @@ def _parse(doc: dict, where: str) -> Manifest:
     return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)), layout, arrays, compression=compression)
 
 
-def _stored_array(stored: dict | None, compression, packs: dict[str, ArraySpec]) -> ArraySpec | None:
+def _stored_array(stored: dict | None, packs: dict[str, ArraySpec]) -> ArraySpec | None:
     """The ArraySpec of a leaf's ``stored`` entry (KeyError: a pack the manifest does not list;
     ValueError: a leaf that does not fit in its pack)."""
     if stored is None:
         return None
     if "pack" in stored:
         return packed_leaf(packs[stored["pack"]], _count(stored["offset"]), tuple(stored["shape"]), stored["dtype"])
-    return ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"], tuple(stored["chunk_shape"]),
-                     compression=compression)
+    return ArraySpec(stored["name"], tuple(stored["shape"]), stored["dtype"], tuple(stored["chunk_shape"]))
 
 
 def _count(value) -> int:

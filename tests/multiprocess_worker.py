@@ -617,7 +617,20 @@ def process_local_leaf(mesh, path):
     return {"bytes_written": stats.bytes_written, "restored_equal": same}
 
 
-SCENARIOS = {"process_local_leaf": process_local_leaf, "roundtrip": roundtrip, "save": save_only, "restore": restore_only,
+def different_compression(mesh, path):
+    """Process 1 saves with zstd, process 0 without: the same plan stored two ways."""
+    host = np.arange(64 * 128, dtype=np.float32).reshape(64, 128)
+    tree = {"w": jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("data")), lambda index: host[index])}
+    compression = "zstd" if jax.process_index() == 1 else None
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, compression=compression, barrier_timeout=BARRIER_TIMEOUT) as d:
+        try:
+            d.save(path, tree).wait()
+        except Exception as exc:  # noqa: BLE001 - refusing it is the correct outcome
+            return {"save_error": f"{type(exc).__name__}: {exc}"}
+    return {"saved": True}
+
+
+SCENARIOS = {"process_local_leaf": process_local_leaf, "different_compression": different_compression, "roundtrip": roundtrip, "save": save_only, "restore": restore_only,
              "restore_orbax": restore_orbax, "shares": shares, "scaleout": scaleout,
              "save_big": save_big, "verify": verify, "verify_stalls": verify_stalls, "restore_colocated": restore_colocated, "restore_big": restore_big,
              "scaleout_fails": _scaleout_fault("fails"), "scaleout_stalls": _scaleout_fault("stalls"),

@@ -153,7 +153,13 @@ def test_the_manifest_records_it(tmp_path, mesh):
         manifest = manifest_lib.parse(doc, str(path))
         expected = None if recorded is None else (recorded["codec"], recorded["level"])
         assert manifest.compression == expected
-        assert all(leaf.stored.compression == expected for leaf in manifest.leaves if leaf.stored is not None)
+        stored = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/arrays/"}).result()
+        names = {leaf.stored.stored.name for leaf in manifest.leaves if leaf.stored is not None}
+        for name in names:   # each array's metadata says the same as the manifest
+            extra = json.loads(stored.read(f"{name}/zarr.json").result().value)["codecs"][1:]
+            assert extra == ([] if expected is None else
+                             [{"name": "zstd", "configuration": {"checksum": False, "level": expected[1]}}]), extra
+        assert len(names) >= 2
     del doc["compression"]  # manifests written before the option read as uncompressed
     assert manifest_lib.parse(doc, "old").compression is None
     for bad in ({"codec": "gzip", "level": 1}, {"codec": "zstd"}, "zstd", {"codec": "zstd", "level": 99}):

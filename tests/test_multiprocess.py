@@ -279,6 +279,18 @@ def test_processes_that_planned_different_saves_all_refuse_it(jobs, tmp_path):
     assert not committed(tmp_path / "ckpt") and leftovers(tmp_path) == ["logs"], leftovers(tmp_path)
 
 
+def test_processes_that_store_a_save_differently_all_refuse_it(jobs, tmp_path):
+    """Processes whose options store chunks differently (here compression) would commit metadata
+    that describes some chunks wrongly: every process refuses, naming the options, before writing."""
+    job = jobs("different_compression", tmp_path / "ckpt", 2, 4)
+    results = job.wait(deadline())
+    for r in results:
+        error = r.get("save_error", "")
+        assert error.startswith("ValueError") and "different options" in error and "process(es) [1]" in error, results
+        assert "'compression': ['zstd', 3]" in error and "'compression': None" in error, error
+    assert not committed(tmp_path / "ckpt") and leftovers(tmp_path) == ["logs"], leftovers(tmp_path)
+
+
 # ---- failures ------------------------------------------------------------------------------------
 
 def test_write_failure_in_one_process_fails_every_process(jobs, tmp_path):

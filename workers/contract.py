@@ -106,8 +106,8 @@ class ArraySpec:
     ``driver``: the TensorStore driver it is stored with (dispatch_io writes ``zarr3``; Orbax
     checkpoints are also read as ``zarr``). ``missing_is_fill``: a chunk that is not stored
     reads as the fill value (arrays whose writer skipped such chunks); otherwise a missing chunk
-    is lost data, an error. ``compression``: ``(codec, level)`` of the chunks (see
-    :func:`compression_codec`), None for raw little-endian bytes.
+    is lost data, an error. Its codecs are not part of it: a writer's
+    (:meth:`zarr_metadata`) are ``IOSettings.compression``, a reader takes the stored ones.
 
     ``packed``: ``(pack, offset)`` for a small leaf stored as bytes ``[offset, offset + nbytes)``
     of ``pack``, a 1-D ``uint8`` array holding many leaves (``workers.packs``); its own
@@ -120,7 +120,6 @@ class ArraySpec:
     chunk_shape: tuple[int, ...]
     driver: str = "zarr3"
     missing_is_fill: bool = False
-    compression: tuple[str, int] | None = None
     packed: "tuple[ArraySpec, int] | None" = None
 
     @property
@@ -235,7 +234,7 @@ class IOSettings:
     threads: how many IO calls a runner runs at once.
     read_window: most stored bytes one read call decodes at a time (bounds TensorStore's
         temporary memory for regions larger than it).
-    compression: ``(codec, level)`` the arrays a writer creates are compressed with, or None
+    compression: ``(codec, level)`` the chunks a writer writes are compressed with, or None
         (:func:`compression_codec`); reads take each array's stored codecs.
     data_file_bytes: OCDBT layout: a writer starts a new data file once one holds about this
         many bytes (a value is never split), so a batch is written as several files at once;

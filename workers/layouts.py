@@ -68,8 +68,10 @@ def finish_arrays(base: dict, layout: str, arrays: Sequence[ArraySpec], compress
                 for spec in dict.fromkeys(spec.stored for spec in arrays)}
     if layout != "ocdbt":
         store = ts.KvStore.open(base, context=context).result()
-        for write in [store.write(key, value) for key, value in metadata.items()]:
-            write.result()
+        writes = [store.write(key, value) for key, value in metadata.items()]
+        failed = [exc for exc in (write.exception() for write in writes) if exc is not None]
+        if failed:  # only now: none may still be writing once a failed save is removed
+            raise failed[0]
         return
     listing = ts.KvStore.open(base, context=context).result().list().result()
     writers = sorted(key.decode()[:-len(_WRITER_MANIFEST)] for key in listing

@@ -35,16 +35,16 @@ def pack_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def pack_spec(name: str, nbytes: int, compression: tuple[str, int] | None = None) -> ArraySpec:
+def pack_spec(name: str, nbytes: int) -> ArraySpec:
     """The 1-D ``uint8`` array ``name`` of ``nbytes`` that leaves are packed into, in chunks of
     ``PACK_CHUNK_BYTES``."""
-    return ArraySpec(name, (nbytes,), "uint8", (min(nbytes, PACK_CHUNK_BYTES),), compression=compression)
+    return ArraySpec(name, (nbytes,), "uint8", (min(nbytes, PACK_CHUNK_BYTES),))
 
 
 def packed_leaf(pack: ArraySpec, offset: int, shape: Sequence[int], dtype: str) -> ArraySpec:
     """The ArraySpec of a leaf of ``shape`` / ``dtype`` (a numpy or ml_dtypes name) stored at
     byte ``offset`` of ``pack``. ValueError if it does not fit or is not aligned."""
-    leaf = ArraySpec(pack.name, tuple(shape), dtype, tuple(shape), compression=pack.compression, packed=(pack, offset))
+    leaf = ArraySpec(pack.name, tuple(shape), dtype, tuple(shape), packed=(pack, offset))
     if offset < 0 or offset % PACK_ALIGN or offset + leaf.nbytes > pack.shape[0]:
         raise ValueError(f"a leaf of {leaf.nbytes} bytes at offset {offset} does not fit in pack {pack.name!r} "
                          f"of {pack.shape[0]} bytes at a multiple of {PACK_ALIGN}")
