@@ -142,10 +142,9 @@ class MultiProcessCommit:
 
     def check_same_plan(self, plan: Plan, stored: dict):
         """Every process must have planned the same save, or chunks would be written twice or
-        by nobody, and store it alike (``stored``: the options that shape the stored bytes, e.g.
-        ``{"layout": ..., "compression": ...}``), or the leader's metadata would describe other
-        processes' chunks wrongly. All processes see the same digests and options, so all raise
-        ValueError (before anything is written)."""
+        by nobody, and store it alike (``stored``: ``IOSettings.stored_as``), or the leader's
+        metadata would describe other processes' chunks wrongly. All processes see the same
+        digests and options, so all raise ValueError (before anything is written)."""
         self.room.set(f"plan/{self.job.process}", [plan.digest, stored])
         published = self.room.gather("plan")
         options = {p: o for p, (_, o) in published.items()}

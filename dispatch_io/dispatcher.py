@@ -108,8 +108,7 @@ class Dispatcher:
         try:
             opened = self.coordinator.open(location)
             settings = runner.settings
-            opened.check_same_plan(job.plan, {"layout": settings.layout, "compression": settings.compression,
-                                              "checksums": settings.checksums})
+            opened.check_same_plan(job.plan, settings.stored_as)
             opened.start(overwrite)
             commit = opened
             run = SaveRun(job, leaves, runner, commit, self._ring, settings, self._finished)

@@ -256,3 +256,8 @@ class IOSettings:
         check_data_file_bytes(self.data_file_bytes)
         if compression_codec(self.compression) != self.compression:
             raise ValueError(f"compression must be a (codec, level) pair or None, got {self.compression!r}")
+
+    @property
+    def stored_as(self) -> dict:
+        """The settings that shape the stored bytes (the processes of a save must agree on them)."""
+        return {"layout": self.layout, "compression": self.compression, "checksums": self.checksums}

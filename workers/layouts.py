@@ -61,11 +61,11 @@ def finish_arrays(base: dict, layout: str, arrays: Sequence[ArraySpec], compress
     Writers write chunks only (``Session.open_arrays``): this stores each array's zarr metadata
     (``zarr.json``, for chunks stored with ``compression``) and, with the ``"ocdbt"`` layout,
     merges every writer database under ``base`` (see :func:`layout_kvstore`) into the database
-    at ``base``, all in one transaction. ``arrays``: every array the save wrote (packed leaves
-    stand for their pack). Raises what TensorStore raises."""
+    at ``base``, all in one transaction. ``arrays``: every stored array the save wrote, each
+    once (a pack, not its leaves: ``Plan.arrays``). Raises what TensorStore raises."""
     context = ts.Context(NODE_CACHE, parent=context) if context is not None else ts.Context(NODE_CACHE)
     metadata = {f"{spec.name}/zarr.json": json.dumps(spec.zarr_metadata(compression), separators=(",", ":"))
-                for spec in dict.fromkeys(spec.stored for spec in arrays)}
+                for spec in arrays}
     if layout != "ocdbt":
         store = ts.KvStore.open(base, context=context).result()
         writes = [store.write(key, value) for key, value in metadata.items()]
