@@ -253,7 +253,9 @@ def test_small_budget_many_batches_and_concurrent_transactions(tmp_path, mesh, d
             assert databases == ["d", "p0"], databases
         else:                                       # a database per colocated CPU device and lane
             assert {"d"} | {f"cpu{i}{lane}" for i in range(8) for lane in ("", ".1")} >= set(databases), databases
-            assert {"cpu0", "cpu0.1"} <= set(databases), databases
+            # Lanes are handed out first in, first out, so with two or more batches both are used;
+            # which hosts each lane reached depends on which batch took it.
+            assert {n.endswith(".1") for n in databases if n != "d"} == {False, True}, databases
         assert_trees_bit_equal(d.restore(path, tree), tree)
     with dispatcher_cls(host_memory_budget=MiB) as other:   # a fresh reader, another budget
         assert_trees_bit_equal(other.restore(path), jax.device_get(tree))
