@@ -255,9 +255,10 @@ def test_resource_use_is_flat_across_saves(tmp_path, dispatcher_cls):
         assert seen[20][4] <= seen[3][4] + 2, seen               # all threads but TensorStore's workers
         if colocated:  # freed host copies go back to the OS at once (release_large_buffers_at_once), so
                        # one sample's RSS depends on which copies are live at that instant (+-6%):
-                       # compare the highest of the last five saves with the highest of saves 6-10
+                       # compare the highest of the last five saves with the highest of saves 6-10,
+                       # with room for that jitter (a tree kept per save would be +64 MiB each)
             rss = lambda saves: max(seen[i][3] for i in saves)  # noqa: E731
-            assert rss(range(16, 21)) <= rss(range(6, 11)) * 1.05, seen
+            assert rss(range(16, 21)) <= rss(range(6, 11)) * 1.10, seen
         else:
             assert seen[20][3] <= seen[3][3] * 1.05, seen
         assert not d._paths                                      # no per-path state kept
@@ -619,7 +620,8 @@ def test_many_paths_from_many_threads_with_a_tiny_budget(tmp_path, dispatcher_cl
         priorities = [None, lambda k, s: dio.Priority.LOW, lambda k, s: dio.Priority(len(k) % 3)]
         for budget in (1000, 4096):
             trees = [tree(i) for i in range(24)]
-            d = Dispatcher(host_memory_budget=budget, write_threads=1)
+            # fsync=False: this is about deadlocks; ~1700 fsynced commits would time it on the disk
+            d = Dispatcher(host_memory_budget=budget, write_threads=1, fsync=False)
             def save(i):
                 return d.save(f"{root}/{budget}/p{i % 12}", trees[i], priority=priorities[i % 3], overwrite=True)
             with concurrent.futures.ThreadPoolExecutor(12) as pool:
