@@ -162,6 +162,22 @@ class Manifest:
     def by_keypath(self) -> dict[str, SavedLeaf]:
         return {leaf.keypath: leaf for leaf in self.leaves}
 
+    def saved_leaf(self, path) -> SavedLeaf | None:
+        """The saved leaf that a restore target's leaf at ``path`` (a JAX key path) is read from,
+        or None. Our checkpoints match the key path exactly (as text: ``jax.tree_util.keystr``).
+        An Orbax checkpoint matches as Orbax does, by its names of the keys
+        (:func:`~dispatch_io.tree.key_names`): Orbax stores a NamedTuple field or dataclass
+        attribute as a dict key and an int dict key as its text, so a target holding them
+        matches the checkpoint they were saved from."""
+        if self.format == FORMAT:
+            return self.by_keypath.get(jax.tree_util.keystr(path))
+        return self._by_key_names.get(tree_lib.key_names(path))
+
+    @functools.cached_property
+    def _by_key_names(self) -> dict[tuple[str, ...], SavedLeaf]:
+        tree = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+        return {tree_lib.key_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
 
 def parse(doc: dict, where: str) -> Manifest:
     """The manifest ``doc`` (JSON-decoded) as a Manifest; ``CheckpointError`` naming ``where``

@@ -105,16 +105,17 @@ def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool, small_le
                              "every leaf as saved)")
         return manifest.treedef, [_output_for(s, None) if s.kind != tree_lib.SCALAR else s.value
                                   for s in manifest.leaves]
-    flat, treedef = tree_lib.flatten(target)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     problems = []
     outputs = []
-    named = set()
-    for keypath, leaf in flat:
-        named.add(keypath)
-        saved = manifest.by_keypath.get(keypath)
+    named = set()  # the saved key paths the target reads
+    for path, leaf in flat:
+        keypath = jax.tree_util.keystr(path)
+        saved = manifest.saved_leaf(path)
         if saved is None:
             problems.append((keypath, "not in the checkpoint"))
             continue
+        named.add(saved.keypath)
         problem = _target_problem(saved, leaf, cast)
         if problem:
             problems.append((keypath, problem))

@@ -34,6 +34,22 @@ def flatten(tree) -> tuple[list[tuple[str, Any]], Any]:
     return [(tu.keystr(path), leaf) for path, leaf in with_paths], treedef
 
 
+def key_names(path) -> tuple[str, ...]:
+    """Orbax's names of the entries of the JAX key path ``path``, as Orbax stores them in
+    ``_METADATA``: a sequence index, dict key, dataclass attribute or NamedTuple field, each as
+    ``str``. So ``.opt_state[0].count`` and ``['opt_state'][0]['count']`` are both
+    ``('opt_state', '0', 'count')``, and ``[1]`` and ``['1']`` both ``('1',)``."""
+    return tuple(str(_key_name(entry)) for entry in path)
+
+
+def _key_name(entry):
+    if isinstance(entry, tu.SequenceKey):
+        return entry.idx
+    if isinstance(entry, tu.GetAttrKey):
+        return entry.name
+    return entry.key  # DictKey, FlattenedIndexKey
+
+
 def is_prng_key(x) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)

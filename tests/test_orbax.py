@@ -1,6 +1,8 @@
 """Checkpoints written by real Orbax (orbax-checkpoint, a test dependency only): restore, metadata,
 inspect, convert and a CheckpointManager taking over an Orbax-managed run."""
 
+import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -334,6 +336,71 @@ def test_corner_cases_of_the_orbax_tree(tmp_path, mesh, dispatcher):
     clash = orbax_save(tmp_path / "clash", {"a.b": {"c": jnp.ones(2)}, "a": {"b.c": jnp.zeros(2)}}, use_ocdbt=False)
     with pytest.raises(dio.CheckpointError, match="both stored as 'a.b.c'"):
         dio.metadata(clash)
+
+
+AdamState = collections.namedtuple("AdamState", ["count", "mu", "nu"])   # as optax's ScaleByAdamState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:   # as flax.struct / a registered dataclass
+    step: jax.Array
+    params: dict
+    opt_state: tuple
+
+
+def test_a_target_of_namedtuples_dataclasses_and_int_keys_restores_as_orbax_does(tmp_path, mesh, dispatcher):
+    """Orbax stores attributes, NamedTuple fields and int dict keys by name (``['opt_state'][0]
+    ['count']``, ``['1']``); a target holding them matches by those names, as Orbax's restore
+    does, and comes back in the target's structure with Orbax's bytes."""
+    w = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("data", "model")))
+    state = TrainState(step=jnp.int32(3), params={"w": w, "layers": {0: jnp.ones(2), 1: jnp.zeros(2)}},
+                       opt_state=(AdamState(jnp.int32(1), {"w": w * 2}, {"w": w + 1}),))
+    path = tmp_path / "state"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, state)
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
+    with ocp.StandardCheckpointer() as ckptr:
+        theirs = ckptr.restore(path, abstract)
+    ours = dispatcher.restore(path, abstract)
+    assert isinstance(ours, TrainState) and isinstance(ours.opt_state[0], AdamState)
+    assert set(ours.params["layers"]) == {0, 1}
+    assert ours.params["w"].sharding == w.sharding
+    assert_trees_bit_equal(ours, theirs)
+    assert_trees_bit_equal(dispatcher.restore(path, state), theirs)   # concrete arrays as target too
+
+    # Problems name the target's key paths; the checkpoint's own names only for leaves the target lacks.
+    bad = dataclasses.replace(abstract, opt_state=(abstract.opt_state[0]._replace(
+        count=jax.ShapeDtypeStruct((2,), jnp.int32)),), params={"w": abstract.params["w"]})
+    with pytest.raises(dio.TreeMismatchError) as err:
+        dispatcher.restore(path, bad)
+    assert dict(err.value.problems).keys() == {".opt_state[0].count", "['params']['layers']['0']",
+                                                "['params']['layers']['1']"}
+    assert "shape mismatch" in dict(err.value.problems)[".opt_state[0].count"]
+
+
+def test_a_manager_restores_an_orbax_step_onto_a_dataclass_target(tmp_path):
+    root = tmp_path / "run"
+    state = TrainState(step=jnp.int32(7), params={"w": jnp.arange(4.0)},
+                       opt_state=(AdamState(jnp.int32(2), {"w": jnp.ones(4)}, {"w": jnp.zeros(4)}),))
+    with ocp.CheckpointManager(root) as orbax_mgr:
+        orbax_mgr.save(7, args=ocp.args.StandardSave(state))
+        orbax_mgr.wait_until_finished()
+    with dio.CheckpointManager(root) as mgr:
+        restored = mgr.restore(target=jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state))
+    assert isinstance(restored, TrainState)
+    assert_trees_bit_equal(restored, state)
+
+
+def test_our_own_checkpoints_still_match_key_paths_exactly(tmp_path, dispatcher):
+    """Orbax's naming is for Orbax checkpoints only: ours keep int keys and attributes apart."""
+    state = {"layers": {0: np.ones(2, np.float32)}}
+    dispatcher.save(tmp_path / "ours", state).wait()
+    with pytest.raises(dio.TreeMismatchError) as err:
+        dispatcher.restore(tmp_path / "ours", {"layers": {"0": np.ones(2, np.float32)}})
+    assert dict(err.value.problems) == {"['layers']['0']": "not in the checkpoint",
+                                        "['layers'][0]": "in the checkpoint but not in the target "
+                                                         "(pass partial=True to skip it)"}
 
 
 def test_a_manager_lists_only_orbax_steps_it_can_restore(tmp_path, mesh):
