@@ -191,7 +191,7 @@ def _steps_hint(path: str) -> str:
     import os
 
     from dispatch_io.errors import CheckpointError
-    from dispatch_io.formats import committed_steps
+    from dispatch_io.formats import committed_steps, step_path
     from dispatch_io.storage import StepRoot
 
     try:
@@ -199,13 +199,14 @@ def _steps_hint(path: str) -> str:
             return ""  # (opening a directory root would create it)
         root = StepRoot.open(path)
         steps = committed_steps(root)
+        latest = step_path(root, steps[-1]) if steps else None
     except (CheckpointError, OSError, ValueError):  # only a hint; the error above stands
         return ""
     if not steps:
         return ""
     shown = ", ".join(map(str, steps[-5:]))
     return (f" (it is a CheckpointManager root with committed steps {'..., ' if len(steps) > 5 else ''}{shown}: "
-            f"try {root.step_path(steps[-1])})")
+            f"try {latest})")
 
 
 if __name__ == "__main__":

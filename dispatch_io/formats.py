@@ -69,6 +69,25 @@ def committed_steps(root: StepRoot) -> list[int]:
     return sorted(set(root.committed_steps()) | set(orbax_steps))
 
 
+def step_path(root: StepRoot, step: int) -> str:
+    """The checkpoint of ``step`` under a manager's ``root``: ``<root>/<step>``, or (directory
+    roots only) the Orbax step directory holding it under another of Orbax's namings
+    (``ckpt_100``, ``00000100``; see ``orbax.step_directories``), committed or not. Raises
+    CheckpointError if several directories hold the step: which one is the step cannot be told."""
+    ours = root.step_path(step)
+    if not isinstance(root, DirectoryRoot):
+        return ours
+    others = [os.path.join(root.display, name) for name in orbax.step_directories(root.display).get(step, [])]
+    others = [path for path in others if path != ours]
+    if not others:
+        return ours
+    if len(others) > 1 or os.path.lexists(ours):
+        held = [ours] * os.path.lexists(ours) + others
+        raise CheckpointError(f"step {step} is held by {len(held)} directories under {root.display} "
+                              f"({', '.join(map(os.path.basename, held))}): remove all but one")
+    return others[0]
+
+
 def _stat(path: str):
     try:
         st = os.stat(path)

@@ -28,8 +28,11 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
   neither listed nor deleted. A deleted step is first unlisted (renamed away; on object stores,
   its marker deleted), so a crash mid-delete never leaves a listed but broken step. With several processes, process 0 alone decides and deletes.
 * A directory root that Orbax's CheckpointManager wrote: its committed steps (``<root>/<step>/``
-  holding one Orbax item, e.g. ``default``) are listed and restored like ours, and new saves are
-  dispatch_io checkpoints beside them. Retention counts Orbax steps but never deletes one (it
+  holding one Orbax item, e.g. ``default``; ``ckpt_100`` or ``00000100`` under Orbax's
+  ``step_prefix`` / ``step_format_fixed_length``) are listed and restored like ours, and new
+  saves are dispatch_io checkpoints beside them, named ours (``<root>/<step>/``). A step Orbax
+  holds under any name is never saved again (``FileExistsError``), and a step two directories
+  hold is an error naming both, never a guess. Retention counts Orbax steps but never deletes one (it
   logs that it kept it; remove it yourself, ``rm -r <root>/<step>``); Orbax's temporary
   directories are never touched.
 """
@@ -45,7 +48,7 @@ import numpy as np
 from absl import logging
 
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.formats import committed_steps, metadata
+from dispatch_io.formats import committed_steps, metadata, step_path
 from dispatch_io.storage import StepRoot
 from dispatch_io.save import SaveHandle
 
@@ -108,7 +111,10 @@ class CheckpointManager:
     # ---- listing ------------------------------------------------------------------------------
 
     def step_path(self, step: int) -> str:
-        return self._root.step_path(step)
+        """Where ``step`` is (or would be saved): ``<root>/<step>``, or the Orbax step directory
+        holding it under Orbax's ``step_prefix`` / ``step_format_fixed_length`` naming. Raises
+        CheckpointError if several directories hold the step."""
+        return step_path(self._root, _step_number(step))
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending: dispatch_io's, and Orbax's in a directory root."""
@@ -123,12 +129,18 @@ class CheckpointManager:
     def save(self, step: int, tree, *, overwrite: bool = False, **save_kwargs) -> SaveHandle:
         """Save ``tree`` as ``step`` (after the save in flight, if any, has finished). Same
         keyword arguments as ``Dispatcher.save``. ``FileExistsError`` if the step exists and
-        not ``overwrite``; an earlier save's failure, not yet raised, is raised here (once)."""
+        not ``overwrite``, or Orbax wrote it (whatever its naming: never replaced);
+        ``CheckpointError`` if several directories hold it already. An earlier save's
+        failure, not yet raised, is raised here (once)."""
         step = _step_number(step)
         self._check_open("save")
         with self._save_lock:  # saves from several threads still run one after the other
             self.wait()
-            handle = self.dispatcher.save(self.step_path(step), tree, overwrite=overwrite, **save_kwargs)
+            path = self.step_path(step)
+            if path != self._root.step_path(step):
+                raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save never "
+                                      "replaces one, even with overwrite=True (remove it first if it may go)")
+            handle = self.dispatcher.save(path, tree, overwrite=overwrite, **save_kwargs)
             with self._lock:
                 self._in_flight = self._thread.submit(self._finish_save, handle)
         return handle

@@ -28,6 +28,7 @@ import base64
 import glob
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -67,24 +68,41 @@ def items(step: str) -> list[str]:
     return sorted(n for n in names if is_item(os.path.join(step, n)))
 
 
-def committed_steps(root: str) -> list[int]:
-    """The numbered step directories under ``root`` that hold a committed Orbax checkpoint of one
-    item (what a restore of the step reads; a step of several items names its item instead)."""
+_STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # [<step_prefix>_]<step, zero-padded to a fixed length or not>
+
+
+def step_directories(root: str) -> dict[int, list[str]]:
+    """step -> the names (sorted) of the directories under ``root`` that hold an Orbax step of it,
+    committed or not, under any of the namings of Orbax's CheckpointManager: ``100``,
+    ``00000100`` (``step_format_fixed_length``), ``ckpt_100`` (``step_prefix``). A directory counts
+    when it holds an Orbax item; an Orbax temporary directory never does."""
     try:
         names = os.listdir(root)
     except OSError:
-        return []
-    steps = []
-    for name in names:
-        path = os.path.join(root, name)
-        if not (name.isdigit() and str(int(name)) == name and len(items(path)) == 1):
-            continue
-        try:
-            check_committed(path, path)
-        except IncompleteCheckpointError:
-            continue
-        steps.append(int(name))
-    return sorted(steps)
+        return {}
+    steps: dict[int, list[str]] = {}
+    for name in sorted(names):
+        match = _STEP_NAME.fullmatch(name)
+        if match and TMP not in name and items(os.path.join(root, name)):
+            steps.setdefault(int(match.group(1)), []).append(name)
+    return steps
+
+
+def committed_steps(root: str) -> list[int]:
+    """The steps under ``root`` (:func:`step_directories`) held by a committed Orbax checkpoint of
+    one item (what a restore of the step reads; a step of several items names its item instead)."""
+    return sorted(step for step, names in step_directories(root).items()
+                  if any(_restorable(os.path.join(root, name)) for name in names))
+
+
+def _restorable(step: str) -> bool:
+    if len(items(step)) != 1:
+        return False
+    try:
+        check_committed(step, step)
+    except IncompleteCheckpointError:
+        return False
+    return True
 
 
 def check_committed(directory: str, display: str):

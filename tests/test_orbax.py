@@ -403,6 +403,37 @@ def test_our_own_checkpoints_still_match_key_paths_exactly(tmp_path, dispatcher)
                                                          "(pass partial=True to skip it)"}
 
 
+@pytest.mark.parametrize("naming", [dict(step_prefix="ckpt"), dict(step_format_fixed_length=8),
+                                    dict(step_prefix="run_a", step_format_fixed_length=4)],
+                         ids=["prefix", "fixed_length", "both"])
+def test_a_manager_over_orbax_steps_of_other_names(tmp_path, naming):
+    """``ckpt_100``, ``00000100``, ``run_a_0100``: listed and restored as Orbax restores them; a
+    step Orbax holds is never saved a second time under our name; two holders are an error."""
+    root = tmp_path / "run"
+    options = ocp.CheckpointManagerOptions(**naming)
+    with ocp.CheckpointManager(root, options=options) as orbax_mgr:
+        for step in (100, 200):
+            orbax_mgr.save(step, args=ocp.args.StandardSave({"w": jnp.arange(4.0) * step, "step": step}))
+        orbax_mgr.wait_until_finished()
+        theirs = orbax_mgr.restore(200, args=ocp.args.StandardRestore())
+    names = sorted(os.listdir(root))
+    with dio.CheckpointManager(root, max_to_keep=1) as mgr:
+        assert mgr.all_steps() == [100, 200] and mgr.latest_step() == 200
+        assert mgr.step_path(200) == str(root / names[1])
+        assert_trees_bit_equal(mgr.restore(target=mgr.metadata()), theirs)
+        for overwrite in (False, True):
+            with pytest.raises(FileExistsError, match=names[1]):
+                mgr.save(200, theirs, overwrite=overwrite)
+        assert sorted(os.listdir(root)) == names                  # no second step 200
+        mgr.save(300, dict(theirs, step=300)).wait()
+        mgr.wait()
+        assert mgr.all_steps() == [100, 200, 300] and mgr.restore()["step"] == 300
+        shutil.copytree(root / names[1], root / "200")           # e.g. left by an older dispatch_io
+        for call in (mgr.restore, lambda step: mgr.save(step, theirs)):
+            with pytest.raises(dio.CheckpointError, match=f"step 200 is held by 2 directories .*200, {names[1]}"):
+                call(200)
+
+
 def test_a_manager_lists_only_orbax_steps_it_can_restore(tmp_path, mesh):
     root = tmp_path / "run"
     state = {"w": jnp.ones((4,))}
