@@ -96,6 +96,7 @@ def committed_steps(root: str) -> list[int]:
 
 
 def _restorable(step: str) -> bool:
+    """Whether the step directory ``step`` holds one Orbax item and Orbax committed it."""
     if len(items(step)) != 1:
         return False
     try:
