@@ -5,6 +5,7 @@ buffers the reads filled (:func:`finish`). The reading itself is ``reading.py``'
 
 from __future__ import annotations
 
+import cmath
 import dataclasses
 import math
 from typing import Any
@@ -56,11 +57,74 @@ def _describe(x) -> str:
     return f"shape {tuple(x.shape)} dtype {x.dtype}"
 
 
+def _needs_x64(dtype) -> bool:
+    """Whether JAX cannot hold ``dtype`` on devices now: int64, uint64, float64 and complex128
+    need ``jax_enable_x64`` (off by default), without which device values lose their upper bits."""
+    return jax.dtypes.canonicalize_dtype(dtype) != dtype
+
+
+def _on_host(leaf) -> bool:
+    """Whether the result for the non-None target ``leaf`` is numpy: numpy targets, and
+    ShapeDtypeStructs without a sharding that ask for a 64-bit dtype JAX cannot hold now (the
+    exact stored values, as Orbax returns them, rather than a truncated device array)."""
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return True
+    return getattr(leaf, "sharding", None) is None and not tree_lib.is_prng_key(leaf) and _needs_x64(leaf.dtype)
+
+
+def _x64_problem(leaf) -> str | None:
+    """Why the device result ``leaf`` asks for cannot be had exact now (None: it can)."""
+    if _on_host(leaf) or tree_lib.is_prng_key(leaf) or not _needs_x64(leaf.dtype):
+        return None
+    return (f"target asks for dtype {leaf.dtype} on devices, which JAX holds only with jax_enable_x64 "
+            f"(off: it would truncate to {jax.dtypes.canonicalize_dtype(leaf.dtype)}); enable it, or leave "
+            "out the sharding (or use a numpy target) to restore it exact as numpy")
+
+
+_SCALAR_KINDS = ((bool, np.bool_), (int, np.integer), (float, np.floating), (complex, np.complexfloating))
+
+
+def _scalar_problem(value, leaf, cast: bool) -> str | None:
+    """Why the checkpoint's Python scalar ``value`` cannot become the 0-d array ``leaf`` asks for.
+    As for array leaves, another kind of number (bool, integer, floating, complex) needs ``cast``;
+    a value the dtype cannot hold (:func:`_scalar_array`) is refused even with it."""
+    if getattr(leaf, "shape", None) != () or tree_lib.is_prng_key(leaf):
+        return f"checkpoint has a Python {type(value).__name__}, target asks for {_describe(leaf)}"
+    if isinstance(value, str):
+        return f"checkpoint has a Python str, target asks for dtype {leaf.dtype} (a string is not a number)"
+    kind = next(k for t, k in _SCALAR_KINDS if isinstance(value, t))
+    if not jax.dtypes.issubdtype(leaf.dtype, kind) and not cast:
+        return (f"dtype mismatch: checkpoint has a Python {type(value).__name__}, target dtype {leaf.dtype} "
+                "(pass cast=True to convert)")
+    if _scalar_array(value, np.dtype(leaf.dtype)) is None:
+        return f"the Python {type(value).__name__} {value!r} does not fit target dtype {leaf.dtype}"
+    return None
+
+
+def _scalar_array(value, dtype: np.dtype) -> np.ndarray | None:
+    """The Python bool / int / float / complex ``value`` as a 0-d array of ``dtype``, rounded as
+    numpy rounds (floats toward zero into integers); None where the result would not be the value
+    rounded: an integer out of range, NaN or inf as an integer, a finite value overflowing to inf
+    (or to NaN, in float8 types without inf), an imaginary part a real dtype would drop."""
+    if isinstance(value, complex) and not jax.dtypes.issubdtype(dtype, np.complexfloating):
+        return None
+    finite = isinstance(value, int) or cmath.isfinite(value)  # ints first: cmath overflows on big ones
+    if jax.dtypes.issubdtype(dtype, np.integer):
+        info = jax.numpy.iinfo(dtype)  # numpy's iinfo does not know int4 and friends
+        return np.asarray(int(value), dtype) if finite and info.min <= int(value) <= info.max else None
+    try:
+        with np.errstate(over="ignore"):  # overflow is what is checked below
+            array = np.asarray(value).astype(dtype)
+    except OverflowError:  # an int beyond float64's range
+        return None
+    return array if bool(np.isfinite(array)) == finite else None
+
+
 def _target_problem(saved: SavedLeaf, leaf, cast: bool) -> str | None:
     if saved.kind == tree_lib.SCALAR:
-        if isinstance(leaf, tree_lib._SCALAR_TYPES) or getattr(leaf, "shape", None) == ():
+        if isinstance(leaf, tree_lib._SCALAR_TYPES):
             return None
-        return f"checkpoint has a Python {type(saved.value).__name__}, target asks for {_describe(leaf)}"
+        return _scalar_problem(saved.value, leaf, cast) or _x64_problem(leaf)
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
         return (f"checkpoint has shape {saved.shape} dtype {saved.dtype}, target leaf is "
                 f"{type(leaf).__name__} (use jax.ShapeDtypeStruct, jax.Array or np.ndarray)")
@@ -73,14 +137,14 @@ def _target_problem(saved: SavedLeaf, leaf, cast: bool) -> str | None:
         return f"PRNG key impl mismatch: checkpoint {saved.dtype} ({saved.key_impl}), target {leaf.dtype}"
     if not target_is_key and np.dtype(leaf.dtype) != saved.dtype and not cast:
         return f"dtype mismatch: checkpoint {saved.dtype}, target {leaf.dtype} (pass cast=True to convert)"
-    return None
+    return _x64_problem(leaf)
 
 
 def _output_for(saved: SavedLeaf, leaf) -> Output:
     """Where and how a leaf is restored, given its target leaf (None: as saved, on host)."""
     key = saved.kind == tree_lib.KEY
     stored_dtype = None if saved.stored is None else manifest_lib.numpy_dtype(saved.stored.dtype)
-    if leaf is None or isinstance(leaf, (np.ndarray, np.generic)):
+    if leaf is None or _on_host(leaf):
         if key:  # keys have no numpy form: as key arrays on the default device
             return Output(saved, DEVICE, stored_dtype, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         as_scalar = isinstance(leaf, np.generic) or (leaf is None and saved.origin == "numpy_scalar")
@@ -139,10 +203,13 @@ def _read_whole(out: Output, limit: int) -> Output:
 
 
 def _scalar_output(value, leaf):
+    """The result for a Python scalar ``value`` whose target ``leaf`` passed :func:`_target_problem`."""
     if isinstance(leaf, tree_lib._SCALAR_TYPES):
         return value
-    array = np.asarray(value, dtype=leaf.dtype)
-    if isinstance(leaf, (np.ndarray, np.generic)):
+    array = _scalar_array(value, np.dtype(leaf.dtype))
+    if isinstance(leaf, np.generic):
+        return array[()]
+    if _on_host(leaf):
         return array
     return jax.device_put(array, getattr(leaf, "sharding", None))
 

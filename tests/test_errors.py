@@ -181,6 +181,47 @@ def test_dtype_change_needs_cast(saved, dispatcher):
     np.testing.assert_array_equal(host["b"], np.arange(6, dtype=np.float64))
 
 
+def test_a_64_bit_device_target_without_x64_is_refused(saved, dispatcher, mesh):
+    """A target asking for int64 on devices while jax_enable_x64 is off would come back truncated
+    to int32: refused, naming the key path, even with cast=True (a numpy target gets it exact)."""
+    path, tree = saved
+    on_mesh = NamedSharding(mesh, P())
+    target = {"b": jax.ShapeDtypeStruct((6,), np.int64, sharding=on_mesh),
+              "step": jax.ShapeDtypeStruct((), np.int64, sharding=on_mesh)}
+    with pytest.raises(dio.TreeMismatchError) as info:
+        dispatcher.restore(path, target, partial=True, cast=True)
+    assert {k for k, _ in info.value.problems} == {"['b']", "['step']"}
+    assert "['b']" in str(info.value) and "['step']" in str(info.value)
+    host = dispatcher.restore(path, {"b": np.zeros(6, np.int64)}, partial=True, cast=True)
+    assert_trees_bit_equal(host, {"b": np.arange(6, dtype=np.int64)})
+
+
+def test_python_scalars_onto_array_targets_are_checked_like_arrays(tmp_path, dispatcher):
+    """A Python scalar onto a 0-d array target: another kind of number (bool, integer, floating,
+    complex) needs cast=True; a str, a value out of the dtype's range, NaN as an integer or a
+    dropped imaginary part are refused even with it; each problem names its key path."""
+    tree = {"name": "llama", "big": 2 ** 40, "lr": 0.7, "flag": True, "z": 1 + 2j, "nan": float("nan"),
+            "huge": 1e300, "step": 12, "neg": -3}
+    path = tmp_path / "ckpt"
+    dispatcher.save(path, tree).wait(TIMEOUT)
+    i32, f32, bf16 = (jax.ShapeDtypeStruct((), t) for t in (np.int32, np.float32, jax.numpy.bfloat16))
+    target = {"name": i32, "big": np.int32(0), "lr": i32, "flag": i32, "z": f32, "nan": i32, "huge": bf16,
+              "step": jax.ShapeDtypeStruct((), np.int16), "neg": jax.ShapeDtypeStruct((), np.uint8)}
+    with pytest.raises(dio.TreeMismatchError) as info:
+        dispatcher.restore(path, target)
+    refused = {"['name']", "['big']", "['lr']", "['flag']", "['z']", "['nan']", "['huge']", "['neg']"}
+    assert {k for k, _ in info.value.problems} == refused
+    assert all(k in str(info.value) for k in refused)
+    with pytest.raises(dio.TreeMismatchError) as info:
+        dispatcher.restore(path, target, cast=True)
+    assert {k for k, _ in info.value.problems} == {"['name']", "['big']", "['z']", "['nan']", "['huge']", "['neg']"}
+    fits = {"lr": i32, "flag": i32, "step": np.int32(0), "neg": jax.ShapeDtypeStruct((), np.int8)}
+    out = dispatcher.restore(path, fits, partial=True, cast=True)
+    assert_trees_bit_equal(jax.device_get({k: out[k] for k in ("lr", "flag", "neg")}),
+                           {"lr": np.array(0, np.int32), "flag": np.array(1, np.int32), "neg": np.array(-3, np.int8)})
+    assert type(out["step"]) is np.int32 and out["step"] == 12
+
+
 def test_key_impl_mismatch(saved, dispatcher):
     path, tree = saved
     rbg = jax.random.key(0, impl="rbg")

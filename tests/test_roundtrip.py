@@ -273,6 +273,29 @@ def test_dtype_sharded_jax_leaf(dispatcher, mesh, tmp_path, name):
     assert_numpy_leaves(as_numpy)
 
 
+def test_64_bit_leaves_onto_metadata_without_x64_come_back_exact_as_numpy(dispatcher, tmp_path):
+    """With jax_enable_x64 off (the default) JAX holds no 64-bit arrays: a ShapeDtypeStruct target
+    without a sharding asking for one (as ``dio.metadata`` gives) restores the stored values as
+    numpy of that dtype, never truncated to 32 bits; other dtypes still go to the device."""
+    tree = {"i64": np.array([2 ** 40 + 7, -(2 ** 62)], np.int64), "u64": np.array([2 ** 63 + 5], np.uint64),
+            "f64": np.array([np.pi, 1e300]), "c128": np.array([complex(5e-324, np.pi)]),
+            "tokens": 2 ** 40 + 7, "f32": np.arange(3, dtype=np.float32)}
+    path = tmp_path / "ckpt"
+    dispatcher.save(path, tree).wait()
+    restored = dispatcher.restore(path, dio.metadata(path))
+    assert_trees_bit_equal(restored, {**tree, "tokens": 2 ** 40 + 7})
+    assert all(type(restored[k]) is np.ndarray for k in ("i64", "u64", "f64", "c128"))
+    assert isinstance(restored["f32"], jax.Array)
+    onto = dispatcher.restore(path, {"i64": jax.ShapeDtypeStruct((2,), np.int64),
+                                     "tokens": jax.ShapeDtypeStruct((), np.int64)}, partial=True)
+    assert_trees_bit_equal(onto, {"i64": tree["i64"], "tokens": np.array(2 ** 40 + 7, np.int64)})
+    assert type(onto["tokens"]) is np.ndarray
+    with jax.enable_x64(True):  # JAX can hold them: device arrays, as the target asks
+        on_device = dispatcher.restore(path, dio.metadata(path))
+        assert all(isinstance(on_device[k], jax.Array) for k in ("i64", "u64", "f64", "c128"))
+        assert_trees_bit_equal(jax.device_get(on_device), {**tree, "tokens": 2 ** 40 + 7})
+
+
 # ---- 3. typed PRNG keys ------------------------------------------------------------------------------
 
 IMPLS = {"threefry2x32": "key<fry>", "rbg": "key<rbg>", "unsafe_rbg": "key<urbg>"}
