@@ -41,7 +41,8 @@ def plan_stored(manifest: Manifest, chunk_limit: int, small_leaf_bytes: int = 0)
             shape, dtype = saved.shape, np.dtype(saved.dtype)
         specs.append(stored_leaf_spec(i, saved.keypath, saved.kind, saved.origin, spec, tuple(shape), dtype, saved.key_impl, chunk_limit))
     specs = tuple(specs)
-    plan = Plan(manifest.treedef, specs, plan_chunks(specs, lambda spec: device_regions(None, spec.spec.shape)))
+    plan = Plan(manifest.treedef, specs, plan_chunks(specs, lambda spec: device_regions(None, spec.spec.shape)),
+                keys_by_name=manifest.keys_by_name)
     return with_packs(plan, small_leaf_bytes, chunk_limit // 2)
 
 

@@ -335,7 +335,7 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
             origin = "jax" if kind == "jax.Array" else "numpy"
             leaves.append(SavedLeaf(keypath, tree_lib.ARRAY, origin, shape, dtype, None, stored_spec,
                                     **_saved_sharding(shardings.get(leaf.name), len(shape))))
-    return Manifest(treedef, tuple(leaves), total, layout, arrays="", format=FORMAT), arrays
+    return Manifest(treedef, tuple(leaves), total, layout, arrays="", format=FORMAT, keys_by_name=True), arrays
 
 
 def _first_unopenable(kvstore: dict, names: list[str], driver: str, context, missing_is_fill: bool) -> str | None:

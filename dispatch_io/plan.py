@@ -78,6 +78,9 @@ class Plan:
     treedef: Any
     leaves: tuple[LeafSpec, ...]
     chunks: tuple[Chunk, ...]
+    # A conversion of an Orbax checkpoint: restores match its leaves as Orbax's do, by key
+    # names (the manifest's "keys"), so the targets the Orbax checkpoint took still fit.
+    keys_by_name: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp  # a test dependency only (the test extra): it wr
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal, host_bytes
+import storage_helpers as stored
 
 
 # Orbax's own restore without shardings warns that it reads them from the checkpoint: expected here.
@@ -377,6 +378,16 @@ def test_a_target_of_namedtuples_dataclasses_and_int_keys_restores_as_orbax_does
     assert dict(err.value.problems).keys() == {".opt_state[0].count", "['params']['layers']['0']",
                                                 "['params']['layers']['1']"}
     assert "shape mismatch" in dict(err.value.problems)[".opt_state[0].count"]
+
+    # Converted into our format, it still takes the targets the Orbax checkpoint took (its
+    # manifest says its keys match by name); a second conversion keeps that.
+    dispatcher.convert(path, tmp_path / "converted")
+    dispatcher.convert(tmp_path / "converted", tmp_path / "again")
+    assert stored.manifest(tmp_path / "again")["keys"] == "names"
+    for converted in ("converted", "again"):
+        restored = dispatcher.restore(tmp_path / converted, abstract)
+        assert isinstance(restored, TrainState) and set(restored.params["layers"]) == {0, 1}
+        assert_trees_bit_equal(restored, theirs)
 
 
 def test_a_manager_restores_an_orbax_step_onto_a_dataclass_target(tmp_path):
