@@ -5,7 +5,6 @@ buffers the reads filled (:func:`finish`). The reading itself is ``reading.py``'
 
 from __future__ import annotations
 
-import cmath
 import dataclasses
 import math
 from typing import Any
@@ -104,20 +103,32 @@ def _scalar_problem(value, leaf, cast: bool) -> str | None:
 def _scalar_array(value, dtype: np.dtype) -> np.ndarray | None:
     """The Python bool / int / float / complex ``value`` as a 0-d array of ``dtype``, rounded as
     numpy rounds (floats toward zero into integers); None where the result would not be the value
-    rounded: an integer out of range, NaN or inf as an integer, a finite value overflowing to inf
-    (or to NaN, in float8 types without inf), an imaginary part a real dtype would drop."""
+    rounded: an integer out of range, NaN or inf as an integer, a finite value beyond the dtype's
+    largest (which becomes inf, NaN or that largest value, by dtype), inf or NaN where the dtype
+    has none, a nonzero imaginary part a real dtype would drop."""
     if isinstance(value, complex) and not jax.dtypes.issubdtype(dtype, np.complexfloating):
-        return None
-    finite = isinstance(value, int) or cmath.isfinite(value)  # ints first: cmath overflows on big ones
+        if value.imag:
+            return None
+        value = value.real
+    if jax.dtypes.issubdtype(dtype, np.bool_):
+        return np.asarray(bool(value))
     if jax.dtypes.issubdtype(dtype, np.integer):
+        if not (isinstance(value, int) or math.isfinite(value)):
+            return None
         info = jax.numpy.iinfo(dtype)  # numpy's iinfo does not know int4 and friends
-        return np.asarray(int(value), dtype) if finite and info.min <= int(value) <= info.max else None
-    try:
-        with np.errstate(over="ignore"):  # overflow is what is checked below
-            array = np.asarray(value).astype(dtype)
-    except OverflowError:  # an int beyond float64's range
+        return np.asarray(int(value), dtype) if info.min <= int(value) <= info.max else None
+    largest = float(jax.numpy.finfo(dtype).max)
+    parts = (value.real, value.imag) if isinstance(value, complex) else (value,)
+    # ints compared exactly (a huge one overflows float()); finite floats by magnitude
+    if any(abs(p) > largest if isinstance(p, int) or math.isfinite(p) else False for p in parts):
         return None
-    return array if bool(np.isfinite(array)) == finite else None
+    with np.errstate(over="ignore", invalid="ignore"):
+        array = np.asarray(value if isinstance(value, complex) else float(value)).astype(dtype)
+    got = (array.real, array.imag) if isinstance(value, complex) else (array,)
+    for p, g in zip(parts, got):  # inf and NaN stay themselves only in dtypes that have them
+        if isinstance(p, float) and not math.isfinite(p) and not (p == g or (math.isnan(p) and np.isnan(g))):
+            return None
+    return array
 
 
 def _target_problem(saved: SavedLeaf, leaf, cast: bool) -> str | None:

@@ -8,6 +8,7 @@ import shutil
 import threading
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -220,6 +221,29 @@ def test_python_scalars_onto_array_targets_are_checked_like_arrays(tmp_path, dis
     assert_trees_bit_equal(jax.device_get({k: out[k] for k in ("lr", "flag", "neg")}),
                            {"lr": np.array(0, np.int32), "flag": np.array(1, np.int32), "neg": np.array(-3, np.int8)})
     assert type(out["step"]) is np.int32 and out["step"] == 12
+
+
+def test_python_floats_beyond_narrow_float_dtypes_are_refused(tmp_path, dispatcher):
+    """Narrow float dtypes end differently past their largest value (float4/float6 saturate,
+    float8_e4m3fn has no inf): none of that passes for a conversion, with or without cast; a
+    huge int onto an ml_dtypes float converts, or is refused, never a raw TypeError."""
+    tree = {"scale": 1e6, "inf": float("inf"), "nan": float("nan"), "n": 2 ** 64, "tiny_n": 2 ** 64 - 1,
+            "real": complex(3, 0), "ok": 6.0}
+    path = tmp_path / "ckpt"
+    dispatcher.save(path, tree).wait(TIMEOUT)
+    of = lambda name: jax.ShapeDtypeStruct((), getattr(ml_dtypes, name))  # noqa: E731
+    target = {"scale": of("float4_e2m1fn"), "inf": of("float8_e4m3fn"), "nan": of("float6_e3m2fn"),
+              "n": of("bfloat16"), "tiny_n": of("float4_e2m1fn"), "real": jax.ShapeDtypeStruct((), np.float32),
+              "ok": of("float4_e2m1fn")}
+    for cast in (False, True):
+        with pytest.raises(dio.TreeMismatchError) as info:
+            dispatcher.restore(path, target, cast=cast)
+        refused = {"['scale']", "['inf']", "['nan']", "['tiny_n']"} | (set() if cast else {"['n']", "['real']"})
+        assert {k for k, _ in info.value.problems} == refused, info.value.problems
+    fits = {k: target[k] for k in ("n", "real", "ok")}
+    out = jax.device_get(dispatcher.restore(path, fits, partial=True, cast=True))
+    assert_trees_bit_equal(out, {"n": np.array(2.0 ** 64, ml_dtypes.bfloat16), "real": np.array(3, np.float32),
+                                 "ok": np.array(6, ml_dtypes.float4_e2m1fn)})
 
 
 def test_key_impl_mismatch(saved, dispatcher):
