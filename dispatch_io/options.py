@@ -49,11 +49,10 @@ class Options:
         copy instead of waiting for writes to free host memory. Never on CPU devices, whose
         memory is host memory. False: ``save()`` waits.
     keep_page_cache: leave the checkpoint's files in the OS page cache. By default the page
-        cache of each batch's files is dropped once written (durable), and local files are read
-        with direct IO (``O_DIRECT``, past the cache): a checkpoint's bytes are used once, and
-        recycling pages instead of filling the cache makes IO much faster where fresh memory
+        cache of each batch's files is dropped once written (durable) or read: a checkpoint's
+        bytes are used once, and recycling those pages makes IO much faster where fresh memory
         is slow (VMs returning freed memory to the host). Keep it when several processes on one
-        host restore the same replicated data, or restore what was just saved.
+        host restore the same replicated data.
     checksums: store a CRC-32C of every chunk in the manifest, for ``restore(verify=True)``.
         Computed over the uncompressed bytes, so verify works the same with compression on.
     compression: ``None`` (default: raw little-endian chunks), ``"zstd"`` (zstd level 3) or

@@ -660,37 +660,3 @@ def test_a_save_leaves_no_host_copy_on_the_trainers_arrays(tmp_path, mesh, dispa
         d.save(tmp_path / "ckpt", tree).wait()
         assert all(x._npy_value is None for x in tree.values())   # JAX's cache of a host copy
         assert_trees_bit_equal(d.restore(tmp_path / "ckpt", tree), tree)
-
-
-def evict(folder):
-    """Drop the page cache of every file under ``folder``."""
-    for root, _, names in os.walk(folder):
-        for name in names:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-@pytest.mark.parametrize("layout", ["ocdbt", "files"])
-@pytest.mark.parametrize("keep", [False, True])
-def test_restores_read_past_the_page_cache(tmp_path, mesh, dispatcher_cls, layout, keep, monkeypatch):
-    """By default local files are read with direct IO: even with the drop after reads turned
-    off, a restore leaves almost none of the checkpoint in the page cache (it is neither
-    allocated nor copied through). keep_page_cache=True reads through the cache, which keeps it."""
-    from workers import tensorstore_io
-
-    tree = {f"w{i}": put(mesh, random_array(300 + i, (512, 512)), "data", "model") for i in range(4)}  # 4 MiB
-    path = tmp_path / "ckpt"
-    with dispatcher_cls(host_memory_budget=2 * MiB, layout=layout, keep_page_cache=keep) as d:
-        d.save(path, tree).wait(60)
-        evict(path / "arrays")
-        monkeypatch.setattr(tensorstore_io, "release_page_cache", lambda *args, **kwargs: None)
-        restored = d.restore(path, abstract(tree))
-        cached = resident_bytes(path / "arrays")
-    assert_trees_bit_equal(tree, restored)
-    if keep:
-        assert cached >= 4 * MiB, cached
-    else:
-        assert cached < 256 * KiB, cached   # metadata and B-tree nodes at most

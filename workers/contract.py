@@ -230,8 +230,7 @@ class IOSettings:
     layout: ``"ocdbt"`` or ``"files"`` (see ``workers.layout_kvstore``).
     fsync: make written files durable before a write returns.
     checksums: compute a CRC-32C of every written region.
-    keep_page_cache: leave the checkpoint's files in the OS page cache after IO (else writes
-        drop it and local reads use direct IO).
+    keep_page_cache: leave the checkpoint's files in the OS page cache after IO.
     threads: how many IO calls a runner runs at once.
     read_window: most stored bytes one read call decodes at a time (bounds TensorStore's
         temporary memory for regions larger than it).

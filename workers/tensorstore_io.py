@@ -49,7 +49,6 @@ class Session:
     ``ts.Context`` (e.g. the memory kvstore's) or ``None`` for a fresh one that goes away with
     the session (no process-global cache outlives an operation). ``cache_bytes``: decoded chunks
     the session may keep (for reads that take a stored chunk in several pieces; default none).
-    Local files are read with direct IO, past the page cache, unless ``settings.keep_page_cache``.
     """
 
     def __init__(self, kvstore: dict, settings: IOSettings, context: ts.Context | None = None,
@@ -75,10 +74,6 @@ class Session:
             "cache_pool": {"total_bytes_limit": cache_bytes}, **NODE_CACHE,
             "file_io_concurrency": {"limit": io_concurrency},
             "file_io_sync": settings.fsync,
-            # Local reads bypass the page cache (O_DIRECT) unless it is kept: no copy through it
-            # and no cache pages to allocate; twice as fast for a cold restore of large chunks.
-            # TensorStore reads buffered where it cannot (unaligned ends, no O_DIRECT support).
-            "file_io_mode": {"mode": "default" if keep else "direct"},
         })
         # The memory kvstore keeps written values by reference: they must not alias the
         # caller's buffers (reused staging), so TensorStore copies them there.
