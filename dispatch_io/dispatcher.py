@@ -82,8 +82,7 @@ class Dispatcher:
         started = time.perf_counter()
         location = Location.parse(path)
         with collector.paused():
-            plan, cached = self._plans.get(tree)
-            leaves = jax.tree_util.tree_leaves(tree)
+            plan, leaves, cached = self._plans.get(tree)
             priorities = self._priorities(plan, priority)
             packed, batches, describe = self._layout(plan, priorities)
         overflow = self._snapshot_sync_overflow(packed, leaves, batches)

@@ -313,18 +313,25 @@ def _id(device) -> int | None:
     return None if device is None else device.id
 
 
-def plan_key(tree) -> tuple:
-    """What a plan depends on: structure, and per leaf its type, shape, dtype and sharding.
+def plan_key(leaves: list, treedef) -> tuple:
+    """What the plan of the tree ``jax.tree_util.tree_flatten`` made ``(leaves, treedef)`` of
+    depends on: its structure with its key paths, and per leaf its type, shape, dtype and sharding.
 
+    The structure is there twice. Treedefs compare dict keys by ``==``, so ``{0: x}``,
+    ``{np.int64(0): x}`` and ``{False: x}`` have equal treedefs but the key paths ``[0]``,
+    ``[np.int64(0)]`` and ``[False]``; the treedef's text shows every key by its ``repr``, as key
+    paths do, so it tells them apart (for a fraction of the cost of the key paths themselves). It
+    comes first: treedefs are then compared only when their texts are equal (comparing
+    ``np.int64(1)`` with ``(1, "a")`` raises). The treedef itself tells apart node classes of
+    the same name. A custom node's key names are taken to follow from its class and aux data.
     Python scalar *values* are not part of it (a step counter changes every save)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
     sig = []
     for leaf in leaves:
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
             sig.append((type(leaf), tuple(leaf.shape), leaf.dtype, getattr(leaf, "sharding", None)))
         else:
             sig.append(type(leaf))
-    return treedef, tuple(sig)
+    return str(treedef), tuple(sig), treedef
 
 
 class PlanCache:
@@ -340,25 +347,26 @@ class PlanCache:
         self._lock = threading.Lock()
         self.hits = 0
 
-    def get(self, tree) -> tuple[Plan, bool]:
-        """(the plan of ``tree``, whether it came from the cache)."""
+    def get(self, tree) -> tuple[Plan, list, bool]:
+        """(the plan of ``tree``, its leaves, whether the plan came from the cache)."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
         try:
-            key = plan_key(tree)
+            key = plan_key(leaves, treedef)
             hash(key)
         except TypeError:  # unhashable sharding: plan without caching
-            return plan_tree(tree, self._chunk_limit, self._small_leaf_bytes), False
+            return plan_tree(tree, self._chunk_limit, self._small_leaf_bytes), leaves, False
         with self._lock:
             entry = self._plans.pop(key, None)
             if entry is not None:
                 self.hits += 1
                 self._plans[key] = entry
-                return entry[0], True
+                return entry[0], leaves, True
         plan = plan_tree(tree, self._chunk_limit, self._small_leaf_bytes)  # outside the lock: it may take a while
         with self._lock:
             self._plans[key] = self._plans.pop(key, None) or (plan, {})
             while len(self._plans) > self._size:
                 self._plans.pop(next(iter(self._plans)))
-            return self._plans[key][0], False
+            return self._plans[key][0], leaves, False
 
     def derive(self, plan: Plan, key, make):
         """``make()``, computed once per ``key`` while ``plan`` is cached (up to 8 keys a plan)."""
