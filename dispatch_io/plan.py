@@ -223,10 +223,12 @@ def _split_region(region, chunk_shape):
 
 
 def plan_tree(tree, chunk_limit: int, small_leaf_bytes: int = 0) -> Plan:
-    """Build the plan for ``tree`` (TypeError naming the key path for unsupported leaves);
-    sharded leaves of at most ``small_leaf_bytes`` on one process's devices are one chunk.
+    """Build the plan for ``tree`` (TypeError naming the key path for unsupported leaves, or
+    for two leaves with one key path); sharded leaves of at most ``small_leaf_bytes`` on one
+    process's devices are one chunk.
     Nothing is packed yet: that depends on the save's priorities (:func:`with_packs`)."""
     flat, treedef = tree_lib.flatten(tree)
+    tree_lib.check_distinct_keypaths(flat)
     specs = tuple(leaf_spec(i, path, leaf, chunk_limit, small_leaf_bytes) for i, (path, leaf) in enumerate(flat))
     return Plan(treedef, specs, plan_chunks(specs, _regions))
 

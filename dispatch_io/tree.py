@@ -34,6 +34,18 @@ def flatten(tree) -> tuple[list[tuple[str, Any]], Any]:
     return [(tu.keystr(path), leaf) for path, leaf in with_paths], treedef
 
 
+def check_distinct_keypaths(flat: list[tuple[str, Any]]):
+    """TypeError naming the key path if two leaves of ``flat`` (:func:`flatten`) have the same
+    key path text: checkpoints name leaves by it, so one would be restored from the other's data.
+    Only custom nodes can do it, e.g. ``GetAttrKey("x[0]")`` beside ``GetAttrKey("x")`` of a list."""
+    seen: set[str] = set()
+    for keypath, _ in flat:
+        if keypath in seen:
+            raise TypeError(f"cannot checkpoint leaf {keypath}: another leaf of the tree has the same key path "
+                            "(a custom node's keys print like another's), so the two could not be told apart")
+        seen.add(keypath)
+
+
 def key_names(path) -> tuple[str, ...]:
     """Orbax's names of the entries of the JAX key path ``path``, as Orbax stores them in
     ``_METADATA``: a sequence index, dict key, dataclass attribute or NamedTuple field, each as

@@ -4,6 +4,7 @@ import concurrent.futures
 import errno
 import json
 import os
+import re
 import shutil
 import threading
 
@@ -86,6 +87,27 @@ def test_unsupported_leaf_names_its_key_path_and_creates_nothing(tmp_path, dispa
     good = {"a": {"ok": np.ones(3, np.float32)}, "b": 1}
     dispatcher.save(path, good).wait(TIMEOUT)
     assert_trees_bit_equal(dispatcher.restore(path), good)
+
+
+class Aliased:
+    """A custom node whose two keys print alike: ``.x[0]`` (a key named "x[0]") and ``.x[0]``
+    (item 0 of the list under key "x")."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    Aliased, lambda n: (((jax.tree_util.GetAttrKey("x[0]"), n.a), (jax.tree_util.GetAttrKey("x"), n.b)), None),
+    lambda _, children: Aliased(*children))
+
+
+def test_two_leaves_with_one_key_path_are_refused_before_anything_is_written(tmp_path, dispatcher):
+    # Restores match leaves by key path: they once got each other's data.
+    tree = {"n": Aliased(np.full(2, 1.0), [np.full(2, 2.0)])}
+    with pytest.raises(TypeError, match=re.escape("['n'].x[0]")):
+        dispatcher.save(tmp_path / "ckpt", tree)
+    assert os.listdir(tmp_path) == []
 
 
 # ---- 3. overwrite guard --------------------------------------------------------------------------
