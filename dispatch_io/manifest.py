@@ -39,7 +39,7 @@ import jax
 
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError
-from dispatch_io.plan import Plan
+from dispatch_io.plan import Plan, native_order
 from workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
 
 FORMAT = "dispatch_io"
@@ -215,7 +215,7 @@ def _parse(doc: dict, where: str) -> Manifest:
         if e["kind"] == tree_lib.KEY:
             dtype = key_dtype(e["key_impl"])
         else:
-            dtype = numpy_dtype(e["dtype"])
+            dtype = native_order(numpy_dtype(e["dtype"]))  # an older save of a ">f4" leaf recorded ">f4"
         leaves.append(SavedLeaf(
             e["keypath"], e["kind"], e["origin"], tuple(e["shape"]), dtype, e.get("key_impl"),
             _stored_array(stored, packs),

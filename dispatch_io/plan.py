@@ -188,12 +188,15 @@ def leaf_spec(index: int, keypath: str, leaf, chunk_limit: int, small_leaf_bytes
     if kind == tree_lib.SCALAR:
         return LeafSpec(index, keypath, kind, origin="python")
     origin = "jax" if isinstance(leaf, jax.Array) else ("numpy_scalar" if isinstance(leaf, np.generic) else "numpy")
-    spec = jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=leaf.sharding if origin == "jax" else None)
+    if origin == "jax":
+        spec = jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=leaf.sharding)
+    else:  # stored in this host's byte order whatever the leaf's (the copy to staging converts),
+        # and recorded so: the values are what is saved, not their byte order (">f4" is float32)
+        spec = jax.ShapeDtypeStruct(tuple(leaf.shape), native_order(np.dtype(leaf.dtype)))
     if kind == tree_lib.KEY:
         shape, dtype, impl = key_physical(leaf)
     else:
-        # Stored little-endian whatever the leaf's byte order (the copy to staging converts).
-        shape, dtype, impl = tuple(leaf.shape), native_order(np.dtype(leaf.dtype)), None
+        shape, dtype, impl = tuple(leaf.shape), np.dtype(spec.dtype), None
     if _copied_whole(spec, math.prod(shape) * dtype.itemsize, min(small_leaf_bytes, chunk_limit)):
         return LeafSpec(index, keypath, kind, origin, spec, shape, dtype, impl, _storage_name(index, keypath),
                         shape, whole=True)

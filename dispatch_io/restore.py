@@ -16,7 +16,7 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import TreeMismatchError
 from dispatch_io.manifest import Manifest, SavedLeaf
-from dispatch_io.plan import device_regions, index_region, whole_on_one_device
+from dispatch_io.plan import device_regions, index_region, native_order, whole_on_one_device
 
 HOST, DEVICE = "host", "device"
 
@@ -59,6 +59,7 @@ def _describe(x) -> str:
 def _needs_x64(dtype) -> bool:
     """Whether JAX cannot hold ``dtype`` on devices now: int64, uint64, float64 and complex128
     need ``jax_enable_x64`` (off by default), without which device values lose their upper bits."""
+    dtype = native_order(np.dtype(dtype))  # JAX keeps ">f8" as it is, but holds only native dtypes
     return jax.dtypes.canonicalize_dtype(dtype) != dtype
 
 
@@ -146,7 +147,8 @@ def _target_problem(saved: SavedLeaf, leaf, cast: bool) -> str | None:
         return f"checkpoint has {'a PRNG key' if saved.kind == tree_lib.KEY else 'a plain array'} of dtype {saved.dtype}, target dtype is {leaf.dtype}"
     if target_is_key and leaf.dtype != saved.dtype:
         return f"PRNG key impl mismatch: checkpoint {saved.dtype} ({saved.key_impl}), target {leaf.dtype}"
-    if not target_is_key and np.dtype(leaf.dtype) != saved.dtype and not cast:
+    # Byte order is not a dtype difference: the result has the target's, values bit-exact.
+    if not target_is_key and native_order(np.dtype(leaf.dtype)) != saved.dtype and not cast:
         return f"dtype mismatch: checkpoint {saved.dtype}, target {leaf.dtype} (pass cast=True to convert)"
     return _x64_problem(leaf)
 
@@ -164,7 +166,7 @@ def _output_for(saved: SavedLeaf, leaf) -> Output:
     sharding = getattr(leaf, "sharding", None) or saved.sharding  # the saved one, where the format has it
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    dtype = stored_dtype if key else np.dtype(leaf.dtype)
+    dtype = stored_dtype if key else native_order(np.dtype(leaf.dtype))  # device arrays are native
     return Output(saved, DEVICE, dtype, sharding)
 
 
@@ -254,6 +256,8 @@ def finish(out) -> Any:
                        for r in out.regions}
     if out.where == HOST:
         array = next(iter(out.buffers.values()))
+        if array.dtype != out.dtype:  # read in this host's byte order; a target asked for the other
+            array = array.astype(out.dtype)
         return array[()] if out.as_scalar else array
     out.result = _keys_from_regions(out) if saved.kind == tree_lib.KEY else _from_regions(out)
     return out.result

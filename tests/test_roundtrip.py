@@ -296,6 +296,24 @@ def test_64_bit_leaves_onto_metadata_without_x64_come_back_exact_as_numpy(dispat
         assert_trees_bit_equal(jax.device_get(on_device), {**tree, "tokens": 2 ** 40 + 7})
 
 
+def test_big_endian_numpy_leaves_are_their_values_in_native_byte_order(dispatcher, tmp_path):
+    """A ">f4" leaf is stored (little-endian) and recorded as float32: metadata, target=None and
+    a metadata target agree on float32; a numpy target gets its own byte order. Values bit-exact
+    (NaN payloads included) every way; byte order alone is not a dtype mismatch."""
+    bits = np.array([0x7FC00123, 0xFF800000, 0x80000000, 0x3F800001], np.uint32)
+    tree = {"f": bits.view(np.float32).astype(">f4"), "i": np.array([-2, 2 ** 30], ">i8")}
+    native = {k: v.astype(v.dtype.newbyteorder("=")) for k, v in tree.items()}
+    path = tmp_path / "ckpt"
+    dispatcher.save(path, tree).wait()
+    assert {k: v.dtype for k, v in dio.metadata(path).items()} == {"f": np.float32, "i": np.int64}
+    assert_trees_bit_equal(dispatcher.restore(path), native)
+    assert_trees_bit_equal(dispatcher.restore(path, tree), tree)               # ">f4" / ">i8" back
+    assert_trees_bit_equal(dispatcher.restore(path, native), native)
+    on_metadata = dispatcher.restore(path, dio.metadata(path))             # int64: numpy, x64 off
+    assert isinstance(on_metadata["f"], jax.Array)
+    assert_trees_bit_equal(jax.device_get(on_metadata), native)
+
+
 # ---- 3. typed PRNG keys ------------------------------------------------------------------------------
 
 IMPLS = {"threefry2x32": "key<fry>", "rbg": "key<rbg>", "unsafe_rbg": "key<urbg>"}
