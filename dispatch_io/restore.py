@@ -132,10 +132,34 @@ def _scalar_array(value, dtype: np.dtype) -> np.ndarray | None:
     return array
 
 
+def _python_scalar(value, leaf, cast: bool) -> tuple[Any, str | None]:
+    """(the result, None) for the checkpoint's Python scalar ``value`` onto the Python scalar
+    target ``leaf``, or (None, why it cannot be). The same type (bool, int, float, complex, str)
+    gives ``value``; another kind of number needs ``cast`` and converts as Python does, where the
+    value survives it (no imaginary part dropped, no inf or NaN as an int, no overflow); a str
+    never becomes a number nor a number a str."""
+    kind, want = (next(t for t in tree_lib._SCALAR_TYPES if isinstance(x, t)) for x in (value, leaf))
+    if kind is want:
+        return value, None
+    if str in (kind, want):
+        return None, f"checkpoint has a Python {kind.__name__}, target a {want.__name__} (a string is not a number)"
+    if not cast:
+        return None, (f"type mismatch: checkpoint has a Python {kind.__name__}, target a {want.__name__} "
+                      "(pass cast=True to convert)")
+    real = value.real if isinstance(value, complex) and want is not complex and not value.imag else value
+    try:
+        converted = None if isinstance(real, complex) and want is not complex else want(real)
+    except (OverflowError, ValueError):  # a huge int as a float; inf or NaN as an int
+        converted = None
+    if converted is None:
+        return None, f"the Python {kind.__name__} {value!r} does not fit a Python {want.__name__}"
+    return converted, None
+
+
 def _target_problem(saved: SavedLeaf, leaf, cast: bool) -> str | None:
     if saved.kind == tree_lib.SCALAR:
         if isinstance(leaf, tree_lib._SCALAR_TYPES):
-            return None
+            return _python_scalar(saved.value, leaf, cast)[1]
         return _scalar_problem(saved.value, leaf, cast) or _x64_problem(leaf)
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
         return (f"checkpoint has shape {saved.shape} dtype {saved.dtype}, target leaf is "
@@ -197,7 +221,7 @@ def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool, small_le
         if problem:
             problems.append((keypath, problem))
         elif saved.kind == tree_lib.SCALAR:
-            outputs.append(_scalar_output(saved.value, leaf))
+            outputs.append(_scalar_output(saved.value, leaf, cast))
         else:
             outputs.append(_read_whole(_output_for(saved, leaf), small_leaf_bytes))
     if not partial:
@@ -215,10 +239,10 @@ def _read_whole(out: Output, limit: int) -> Output:
     return out
 
 
-def _scalar_output(value, leaf):
+def _scalar_output(value, leaf, cast: bool):
     """The result for a Python scalar ``value`` whose target ``leaf`` passed :func:`_target_problem`."""
     if isinstance(leaf, tree_lib._SCALAR_TYPES):
-        return value
+        return _python_scalar(value, leaf, cast)[0]
     array = _scalar_array(value, np.dtype(leaf.dtype))
     if isinstance(leaf, np.generic):
         return array[()]

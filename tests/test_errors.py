@@ -268,6 +268,29 @@ def test_python_floats_beyond_narrow_float_dtypes_are_refused(tmp_path, dispatch
                                  "ok": np.array(6, ml_dtypes.float4_e2m1fn)})
 
 
+def test_python_scalar_targets_are_checked_like_arrays(tmp_path, dispatcher):
+    """A Python scalar target of another type: a str never stands for a number nor a number for
+    a str; another kind of number needs cast=True and then converts as Python does, where the
+    value survives it. Each problem names its key path."""
+    tree = {"name": "run-7", "step": 7, "lr": 0.5, "flag": True, "z": 2 + 0j, "w": 1 + 1j, "inf": float("inf"),
+            "big": 2 ** 2000}
+    path = tmp_path / "ckpt"
+    dispatcher.save(path, tree).wait(TIMEOUT)
+    same = {"name": "", "step": 0, "lr": 0.0, "flag": False, "z": 0j, "w": 0j, "inf": 0.0, "big": 0}
+    assert dispatcher.restore(path, same) == tree                     # same types: the saved values
+    target = {"name": 0, "step": "x", "lr": 0, "flag": 2.5, "z": 0.0, "w": 0.0, "inf": 0, "big": 0.0}
+    with pytest.raises(dio.TreeMismatchError) as info:
+        dispatcher.restore(path, target)
+    assert {k for k, _ in info.value.problems} == {f"['{k}']" for k in target}
+    with pytest.raises(dio.TreeMismatchError) as info:
+        dispatcher.restore(path, target, cast=True)
+    assert {k for k, _ in info.value.problems} == {"['name']", "['step']", "['w']", "['inf']", "['big']"}
+    fits = {k: target[k] for k in ("lr", "flag", "z")}
+    out = dispatcher.restore(path, fits, partial=True, cast=True)
+    assert out == {"lr": 0, "flag": 1.0, "z": 2.0}
+    assert [type(out[k]) for k in ("lr", "flag", "z")] == [int, float, float]
+
+
 def test_key_impl_mismatch(saved, dispatcher):
     path, tree = saved
     rbg = jax.random.key(0, impl="rbg")
