@@ -128,14 +128,17 @@ class CheckpointManager:
 
     def save(self, step: int, tree, *, overwrite: bool = False, **save_kwargs) -> SaveHandle:
         """Save ``tree`` as ``step`` (after the save in flight, if any, has finished). Same
-        keyword arguments as ``Dispatcher.save``. ``FileExistsError`` if the step exists and
-        not ``overwrite``, or Orbax wrote it (whatever its naming: never replaced);
-        ``CheckpointError`` if several directories hold it already. An earlier save's
-        failure, not yet raised, is raised here (once)."""
+        keyword arguments as ``Dispatcher.save``. ``ValueError``, before anything is written,
+        if ``step`` is older than the latest committed step (after a rollback: remove the newer
+        steps first). ``FileExistsError`` if the step exists and not ``overwrite``, or Orbax
+        wrote it (whatever its naming: never replaced); ``CheckpointError`` if several
+        directories hold it already. An earlier save's failure, not yet raised, is raised here
+        (once)."""
         step = _step_number(step)
         self._check_open("save")
         with self._save_lock:  # saves from several threads still run one after the other
             self.wait()
+            self._check_not_older(step)
             path = self.step_path(step)
             if path != self._root.step_path(step):
                 raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save never "
@@ -144,6 +147,17 @@ class CheckpointManager:
             with self._lock:
                 self._in_flight = self._thread.submit(self._finish_save, handle)
         return handle
+
+    def _check_not_older(self, step: int):
+        """Retention ranks steps by number: a step below the newest committed one would be the
+        first it deletes (and ``latest_step`` / ``restore()`` would ignore it)."""
+        latest = self.latest_step()
+        if latest is not None and step < latest:
+            newer = [s for s in self.all_steps() if s > step]
+            raise ValueError(
+                f"cannot save step {step} under {self.root}: step {latest} is newer, so step {step} would never be "
+                f"the latest and retention could delete it at once; remove the steps newer than {step} first "
+                f"({', '.join(self.step_path(s) for s in newer)}), or save into another root")
 
     def _finish_save(self, handle: SaveHandle):
         """On the manager's thread: wait for the save, then apply retention."""

@@ -276,6 +276,30 @@ def test_existing_step_raises_and_overwrite_replaces(tmp_path, mesh):
         assert_trees_bit_equal(manager.restore(1), expected_second)
 
 
+def test_a_step_older_than_the_latest_is_refused_before_anything_is_written(tmp_path, mesh):
+    """After a rollback into the same root, retention ranks steps by number: the older step would
+    be deleted right after it committed (and restore() would return the newer one). Refused."""
+    root = tmp_path / "ckpts"
+    with dio.CheckpointManager(root, max_to_keep=2) as manager:
+        for step in (100, 200, 300):
+            manager.save(step, {"x": np.full(4, step, np.int32)})
+        manager.wait()
+        before = read_all(root)
+        for older in (210, 0):
+            with pytest.raises(ValueError, match=rf"cannot save step {older} under .*step 300 is newer.*"
+                                                 rf"remove the steps newer than {older} first"):
+                manager.save(older, {"x": np.full(4, older, np.int32)})
+        assert read_all(root) == before                  # nothing written
+        manager.wait()                                   # the refusal is not a pending failure
+        shutil.rmtree(root / "300")                      # the documented way on: remove the newer steps
+        manager.save(210, {"x": np.full(4, 210, np.int32)})
+        manager.wait()
+        assert manager.all_steps() == [200, 210] and manager.latest_step() == 210
+        assert_trees_bit_equal(manager.restore(), {"x": np.full(4, 210, np.int32)})
+        with pytest.raises(FileExistsError):             # the latest step itself: as before
+            manager.save(210, {"x": np.zeros(4, np.int32)})
+
+
 # ---- 4. saves never interleave -------------------------------------------------------------------------
 
 def test_next_save_waits_for_the_save_in_flight(tmp_path, mesh):
