@@ -231,14 +231,16 @@ class Dispatcher:
     def _check_usable(self, what: str):
         """RuntimeError, instead of a hang or an obscure failure, for a closed dispatcher or a
         call from one of its own IO threads."""
-        self._check_not_io_thread(what)
+        self.check_not_io_thread(f"{type(self).__name__}.{what}")
         if self._closed:
             raise RuntimeError(f"{type(self).__name__}.{what}() called after close()")
 
-    def _check_not_io_thread(self, what: str):
-        """Callbacks run on the dispatcher's IO threads; waiting there for the dispatcher deadlocks."""
+    def check_not_io_thread(self, caller: str):
+        """RuntimeError if the calling thread is one of this dispatcher's IO threads, where the
+        save callbacks run: ``caller`` (e.g. ``"CheckpointManager.wait"``) would wait there for
+        work those threads do, and deadlock."""
         if self.runner.threads.is_current():
-            raise RuntimeError(f"{type(self).__name__}.{what}() called from one of its own IO threads "
+            raise RuntimeError(f"{caller}() called from one of {type(self).__name__}'s own IO threads "
                                "(an on_transfer_end / on_write_end callback): that would deadlock; "
                                "hand the work to another thread or dispatcher")
 
@@ -347,7 +349,7 @@ class Dispatcher:
 
     def wait_all(self):
         """Wait for every save in flight (errors stay with their handles)."""
-        self._check_not_io_thread("wait_all")
+        self.check_not_io_thread(f"{type(self).__name__}.wait_all")
         with self._lock:
             runs = list(self._active)
         concurrent.futures.wait([r.future for r in runs])
@@ -357,7 +359,7 @@ class Dispatcher:
     def close(self):
         """Wait for saves in flight and free the staging memory. Later ``save()`` / ``restore()``
         calls raise RuntimeError; closing twice is fine."""
-        self._check_not_io_thread("close")
+        self.check_not_io_thread(f"{type(self).__name__}.close")
         with self._lock:
             self._closed = True
         self.wait_all()

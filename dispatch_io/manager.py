@@ -132,10 +132,10 @@ class CheckpointManager:
         if ``step`` is older than the latest committed step (after a rollback: remove the newer
         steps first). ``FileExistsError`` if the step exists and not ``overwrite``, or Orbax
         wrote it (whatever its naming: never replaced); ``CheckpointError`` if several
-        directories hold it already. An earlier save's failure, not yet raised, is raised here
-        (once)."""
+        directories hold it already; ``RuntimeError`` after ``close()`` or from a save callback.
+        An earlier save's failure, not yet raised, is raised here (once)."""
         step = _step_number(step)
-        self._check_open("save")
+        self._check_usable("save")
         with self._save_lock:  # saves from several threads still run one after the other
             self.wait()
             self._check_not_older(step)
@@ -174,7 +174,9 @@ class CheckpointManager:
                 logging.exception("dispatch_io: retention under %s failed", self.root)
 
     def wait(self):
-        """Wait for the save in flight (and its retention); raise a failure not yet raised."""
+        """Wait for the save in flight (and its retention); raise a failure not yet raised.
+        ``RuntimeError`` from a save callback (that would deadlock)."""
+        self.dispatcher.check_not_io_thread("CheckpointManager.wait")
         with self._lock:
             pending = self._in_flight
         if pending is not None:
@@ -186,7 +188,7 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target=None, **restore_kwargs):
         """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore``."""
-        self._check_open("restore")
+        self._check_usable("restore")
         return self.dispatcher.restore(self.step_path(self._resolve(step)), target, **restore_kwargs)
 
     def metadata(self, step: int | None = None):
@@ -222,13 +224,18 @@ class CheckpointManager:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    def _check_open(self, what: str):
+    def _check_usable(self, what: str):
+        """RuntimeError, instead of a hang, from a save callback (it runs on the dispatcher's IO
+        threads, which the manager's save and wait wait for), or after close()."""
+        self.dispatcher.check_not_io_thread(f"CheckpointManager.{what}")
         if self._closed:
             raise RuntimeError(f"CheckpointManager.{what}() called after close()")
 
     def close(self):
         """Wait for the save in flight (raising its failure, if not raised yet), then release
-        the manager's thread and, if the manager made it, the dispatcher."""
+        the manager's thread and, if the manager made it, the dispatcher. ``RuntimeError`` from
+        a save callback (that would deadlock)."""
+        self.dispatcher.check_not_io_thread("CheckpointManager.close")
         if self._closed:
             return
         self._closed = True

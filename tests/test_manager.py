@@ -347,6 +347,29 @@ def test_next_save_waits_for_the_save_in_flight(tmp_path, mesh):
         assert_trees_bit_equal(manager.restore(2), expected_two)
 
 
+def test_manager_calls_from_a_save_callback_raise_instead_of_deadlocking(tmp_path):
+    """A callback runs on the dispatcher's IO threads, which the manager's save / wait / close
+    wait for: each raises the dispatcher's RuntimeError there, and the save still commits."""
+    raised = {}
+
+    def on_write_end(keypath):
+        for name, call in (("wait", lambda: manager.wait()), ("save", lambda: manager.save(2, {"x": np.ones(2)})),
+                           ("restore", lambda: manager.restore(1)), ("close", lambda: manager.close())):
+            try:
+                call()
+            except RuntimeError as exc:
+                raised[name] = exc
+
+    with dio.CheckpointManager(tmp_path / "ckpts") as manager:
+        manager.save(1, {"x": np.arange(4)}, on_write_end=on_write_end).wait(TIMEOUT)
+        manager.wait()
+        assert sorted(raised) == ["close", "restore", "save", "wait"]
+        for name, exc in raised.items():
+            assert f"CheckpointManager.{name}() called from one of LocalDispatcher's own IO threads" in str(exc)
+        assert manager.all_steps() == [1]                # not closed by the refused close()
+        assert_trees_bit_equal(manager.restore(), {"x": np.arange(4)})
+
+
 # ---- 5. leftovers of killed saves ----------------------------------------------------------------------
 
 def test_leftovers_are_cleaned_only_when_provably_ours_and_dead(tmp_path, mesh):
