@@ -102,6 +102,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()
         self._in_flight: concurrent.futures.Future | None = None  # the last save + its retention
+        self._saving_thread: int | None = None                   # the thread inside save(), if any
         self._unreported: BaseException | None = None            # a failure not raised by save()/wait() yet
         self._closed = False
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
@@ -136,16 +137,21 @@ class CheckpointManager:
         An earlier save's failure, not yet raised, is raised here (once)."""
         step = _step_number(step)
         self._check_usable("save")
-        with self._save_lock:  # saves from several threads still run one after the other
-            self.wait()
-            self._check_not_older(step)
-            path = self.step_path(step)
-            if path != self._root.step_path(step):
-                raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save never "
-                                      "replaces one, even with overwrite=True (remove it first if it may go)")
-            handle = self.dispatcher.save(path, tree, overwrite=overwrite, **save_kwargs)
-            with self._lock:
-                self._in_flight = self._thread.submit(self._finish_save, handle)
+        with self._save_lock:  # saves from several threads run one after the other; close() waits here
+            self._check_usable("save")  # again: close() may have run while this waited for the lock
+            self._saving_thread = threading.get_ident()
+            try:
+                self.wait()
+                self._check_not_older(step)
+                path = self.step_path(step)
+                if path != self._root.step_path(step):
+                    raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save "
+                                          "never replaces one, even with overwrite=True (remove it first if it may go)")
+                handle = self.dispatcher.save(path, tree, overwrite=overwrite, **save_kwargs)
+                with self._lock:
+                    self._in_flight = self._thread.submit(self._finish_save, handle)
+            finally:
+                self._saving_thread = None
         return handle
 
     def _check_not_older(self, step: int):
@@ -232,13 +238,20 @@ class CheckpointManager:
             raise RuntimeError(f"CheckpointManager.{what}() called after close()")
 
     def close(self):
-        """Wait for the save in flight (raising its failure, if not raised yet), then release
-        the manager's thread and, if the manager made it, the dispatcher. ``RuntimeError`` from
-        a save callback (that would deadlock)."""
+        """Wait for a ``save()`` another thread has begun to start its save, then for the save in
+        flight and its retention (raising its failure, if not raised yet); then release the
+        manager's thread and, if the manager made it, the dispatcher. A ``save()`` that begins
+        later raises ``RuntimeError``. ``RuntimeError`` from a save callback, or from the thread
+        inside ``save()`` (e.g. its signal handler): either would deadlock."""
         self.dispatcher.check_not_io_thread("CheckpointManager.close")
-        if self._closed:
-            return
-        self._closed = True
+        if self._saving_thread == threading.get_ident():
+            raise RuntimeError("CheckpointManager.close() called by the thread inside its save() (from a signal "
+                               "handler or a priority callback?): it cannot wait for that save; close after "
+                               "save() returned, e.g. set a flag in the handler")
+        with self._save_lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self.wait()
         finally:

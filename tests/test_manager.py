@@ -370,6 +370,80 @@ def test_manager_calls_from_a_save_callback_raise_instead_of_deadlocking(tmp_pat
         assert_trees_bit_equal(manager.restore(), {"x": np.arange(4)})
 
 
+class _SpiedLock:
+    """A lock that calls ``on_enter()`` before each ``with`` acquires it."""
+
+    def __init__(self, lock, on_enter):
+        self.lock, self.on_enter = lock, on_enter
+
+    def __enter__(self):
+        self.on_enter()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_close_from_another_thread_waits_for_a_save_that_has_begun(tmp_path):
+    """close() (e.g. a preemption handler's thread) while save() copies its SYNC leaves: save()
+    returns its handle, the step commits and retention runs; a save() after that is refused."""
+    inside, release, close_progressed = threading.Event(), threading.Event(), threading.Event()
+    outcome = {}
+
+    def slow_transfer_end(keypath):           # stands in for a slow device-to-host copy
+        inside.set()
+        release.wait(TIMEOUT)
+
+    def train():
+        try:
+            outcome["save"] = manager.save(2, {"x": np.full(4, 2.0)}, on_transfer_end=slow_transfer_end)
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertions
+            outcome["save"] = exc
+
+    def close():
+        manager.close()
+        close_progressed.set()
+
+    with dio.LocalDispatcher(host_memory_budget=1 << 20) as dispatcher:
+        manager = dio.CheckpointManager(tmp_path / "ckpts", dispatcher, max_to_keep=1)
+        manager.save(1, {"x": np.ones(4)})
+        manager.wait()
+        trainer = threading.Thread(target=train)
+        closer = threading.Thread(target=close)
+        # close() waiting for the save, or done: either way it has progressed as far as it can.
+        manager._save_lock = _SpiedLock(manager._save_lock,
+                                        lambda: threading.current_thread() is closer and close_progressed.set())
+        trainer.start()
+        assert inside.wait(TIMEOUT)
+        closer.start()
+        assert close_progressed.wait(TIMEOUT)
+        release.set()
+        trainer.join(TIMEOUT)
+        closer.join(TIMEOUT)
+        assert not trainer.is_alive() and not closer.is_alive()
+        assert isinstance(outcome["save"], dio.SaveHandle), outcome["save"]
+        assert outcome["save"].done() and outcome["save"].wait(0).bytes_written > 0
+        assert listing(tmp_path / "ckpts") == {"2"}      # committed, and retention ran before close() returned
+        with pytest.raises(RuntimeError, match=r"CheckpointManager.save\(\) called after close\(\)"):
+            manager.save(3, {"x": np.ones(4)})
+        assert listing(tmp_path / "ckpts") == {"2"}
+
+
+def test_close_from_inside_save_on_the_same_thread_raises(tmp_path):
+    """The thread inside save() (its signal handler; here its priority callback) cannot wait for
+    that save: close() there raises instead of blocking forever; the manager stays open."""
+    with dio.CheckpointManager(tmp_path / "ckpts") as manager:
+        def priority(keypath, spec):
+            manager.close()
+
+        with pytest.raises(RuntimeError) as info:
+            manager.save(1, {"x": np.ones(4)}, priority=priority)
+        errors = [info.value, info.value.__cause__]
+        assert any("CheckpointManager.close() called by the thread inside its save()" in str(e) for e in errors)
+        manager.save(1, {"x": np.ones(4)}).wait(TIMEOUT)
+        assert manager.all_steps() == [1]
+
+
 # ---- 5. leftovers of killed saves ----------------------------------------------------------------------
 
 def test_leftovers_are_cleaned_only_when_provably_ours_and_dead(tmp_path, mesh):
