@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Sequence
+from typing import Callable, Sequence
 
+from dispatch_io import tree as tree_lib
 from dispatch_io.plan import Plan
 from dispatch_io.staging import aligned
 
@@ -21,6 +22,32 @@ class Priority(enum.IntEnum):
     SYNC = 0
     HIGH = 1
     LOW = 2
+
+
+def leaf_priorities(plan: Plan, priority: Callable | None) -> list[Priority]:
+    """Each leaf's :class:`Priority`: ``priority(keypath, spec)`` for array leaves (None: all
+    SYNC); Python scalars are SYNC (nothing to copy).
+
+    Raises ``TypeError`` naming the key path for a value that is not a ``Priority`` (not even
+    an int or bool equal to one: a likely mistake); ``RuntimeError`` naming the key path for an
+    exception the callback raised (chained)."""
+    if priority is None:
+        return [Priority.SYNC] * len(plan.leaves)
+    out = []
+    for spec in plan.leaves:
+        if spec.kind == tree_lib.SCALAR:
+            out.append(Priority.SYNC)
+            continue
+        try:
+            value = priority(spec.keypath, spec.spec)
+        except Exception as exc:  # noqa: BLE001 - re-raised, naming the leaf it was asked about
+            raise RuntimeError(f"the priority callback raised for {spec.keypath}: {type(exc).__name__}: {exc}") \
+                from exc
+        if not isinstance(value, Priority):
+            raise TypeError(f"priority callback returned {value!r} for {spec.keypath}; "
+                            "expected a dispatch_io.Priority (SYNC, HIGH or LOW)")
+        out.append(value)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

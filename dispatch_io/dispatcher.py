@@ -25,14 +25,14 @@ from dispatch_io import progress as progress_lib
 from dispatch_io import reading, scaleout
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
-from dispatch_io.batches import Priority, make_batches, sync_overflow
+from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
 from dispatch_io.convert import StoredSource, plan_stored
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache, with_packs
 from dispatch_io.progress import Progress, RestoreStats, SaveStats
 from dispatch_io.runner import LocalRunner, Runner, platform
-from dispatch_io.save import SaveHandle, SaveJob, SaveRun
+from dispatch_io.save import SaveHandle, SaveJob, SaveRun, check_callbacks
 from dispatch_io.locks import PathLocks
 from dispatch_io.shared_verify import verify_shared
 from dispatch_io.staging import StagingRing
@@ -74,16 +74,18 @@ class Dispatcher:
         ``on_transfer_end(keypath)`` fires exactly once per array leaf, once its device data is
         no longer needed (copied, or the save failed first); ``on_write_end(keypath)`` once its
         bytes are written (not for leaves a failed save did not write).
-        Raises ``TypeError`` (unsupported leaf, naming its key path) or ``FileExistsError``
-        before anything is written; ``RuntimeError`` after ``close()`` or from this dispatcher's
-        own callbacks. Call ``.wait()`` on the handle for durability and errors.
+        Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
+        a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
+        priority callback raised, chained; after ``close()``; from this dispatcher's own
+        callbacks) or ``FileExistsError``. Call ``.wait()`` on the handle for durability and errors.
         """
         self._check_usable("save")
+        check_callbacks(priority=priority, on_transfer_end=on_transfer_end, on_write_end=on_write_end)
         started = time.perf_counter()
         location = Location.parse(path)
         with collector.paused():
             plan, leaves, cached = self._plans.get(tree)
-            priorities = self._priorities(plan, priority)
+            priorities = leaf_priorities(plan, priority)
             packed, batches, describe = self._layout(plan, priorities)
         overflow = self._snapshot_sync_overflow(packed, leaves, batches)
         if overflow:  # on their devices now: to host later, with HIGH priority
@@ -210,23 +212,6 @@ class Dispatcher:
         self._paths.release(key)
         if idle and not self.options.keep_staging_warm:
             self._ring.drop_buffer()
-
-    @staticmethod
-    def _priorities(plan: Plan, priority: PriorityFn | None) -> list[Priority]:
-        if priority is None:
-            return [Priority.SYNC] * len(plan.leaves)
-        out = []
-        for spec in plan.leaves:
-            if spec.kind == tree_lib.SCALAR:
-                out.append(Priority.SYNC)
-                continue
-            value = priority(spec.keypath, spec.spec)
-            try:
-                out.append(Priority(value))
-            except ValueError:
-                raise TypeError(f"priority callback returned {value!r} for {spec.keypath}; "
-                                "expected a dispatch_io.Priority") from None
-        return out
 
     def _check_usable(self, what: str):
         """RuntimeError, instead of a hang or an obscure failure, for a closed dispatcher or a

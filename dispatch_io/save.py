@@ -41,6 +41,14 @@ from dispatch_io.staging import StagingRing
 from workers import ChunkError, IOSettings, Region, finish_arrays
 
 
+def check_callbacks(**callbacks):
+    """``TypeError`` naming the argument for a callback that is neither None nor callable
+    (called later on an IO thread, it could only be logged, once per leaf)."""
+    for name, fn in callbacks.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {fn!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SaveJob:
     """What one save writes, as planned by the dispatcher: ``batches`` are this process's, in

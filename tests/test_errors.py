@@ -521,7 +521,7 @@ def test_deleted_sync_leaf_fails_save_itself(tmp_path, mesh, dispatcher):
 
 # ---- 8. a priority callback returning garbage ------------------------------------------------------
 
-@pytest.mark.parametrize("garbage", ["urgent", None, 7, -1, 2.5, object()])
+@pytest.mark.parametrize("garbage", ["urgent", None, 7, -1, 2.5, object(), 1, 1.0, True, np.int64(2)])
 def test_priority_callback_garbage(tmp_path, dispatcher, garbage):
     tree = {"fine": np.ones(2), "layer": {"w": np.zeros((2, 2), np.float32)}, "step": 1}
 
@@ -530,6 +530,26 @@ def test_priority_callback_garbage(tmp_path, dispatcher, garbage):
 
     with pytest.raises(TypeError, match=r"\['layer'\]\['w'\]"):
         dispatcher.save(tmp_path / "ckpt", tree, priority=priority)
+    assert os.listdir(tmp_path) == []
+
+
+def test_priority_callback_raising_names_the_key_path(tmp_path, dispatcher):
+    tree = {"params": {"w": np.ones(8)}, "opt": np.ones(8)}
+
+    def priority(keypath, spec):
+        return {"['params']['w']": dio.Priority.SYNC}[keypath]   # forgot ['opt']
+
+    with pytest.raises(RuntimeError, match=r"the priority callback raised for \['opt'\]: KeyError") as info:
+        dispatcher.save(tmp_path / "ckpt", tree, priority=priority)
+    assert isinstance(info.value.__cause__, KeyError)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argument", ["priority", "on_transfer_end", "on_write_end"])
+@pytest.mark.parametrize("garbage", ["log_it", 42])
+def test_non_callable_callbacks_are_refused_up_front(tmp_path, dispatcher, argument, garbage):
+    with pytest.raises(TypeError, match=rf"^{argument} must be callable or None, got {garbage!r}$"):
+        dispatcher.save(tmp_path / "ckpt", {"x": np.ones(4)}, **{argument: garbage})
     assert os.listdir(tmp_path) == []
 
 
