@@ -53,17 +53,22 @@ from dispatch_io.storage import StepRoot
 from dispatch_io.save import SaveHandle
 
 
-def _step_number(step) -> int:
-    """A step as a non-negative Python int (numpy / jax integer scalars accepted; not bool)."""
+def _integer(value, name: str, minimum: int, expected: str) -> int:
+    """``value`` as a Python int of at least ``minimum`` (numpy / jax integer scalars accepted;
+    not bool, nor a float); ``ValueError`` saying ``name`` must be ``expected`` otherwise."""
     try:
-        if isinstance(step, (bool, np.bool_)):
+        if isinstance(value, (bool, np.bool_)):
             raise TypeError
-        number = operator.index(step)
+        number = operator.index(value)
     except TypeError:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}") from None
-    if number < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        number = None
+    if number is None or number < minimum:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
     return number
+
+
+def _step_number(step) -> int:
+    return _integer(step, "step", 0, "a non-negative integer")
 
 
 class CheckpointManager:
@@ -79,10 +84,10 @@ class CheckpointManager:
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, barrier_timeout: float | None = None):
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
-        if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
-            raise ValueError(f"keep_every_n_steps must be a positive int or None, got {keep_every_n_steps!r}")
+        if max_to_keep is not None:
+            max_to_keep = _integer(max_to_keep, "max_to_keep", 1, "a positive integer or None")
+        if keep_every_n_steps is not None:
+            keep_every_n_steps = _integer(keep_every_n_steps, "keep_every_n_steps", 1, "a positive integer or None")
         if dispatcher is not None and barrier_timeout is not None:
             raise ValueError(
                 f"barrier_timeout={barrier_timeout!r} would not apply to the dispatcher you passed (its "
@@ -211,9 +216,11 @@ class CheckpointManager:
     # ---- retention and clean-up ------------------------------------------------------------------
 
     def steps_to_delete(self, steps: list[int]) -> list[int]:
-        """Which of the committed ``steps`` the retention policy drops (the newest is always kept)."""
+        """Which of the committed ``steps`` (any order) the retention policy drops, ascending;
+        the newest is always kept."""
         if self.max_to_keep is None:
             return []
+        steps = sorted(steps)
         recent = set(steps[-self.max_to_keep:])
         every = self.keep_every_n_steps
         return [s for s in steps if s not in recent and not (every and s % every == 0)]

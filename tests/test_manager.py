@@ -192,6 +192,7 @@ def test_retention_policy_is_exactly_the_documented_one(tmp_path):
         assert m.steps_to_delete(steps) == [5, 15]           # 25, 30, 35 recent; 0, 10, 20 every 10
         assert [s for s in steps if s not in m.steps_to_delete(steps)] == expected_kept(steps, 3, 10)
         assert m.steps_to_delete([7]) == []                   # the newest is never deleted
+        assert m.steps_to_delete([35, 5, 30, 0, 25, 15, 20, 10]) == [5, 15]   # any order
     with dio.CheckpointManager(tmp_path / "r", max_to_keep=1) as m:
         assert m.steps_to_delete([1, 2, 3]) == [1, 2]
     with dio.CheckpointManager(tmp_path / "r", keep_every_n_steps=4) as m:
@@ -597,10 +598,17 @@ def test_copied_steps_restore_bit_exact(tmp_path, mesh):
 
 def test_api_edge_cases(tmp_path, mesh):
     root = tmp_path / "a" / "b" / "c"
-    for bad in (dict(max_to_keep=0), dict(max_to_keep=-1), dict(max_to_keep=1.5),
-                dict(keep_every_n_steps=0), dict(keep_every_n_steps=-4)):
-        with pytest.raises(ValueError):
+    for bad in (dict(max_to_keep=0), dict(max_to_keep=-1), dict(max_to_keep=1.5), dict(max_to_keep=True),
+                dict(max_to_keep=np.bool_(True)), dict(max_to_keep=2.0), dict(max_to_keep="2"),
+                dict(keep_every_n_steps=0), dict(keep_every_n_steps=-4), dict(keep_every_n_steps=True),
+                dict(keep_every_n_steps=np.int32(0))):
+        with pytest.raises(ValueError, match=r"must be a positive integer or None"):
             dio.CheckpointManager(root, **bad)
+    assert not os.path.exists(root)
+    with dio.CheckpointManager(tmp_path / "np", max_to_keep=np.int64(2), keep_every_n_steps=jnp.int32(4)) as m:
+        assert (m.max_to_keep, m.keep_every_n_steps) == (2, 4)        # integer scalars, as for steps
+        assert type(m.max_to_keep) is int and type(m.keep_every_n_steps) is int
+        assert m.steps_to_delete([1, 2, 3, 4, 5, 6]) == [1, 2, 3]
     with pytest.raises(ValueError, match="unsupported checkpoint URL 'nosuch://somewhere/'"):
         dio.CheckpointManager("nosuch://somewhere")
     with dio.CheckpointManager(f"file://{tmp_path}/url") as by_url:       # file:// is a directory
