@@ -59,7 +59,7 @@ def describe_sharding(sharding) -> dict | None:
 
 
 ARRAYS = "arrays/"
-_ARRAYS_PATH = re.compile(r"^arrays/([0-9a-f]+/)?$")
+_ARRAYS_PATH = re.compile(r"^arrays/([0-9a-f]+/)?\Z")
 
 
 def describe(plan: Plan) -> tuple[dict, list[dict], dict]:

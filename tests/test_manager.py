@@ -301,6 +301,20 @@ def test_a_step_older_than_the_latest_is_refused_before_anything_is_written(tmp_
             manager.save(210, {"x": np.zeros(4, np.int32)})
 
 
+def test_a_step_name_with_a_trailing_newline_is_not_a_step(tmp_path):
+    """``"5\\n"`` is not ``5`` (whose path, <root>/5, does not exist): never listed nor deleted."""
+    root = tmp_path / "ckpts"
+    with dio.CheckpointManager(root, max_to_keep=1) as manager:
+        manager.save(3, {"x": np.ones(4)})
+        manager.wait()
+        shutil.copytree(root / "3", root / "5\n")
+        assert manager.all_steps() == [3] and manager.latest_step() == 3
+        assert_trees_bit_equal(manager.restore(), {"x": np.ones(4)})
+        manager.save(4, {"x": np.zeros(4)})
+        manager.wait()
+        assert listing(root) == {"4", "5\n"}             # retention left the foreign entry alone
+
+
 # ---- 4. saves never interleave -------------------------------------------------------------------------
 
 def test_next_save_waits_for_the_save_in_flight(tmp_path, mesh):

@@ -42,7 +42,7 @@ COMMITTED = "COMMITTED"    # written last: the checkpoint is complete (a Marker:
 WRITING = "WRITING"        # a save under way claims its directory / prefix (a Marker)
 DELETING = "DELETING"      # kvstores: a checkpoint being deleted (what is left is provably ours)
 
-STEP = re.compile(r"^(0|[1-9][0-9]*)$")   # the name of a manager's step: a number, no leading zeros
+STEP = re.compile(r"^(0|[1-9][0-9]*)\Z")   # the name of a manager's step: a number, no leading zeros
 
 
 class WriteTarget:
