@@ -5,9 +5,10 @@
                                         read every stored byte (and check the CRC-32Cs, if saved),
                                         holding at most N MiB (default 256) of it at once
                                         (or two stored chunks, where those are larger)
-    dispatch-io convert SRC DST [--budget-mib N] [--layout ocdbt|files]
+    dispatch-io convert SRC DST [--budget-mib N] [--layout ocdbt|files] [--overwrite]
                                         copy SRC (an Orbax or dispatch_io checkpoint) into a new
-                                        dispatch_io checkpoint at DST, N MiB at a time
+                                        dispatch_io checkpoint at DST (outside SRC), N MiB at a
+                                        time; --overwrite replaces a checkpoint committed at DST
     dispatch-io bench [ARGS...]         run benchmarks/bench.py (a source checkout) with ARGS
 
 Each reads either format (Orbax checkpoints too) only through the library, work on a machine with a single CPU device, and
@@ -99,14 +100,20 @@ def inspect(path: str, as_json: bool) -> int:
     return 0
 
 
-def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt") -> int:
-    """``Dispatcher.convert``: ``src`` (Orbax or dispatch_io) into a new checkpoint at ``dst``,
-    holding at most the budget of it in memory."""
+def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", overwrite: bool = False) -> int:
+    """``Dispatcher.convert``: ``src`` (Orbax or dispatch_io) into a new checkpoint at ``dst``
+    (``overwrite``: replacing a committed one there), holding at most the budget of it in memory."""
     import dispatch_io as dio
+    from dispatch_io.convert import check_apart
+    from dispatch_io.storage import Location
 
+    destination = Location.parse(dst)
+    check_apart(Location.parse(src), destination)
     _open(src)  # an unusable source is exit status 2, before anything is written
+    if not overwrite and destination.is_committed():  # the library's message names its keyword, not our flag
+        raise FileExistsError(f"a checkpoint is already committed at {dst}; pass --overwrite to replace it")
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20, layout=layout) as dispatcher:
-        stats = dispatcher.convert(src, dst)
+        stats = dispatcher.convert(src, dst, overwrite=overwrite)
     print(f"{dst}: {humanize.naturalsize(stats.bytes_written, binary=True)} converted from {src} "
           f"in {stats.total_seconds:.1f} s (layout {layout})")
     return 0
@@ -166,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-mib", type=_positive_int, default=256,
                    help="host memory the copy may hold at once, in MiB (default 256)")
     p.add_argument("--layout", choices=("ocdbt", "files"), default="ocdbt", help="chunk layout of DST")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint committed at DST")
     p = commands.add_parser("bench", help="run benchmarks/bench.py; --help there lists its options",
                             add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -174,11 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from dispatch_io.errors import CheckpointError
 
+    paths = (args.src, args.dst) if args.command == "convert" else (args.path,)
+    if "" in paths:
+        print(f"dispatch-io {args.command}: a checkpoint path must not be empty", file=sys.stderr)
+        return EXIT_UNUSABLE
     try:
         if args.command == "inspect":
             return inspect(args.path, args.json)
         if args.command == "convert":
-            return convert(args.src, args.dst, args.budget_mib, args.layout)
+            return convert(args.src, args.dst, args.budget_mib, args.layout, args.overwrite)
         return verify(args.path, args.budget_mib)
     except (CheckpointError, OSError, ValueError) as exc:  # what an unusable path raises; a bug still tracebacks
         path = args.src if args.command == "convert" else args.path

@@ -18,9 +18,20 @@ import numpy as np
 
 from dispatch_io import tree as tree_lib
 from dispatch_io.staging import aligned
+from dispatch_io.storage import Location
 from dispatch_io.manifest import Manifest
 from dispatch_io.plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec, with_packs
 from workers import ArraySpec, Region, Session, aligned_empty, numpy_dtype, read_regions
+
+
+def check_apart(src: Location, dst: Location):
+    """``ValueError`` if the destination ``dst`` of a conversion is the source ``src``, inside
+    it, or holds it: writing (or replacing) it would change the checkpoint being read."""
+    a, b = src.key.rstrip("/") + "/", dst.key.rstrip("/") + "/"
+    if a.startswith(b) or b.startswith(a):
+        where = "is" if a == b else "is inside" if b.startswith(a) else "holds"
+        raise ValueError(f"cannot convert {src.display} into {dst.display}: the destination {where} the source; "
+                         "choose a destination outside it")
 
 
 def plan_stored(manifest: Manifest, chunk_limit: int, small_leaf_bytes: int = 0) -> Plan:

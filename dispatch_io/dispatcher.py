@@ -26,7 +26,7 @@ from dispatch_io import reading, scaleout
 from dispatch_io import restore as restore_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
-from dispatch_io.convert import StoredSource, plan_stored
+from dispatch_io.convert import StoredSource, check_apart, plan_stored
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache, with_packs
@@ -128,11 +128,13 @@ class Dispatcher:
         Streams: at most the host memory budget of stored bytes is held at once, however large
         the checkpoint; no device memory is used. Returns the save's :class:`SaveStats` once
         ``dst`` is committed. Raises as ``restore`` does for ``src`` and as ``save`` does for
-        ``dst`` (``FileExistsError`` unless ``overwrite``); a failure leaves nothing at ``dst``."""
+        ``dst`` (``FileExistsError`` unless ``overwrite``); ``ValueError`` if ``dst`` is ``src``,
+        inside it or holds it. A failure leaves nothing at ``dst``."""
         self._check_usable("convert")
         started = time.perf_counter()
-        source = open_checkpoint(src)
         location = Location.parse(dst)
+        check_apart(Location.parse(src), location)
+        source = open_checkpoint(src)
         plan = plan_stored(source.manifest, self.options.chunk_bytes, self.options.small_leaf_bytes)
         batches = make_batches(plan, [Priority.LOW] * len(plan.leaves), self.options.batch_bytes,
                                worker=jax.process_index())

@@ -208,3 +208,36 @@ def test_a_malformed_manifest_is_one_line_and_exit_2_everywhere(tmp_path, edit):
     for command in ("inspect", "verify"):
         code, out, err = cli(command, path)
         assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (command, err)
+
+
+def test_an_empty_path_is_one_line_and_exit_2(tmp_path, capsys):
+    from dispatch_io import cli as cli_lib
+
+    assert cli("inspect", "")[0] == 2                    # as a command
+    for args in (["inspect", ""], ["verify", ""], ["convert", "", str(tmp_path / "out")],
+                 ["convert", str(tmp_path), ""]):
+        assert cli_lib.main(args) == 2
+        out, err = capsys.readouterr()
+        assert err == f"dispatch-io {args[0]}: a checkpoint path must not be empty\n" and not out, (args, err)
+    assert os.listdir(tmp_path) == []
+
+
+def test_convert_overwrite_flag_and_a_destination_within_the_source(saved, tmp_path):
+    other = tmp_path / "other"
+    with dio.LocalDispatcher(host_memory_budget=1 << 20) as d:
+        d.save(other, {"x": np.arange(4)}).wait(60)
+    code, out, err = cli("convert", saved, other)
+    assert code == 2 and err.strip() == f"dispatch-io convert: a checkpoint is already committed at {other}; " \
+                                        "pass --overwrite to replace it", err
+    code, out, err = cli("convert", saved, other, "--overwrite")
+    assert code == 0, err
+    assert jax.tree.structure(dio.metadata(other)) == jax.tree.structure(dio.metadata(saved))   # replaced
+    before = sorted(os.listdir(saved))
+    code, out, err = cli("convert", saved, saved / "inner")
+    assert code == 2 and err.strip() == f"dispatch-io convert: cannot convert {saved} into {saved / 'inner'}: " \
+                                        "the destination is inside the source; choose a destination outside it", err
+    with dio.LocalDispatcher(host_memory_budget=1 << 20) as d:   # the library refuses it too, and the reverse
+        for dst, where in ((saved / "inner", "is inside"), (saved, "is"), (tmp_path, "holds")):
+            with pytest.raises(ValueError, match=f"the destination {where} the source"):
+                d.convert(saved, dst, overwrite=True)
+    assert sorted(os.listdir(saved)) == before
