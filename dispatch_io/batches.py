@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 from typing import Callable, Sequence
 
 from dispatch_io import tree as tree_lib
@@ -28,9 +29,9 @@ def leaf_priorities(plan: Plan, priority: Callable | None) -> list[Priority]:
     """Each leaf's :class:`Priority`: ``priority(keypath, spec)`` for array leaves (None: all
     SYNC); Python scalars are SYNC (nothing to copy).
 
-    Raises ``TypeError`` naming the key path for a value that is not a ``Priority`` (not even
-    an int or bool equal to one: a likely mistake); ``RuntimeError`` naming the key path for an
-    exception the callback raised (chained)."""
+    A plain int equal to a priority's value (0, 1, 2) counts as that priority. Raises
+    ``TypeError`` naming the key path for anything else (a bool, float or other int: a likely
+    mistake); ``RuntimeError`` naming the key path for an exception the callback raised (chained)."""
     if priority is None:
         return [Priority.SYNC] * len(plan.leaves)
     out = []
@@ -43,6 +44,9 @@ def leaf_priorities(plan: Plan, priority: Callable | None) -> list[Priority]:
         except Exception as exc:  # noqa: BLE001 - re-raised, naming the leaf it was asked about
             raise RuntimeError(f"the priority callback raised for {spec.keypath}: {type(exc).__name__}: {exc}") \
                 from exc
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) \
+                and int(value) in {p.value for p in Priority}:
+            value = Priority(int(value))
         if not isinstance(value, Priority):
             raise TypeError(f"priority callback returned {value!r} for {spec.keypath}; "
                             "expected a dispatch_io.Priority (SYNC, HIGH or LOW)")

@@ -521,7 +521,7 @@ def test_deleted_sync_leaf_fails_save_itself(tmp_path, mesh, dispatcher):
 
 # ---- 8. a priority callback returning garbage ------------------------------------------------------
 
-@pytest.mark.parametrize("garbage", ["urgent", None, 7, -1, 2.5, object(), 1, 1.0, True, np.int64(2)])
+@pytest.mark.parametrize("garbage", ["urgent", None, 7, -1, 2.5, object(), 1.0, True, np.bool_(True)])
 def test_priority_callback_garbage(tmp_path, dispatcher, garbage):
     tree = {"fine": np.ones(2), "layer": {"w": np.zeros((2, 2), np.float32)}, "step": 1}
 
@@ -531,6 +531,14 @@ def test_priority_callback_garbage(tmp_path, dispatcher, garbage):
     with pytest.raises(TypeError, match=r"\['layer'\]\['w'\]"):
         dispatcher.save(tmp_path / "ckpt", tree, priority=priority)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("value", [0, 1, 2, np.int64(2)])
+def test_priority_callback_may_return_the_int_of_a_priority(tmp_path, dispatcher, value):
+    """Priority is an IntEnum: a plain int equal to one of its values stands for it."""
+    tree = {"w": np.arange(4.0), "step": 1}
+    dispatcher.save(tmp_path / "ckpt", tree, priority=lambda keypath, spec: value).wait(TIMEOUT)
+    assert_trees_bit_equal(dispatcher.restore(tmp_path / "ckpt"), tree)
 
 
 def test_priority_callback_raising_names_the_key_path(tmp_path, dispatcher):
