@@ -24,7 +24,6 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
 from dispatch_io import reading, scaleout
 from dispatch_io import restore as restore_lib
-from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
 from dispatch_io.convert import StoredSource, check_apart, plan_stored
 from dispatch_io.errors import WorkerError
@@ -92,7 +91,7 @@ class Dispatcher:
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
             with collector.paused():
                 packed, batches, describe = self._layout(plan, priorities)
-        job = SaveJob(packed, tuple(leaf if spec.kind == tree_lib.SCALAR else None for spec, leaf in zip(plan.leaves, leaves)),
+        job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
@@ -138,7 +137,7 @@ class Dispatcher:
         plan = plan_stored(source.manifest, self.options.chunk_bytes, self.options.small_leaf_bytes)
         batches = make_batches(plan, [Priority.LOW] * len(plan.leaves), self.options.batch_bytes,
                                worker=jax.process_index())
-        job = SaveJob(plan, tuple(s.value if s.kind == tree_lib.SCALAR else None for s in source.manifest.leaves),
+        job = SaveJob(plan, manifest_lib.scalar_values(plan, [s.value for s in source.manifest.leaves]),
                       batches, location.display, started=started, plan_seconds=time.perf_counter() - started,
                       progress=self.options.progress)
         local = self.runner if isinstance(self.runner, LocalRunner) else LocalRunner(self.runner.settings,

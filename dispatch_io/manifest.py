@@ -84,9 +84,26 @@ def describe(plan: Plan) -> tuple[dict, list[dict], dict]:
     return tree_lib.encode_structure(plan.treedef), entries, packs
 
 
-def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, layout: str = "ocdbt",
+def scalar_values(plan: Plan, leaves) -> tuple:
+    """Per leaf of ``plan``, its Python scalar value in ``leaves`` as the manifest stores it (None
+    for arrays). Made when a save starts, so that a value the manifest cannot hold fails the
+    save before anything is written: ValueError naming the key path (an int of more digits than
+    Python writes, ``sys.get_int_max_str_digits()``)."""
+    out = []
+    for spec, leaf in zip(plan.leaves, leaves):
+        if spec.kind != tree_lib.SCALAR:
+            out.append(None)
+            continue
+        try:
+            out.append(tree_lib.encode_scalar(leaf))
+        except ValueError as exc:
+            raise ValueError(f"{spec.keypath}: this Python {type(leaf).__name__} cannot be saved: {exc}") from exc
+    return tuple(out)
+
+
+def build(plan: Plan, scalars: tuple, checksums: dict[int, int] | None = None, layout: str = "ocdbt",
           arrays: str = ARRAYS, compression: tuple[str, int] | None = None, described=None) -> bytes:
-    """The manifest for a save of ``plan``; ``leaves`` supplies the Python scalar values,
+    """The manifest for a save of ``plan``; ``scalars`` (:func:`scalar_values`) the Python scalars,
     ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed, ``layout``
     the chunk layout of ``arrays`` (where in the checkpoint the arrays are: ``arrays/``, or on
     object stores ``arrays/<save id>/``), ``compression`` the ``(codec, level)`` every array
@@ -99,9 +116,9 @@ def build(plan: Plan, leaves: list, checksums: dict[int, int] | None = None, lay
         grid = (lo // step for (lo, _), step in zip(chunk.region, plan.leaves[chunk.leaf].chunk_shape))
         by_leaf.setdefault(chunk.leaf, {})[",".join(map(str, grid))] = f"{crc:08x}"
     entries = list(entries)
-    for spec, leaf in zip(plan.leaves, leaves):
+    for spec, value in zip(plan.leaves, scalars):
         if spec.kind == tree_lib.SCALAR:
-            entries[spec.index] = {**entries[spec.index], "value": tree_lib.encode_scalar(leaf)}
+            entries[spec.index] = {**entries[spec.index], "value": value}
         elif spec.index in by_leaf:  # chunk grid index "i,j,..." -> CRC-32C, hex
             entry = entries[spec.index]
             entries[spec.index] = {**entry, "stored": {**entry["stored"], "crc32c": dict(sorted(by_leaf[spec.index].items()))}}

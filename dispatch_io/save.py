@@ -52,8 +52,8 @@ def check_callbacks(**callbacks):
 @dataclasses.dataclass(frozen=True)
 class SaveJob:
     """What one save writes, as planned by the dispatcher: ``batches`` are this process's, in
-    the order they are copied; ``scalars`` the Python scalar leaves' values (None for arrays),
-    which the manifest records."""
+    the order they are copied; ``scalars`` the Python scalar leaves' values as the manifest
+    records them (``manifest.scalar_values``; None for arrays)."""
 
     plan: Plan
     scalars: tuple

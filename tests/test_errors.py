@@ -291,6 +291,15 @@ def test_python_scalar_targets_are_checked_like_arrays(tmp_path, dispatcher):
     assert [type(out[k]) for k in ("lr", "flag", "z")] == [int, float, float]
 
 
+def test_an_int_too_long_to_write_fails_the_save_before_anything_is_written(tmp_path, dispatcher):
+    """Python writes ints of at most sys.get_int_max_str_digits() digits: a longer one is a
+    ValueError naming its key path when save() is called (was: after every array was written)."""
+    with pytest.raises(ValueError, match=r"^\['n'\]: this Python int cannot be saved") as info:
+        dispatcher.save(tmp_path / "ckpt", {"w": np.ones(4), "n": 10 ** 5000})
+    assert not isinstance(info.value, dio.CheckpointError)
+    assert os.listdir(tmp_path) == []
+
+
 def test_key_impl_mismatch(saved, dispatcher):
     path, tree = saved
     rbg = jax.random.key(0, impl="rbg")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import dispatch_io as dio
+from dispatch_io import manifest as manifest_lib
 from dispatch_io.batches import make_batches
 from dispatch_io.plan import plan_tree
 from dispatch_io.runner import IOThreads, copy_chunks_to_host
@@ -94,7 +95,7 @@ def run_save(tree, runner, commit, budget=4096, **callbacks):
     plan = plan_tree(tree, chunk_limit=budget // 4)
     leaves = jax.tree_util.tree_leaves(tree)
     batches = make_batches(plan, [dio.Priority.SYNC] * len(plan.leaves), budget // 2)
-    job = SaveJob(plan, tuple(x if not hasattr(x, "shape") else None for x in leaves), batches, "fake",
+    job = SaveJob(plan, manifest_lib.scalar_values(plan, leaves), batches, "fake",
                   started=time.perf_counter(), progress=False, **callbacks)
     ring = StagingRing(budget)
     done = []
