@@ -147,11 +147,11 @@ class CheckpointManager:
             self._saving_thread = threading.get_ident()
             try:
                 self.wait()
-                self._check_not_older(step)
                 path = self.step_path(step)
                 if path != self._root.step_path(step):
                     raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save "
                                           "never replaces one, even with overwrite=True (remove it first if it may go)")
+                self._check_not_older(step)
                 handle = self.dispatcher.save(path, tree, overwrite=overwrite, **save_kwargs)
                 with self._lock:
                     self._in_flight = self._thread.submit(self._finish_save, handle)
