@@ -11,6 +11,7 @@ host memory bound and "nothing committed on failure" hold as for any save.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 from dispatch_io import tree as tree_lib
 from dispatch_io.staging import aligned
 from dispatch_io.storage import Location
+from dispatch_io.storage.directory import DirectoryLocation
 from dispatch_io.manifest import Manifest
 from dispatch_io.plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec, with_packs
 from workers import ArraySpec, Region, Session, aligned_empty, numpy_dtype, read_regions
@@ -26,8 +28,13 @@ from workers import ArraySpec, Region, Session, aligned_empty, numpy_dtype, read
 
 def check_apart(src: Location, dst: Location):
     """``ValueError`` if the destination ``dst`` of a conversion is the source ``src``, inside
-    it, or holds it: writing (or replacing) it would change the checkpoint being read."""
-    a, b = src.key.rstrip("/") + "/", dst.key.rstrip("/") + "/"
+    it, or holds it: writing (or replacing) it would change the checkpoint being read. Local
+    paths are compared with symlinks resolved (``link/sub`` with ``link -> src`` is inside src)."""
+    def resolved(location: Location) -> str:
+        key = os.path.realpath(location.key) if isinstance(location, DirectoryLocation) else location.key
+        return key.rstrip("/") + "/"
+
+    a, b = resolved(src), resolved(dst)
     if a.startswith(b) or b.startswith(a):
         where = "is" if a == b else "is inside" if b.startswith(a) else "holds"
         raise ValueError(f"cannot convert {src.display} into {dst.display}: the destination {where} the source; "

@@ -51,7 +51,7 @@ class Output:
 
 
 def _describe(x) -> str:
-    if isinstance(x, tree_lib._SCALAR_TYPES):
+    if tree_lib.is_python_scalar(x):
         return f"a Python {type(x).__name__}"
     return f"shape {tuple(x.shape)} dtype {x.dtype}"
 
@@ -138,7 +138,7 @@ def _python_scalar(value, leaf, cast: bool) -> tuple[Any, str | None]:
     gives ``value``; another kind of number needs ``cast`` and converts as Python does, where the
     value survives it (no imaginary part dropped, no inf or NaN as an int, no overflow); a str
     never becomes a number nor a number a str."""
-    kind, want = (next(t for t in tree_lib._SCALAR_TYPES if isinstance(x, t)) for x in (value, leaf))
+    kind, want = (next(t for t in tree_lib.PYTHON_SCALAR_TYPES if isinstance(x, t)) for x in (value, leaf))
     if kind is want:
         return value, None
     if str in (kind, want):
@@ -158,7 +158,7 @@ def _python_scalar(value, leaf, cast: bool) -> tuple[Any, str | None]:
 
 def _target_problem(saved: SavedLeaf, leaf, cast: bool) -> str | None:
     if saved.kind == tree_lib.SCALAR:
-        if isinstance(leaf, tree_lib._SCALAR_TYPES):
+        if tree_lib.is_python_scalar(leaf):
             return _python_scalar(saved.value, leaf, cast)[1]
         return _scalar_problem(saved.value, leaf, cast) or _x64_problem(leaf)
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -241,7 +241,7 @@ def _read_whole(out: Output, limit: int) -> Output:
 
 def _scalar_output(value, leaf, cast: bool):
     """The result for a Python scalar ``value`` whose target ``leaf`` passed :func:`_target_problem`."""
-    if isinstance(leaf, tree_lib._SCALAR_TYPES):
+    if tree_lib.is_python_scalar(leaf):
         return _python_scalar(value, leaf, cast)[0]
     array = _scalar_array(value, np.dtype(leaf.dtype))
     if isinstance(leaf, np.generic):

@@ -25,7 +25,7 @@ ARRAY = "array"   # jax.Array, np.ndarray, np.generic
 KEY = "key"       # typed PRNG key array (dtype key<impl>)
 SCALAR = "scalar"  # Python bool / int / float / complex / str, stored in the manifest itself
 
-_SCALAR_TYPES = (bool, int, float, complex, str)
+PYTHON_SCALAR_TYPES = (bool, int, float, complex, str)
 
 
 def flatten(tree) -> tuple[list[tuple[str, Any]], Any]:
@@ -67,10 +67,16 @@ def is_prng_key(x) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def is_python_scalar(x) -> bool:
+    """Whether ``x`` is a Python bool / int / float / complex / str (np.float64 and np.complex128
+    subclass float and complex, but are numpy scalars: they stay numpy)."""
+    return isinstance(x, PYTHON_SCALAR_TYPES) and not isinstance(x, (np.number, np.bool_))
+
+
 def leaf_kind(keypath: str, leaf) -> str:
     """ARRAY, KEY or SCALAR; a TypeError naming the key path for anything else."""
-    if isinstance(leaf, _SCALAR_TYPES) and not isinstance(leaf, (np.number, np.bool_)):
-        return SCALAR  # np.float64 / np.complex128 subclass float / complex but stay numpy
+    if is_python_scalar(leaf):
+        return SCALAR
     if isinstance(leaf, (np.ndarray, np.generic)) and _unsupported_numpy_dtype(leaf.dtype):
         raise TypeError(f"cannot checkpoint leaf {keypath}: numpy dtype {leaf.dtype} is not supported "
                         "(object, str, bytes and structured/void dtypes cannot be stored)")

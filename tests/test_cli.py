@@ -237,7 +237,9 @@ def test_convert_overwrite_flag_and_a_destination_within_the_source(saved, tmp_p
     assert code == 2 and err.strip() == f"dispatch-io convert: cannot convert {saved} into {saved / 'inner'}: " \
                                         "the destination is inside the source; choose a destination outside it", err
     with dio.LocalDispatcher(host_memory_budget=1 << 20) as d:   # the library refuses it too, and the reverse
-        for dst, where in ((saved / "inner", "is inside"), (saved, "is"), (tmp_path, "holds")):
+        os.symlink(saved, tmp_path / "link")   # a symlink to the source is the source
+        for dst, where in ((saved / "inner", "is inside"), (saved, "is"), (tmp_path, "holds"),
+                           (tmp_path / "link" / "inner", "is inside")):
             with pytest.raises(ValueError, match=f"the destination {where} the source"):
                 d.convert(saved, dst, overwrite=True)
     assert sorted(os.listdir(saved)) == before

@@ -289,6 +289,12 @@ def test_python_scalar_targets_are_checked_like_arrays(tmp_path, dispatcher):
     out = dispatcher.restore(path, fits, partial=True, cast=True)
     assert out == {"lr": 0, "flag": 1.0, "z": 2.0}
     assert [type(out[k]) for k in ("lr", "flag", "z")] == [int, float, float]
+    # np.float64 subclasses float but is a numpy scalar target: numpy comes back, as for np.float32
+    out = dispatcher.restore(path, {"step": np.float64(0), "lr": np.float64(0)}, partial=True, cast=True)
+    assert {k: (type(v), v) for k, v in out.items()} == {"step": (np.float64, 7.0), "lr": (np.float64, 0.5)}
+    with pytest.raises(dio.TreeMismatchError, match=r"\['step'\].*dtype float64") as info:
+        dispatcher.restore(path, {"step": np.float64(0), "lr": np.float64(0)}, partial=True)
+    assert [k for k, _ in info.value.problems] == ["['step']"]
 
 
 def test_an_int_too_long_to_write_fails_the_save_before_anything_is_written(tmp_path, dispatcher):
