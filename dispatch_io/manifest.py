@@ -182,15 +182,16 @@ class Manifest:
     def by_keypath(self) -> dict[str, SavedLeaf]:
         return {leaf.keypath: leaf for leaf in self.leaves}
 
-    def saved_leaf(self, path) -> SavedLeaf | None:
-        """The saved leaf that a restore target's leaf at ``path`` (a JAX key path) is read from,
-        or None. Our checkpoints match the key path exactly (as text: ``jax.tree_util.keystr``).
+    def saved_leaf(self, path, keypath: str) -> SavedLeaf | None:
+        """The saved leaf that a restore target's leaf at ``path`` (a JAX key path; ``keypath``
+        its text, ``jax.tree_util.keystr``, which the caller has) is read from, or None. Our
+        checkpoints match the key path exactly, as text.
         An Orbax checkpoint, and ours converted from one, matches as Orbax does, by its names of
         the keys (:func:`~dispatch_io.tree.key_names`): Orbax stores a NamedTuple field or
         dataclass attribute as a dict key and an int dict key as its text, so a target holding
         them matches the checkpoint they were saved from."""
         if not self.keys_by_name:
-            return self.by_keypath.get(jax.tree_util.keystr(path))
+            return self.by_keypath.get(keypath)
         return self._by_key_names.get(tree_lib.key_names(path))
 
     @functools.cached_property

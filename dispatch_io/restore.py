@@ -212,7 +212,7 @@ def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool, small_le
     named = set()  # the saved key paths the target reads
     for path, leaf in flat:
         keypath = jax.tree_util.keystr(path)
-        saved = manifest.saved_leaf(path)
+        saved = manifest.saved_leaf(path, keypath)
         if saved is None:
             problems.append((keypath, "not in the checkpoint"))
             continue
