@@ -44,12 +44,12 @@ def leaf_priorities(plan: Plan, priority: Callable | None) -> list[Priority]:
         except Exception as exc:  # noqa: BLE001 - re-raised, naming the leaf it was asked about
             raise RuntimeError(f"the priority callback raised for {spec.keypath}: {type(exc).__name__}: {exc}") \
                 from exc
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool) \
-                and int(value) in {p.value for p in Priority}:
-            value = Priority(int(value))
         if not isinstance(value, Priority):
-            raise TypeError(f"priority callback returned {value!r} for {spec.keypath}; "
-                            "expected a dispatch_io.Priority (SYNC, HIGH or LOW)")
+            if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                    and int(value) in tuple(Priority)):  # an IntEnum: members equal their ints
+                raise TypeError(f"priority callback returned {value!r} for {spec.keypath}; "
+                                "expected a dispatch_io.Priority (SYNC, HIGH or LOW)")
+            value = Priority(int(value))
         out.append(value)
     return out
 
