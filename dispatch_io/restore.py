@@ -73,8 +73,10 @@ def _on_host(leaf) -> bool:
 
 
 def _x64_problem(leaf) -> str | None:
-    """Why the device result ``leaf`` asks for cannot be had exact now (None: it can)."""
-    if _on_host(leaf) or tree_lib.is_prng_key(leaf) or not _needs_x64(leaf.dtype):
+    """Why the device result ``leaf`` asks for cannot be had exact now (None: it can). Only a
+    target with a sharding can ask for one (without, :func:`_on_host` says numpy)."""
+    if isinstance(leaf, (np.ndarray, np.generic)) or getattr(leaf, "sharding", None) is None \
+            or tree_lib.is_prng_key(leaf) or not _needs_x64(leaf.dtype):
         return None
     return (f"target asks for dtype {leaf.dtype} on devices, which JAX holds only with jax_enable_x64 "
             f"(off: it would truncate to {jax.dtypes.canonicalize_dtype(leaf.dtype)}); enable it, or leave "
