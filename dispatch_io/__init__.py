@@ -12,7 +12,7 @@ from dispatch_io.batches import Priority
 from dispatch_io.colocated import ColocatedDispatcher, ColocatedRunner
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
 from dispatch_io.formats import metadata
-from dispatch_io.manager import CheckpointManager
+from dispatch_io.manager import CheckpointManager, Json, PerProcess, StepInfo, policies
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.options import Options
 from dispatch_io.progress import RestoreStats, SaveStats
@@ -21,6 +21,7 @@ from dispatch_io.save import SaveHandle
 
 __all__ = [
     "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "ColocatedRunner", "CorruptCheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "LocalRunner", "Options", "Priority",
-    "RestoreStats", "SaveHandle", "SaveStats", "TreeMismatchError", "WorkerError", "metadata", "sharding", "tree",
+    "Json", "PerProcess", "RestoreStats", "SaveHandle", "SaveStats", "StepInfo", "TreeMismatchError", "WorkerError", "metadata",
+    "policies", "sharding", "tree",
 ]
 __version__ = "0.1.0"

@@ -101,9 +101,9 @@ class SingleProcessCommit:
             raise superseded from error
         raise error
 
-    def commit(self, manifest: bytes | None, fsync: bool):
+    def commit(self, manifest: bytes | None, fsync: bool, files=None):
         try:
-            self.target.commit(manifest, fsync=fsync)
+            self.target.commit(manifest, fsync=fsync, files=files)
         except BaseException:
             _abort(self.target)
             raise
@@ -241,8 +241,9 @@ class MultiProcessCommit:
         _abort(self.target)
         raise error
 
-    def commit(self, manifest: bytes | None, fsync: bool):
-        """The leader commits ``manifest``; every other process waits for the outcome."""
+    def commit(self, manifest: bytes | None, fsync: bool, files=None):
+        """The leader commits ``manifest`` (and ``files`` beside it: ``WriteTarget.commit``);
+        every other process waits for the outcome."""
         if not self.leader:
             result = self.room.from_leader("commit")
             if "error" in result:
@@ -250,7 +251,7 @@ class MultiProcessCommit:
                                       f"{result['error']}")
             return
         try:
-            self.target.commit(manifest, fsync=fsync)
+            self.target.commit(manifest, fsync=fsync, files=files)
         except BaseException as exc:
             self.room.set("commit", {"error": _describe(exc)})
             _abort(self.target)

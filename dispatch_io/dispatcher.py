@@ -31,7 +31,7 @@ from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache, with_packs
 from dispatch_io.progress import Progress, RestoreStats, SaveStats
 from dispatch_io.runner import LocalRunner, Runner, platform
-from dispatch_io.save import SaveHandle, SaveJob, SaveRun, check_callbacks
+from dispatch_io.save import Attachments, SaveHandle, SaveJob, SaveRun, check_callbacks
 from dispatch_io.locks import PathLocks
 from dispatch_io.shared_verify import verify_shared
 from dispatch_io.staging import StagingRing
@@ -66,13 +66,15 @@ class Dispatcher:
 
     def save(self, path, tree, *, priority: PriorityFn | None = None,
              on_transfer_end: Callable[[str], None] | None = None,
-             on_write_end: Callable[[str], None] | None = None, overwrite: bool = False) -> SaveHandle:
+             on_write_end: Callable[[str], None] | None = None, overwrite: bool = False,
+             attachments: Attachments | None = None) -> SaveHandle:
         """Save ``tree`` to ``path``; returns once every SYNC leaf is off the device.
 
         ``priority(keypath, spec)`` gives each array leaf a :class:`Priority` (default SYNC).
         ``on_transfer_end(keypath)`` fires exactly once per array leaf, once its device data is
         no longer needed (copied, or the save failed first); ``on_write_end(keypath)`` once its
-        bytes are written (not for leaves a failed save did not write).
+        bytes are written (not for leaves a failed save did not write). ``attachments``: small
+        files committed with the arrays (what ``CheckpointManager`` stores beside a step).
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
         a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
         priority callback raised, chained; after ``close()``; from this dispatcher's own
@@ -95,7 +97,7 @@ class Dispatcher:
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
-                      describe=describe)
+                      describe=describe, attachments=attachments or Attachments())
         run = self._launch(location, job, leaves, self.runner, overwrite)
         run.wait_until_sync_copied()
         return SaveHandle(run)

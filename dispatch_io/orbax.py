@@ -89,15 +89,15 @@ def step_directories(root: str) -> dict[int, list[str]]:
 
 
 def committed_steps(root: str) -> list[int]:
-    """The steps under ``root`` (:func:`step_directories`) held by a committed Orbax checkpoint of
-    one item (what a restore of the step reads; a step of several items names its item instead)."""
+    """The steps under ``root`` (:func:`step_directories`) held by a committed Orbax checkpoint
+    (one PyTree item, or several: a restore of the step then names its item)."""
     return sorted(step for step, names in step_directories(root).items()
                   if any(_restorable(os.path.join(root, name)) for name in names))
 
 
 def _restorable(step: str) -> bool:
-    """Whether the step directory ``step`` holds one Orbax item and Orbax committed it."""
-    if len(items(step)) != 1:
+    """Whether the step directory ``step`` holds Orbax items and Orbax committed it."""
+    if not items(step):
         return False
     try:
         check_committed(step, step)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import numpy as np
@@ -38,7 +39,8 @@ from dispatch_io.plan import Plan
 from dispatch_io.progress import SaveStats
 from dispatch_io.sources import Sources
 from dispatch_io.staging import StagingRing
-from workers import ChunkError, IOSettings, Region, finish_arrays
+from dispatch_io.storage import INFO
+from workers import ChunkError, IOSettings, Region, finish_arrays, write_files
 
 
 def check_callbacks(**callbacks):
@@ -47,6 +49,19 @@ def check_callbacks(**callbacks):
     for name, fn in callbacks.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {fn!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attachments:
+    """Small files a save commits together with its arrays (a manager's items and step info).
+
+    ``files``: this process's, key (relative to the checkpoint's arrays folder) -> bytes, written
+    once its batches are; every process's are in place before the commit. ``info``: JSON the
+    leader writes as the checkpoint's :data:`~dispatch_io.storage.INFO` file when it commits,
+    with ``"committed"`` (UNIX time) and ``"arrays"`` (the arrays folder) added."""
+
+    files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+    info: Mapping | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +82,7 @@ class SaveJob:
     snapshot_bytes: int = 0
     progress: bool = True         # Options.progress
     describe: Callable[[], tuple] | None = None   # manifest.describe(plan), kept across saves of the plan
+    attachments: Attachments = Attachments()
 
 
 class SaveHandle:
@@ -219,6 +235,7 @@ class SaveRun:
             except BaseException as exc:  # noqa: BLE001 - decided on (and surfaced) below
                 self._fail(exc)
             self._settle(writes)
+            self._attach_files()
             t0 = time.perf_counter()
             self._commit()
             done = time.perf_counter()
@@ -247,13 +264,32 @@ class SaveRun:
             self.sync_done.set()
             self._on_done(self)
 
+    def _attach_files(self):
+        """Write this process's attached files (once its arrays are written: a failed save
+        writes none)."""
+        files = self.job.attachments.files
+        if files and not self._failed():
+            target = self.commit.target
+            try:
+                write_files(target.kvstore, target.context, dict(files))
+            except Exception as exc:  # noqa: BLE001 - fails the save, naming this worker
+                self._fail(self._worker_error(f"writing {', '.join(files)}", exc))
+
+    def _info_files(self) -> dict[str, bytes] | None:
+        """The leader's attached info file, stamped with the commit time."""
+        info = self.job.attachments.info
+        if info is None:
+            return None
+        stamped = {**info, "committed": time.time(), "arrays": self.commit.target.arrays}
+        return {INFO: json.dumps(stamped, allow_nan=False).encode()}
+
     def _commit(self):
         """Agree with the other processes (every one contributes its chunks' checksums); the
         leader then puts the arrays in their final form (metadata stored, writer databases merged) and writes
         the manifest that describes them. Raises (after removing the save) if anything failed."""
         checksums = self.commit.agree(self._error, self._checksums)
         try:
-            manifest = None
+            manifest = files = None
             if self.commit.leader:
                 try:
                     target = self.commit.target
@@ -264,9 +300,10 @@ class SaveRun:
                             self.job.plan, self.job.scalars, checksums, self.settings.layout, arrays=target.arrays,
                             compression=self.settings.compression,
                             described=self.job.describe() if self.job.describe else None)
+                    files = self._info_files()
                 except BaseException as exc:  # noqa: BLE001 - every process must hear of it
                     self.commit.fail(exc)
-            self.commit.commit(manifest, fsync=self.settings.fsync)
+            self.commit.commit(manifest, fsync=self.settings.fsync, files=files)
         finally:
             self.commit.end()
 

@@ -84,7 +84,7 @@ class FakeCommit:
         self.calls.append(("fail", error))
         raise error
 
-    def commit(self, manifest, fsync):
+    def commit(self, manifest, fsync, files=None):
         self.calls.append(("commit", json.loads(manifest)))
 
     def end(self):

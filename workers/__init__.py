@@ -18,7 +18,7 @@ from workers.contract import (
     numpy_dtype,
     storage_dtype_name,
 )
-from workers.layouts import finish_arrays, layout_kvstore
+from workers.layouts import finish_arrays, layout_kvstore, write_files
 from workers.packs import pack_spec, packed_leaf
 from workers.tensorstore_io import (
     Session,
@@ -34,4 +34,4 @@ from workers.tensorstore_io import (
 __all__ = ["COMPRESSIONS", "LAYOUTS", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
            "aligned_empty", "check_data_file_bytes", "checksum_regions", "compression_codec", "crc32c",
            "finish_arrays", "layout_kvstore",
-           "numpy_dtype", "pack_spec", "packed_leaf", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_regions"]
+           "numpy_dtype", "pack_spec", "packed_leaf", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_files", "write_regions"]

@@ -67,11 +67,7 @@ def finish_arrays(base: dict, layout: str, arrays: Sequence[ArraySpec], compress
     metadata = {f"{spec.name}/zarr.json": json.dumps(spec.zarr_metadata(compression), separators=(",", ":"))
                 for spec in arrays}
     if layout != "ocdbt":
-        store = ts.KvStore.open(base, context=context).result()
-        writes = [store.write(key, value) for key, value in metadata.items()]
-        failed = [exc for exc in (write.exception() for write in writes) if exc is not None]
-        if failed:  # only now: none may still be writing once a failed save is removed
-            raise failed[0]
+        write_files(base, context, metadata)
         return
     listing = ts.KvStore.open(base, context=context).result().list().result()
     writers = sorted(key.decode()[:-len(_WRITER_MANIFEST)] for key in listing
@@ -88,6 +84,17 @@ def finish_arrays(base: dict, layout: str, arrays: Sequence[ArraySpec], compress
     for key, value in metadata.items():
         staged[key] = value
     txn.commit_async().result()
+
+
+def write_files(kvstore: dict, context: ts.Context | None, files: dict[str, bytes | str]):
+    """Write small whole files (key under ``kvstore`` -> bytes) at once: the arrays' metadata, a
+    manager's items. Raises the first failure, only once none is still writing (a failed save's
+    files are removed next)."""
+    store = ts.KvStore.open(kvstore, context=context).result()
+    writes = [store.write(key, value) for key, value in files.items()]
+    failed = [exc for exc in (write.exception() for write in writes) if exc is not None]
+    if failed:
+        raise failed[0]
 
 
 def storage_of(kvstore: dict) -> dict:

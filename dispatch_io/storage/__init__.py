@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Mapping
 
 import tensorstore as ts
 
@@ -41,6 +42,7 @@ MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"    # written last: the checkpoint is complete (a Marker: who, and a unique id)
 WRITING = "WRITING"        # a save under way claims its directory / prefix (a Marker)
 DELETING = "DELETING"      # kvstores: a checkpoint being deleted (what is left is provably ours)
+INFO = "info.json"         # optional: what a save attached for tools (a manager's step info), small JSON
 
 STEP = re.compile(r"^(0|[1-9][0-9]*)\Z")   # the name of a manager's step: a number, no leading zeros
 
@@ -58,9 +60,10 @@ class WriteTarget:
     token: str
     arrays: str = ARRAYS
 
-    def commit(self, manifest: bytes, fsync: bool = True):
+    def commit(self, manifest: bytes, fsync: bool = True, files: Mapping[str, bytes] | None = None):
         """Write ``manifest`` (the manifest's bytes) and make the checkpoint visible, replacing
-        what was at the path. ``fsync``: make it durable first (directories).
+        what was at the path. ``fsync``: make it durable first (directories). ``files``: small
+        files (name -> bytes, e.g. :data:`INFO`) written beside the manifest, before it.
 
         Raises CheckpointError (or OSError) if it cannot: another save took the path over or
         committed first, the store failed. Nothing is committed then; call :meth:`abort`."""
@@ -84,7 +87,7 @@ class JoinedWrite(WriteTarget):
     def __init__(self, kvstore: dict, context: ts.Context | None, token: str, arrays: str = ARRAYS):
         self.kvstore, self.context, self.token, self.arrays = kvstore, context, token, arrays
 
-    def commit(self, manifest: bytes, fsync: bool = True):
+    def commit(self, manifest: bytes, fsync: bool = True, files: Mapping[str, bytes] | None = None):
         raise RuntimeError("only the process that started a save commits it")
 
     def abort(self):
@@ -136,6 +139,11 @@ class Location:
 
     def commit_marker(self) -> bytes | None:
         """The ``COMMITTED`` marker's bytes (unique per commit), or None if there is none."""
+        raise NotImplementedError
+
+    def read_file(self, key: str) -> bytes | None:
+        """The bytes of the small file ``key`` (relative to the checkpoint, e.g. :data:`INFO` or
+        ``arrays/items/...``), or None if there is none. CheckpointError if the store fails."""
         raise NotImplementedError
 
     def check_commit_marker(self, marker: bytes | None, cause: BaseException | None = None):
@@ -198,7 +206,7 @@ from dispatch_io.storage.objectstore import KvLocation, KvRoot, KvWrite, kvstore
 
 # (OBJECT_STORE_RETRIES is not re-exported: set it where kvstore_spec reads it, in objectstore.)
 __all__ = [
-    "ARRAYS", "COMMITTED", "DELETING", "MANIFEST", "STEP", "WRITING",
+    "ARRAYS", "COMMITTED", "DELETING", "INFO", "MANIFEST", "STEP", "WRITING",
     "DirectoryLocation", "DirectoryRoot", "DirectoryWrite", "JoinedWrite", "KvLocation", "KvRoot", "KvWrite",
     "Location", "Marker", "StepRoot", "WriteTarget", "kvstore_spec",
 ]

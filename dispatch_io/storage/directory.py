@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import uuid
+from typing import Mapping
 
 from absl import logging
 
@@ -104,6 +105,9 @@ class DirectoryLocation(Location):
     def commit_marker(self) -> bytes | None:
         return _read(os.path.join(self.path, COMMITTED))
 
+    def read_file(self, key: str) -> bytes | None:
+        return _read(os.path.join(self.path, key))
+
     def read_manifest(self) -> dict:
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"no checkpoint at {self.display}: the path does not exist")
@@ -174,11 +178,13 @@ class DirectoryWrite(WriteTarget):
         self.kvstore = _arrays_kvstore(self.tmp)
         self.context = None
 
-    def commit(self, manifest: bytes, fsync: bool = True):
-        """Write the manifest and ``COMMITTED``, then rename the directory into place (moving a
+    def commit(self, manifest: bytes, fsync: bool = True, files: Mapping[str, bytes] | None = None):
+        """Write ``files``, the manifest and ``COMMITTED``, then rename the directory into place (moving a
         replaced checkpoint aside first, and back if the rename fails). FileExistsError if the
         path was taken meanwhile (see ``check_writable``); OSError if the file system fails."""
         final = self.location.path
+        for name, data in (files or {}).items():
+            _write_file(os.path.join(self.tmp, name), data, fsync)
         _write_file(os.path.join(self.tmp, MANIFEST), manifest, fsync)
         if fsync:
             for root, dirs, _ in os.walk(self.tmp):

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Mapping
 
 import tensorstore as ts
 from absl import logging
 
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
-from dispatch_io.storage import (ARRAYS, COMMITTED, DELETING, MANIFEST, STEP, WRITING, JoinedWrite, Location,
+from dispatch_io.storage import (ARRAYS, COMMITTED, DELETING, INFO, MANIFEST, STEP, WRITING, JoinedWrite, Location,
                                  StepRoot, WriteTarget)
 from dispatch_io.storage.markers import LIVE, Marker
 from workers import shared_context
@@ -70,7 +71,7 @@ def child_spec(spec: dict, key: str) -> dict:
 
 def is_own_key(key: str) -> bool:
     """A key (relative to a checkpoint prefix) that a dispatch_io save or delete writes."""
-    return key in (MANIFEST, COMMITTED, WRITING, DELETING) or key.startswith(ARRAYS)
+    return key in (MANIFEST, COMMITTED, WRITING, DELETING, INFO) or key.startswith(ARRAYS)
 
 
 def _range(prefix: str) -> "ts.KvStore.KeyRange":
@@ -85,6 +86,7 @@ def clear_checkpoint(kv: ts.KvStore, marker_key: str):
     Raises what the store raises (ValueError)."""
     kv.write(COMMITTED, None).result()
     kv.write(MANIFEST, None).result()
+    kv.write(INFO, None).result()
     kv.delete_range(_range(ARRAYS)).result()
     for key in (WRITING, DELETING):
         if key != marker_key:
@@ -145,6 +147,9 @@ class KvLocation(Location):
 
     def commit_marker(self) -> bytes | None:
         return self._get(COMMITTED)
+
+    def read_file(self, key: str) -> bytes | None:
+        return self._get(key)
 
     def read_manifest(self) -> dict:
         marker = self._get(COMMITTED)
@@ -223,6 +228,7 @@ class KvWrite(WriteTarget):
         self.context = location.context
         self.token = f"{location.url}#{self.arrays}"
         self._committing = False  # the manifest / COMMITTED may be this save's
+        self._files: tuple[str, ...] = ()  # the files it wrote beside the manifest
         LIVE.add(self.id)
         try:
             if not self._write_if_absent(WRITING, self.marker):
@@ -255,13 +261,16 @@ class KvWrite(WriteTarget):
             return None
         return None if ours else self._taken_over()
 
-    def commit(self, manifest: bytes, fsync: bool = True):
+    def commit(self, manifest: bytes, fsync: bool = True, files: Mapping[str, bytes] | None = None):
         where = self.location.display
         if not self._still_ours():
             raise self._taken_over()
         if self.location._get(COMMITTED) is not None:
             raise CheckpointError(f"another save committed {where} while this one was writing; nothing was committed")
         self._committing = True
+        self._files = tuple(files or ())
+        for name, data in (files or {}).items():
+            self.location._wait(self.kv.write(name, data), f"write {name}")
         self.location._wait(self.kv.write(MANIFEST, manifest), f"write {MANIFEST}")
         if not self._write_if_absent(COMMITTED, Marker.new().encode()):
             self._committing = False  # that COMMITTED is not ours to remove
@@ -282,7 +291,8 @@ class KvWrite(WriteTarget):
                 return
             if self._committing:
                 self.kv.write(COMMITTED, None).result()
-                self.kv.write(MANIFEST, None).result()
+                for name in (MANIFEST, *self._files):
+                    self.kv.write(name, None).result()
             self.kv.write(WRITING, None).result()
         finally:
             LIVE.discard(self.id)

@@ -1,0 +1,17 @@
+"""The checkpoint manager of a training job, one job per module:
+
+* ``policies``: when to save, what to keep (plain data, pure decisions);
+* ``items``: what a step holds besides the state (``Json``, ``PerProcess``);
+* ``info``: each step's info (times, metrics, metadata, items);
+* ``decisions``: one save decision for every process of a job;
+* ``preemption``: the step at which a preempted job stops;
+* ``orbax_items``: the items of steps Orbax's CheckpointManager wrote;
+* ``manager``: :class:`CheckpointManager`, which puts them to work.
+"""
+
+from dispatch_io.manager import policies
+from dispatch_io.manager.info import StepInfo
+from dispatch_io.manager.items import Json, PerProcess
+from dispatch_io.manager.manager import CheckpointManager
+
+__all__ = ["CheckpointManager", "Json", "PerProcess", "StepInfo", "policies"]

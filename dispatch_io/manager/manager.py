@@ -1,0 +1,418 @@
+"""CheckpointManager: numbered steps under one root, for a training loop.
+
+    with dio.CheckpointManager("ckpts/run1",
+                               save_policy=P.EveryNSteps(1000) | P.EveryNSeconds(900) | P.Preemption(),
+                               keep_policy=P.LatestN(2) | P.BestN(3, metric="eval_loss")) as mgr:
+        ...
+        if mgr.should_save(step):                      # the same answer on every process
+            mgr.save(step, state, items={"data": dio.PerProcess(it.get_state())}, metrics=m)
+        if mgr.reached_preemption(step):
+            mgr.wait(); break
+
+Layout: ``<root>/<step>/`` is an ordinary dispatch_io checkpoint (so ``dio.metadata`` and
+``dispatcher.restore`` read it directly, and a copy of it elsewhere restores as well), plus
+what the manager attaches to its save: the step's ``info.json`` (``info.py``) and its items'
+files (``items.py``), committed with the state or not at all. The root is a directory or an
+object-store prefix (``s3://bucket/run1``, ``gs://...``; see dispatch_io.storage).
+
+What the manager guarantees, built only on the dispatcher's atomic commit:
+
+* A step is listed (``all_steps``, ``latest_step``, ``restore``) only once committed, with all
+  its items; a save that failed or was killed never is. Leftovers of killed saves are removed
+  when a manager opens the root -- only those it can prove are its own and dead (a
+  ``WRITING`` marker naming a process of this host that no longer runs). A replaced step that
+  a crash left moved aside is put back.
+* Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises
+  from its own handle and, once, from the next ``save()`` / ``wait()``; the manager stays usable.
+* Policies (``policies.py``) decide when to save and what to keep; a clock-reading save
+  decision is process 0's, shared (``decisions.py``). Preemption is JAX's sync point, or the
+  manager's own SIGTERM handler in a single process (``preemption.py``).
+* Retention runs after a newer step committed, on a thread of its own and on process 0 only:
+  it never delays ``save()``; ``wait()`` and ``close()`` wait for it. It keeps what any keep
+  policy keeps and always the latest step, and deletes only committed dispatch_io
+  checkpoints with step names; anything else in the root (``notes/``, a numeric directory
+  without a manifest, someone else's temporary directory) is neither listed nor deleted. A
+  deleted step is first unlisted (renamed away; on object stores, its marker deleted), so a
+  crash mid-delete never leaves a listed but broken step.
+* A directory root that Orbax's CheckpointManager wrote: its committed steps (``<root>/<step>/``
+  holding Orbax items, e.g. ``default``, or MaxText's ``items`` + ``iter``; ``ckpt_100`` or
+  ``00000100`` under Orbax's ``step_prefix`` / ``step_format_fixed_length``) are listed and
+  restored like ours (``restore(item=...)``, ``item(step, name)``: ``orbax_items.py``), and new
+  saves are dispatch_io checkpoints beside them, named ours (``<root>/<step>/``). A step Orbax
+  holds under any name is never saved again (``FileExistsError``), and a step two directories
+  hold is an error naming both, never a guess. Retention counts Orbax steps but never deletes
+  one (it logs that it kept it; remove it yourself, ``rm -r <root>/<step>``); Orbax's
+  temporary directories are never touched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import jax
+from absl import logging
+
+from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
+from dispatch_io.formats import committed_steps, metadata, step_path
+from dispatch_io.manager import info as info_lib
+from dispatch_io.manager import items as items_lib
+from dispatch_io.manager import orbax_items
+from dispatch_io.manager import policies
+from dispatch_io.manager.decisions import SharedDecisions
+from dispatch_io.manager.preemption import PreemptionWatcher
+from dispatch_io.save import Attachments, SaveHandle
+from dispatch_io.storage import INFO, Location, StepRoot
+
+
+def _step_number(step) -> int:
+    return policies.integer(step, "step", 0, "a non-negative integer")
+
+
+class CheckpointManager:
+    """Numbered steps under ``root`` (a directory or kvstore URL), saved through ``dispatcher`` (a
+    :class:`LocalDispatcher` with default options if None; the manager then owns and closes it).
+
+    ``save_policy``: when :meth:`should_save` (and :meth:`save` without ``force``) says yes;
+    None: always (you decide). ``keep_policy``: which committed steps retention keeps (the
+    latest always); None: all. ``max_to_keep`` / ``keep_every_n_steps``: shorthands for
+    ``LatestN(max_to_keep) | EveryNSteps(keep_every_n_steps)``. ``barrier_timeout``: seconds a
+    process of a multi-process job waits for the others, for the dispatcher the manager
+    creates; with a ``dispatcher`` of your own, set it in its options instead (passing both is
+    a ``ValueError``). ``clock``: UNIX seconds, for the policies (tests pass their own).
+
+    Raises ``TypeError`` for a policy used in the wrong role (``LatestN`` cannot decide saves),
+    ``ValueError`` for bad numbers or a keep policy given twice.
+    """
+
+    def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: policies.Policy | None = None,
+                 keep_policy: policies.Policy | None = None, max_to_keep: int | None = None,
+                 keep_every_n_steps: int | None = None, barrier_timeout: float | None = None, clock=time.time):
+        self.save_policy = policies.check(save_policy, "save")
+        self.keep_policy, self.max_to_keep, self.keep_every_n_steps = policies.keep_policy(
+            keep_policy, max_to_keep, keep_every_n_steps)
+        if dispatcher is not None and barrier_timeout is not None:
+            raise ValueError(
+                f"barrier_timeout={barrier_timeout!r} would not apply to the dispatcher you passed (its "
+                f"Options.barrier_timeout is {dispatcher.options.barrier_timeout:g} s): create the dispatcher with "
+                f"barrier_timeout={barrier_timeout!r} (e.g. LocalDispatcher(..., barrier_timeout={barrier_timeout!r})) "
+                "and leave it out here")
+        if not callable(clock):
+            raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
+        self._root = StepRoot.open(root)
+        self.root = self._root.display
+        self._owns_dispatcher = dispatcher is None
+        if dispatcher is None:
+            extra = {} if barrier_timeout is None else {"barrier_timeout": barrier_timeout}
+            dispatcher = LocalDispatcher(**extra)
+        self.dispatcher = dispatcher
+        self._clock = clock
+        self._process, self._processes = jax.process_index(), jax.process_count()
+        self._leader = self._process == 0
+        self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
+        self._in_flight: concurrent.futures.Future | None = None  # the last save, until committed
+        self._deleting: concurrent.futures.Future | None = None   # the last retention
+        self._saving_thread: int | None = None                   # the thread inside save(), if any
+        self._unreported: BaseException | None = None            # a failure not raised by save()/wait() yet
+        self._closed = False
+        self._infos: dict[int, info_lib.StepInfo] = {}           # step info read, per committed step
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
+        self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-retention")
+        if self._leader:
+            self._root.remove_leftovers()
+        client = None
+        if self._processes > 1:
+            from dispatch_io.coordination import job_client
+            client = job_client()
+        self._decisions = SharedDecisions(client, self._process, self.root, dispatcher.options.barrier_timeout)
+        self._preemption = PreemptionWatcher()
+        self._decision: tuple[int, bool] | None = None           # should_save's last answer
+        self._last_save = clock()
+        self._last_saved_step = self.latest_step()
+
+    # ---- listing ------------------------------------------------------------------------------
+
+    def step_path(self, step: int) -> str:
+        """Where ``step`` is (or would be saved): ``<root>/<step>``, or the Orbax step directory
+        holding it under Orbax's ``step_prefix`` / ``step_format_fixed_length`` naming. Raises
+        CheckpointError if several directories hold the step."""
+        return step_path(self._root, _step_number(step))
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending: dispatch_io's, and Orbax's in a directory root."""
+        return committed_steps(self._root)
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_info(self, step: int | None = None) -> info_lib.StepInfo:
+        """What is known of committed ``step`` (None: the latest): start and commit times,
+        metrics, metadata, item names, process count (see :class:`StepInfo`). Reads one small
+        file, no device. FileNotFoundError if the step is not committed; CheckpointError if
+        its info is malformed."""
+        step = self._resolve(step)
+        cached = self._infos.get(step)
+        if cached is not None:
+            return cached
+        path = self.step_path(step)
+        if orbax_items.is_orbax_step(path):
+            found = orbax_items.step_info(path, step)
+        else:
+            location = Location.parse(path)
+            data = location.read_file(INFO)
+            if data is None and not location.is_committed():
+                raise FileNotFoundError(f"no committed step {step} under {self.root}")
+            found = info_lib.parse(data, step, path)
+        self._infos[step] = found
+        return found
+
+    def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
+        """The committed step with the best ``metric`` (``mode`` ``"min"`` / ``"max"``); both
+        default to the keep policy's ``BestN``. None if no step has the metric. ValueError if
+        no metric is given and the keep policy has no single ``BestN``."""
+        if metric is None:
+            parts = getattr(self.keep_policy, "policies", (self.keep_policy,))
+            best = [p for p in parts if isinstance(p, policies.BestN)]
+            if len(best) != 1:
+                raise ValueError("best_step() needs metric= (the keep policy has no single BestN to take it from)")
+            metric, mode = best[0].metric, mode or best[0].mode
+        ranking = policies.BestN(1, metric, mode or "min", keep_without_metric=False)
+        best = ranking.keep([self._record(s) for s in self.all_steps()], self._clock())
+        return next(iter(best), None)
+
+    # ---- policies ------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step``: any save policy says so, or the job reached its preemption
+        point at it (always True without a save policy). Identical on every process of a job
+        (a clock-reading decision is process 0's); call it at every step."""
+        step = _step_number(step)
+        if self._decision is not None and self._decision[0] == step:
+            return self._decision[1]
+        preempted = self._preemption.reached(step)
+        policy = self.save_policy
+
+        def decide() -> bool:
+            if policy is None or preempted:
+                return True
+            return policy.should_save(policies.SaveState(step, self._clock(), self._last_save,
+                                                         self._last_saved_step, preempted))
+
+        answer = self._decisions.decide(step, decide) if policy is not None and policy.uses_clock else decide()
+        self._decision = (step, answer)
+        return answer
+
+    def reached_preemption(self, step: int) -> bool:
+        """True at the step where the job stops for a preemption: JAX's sync point under
+        ``jax.distributed`` (the same step on every process), else after SIGTERM. Save there
+        (``should_save`` says so), ``wait()``, and stop. Never raises for want of a service."""
+        return self._preemption.reached(_step_number(step))
+
+    # ---- save / restore --------------------------------------------------------------------------
+
+    def save(self, step: int, tree, *, items=None, metrics=None, metadata=None, force: bool = False,
+             overwrite: bool = False, **save_kwargs) -> SaveHandle | None:
+        """Save ``tree`` as ``step`` (after the save in flight, if any, has finished), with
+        ``items`` (name -> ``dio.Json`` / ``dio.PerProcess``), ``metrics`` (name -> number, for
+        ``BestN``) and ``metadata`` (JSON), all committed together. Without ``force``, a step
+        the save policy does not save is skipped (returns None). Same keyword arguments as
+        ``Dispatcher.save``.
+
+        Raises, before anything is written: ``TypeError`` / ``ValueError`` for a bad item,
+        metric or metadata (naming it); ``ValueError`` if ``step`` is older than the latest
+        committed step; ``FileExistsError`` if the step exists and not ``overwrite``, or Orbax
+        wrote it; ``CheckpointError`` if several directories hold it; ``RuntimeError`` after
+        ``close()`` or from a save callback. An earlier save's failure, not yet raised, is
+        raised here (once)."""
+        step = _step_number(step)
+        self._check_usable("save")
+        files, index = items_lib.files(items, self._process)
+        info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes,
+                             _version())
+        if not force and self.save_policy is not None and not self.should_save(step):
+            return None
+        with self._save_lock:  # saves from several threads run one after the other; close() waits here
+            self._check_usable("save")  # again: close() may have run while this waited for the lock
+            self._saving_thread = threading.get_ident()
+            try:
+                self._wait_for_save()
+                path = self.step_path(step)
+                if path != self._root.step_path(step):
+                    raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save "
+                                          "never replaces one, even with overwrite=True (remove it first if it may go)")
+                self._check_not_older(step)
+                handle = self.dispatcher.save(path, tree, overwrite=overwrite,
+                                              attachments=Attachments(files, info), **save_kwargs)
+                self._last_save, self._last_saved_step = info["started"], step
+                self._infos.pop(step, None)
+                with self._lock:
+                    self._in_flight = self._thread.submit(self._finish_save, handle)
+            finally:
+                self._saving_thread = None
+        return handle
+
+    def _check_not_older(self, step: int):
+        """Retention ranks steps by number: a step below the newest committed one would be the
+        first it deletes (and ``latest_step`` / ``restore()`` would ignore it)."""
+        latest = self.latest_step()
+        if latest is not None and step < latest:
+            newer = [s for s in self.all_steps() if s > step]
+            raise ValueError(
+                f"cannot save step {step} under {self.root}: step {latest} is newer, so step {step} would never be "
+                f"the latest and retention could delete it at once; remove the steps newer than {step} first "
+                f"({', '.join(self.step_path(s) for s in newer)}), or save into another root")
+
+    def _finish_save(self, handle: SaveHandle):
+        """On the manager's thread: wait for the save, then hand retention to its own thread."""
+        try:
+            handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised by the next save()/wait()
+            with self._lock:
+                self._unreported = exc
+            return
+        if self._leader and self.keep_policy is not None:
+            with self._lock:
+                self._deleting = self._deleter.submit(self._apply_retention)
+
+    def _wait_for_save(self):
+        """Wait for the save in flight (not its retention); raise a failure not yet raised."""
+        with self._lock:
+            pending = self._in_flight
+        if pending is not None:
+            pending.result()
+        with self._lock:
+            error, self._unreported = self._unreported, None
+        if error is not None:
+            raise error
+
+    def wait(self):
+        """Wait for the save in flight and its retention; raise a failure not yet raised.
+        ``RuntimeError`` from a save callback (that would deadlock)."""
+        self.dispatcher.check_not_io_thread("CheckpointManager.wait")
+        try:
+            self._wait_for_save()
+        finally:
+            with self._lock:
+                deleting = self._deleting
+            if deleting is not None:
+                deleting.result()
+
+    def restore(self, step: int | None = None, target=None, *, item: str | None = None, **restore_kwargs):
+        """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore``.
+        ``item``: which pytree item of an Orbax step with several (``"items"`` for MaxText's);
+        None: the only one. Our steps hold one pytree (``item`` must be None)."""
+        self._check_usable("restore")
+        return self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
+
+    def metadata(self, step: int | None = None, *, item: str | None = None):
+        return metadata(self._pytree_path(step, item))
+
+    def item(self, step: int | None, name: str):
+        """Item ``name`` of ``step`` (None: the latest): a ``Json`` item's value, or this
+        process's ``PerProcess`` value (bytes or JSON, as saved). In an Orbax step: a JSON
+        item's value, or this process's Grain iterator state. KeyError (listing the step's
+        items) if it has none of that name; CheckpointError if it was saved by another number
+        of processes (naming both counts) or is malformed."""
+        step = self._resolve(step)
+        path = self.step_path(step)
+        if orbax_items.is_orbax_step(path):
+            return orbax_items.item(path, name, self._process, self._processes)
+        info = self.step_info(step)
+        entry = info.item_entries.get(name)
+        if entry is None:
+            raise KeyError(f"step {step} under {self.root} has no item {name!r} "
+                           f"(it has: {', '.join(sorted(info.items)) or 'none'})")
+        key = items_lib.key(name, entry, self._process, self._processes, path)
+        return items_lib.decode(Location.parse(path).read_file(info.arrays + key), name, path)
+
+    def _pytree_path(self, step: int | None, item: str | None) -> str:
+        path = self.step_path(self._resolve(step))
+        if orbax_items.is_orbax_step(path):
+            return orbax_items.pytree_path(path, item)
+        if item is not None:
+            raise ValueError(f"item={item!r}: {path} is a dispatch_io step, which holds one pytree (its other "
+                             "items are read with item(step, name))")
+        return path
+
+    def _resolve(self, step: int | None) -> int:
+        if step is not None:
+            return _step_number(step)
+        latest = self.latest_step()
+        if latest is None:
+            raise FileNotFoundError(f"no committed step under {self.root}")
+        return latest
+
+    # ---- retention and clean-up ------------------------------------------------------------------
+
+    def _record(self, step: int) -> policies.StepRecord:
+        try:
+            info = self.step_info(step)
+        except FileNotFoundError:
+            return policies.StepRecord(step)
+        return policies.StepRecord(step, info.committed, info.metrics)
+
+    def steps_to_delete(self, steps: list[int]) -> list[int]:
+        """Which of the committed ``steps`` (any order) the keep policy drops, ascending; the
+        newest is always kept."""
+        return policies.steps_to_delete([self._record(s) for s in steps], self.keep_policy, self._clock())
+
+    def _apply_retention(self):
+        """Delete the dropped steps dispatch_io wrote; never one it did not (Orbax's are kept).
+        Never raises: a committed save is not failed over clean-up."""
+        try:
+            ours = set(self._root.committed_steps())
+            for step in self.steps_to_delete(self.all_steps()):
+                if step in ours:
+                    self._root.delete(step)
+                    self._infos.pop(step, None)
+                else:
+                    logging.info("dispatch_io: keeping step %d under %s: dispatch_io did not write it "
+                                 "(remove it yourself to reclaim its space)", step, self.root)
+        except Exception:  # noqa: BLE001 - logged; the next retention tries again
+            logging.exception("dispatch_io: retention under %s failed", self.root)
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def _check_usable(self, what: str):
+        """RuntimeError, instead of a hang, from a save callback (it runs on the dispatcher's IO
+        threads, which the manager's save and wait wait for), or after close()."""
+        self.dispatcher.check_not_io_thread(f"CheckpointManager.{what}")
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager.{what}() called after close()")
+
+    def close(self):
+        """Wait for a ``save()`` another thread has begun to start its save, then for the save in
+        flight and its retention (raising its failure, if not raised yet); then release the
+        manager's threads, its SIGTERM handler and, if the manager made it, the dispatcher. A ``save()`` that begins
+        later raises ``RuntimeError``. ``RuntimeError`` from a save callback, or from the thread
+        inside ``save()`` (e.g. its signal handler): either would deadlock."""
+        self.dispatcher.check_not_io_thread("CheckpointManager.close")
+        if self._saving_thread == threading.get_ident():
+            raise RuntimeError("CheckpointManager.close() called by the thread inside its save() (from a signal "
+                               "handler or a priority callback?): it cannot wait for that save; close after "
+                               "save() returned, e.g. set a flag in the handler")
+        with self._save_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
+            self._deleter.shutdown(wait=True)
+            self._preemption.close()
+            if self._owns_dispatcher:
+                self.dispatcher.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _version() -> str:
+    from dispatch_io import __version__
+    return __version__

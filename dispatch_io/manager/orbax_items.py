@@ -1,0 +1,123 @@
+"""The items of a step that Orbax's CheckpointManager wrote with ``Composite`` args.
+
+MaxText saves ``items`` (the state, a PyTree item) and ``iter`` (Grain's iterator state);
+others add a ``JsonSave`` item. On disk, in the step directory::
+
+    _CHECKPOINT_METADATA          {"item_handlers": {name: handler class}, "metrics": ..., timestamps}
+    items/_METADATA, ...          a PyTree item (what ``restore(item="items")`` reads)
+    iter/process_<i>-of-<n>.json  Grain's handler: each process's iterator state, as text
+    config/metadata               a JSON item's value
+
+An item's kind is taken from ``item_handlers`` where the step names its handler, else from
+the files present. Grain's states are returned as the bytes Orbax stored (a Grain
+``DataLoader`` iterator's ``set_state`` takes them as they are; a dataset iterator's takes
+``json.loads`` of them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from dispatch_io import orbax
+from dispatch_io.errors import CheckpointError
+from dispatch_io.manager.info import StepInfo
+from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
+
+_GRAIN_FILE = re.compile(r"process_([0-9]+)-of-([0-9]+)\.json")
+_JSON_FILE = "metadata"
+
+
+def is_orbax_step(path: str) -> bool:
+    """Whether ``path`` is a local step directory Orbax wrote (not one of ours)."""
+    location = Location.parse(path)
+    if not isinstance(location, DirectoryLocation):
+        return False
+    directory = location.path
+    if any(os.path.exists(os.path.join(directory, name)) for name in (MANIFEST, COMMITTED)):
+        return False
+    return os.path.isfile(os.path.join(directory, orbax.STEP_METADATA)) or bool(orbax.items(directory))
+
+
+def _step_metadata(path: str) -> dict:
+    try:
+        with open(os.path.join(path, orbax.STEP_METADATA), "rb") as f:
+            found = json.loads(f.read())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: Orbax's {orbax.STEP_METADATA} cannot be read ({exc})") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path}: Orbax's {orbax.STEP_METADATA} is not a JSON object (malformed checkpoint)")
+    return found
+
+
+def _kinds(path: str) -> dict[str, str]:
+    """name -> ``"pytree"`` / ``"grain"`` / ``"json"`` / the handler's name, for every item."""
+    handlers = _step_metadata(path).get("item_handlers")
+    kinds = {}
+    for name in sorted(os.listdir(path)):
+        item = os.path.join(path, name)
+        if not os.path.isdir(item) or name.startswith((".", "_")):
+            continue
+        handler = handlers.get(name) if isinstance(handlers, dict) else None
+        if orbax.is_item(item):
+            kinds[name] = "pytree"
+        elif isinstance(handler, str) and "grain" in handler.lower() or any(map(_GRAIN_FILE.fullmatch, os.listdir(item))):
+            kinds[name] = "grain"
+        elif isinstance(handler, str) and handler.endswith("JsonCheckpointHandler") or os.path.isfile(
+                os.path.join(item, _JSON_FILE)):
+            kinds[name] = "json"
+        elif isinstance(handler, str):
+            kinds[name] = handler.rsplit(".", 1)[-1]
+    return kinds
+
+
+def pytree_path(path: str, item: str | None) -> str:
+    """The path a restore of ``item`` (None: the step's only PyTree item) reads. KeyError,
+    listing the PyTree items, if ``item`` is not one."""
+    if item is None:
+        return path
+    pytrees = [name for name, kind in _kinds(path).items() if kind == "pytree"]
+    if item not in pytrees:
+        raise KeyError(f"{path} has no PyTree item {item!r} (its PyTree items: {', '.join(pytrees) or 'none'})")
+    return os.path.join(path, item)
+
+
+def item(path: str, name: str, process: int, processes: int):
+    """A JSON item's value, or this process's Grain state (bytes, as stored). KeyError
+    (listing the items) if there is no such item; CheckpointError if the Grain states were
+    saved by another number of processes, or the item is of a kind not read here."""
+    kinds = _kinds(path)
+    kind = kinds.get(name)
+    where = os.path.join(path, name)
+    if kind is None:
+        raise KeyError(f"{path} has no item {name!r} (its items: {', '.join(kinds) or 'none'})")
+    if kind == "json":
+        try:
+            with open(os.path.join(where, _JSON_FILE), "rb") as f:
+                return json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{where}: the JSON item cannot be read ({exc})") from None
+    if kind == "grain":
+        counts = {int(m.group(2)) for m in map(_GRAIN_FILE.fullmatch, os.listdir(where)) if m}
+        if counts != {processes}:
+            raise CheckpointError(f"item {name!r} of {path} holds Grain states of {sorted(counts)} processes; this "
+                                  f"job has {processes}: each process's own state cannot be told")
+        try:
+            with open(os.path.join(where, f"process_{process}-of-{processes}.json"), "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise CheckpointError(f"{where}: process {process}'s Grain state cannot be read ({exc})") from None
+    raise CheckpointError(f"item {name!r} of {path} is {'a PyTree item: restore(step, item=' + repr(name) + ')' if kind == 'pytree' else f'of a kind dispatch_io does not read ({kind})'}")
+
+
+def step_info(path: str, step: int) -> StepInfo:
+    """What Orbax recorded of the step: timestamps, metrics, custom metadata, item handlers."""
+    meta = _step_metadata(path)
+    seconds = lambda key: meta[key] / 1e9 if isinstance(meta.get(key), (int, float)) else None
+    metrics = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else {}
+    metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return StepInfo(step, seconds("init_timestamp_nsecs"), seconds("commit_timestamp_nsecs"), metrics,
+                    meta.get("custom_metadata"), _kinds(path), version=f"orbax")
