@@ -58,10 +58,11 @@ class Attachments:
     ``files``: this process's, key (relative to the checkpoint's arrays folder) -> bytes, written
     once its batches are; every process's are in place before the commit. ``info``: JSON the
     leader writes as the checkpoint's :data:`~dispatch_io.storage.INFO` file when it commits,
-    with ``"committed"`` (UNIX time) and ``"arrays"`` (the arrays folder) added."""
+    with ``"committed"`` (``clock()``, UNIX seconds) and ``"arrays"`` (the arrays folder) added."""
 
     files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
     info: Mapping | None = None
+    clock: Callable[[], float] = time.time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +281,7 @@ class SaveRun:
         info = self.job.attachments.info
         if info is None:
             return None
-        stamped = {**info, "committed": time.time(), "arrays": self.commit.target.arrays}
+        stamped = {**info, "committed": self.job.attachments.clock(), "arrays": self.commit.target.arrays}
         return {INFO: json.dumps(stamped, allow_nan=False).encode()}
 
     def _commit(self):

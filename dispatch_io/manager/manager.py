@@ -245,7 +245,7 @@ class CheckpointManager:
                                           "never replaces one, even with overwrite=True (remove it first if it may go)")
                 self._check_not_older(step)
                 handle = self.dispatcher.save(path, tree, overwrite=overwrite,
-                                              attachments=Attachments(files, info), **save_kwargs)
+                                              attachments=Attachments(files, info, self._clock), **save_kwargs)
                 self._last_save, self._last_saved_step = info["started"], step
                 self._infos.pop(step, None)
                 with self._lock:

@@ -26,7 +26,16 @@ from dispatch_io.manager.info import StepInfo
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
 
 _GRAIN_FILE = re.compile(r"process_([0-9]+)-of-([0-9]+)\.json")
-_JSON_FILE = "metadata"
+_METRICS = "metrics"   # the item Orbax's manager stores a step's metrics in (a JSON item)
+
+
+def _json_file(item: str) -> str | None:
+    """The file of a JSON item: ``metadata`` (JsonSave's), else ``<name>`` (Orbax's metrics
+    item names its file after itself)."""
+    for name in ("metadata", os.path.basename(item)):
+        if os.path.isfile(os.path.join(item, name)):
+            return os.path.join(item, name)
+    return None
 
 
 def is_orbax_step(path: str) -> bool:
@@ -66,8 +75,7 @@ def _kinds(path: str) -> dict[str, str]:
             kinds[name] = "pytree"
         elif isinstance(handler, str) and "grain" in handler.lower() or any(map(_GRAIN_FILE.fullmatch, os.listdir(item))):
             kinds[name] = "grain"
-        elif isinstance(handler, str) and handler.endswith("JsonCheckpointHandler") or os.path.isfile(
-                os.path.join(item, _JSON_FILE)):
+        elif _json_file(item) is not None:
             kinds[name] = "json"
         elif isinstance(handler, str):
             kinds[name] = handler.rsplit(".", 1)[-1]
@@ -96,7 +104,7 @@ def item(path: str, name: str, process: int, processes: int):
         raise KeyError(f"{path} has no item {name!r} (its items: {', '.join(kinds) or 'none'})")
     if kind == "json":
         try:
-            with open(os.path.join(where, _JSON_FILE), "rb") as f:
+            with open(_json_file(where), "rb") as f:
                 return json.loads(f.read())
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{where}: the JSON item cannot be read ({exc})") from None
@@ -117,7 +125,9 @@ def step_info(path: str, step: int) -> StepInfo:
     """What Orbax recorded of the step: timestamps, metrics, custom metadata, item handlers."""
     meta = _step_metadata(path)
     seconds = lambda key: meta[key] / 1e9 if isinstance(meta.get(key), (int, float)) else None
-    metrics = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else {}
-    metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    kinds = _kinds(path)
+    metrics = item(path, _METRICS, 0, 1) if kinds.get(_METRICS) == "json" else meta.get("metrics")
+    metrics = {k: v for k, v in (metrics if isinstance(metrics, dict) else {}).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return StepInfo(step, seconds("init_timestamp_nsecs"), seconds("commit_timestamp_nsecs"), metrics,
-                    meta.get("custom_metadata"), _kinds(path), version=f"orbax")
+                    meta.get("custom_metadata"), kinds, version="orbax")
