@@ -69,7 +69,55 @@ def _open(path: str):
     return open_checkpoint(path)
 
 
+def _manager_steps(path: str) -> list[tuple[int, str]] | None:
+    """``[(step, its path)]`` if ``path`` is a CheckpointManager root (holding committed steps,
+    not itself a checkpoint), else None."""
+    import os
+
+    from dispatch_io.formats import committed_steps, orbax_item, step_path
+    from dispatch_io.storage import Location, StepRoot
+
+    location = Location.parse(path)
+    local = path.removeprefix("file://")
+    if ("://" not in local and not os.path.isdir(local)) or location.is_committed() or orbax_item(path):
+        return None  # (opening a directory root would create it)
+    root = StepRoot.open(path)
+    return [(step, step_path(root, step)) for step in committed_steps(root)] or None
+
+
+def inspect_root(steps: list[tuple[int, str]], as_json: bool) -> int:
+    """A CheckpointManager root: each committed step's info (times, metrics, items, processes)."""
+    import datetime
+    import dataclasses
+
+    from dispatch_io.manager.manager import read_step_info
+
+    infos = [read_step_info(path, step) for step, path in steps]
+    if as_json:
+        print(json.dumps([{k: v for k, v in dataclasses.asdict(i).items() if k not in ("arrays", "item_entries")}
+                          for i in infos], indent=1))
+        return 0
+    when = lambda t: "-" if t is None else datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M:%S")
+    table = [("step", "committed (UTC)", "seconds", "metrics", "items", "processes")]
+    for i in infos:
+        took = "-" if i.started is None or i.committed is None else f"{i.committed - i.started:.1f}"
+        metrics = " ".join(f"{k}={v:g}" if v is not None else f"{k}=nan" for k, v in i.metrics.items()) or "-"
+        items = " ".join(f"{k}({v})" for k, v in i.items.items()) or "-"
+        table.append((str(i.step), when(i.committed), took, metrics, items, str(i.processes or "-")))
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+    for r, row in enumerate(table):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if r == 0:
+            print("  ".join("-" * w for w in widths))
+    print(f"\n{len(infos)} committed steps")
+    return 0
+
+
 def inspect(path: str, as_json: bool) -> int:
+    steps = _manager_steps(path)
+    if steps:
+        return inspect_root(steps, as_json)
     manifest = _open(path).manifest
     rows = _rows(manifest)
     total = sum(r["bytes"] for r in rows)

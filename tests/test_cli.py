@@ -3,6 +3,7 @@ with a single CPU device (the checkpoints are saved here, on the 8-device mesh).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -101,9 +102,11 @@ def test_a_manager_root_names_its_steps(tmp_path):
     with dio.CheckpointManager(root) as manager:
         for step in (10, 20):
             manager.save(step, {"x": np.arange(4)})
-    code, out, err = cli("inspect", root)
+    code, out, err = cli("verify", root)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"CheckpointManager root with committed steps 10, 20: try {root / '20'}" in err, err
+    code, out, err = cli("inspect", root)               # a root: its steps' info
+    assert code == 0 and re.findall(r"^(\d+)  ", out, re.M) == ["10", "20"] and "2 committed steps" in out, out
     assert cli("inspect", root / "20")[0] == 0
     code, out, err = cli("inspect", tmp_path / "missing")
     assert code == 2 and "CheckpointManager" not in err and not (tmp_path / "missing").exists(), err

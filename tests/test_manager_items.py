@@ -245,3 +245,20 @@ def test_an_orbax_composite_root_restores_items_by_name(tmp_path, with_grain):
         mgr.save(8, tree(8))                       # new steps are ours, beside Orbax's
         mgr.wait()
         assert mgr.all_steps() == [7, 8] and mgr.step_info(8).processes == 1
+
+
+def test_inspect_of_a_root_lists_each_steps_info(tmp_path, capsys):
+    from dispatch_io import cli
+    clock = Clock(1_764_000_000.0)
+    with dio.CheckpointManager(tmp_path, clock=clock) as mgr:
+        mgr.save(3, tree(3), items={"data": dio.PerProcess(b"s")}, metrics={"loss": 0.5}, metadata={"git": "x"}).wait()
+        clock.now += 60
+        mgr.save(4, tree(4)).wait()
+    assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [(s["step"], s["committed"], s["metrics"], s["items"], s["metadata"], s["processes"]) for s in shown] == [
+        (3, 1_764_000_000.0, {"loss": 0.5}, {"data": "per_process"}, {"git": "x"}, 1),
+        (4, 1_764_000_060.0, {}, {}, None, 1)]
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "2025-11-24 16:00:00" in table and "loss=0.5" in table and "data(per_process)" in table, table

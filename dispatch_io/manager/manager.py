@@ -154,20 +154,9 @@ class CheckpointManager:
         file, no device. FileNotFoundError if the step is not committed; CheckpointError if
         its info is malformed."""
         step = self._resolve(step)
-        cached = self._infos.get(step)
-        if cached is not None:
-            return cached
-        path = self.step_path(step)
-        if orbax_items.is_orbax_step(path):
-            found = orbax_items.step_info(path, step)
-        else:
-            location = Location.parse(path)
-            data = location.read_file(INFO)
-            if data is None and not location.is_committed():
-                raise FileNotFoundError(f"no committed step {step} under {self.root}")
-            found = info_lib.parse(data, step, path)
-        self._infos[step] = found
-        return found
+        if step not in self._infos:
+            self._infos[step] = read_step_info(self.step_path(step), step)
+        return self._infos[step]
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
         """The committed step with the best ``metric`` (``mode`` ``"min"`` / ``"max"``); both
@@ -411,6 +400,18 @@ class CheckpointManager:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def read_step_info(path: str, step: int) -> info_lib.StepInfo:
+    """The :class:`StepInfo` of the committed ``step`` at ``path`` (ours or Orbax's), from one
+    small file. FileNotFoundError if nothing is committed there; CheckpointError if malformed."""
+    if orbax_items.is_orbax_step(path):
+        return orbax_items.step_info(path, step)
+    location = Location.parse(path)
+    data = location.read_file(INFO)
+    if data is None and not location.is_committed():
+        raise FileNotFoundError(f"no committed step {step} at {path}")
+    return info_lib.parse(data, step, path)
 
 
 def _version() -> str:
