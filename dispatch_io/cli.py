@@ -90,9 +90,9 @@ def inspect_root(steps: list[tuple[int, str]], as_json: bool) -> int:
     import datetime
     import dataclasses
 
-    from dispatch_io.manager.manager import read_step_info
+    from dispatch_io.manager.steps import read_info
 
-    infos = [read_step_info(path, step) for step, path in steps]
+    infos = [read_info(path, step) for step, path in steps]
     if as_json:
         print(json.dumps([{k: v for k, v in dataclasses.asdict(i).items() if k not in ("arrays", "item_entries")}
                           for i in infos], indent=1))

@@ -54,7 +54,7 @@ def test_items_and_step_info_commit_with_the_step(tmp_path):
         assert info.processes == 1 and info.version == dio.__version__
         assert mgr.step_info().step == 11 and mgr.step_info(11).items == {}
         assert_trees_bit_equal(mgr.restore(10), tree(10))
-        with pytest.raises(KeyError, match=r"step 11 under .* has no item 'data' \(it has: none\)"):
+        with pytest.raises(KeyError, match=r"step 11 at .* has no item 'data' \(it has: none\)"):
             mgr.item(11, "data")
         with pytest.raises(KeyError, match=r"has no item 'dat' \(it has: config, data, json_state\)"):
             mgr.item(10, "dat")
@@ -262,3 +262,21 @@ def test_inspect_of_a_root_lists_each_steps_info(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "2025-11-24 16:00:00" in table and "loss=0.5" in table and "data(per_process)" in table, table
+
+
+def test_items_on_an_object_store_root_commit_and_go_with_their_step(s3_prefix):
+    """On S3 (moto on loopback) the items live under the save's own arrays/<id>/ and info.json
+    beside the manifest: both are written before COMMITTED and deleted with the step."""
+    import tensorstore as ts
+    from dispatch_io.storage import kvstore_spec
+    with dio.CheckpointManager(s3_prefix, keep_policy=P.LatestN(1)) as mgr:
+        mgr.save(1, tree(1), items={"data": dio.PerProcess(b"one"), "cfg": dio.Json([1])}, metrics={"loss": 1})
+        mgr.save(2, tree(2), items={"data": dio.PerProcess(b"two")}).wait()
+        mgr.wait()
+        assert mgr.all_steps() == [2] and mgr.item(2, "data") == b"two"
+        assert mgr.step_info(2).arrays.startswith("arrays/") and mgr.step_info(2).arrays != "arrays/"
+        with pytest.raises(FileNotFoundError):
+            mgr.step_info(1)
+    keys = [k.decode() for k in ts.KvStore.open(kvstore_spec(s3_prefix + "/")).result().list().result()]
+    assert not [k for k in keys if k.startswith("1/")], keys           # step 1, items and info, all gone
+    assert "2/info.json" in keys and any(k.startswith("2/arrays/") and k.endswith("items/data/0.json") for k in keys)

@@ -445,7 +445,7 @@ def test_a_manager_over_orbax_steps_of_other_names(tmp_path, naming):
                 call(200)
 
 
-def test_a_manager_lists_only_orbax_steps_it_can_restore(tmp_path, mesh):
+def test_a_manager_lists_orbax_steps_of_several_items_and_restores_them_by_name(tmp_path, mesh):
     root = tmp_path / "run"
     state = {"w": jnp.ones((4,))}
     with ocp.CheckpointManager(root, item_names=("params", "opt")) as orbax_mgr:
@@ -453,5 +453,8 @@ def test_a_manager_lists_only_orbax_steps_it_can_restore(tmp_path, mesh):
                                                   opt=ocp.args.StandardSave(state)))
         orbax_mgr.wait_until_finished()
     with dio.CheckpointManager(root) as mgr:
-        assert mgr.all_steps() == []   # two items: restore it by naming one, e.g. <root>/5/params
+        assert mgr.all_steps() == [5]
+        with pytest.raises(dio.CheckpointError, match=r"Orbax step with 2 items \(opt, params\)"):
+            mgr.restore(5, state)       # two PyTree items: name one
+        assert_trees_bit_equal(mgr.restore(5, state, item="params"), state)
         assert_trees_bit_equal(mgr.dispatcher.restore(root / "5" / "params", state), state)

@@ -6,6 +6,7 @@
 * ``decisions``: one save decision for every process of a job;
 * ``preemption``: the step at which a preempted job stops;
 * ``orbax_items``: the items of steps Orbax's CheckpointManager wrote;
+* ``steps``: what a committed step holds (ours or Orbax's), read from its files;
 * ``manager``: :class:`CheckpointManager`, which puts them to work.
 """
 

@@ -34,15 +34,9 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
   without a manifest, someone else's temporary directory) is neither listed nor deleted. A
   deleted step is first unlisted (renamed away; on object stores, its marker deleted), so a
   crash mid-delete never leaves a listed but broken step.
-* A directory root that Orbax's CheckpointManager wrote: its committed steps (``<root>/<step>/``
-  holding Orbax items, e.g. ``default``, or MaxText's ``items`` + ``iter``; ``ckpt_100`` or
-  ``00000100`` under Orbax's ``step_prefix`` / ``step_format_fixed_length``) are listed and
-  restored like ours (``restore(item=...)``, ``item(step, name)``: ``orbax_items.py``), and new
-  saves are dispatch_io checkpoints beside them, named ours (``<root>/<step>/``). A step Orbax
-  holds under any name is never saved again (``FileExistsError``), and a step two directories
-  hold is an error naming both, never a guess. Retention counts Orbax steps but never deletes
-  one (it logs that it kept it; remove it yourself, ``rm -r <root>/<step>``); Orbax's
-  temporary directories are never touched.
+* Steps that Orbax's CheckpointManager wrote in a directory root (also ``Composite`` ones:
+  ``restore(item=...)``, ``item(step, name)``) are listed and restored like ours; a step Orbax
+  holds is never saved again nor deleted (docs/manager.md).
 """
 
 from __future__ import annotations
@@ -58,12 +52,11 @@ from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
 from dispatch_io.formats import committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import orbax_items
-from dispatch_io.manager import policies
+from dispatch_io.manager import orbax_items, policies, steps
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
-from dispatch_io.storage import INFO, Location, StepRoot
+from dispatch_io.storage import StepRoot
 
 
 def _step_number(step) -> int:
@@ -155,7 +148,7 @@ class CheckpointManager:
         its info is malformed."""
         step = self._resolve(step)
         if step not in self._infos:
-            self._infos[step] = read_step_info(self.step_path(step), step)
+            self._infos[step] = steps.read_info(self.step_path(step), step)
         return self._infos[step]
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
@@ -307,24 +300,11 @@ class CheckpointManager:
         of processes (naming both counts) or is malformed."""
         step = self._resolve(step)
         path = self.step_path(step)
-        if orbax_items.is_orbax_step(path):
-            return orbax_items.item(path, name, self._process, self._processes)
-        info = self.step_info(step)
-        entry = info.item_entries.get(name)
-        if entry is None:
-            raise KeyError(f"step {step} under {self.root} has no item {name!r} "
-                           f"(it has: {', '.join(sorted(info.items)) or 'none'})")
-        key = items_lib.key(name, entry, self._process, self._processes, path)
-        return items_lib.decode(Location.parse(path).read_file(info.arrays + key), name, path)
+        info = None if orbax_items.is_orbax_step(path) else self.step_info(step)
+        return steps.read_item(path, info, name, self._process, self._processes)
 
     def _pytree_path(self, step: int | None, item: str | None) -> str:
-        path = self.step_path(self._resolve(step))
-        if orbax_items.is_orbax_step(path):
-            return orbax_items.pytree_path(path, item)
-        if item is not None:
-            raise ValueError(f"item={item!r}: {path} is a dispatch_io step, which holds one pytree (its other "
-                             "items are read with item(step, name))")
-        return path
+        return steps.pytree_path(self.step_path(self._resolve(step)), item)
 
     def _resolve(self, step: int | None) -> int:
         if step is not None:
@@ -400,18 +380,6 @@ class CheckpointManager:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def read_step_info(path: str, step: int) -> info_lib.StepInfo:
-    """The :class:`StepInfo` of the committed ``step`` at ``path`` (ours or Orbax's), from one
-    small file. FileNotFoundError if nothing is committed there; CheckpointError if malformed."""
-    if orbax_items.is_orbax_step(path):
-        return orbax_items.step_info(path, step)
-    location = Location.parse(path)
-    data = location.read_file(INFO)
-    if data is None and not location.is_committed():
-        raise FileNotFoundError(f"no committed step {step} at {path}")
-    return info_lib.parse(data, step, path)
 
 
 def _version() -> str:

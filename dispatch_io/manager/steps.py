@@ -1,0 +1,51 @@
+"""What a committed step holds, read from its files: its info, its items, its pytree's path.
+
+A step is ours (``info.json`` and item files, ``info.py`` / ``items.py``) or Orbax's
+(``orbax_items.py``); these functions answer for both, so the manager and the command line
+never ask which.
+"""
+
+from __future__ import annotations
+
+from dispatch_io.manager import info as info_lib
+from dispatch_io.manager import items as items_lib
+from dispatch_io.manager import orbax_items
+from dispatch_io.storage import INFO, Location
+
+
+def read_info(path: str, step: int) -> info_lib.StepInfo:
+    """The :class:`StepInfo` of the committed ``step`` at ``path``, from one small file.
+    FileNotFoundError if nothing is committed there; CheckpointError if it is malformed."""
+    if orbax_items.is_orbax_step(path):
+        return orbax_items.step_info(path, step)
+    location = Location.parse(path)
+    data = location.read_file(INFO)
+    if data is None and not location.is_committed():
+        raise FileNotFoundError(f"no committed step {step} at {path}")
+    return info_lib.parse(data, step, path)
+
+
+def read_item(path: str, info: info_lib.StepInfo | None, name: str, process: int, processes: int):
+    """Item ``name`` of the step at ``path`` for ``process`` of a job of ``processes``:
+    ``info`` is the step's (None: an Orbax step). KeyError listing the step's items if it has
+    none of that name; CheckpointError for another process count or a malformed item."""
+    if info is None:
+        return orbax_items.item(path, name, process, processes)
+    entry = info.item_entries.get(name)
+    if entry is None:
+        raise KeyError(f"step {info.step} at {path} has no item {name!r} "
+                       f"(it has: {', '.join(sorted(info.items)) or 'none'})")
+    key = items_lib.key(name, entry, process, processes, path)
+    return items_lib.decode(Location.parse(path).read_file(info.arrays + key), name, path)
+
+
+def pytree_path(path: str, item: str | None) -> str:
+    """The path a restore of the step's pytree reads: the step itself, or an Orbax step's
+    PyTree ``item``. ValueError for an ``item`` of one of our steps (they hold one pytree);
+    KeyError for an Orbax item that is not a PyTree item."""
+    if orbax_items.is_orbax_step(path):
+        return orbax_items.pytree_path(path, item)
+    if item is not None:
+        raise ValueError(f"item={item!r}: {path} is a dispatch_io step, which holds one pytree (its other "
+                         "items are read with item(step, name))")
+    return path
