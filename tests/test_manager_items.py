@@ -280,3 +280,30 @@ def test_items_on_an_object_store_root_commit_and_go_with_their_step(s3_prefix):
     keys = [k.decode() for k in ts.KvStore.open(kvstore_spec(s3_prefix + "/")).result().list().result()]
     assert not [k for k in keys if k.startswith("1/")], keys           # step 1, items and info, all gone
     assert "2/info.json" in keys and any(k.startswith("2/arrays/") and k.endswith("items/data/0.json") for k in keys)
+
+
+def test_preemption_is_never_reached_and_never_an_error_without_a_service(tmp_path, monkeypatch):
+    """Orbax #3406: jax.distributed running without its preemption service crashed the save
+    policy. Here reached_preemption is False, and no SIGTERM handler is taken over."""
+    from dispatch_io.manager import preemption
+    monkeypatch.setattr(preemption, "_jax_sync_manager", lambda: (object(), None))
+    before = signal.getsignal(signal.SIGTERM)
+    with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(10) | P.Preemption()) as mgr:
+        assert signal.getsignal(signal.SIGTERM) is before
+        assert not mgr.reached_preemption(3) and not mgr.should_save(3) and mgr.should_save(10)
+
+
+def test_a_manager_made_off_the_main_thread_works_without_a_sigterm_handler(tmp_path):
+    before, seen = signal.getsignal(signal.SIGTERM), []
+
+    def run():
+        with dio.CheckpointManager(tmp_path) as mgr:
+            seen.append((mgr.reached_preemption(1), signal.getsignal(signal.SIGTERM) is before))
+            mgr.save(1, tree(1), items={"data": dio.Json(1)})
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(TIMEOUT)
+    assert seen == [(False, True)]
+    with dio.CheckpointManager(tmp_path) as mgr:
+        assert mgr.item(1, "data") == 1
