@@ -10,6 +10,7 @@ worker code runs is the runner's business (``runner.py``): :class:`LocalDispatch
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import math
 import threading
@@ -232,7 +233,8 @@ class Dispatcher:
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def restore(self, path, target=None, *, partial: bool = False, cast: bool = False, verify: bool = False):
+    def restore(self, path, target=None, *, partial: bool = False, cast: bool = False, verify: bool = False,
+                names: Callable | None = None):
         """Read the checkpoint at ``path``.
 
         ``target`` (a pytree) says what to build: ``jax.ShapeDtypeStruct`` leaves with a
@@ -243,6 +245,10 @@ class Dispatcher:
         lets the target name a subset of the leaves, ``cast=True`` allows dtype changes.
         ``verify=True`` first checks every stored chunk it reads against the CRC-32C saved with
         it (``Options(checksums=True)``): ``CorruptCheckpointError`` names each bad chunk.
+        ``path`` may also hold Orbax's or Hugging Face safetensors (docs/format.md). ``names``: a
+        function from a target leaf's JAX key path to the name of the saved leaf it reads (its key
+        names joined by ``.``: a safetensors tensor name such as ``"model.layers.3.mlp.up_proj.weight"``);
+        default for safetensors: the target's own key names joined by ``.``.
 
         What it did (bytes, batches, seconds per stage) is then ``self.last_restore_stats``.
         """
@@ -251,6 +257,8 @@ class Dispatcher:
 
         def work(manifest, reader, progress, times):
             received = 0
+            if names is not None:
+                manifest = dataclasses.replace(manifest, tensor_names=names)
             treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast, options.small_leaf_bytes)
             times.append(time.perf_counter())
             if options.restore_broadcast and jax.process_count() > 1:

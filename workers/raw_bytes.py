@@ -1,0 +1,81 @@
+"""Reading regions of arrays stored as plain bytes at an offset of a key (``ArraySpec.driver == "raw"``).
+
+A safetensors file holds each tensor C order, little-endian, at a known offset. A region of such
+a tensor is a set of contiguous byte runs (one per index of the axes before the last partial
+one), so reading it is a handful of kvstore byte-range reads: each process fetches only the
+bytes of the regions it holds, from a local file or an object store alike. The reads of one call
+go out in one ``ts.Batch`` (object stores may coalesce neighbouring ranges).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from typing import Iterator, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from workers.contract import ChunkError, Region, numpy_dtype
+
+
+def byte_runs(shape: tuple[int, ...], itemsize: int, bounds: tuple[tuple[int, int], ...]) -> Iterator[tuple[int, int]]:
+    """(start, length) of each contiguous run of bytes, relative to the array's first byte, that
+    the region ``bounds`` of a C-order array of ``shape`` covers, in the region's own C order
+    (so the runs, concatenated, are the region's bytes)."""
+    if any(hi <= lo for lo, hi in bounds):
+        return
+    # Trailing axes the region covers whole join the run; the axis before them is the run's.
+    split = len(shape)
+    while split > 0 and bounds[split - 1] == (0, shape[split - 1]):
+        split -= 1
+    if split == 0:
+        yield 0, math.prod(shape) * itemsize
+        return
+    strides = [math.prod(shape[axis + 1:]) * itemsize for axis in range(len(shape))]
+    lo, hi = bounds[split - 1]
+    length = (hi - lo) * strides[split - 1]
+    for index in itertools.product(*[range(a, b) for a, b in bounds[:split - 1]]):
+        yield sum(i * s for i, s in zip(index, strides)) + lo * strides[split - 1], length
+
+
+def read_regions(session, regions: Sequence[Region], out: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    """Read each raw region (into ``out[i]`` where given, else a new array of the region's
+    logical dtype) with byte-range reads through ``session`` (a ``tensorstore_io.Session``: its
+    kvstore and context). Raises ChunkError naming the key path of the first region that fails
+    (a key that is missing or shorter than the region's bytes)."""
+    kv = session.open_kvstore().result()
+    batch = ts.Batch()
+    pending = []   # (region, destination bytes, [(read future, start in destination, length)])
+    for region, dst in zip(regions, out):
+        dtype = numpy_dtype(region.array.dtype)
+        if dst is None or not dst.flags.c_contiguous:
+            target = np.empty(region.shape, dtype)
+        else:
+            target = dst
+        flat = target.reshape(-1).view(np.uint8) if target.size else np.empty(0, np.uint8)
+        reads, at = [], 0
+        for start, length in byte_runs(region.array.shape, dtype.itemsize, region.bounds):
+            begin = region.array.offset + start
+            reads.append((kv.read(region.array.name, byte_range=slice(begin, begin + length), batch=batch), at, length))
+            at += length
+        pending.append((region, dst, target, flat, reads))
+    batch.submit()
+    results = []
+    for region, dst, target, flat, reads in pending:
+        for future, at, length in reads:
+            try:
+                result = future.result()
+            except Exception as exc:  # noqa: BLE001 - OUT_OF_RANGE, the store's failures: named below
+                raise ChunkError(region.keypath, region.bounds, exc) from exc
+            if result.state != "value" or len(result.value) != length:
+                raise ChunkError(region.keypath, region.bounds,
+                                 EOFError(f"{region.array.name} holds fewer bytes than its header says"))
+            flat[at:at + length] = np.frombuffer(result.value, np.uint8)
+        if sys.byteorder != "little" and target.dtype.itemsize > 1:
+            target.byteswap(inplace=True)
+        if dst is not None and dst is not target:
+            np.copyto(dst, target)
+        results.append(target if dst is None else dst)
+    return results
