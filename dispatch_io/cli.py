@@ -116,7 +116,9 @@ def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", ov
     check_apart(Location.parse(src), destination)
     _open(src)  # an unusable source is exit status 2, before anything is written
     # the library's messages name its keywords, not our flags
-    if not overwrite and (destination.is_committed() if to == "dispatch_io" else os.path.lexists(dst)):
+    if not overwrite and to == "dispatch_io" and destination.is_committed():
+        raise FileExistsError(f"a checkpoint is already committed at {dst}; pass --overwrite to replace it")
+    if not overwrite and to != "dispatch_io" and os.path.lexists(dst):
         raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20, layout=layout) as dispatcher:
         stats = dispatcher.convert(src, dst, overwrite=overwrite, to=to, max_shard_size=max_shard_size,
