@@ -44,7 +44,10 @@ FORMAT = "safetensors"
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts
-READ_PIECE_BYTES = 4 << 20      # reads of a tensor are cut into pieces of about this size
+# The "chunk" of a tensor (it has none): at most the chunk limit of any budget of 4 MiB or more,
+# so reads are cut by the limit (reading.read_pieces) and regions several processes hold are
+# shared piece by piece (scaleout); verify reads this much at a time.
+READ_PIECE_BYTES = 1 << 20
 # safetensors dtype code -> numpy / ml_dtypes name (sub-byte F4 / F6 kinds are not read)
 DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
           "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16",

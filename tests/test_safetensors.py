@@ -308,3 +308,74 @@ def test_restore_from_s3_reads_its_bytes(s3_server, s3_prefix, tmp_path, monkeyp
             assert sorted(d.restore(one)) == sorted(tensors()[2])
     finally:
         proxy.stop()
+
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import jax, numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import dispatch_io as dio
+
+    pid, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    meta = dio.metadata(path)
+    target = {"a": jax.ShapeDtypeStruct(meta["a"].shape, meta["a"].dtype, sharding=NamedSharding(mesh, P("data"))),
+              "b": jax.ShapeDtypeStruct(meta["b"].shape, meta["b"].dtype, sharding=NamedSharding(mesh, P()))}
+    multihost_utils.sync_global_devices("start")
+    with dio.LocalDispatcher(host_memory_budget=4 << 20) as d:
+        out = d.restore(path, target)
+        stats = d.last_restore_stats
+    want = {k: np.load(os.path.join(os.environ["EXPECTED"], k + ".npy")) for k in "ab"}
+    exact = all(np.asarray(s.data).tobytes() == want[k][s.index].tobytes()
+                for k in "ab" for s in out[k].addressable_shards)
+    multihost_utils.sync_global_devices("done")
+    print("RESULT " + json.dumps({"bytes_read": stats.bytes_read, "received": stats.bytes_broadcast, "exact": exact}))
+""")
+
+
+def test_each_process_reads_its_share_from_s3(s3_server, s3_prefix, tmp_path):
+    """Two processes of a jax.distributed job restore a set from the moto S3 server, each through
+    a proxy of its own that counts the bytes it was sent: a tensor sharded over the processes and
+    a replicated one (read once per job, shared) cost each process about half the data."""
+    from s3_server import FaultyProxy, free_port
+
+    rng = np.random.default_rng(3)
+    parts = [{"a": rng.standard_normal((1024, 512)).astype(np.float32)},
+             {"b": rng.standard_normal((512, 1024)).astype(np.float32)}]
+    write_set(tmp_path / "hf", parts)
+    os.makedirs(tmp_path / "expected")
+    for part in parts:
+        for k, v in part.items():
+            np.save(tmp_path / "expected" / f"{k}.npy", v)
+    upload(tmp_path / "hf", f"{s3_prefix}/hf")
+    total = sum(v.nbytes for part in parts for v in part.values())
+    (tmp_path / "worker.py").write_text(WORKER)
+    proxies = [FaultyProxy(s3_server.port) for _ in range(2)]
+    port = free_port()
+    procs = []
+    try:
+        for pid, proxy in enumerate(proxies):
+            env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+                   "PYTHONPATH": ROOT, "AWS_ENDPOINT_URL_S3": proxy.endpoint, "EXPECTED": str(tmp_path / "expected")}
+            procs.append(subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(pid), str(port),
+                                           f"{s3_prefix}/hf"], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for proxy in proxies:
+            proxy.stop()
+    results = []
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.split("RESULT ", 1)[1]))
+    assert all(r["exact"] for r in results), results
+    assert sum(r["bytes_read"] for r in results) == total, results
+    for r, proxy in zip(results, proxies):
+        got = proxy.bytes_sent.get("GET", 0)
+        assert 0.4 * total < r["bytes_read"] < 0.6 * total, results
+        assert r["bytes_read"] <= got < r["bytes_read"] + (16 << 10), (got, r)  # its regions and the headers

@@ -43,39 +43,53 @@ def byte_runs(shape: tuple[int, ...], itemsize: int, bounds: tuple[tuple[int, in
 def read_regions(session, regions: Sequence[Region], out: Sequence[np.ndarray | None]) -> list[np.ndarray]:
     """Read each raw region (into ``out[i]`` where given, else a new array of the region's
     logical dtype) with byte-range reads through ``session`` (a ``tensorstore_io.Session``: its
-    kvstore and context). Raises ChunkError naming the key path of the first region that fails
-    (a key that is missing or shorter than the region's bytes)."""
+    kvstore, context and ``read_window``). Raises ChunkError naming the key path of the first
+    region that fails (a key that is missing or shorter than the region's bytes).
+
+    A kvstore read returns a new ``bytes``, copied into place: reads go out in waves of at most
+    an eighth of the read window, so these copies add little to the memory the reads hold."""
     kv = session.open_kvstore().result()
-    batch = ts.Batch()
-    pending = []   # (region, destination bytes, [(read future, start in destination, length)])
+    wave_limit = max(session.read_window // 8, 1 << 18)
+    targets, runs = [], []   # runs: (region, destination bytes, start there, start in the key, length)
     for region, dst in zip(regions, out):
         dtype = numpy_dtype(region.array.dtype)
-        if dst is None or not dst.flags.c_contiguous:
-            target = np.empty(region.shape, dtype)
-        else:
-            target = dst
+        target = dst if dst is not None and dst.flags.c_contiguous else np.empty(region.shape, dtype)
+        targets.append(target)
         flat = target.reshape(-1).view(np.uint8) if target.size else np.empty(0, np.uint8)
-        reads, at = [], 0
+        at = 0
         for start, length in byte_runs(region.array.shape, dtype.itemsize, region.bounds):
-            begin = region.array.offset + start
-            reads.append((kv.read(region.array.name, byte_range=slice(begin, begin + length), batch=batch), at, length))
+            runs.append((region, flat, at, region.array.offset + start, length))
             at += length
-        pending.append((region, dst, target, flat, reads))
-    batch.submit()
+    wave, size = [], 0
+    for run in runs:
+        wave.append(run)
+        size += run[4]
+        if size >= wave_limit:
+            _read_wave(kv, wave)
+            wave, size = [], 0
+    _read_wave(kv, wave)
     results = []
-    for region, dst, target, flat, reads in pending:
-        for future, at, length in reads:
-            try:
-                result = future.result()
-            except Exception as exc:  # noqa: BLE001 - OUT_OF_RANGE, the store's failures: named below
-                raise ChunkError(region.keypath, region.bounds, exc) from exc
-            if result.state != "value" or len(result.value) != length:
-                raise ChunkError(region.keypath, region.bounds,
-                                 EOFError(f"{region.array.name} holds fewer bytes than its header says"))
-            flat[at:at + length] = np.frombuffer(result.value, np.uint8)
+    for target, dst in zip(targets, out):
         if sys.byteorder != "little" and target.dtype.itemsize > 1:
             target.byteswap(inplace=True)
         if dst is not None and dst is not target:
             np.copyto(dst, target)
         results.append(target if dst is None else dst)
     return results
+
+
+def _read_wave(kv, wave: list):
+    """Read the runs of ``wave`` (one ``ts.Batch``) and copy each into its destination."""
+    batch = ts.Batch()
+    futures = [kv.read(region.array.name, byte_range=slice(begin, begin + length), batch=batch)
+               for region, _, _, begin, length in wave]
+    batch.submit()
+    for future, (region, flat, at, _, length) in zip(futures, wave):
+        try:
+            result = future.result()
+        except Exception as exc:  # noqa: BLE001 - OUT_OF_RANGE, the store's failures: named below
+            raise ChunkError(region.keypath, region.bounds, exc) from exc
+        if result.state != "value" or len(result.value) != length:
+            raise ChunkError(region.keypath, region.bounds,
+                             EOFError(f"{region.array.name} holds fewer bytes than its header says"))
+        flat[at:at + length] = np.frombuffer(result.value, np.uint8)
