@@ -170,6 +170,20 @@ def test_names_strict_checks_partial_and_cast(hf):
             d.restore(path, {"x": np.zeros(3)}, names=lambda p: 3)
 
 
+def test_verify_convert_and_the_colocated_dispatcher(hf, tmp_path):
+    """verify reads every tensor; convert makes a dispatch_io checkpoint of the same bytes; the
+    colocated dispatcher restores safetensors as the local one does."""
+    path, expected = hf
+    with dio.ColocatedDispatcher(host_memory_budget=64 << 10, max_chunk_bytes=4 << 10) as d:
+        assert d.verify(path).bytes_read == sum(v.nbytes for v in expected.values())
+        out = d.restore(path)
+        d.convert(path, tmp_path / "ours")
+        again = d.restore(tmp_path / "ours")
+    for name, value in expected.items():
+        assert_same(out[name], value, name)
+        assert_same(again[name], value, name)
+
+
 def _header_file(path, header: dict, data: bytes = b"", size: int | None = None):
     text = json.dumps(header).encode()
     with open(path, "wb") as f:
