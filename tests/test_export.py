@@ -186,3 +186,39 @@ def test_to_orbax_step_is_listed_by_orbax_manager(source, tmp_path):
     assert_trees_bit_equal(restored, ours)
     with dio.LocalDispatcher(host_memory_budget=MiB) as d, dio.CheckpointManager(root, d) as ours_manager:
         assert ours_manager.all_steps() == [7]
+
+
+def test_exports_stay_within_the_budget(tmp_path):
+    """A 64 MiB leaf exported under an 8 MiB budget, in a fresh process: peak RSS (VmHWM, reset
+    before each export) grows by the budget and fixed costs, never by the leaf. (A small export of
+    each kind first pays for imports; the first large one still grows the IO threads' allocator
+    arenas: measured +22 MiB, then +7-10 MiB for the next ones.)"""
+    import subprocess
+    import sys
+    import textwrap
+
+    with dio.LocalDispatcher(host_memory_budget=8 << 20) as d:
+        d.save(tmp_path / "big", {"w": np.arange(16 << 20, dtype=np.float32).reshape(4096, 4096)}).wait()
+        d.save(tmp_path / "small", {"w": np.arange(16, dtype=np.float32)}).wait()
+    script = textwrap.dedent(f"""
+        import dispatch_io as dio
+        status = lambda k: int(dict(l.split(":") for l in open("/proc/self/status").read().splitlines())[k].split()[0]) << 10
+        peaks = []
+        with dio.LocalDispatcher(host_memory_budget=8 << 20) as d:
+            for to in ("safetensors", "orbax"):
+                d.convert({str(tmp_path / 'small')!r}, {str(tmp_path)!r} + "/warm-" + to, to=to)
+                open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+                before = status("VmRSS")
+                d.convert({str(tmp_path / 'big')!r}, {str(tmp_path)!r} + "/out-" + to, to=to)
+                peaks.append(status("VmHWM") - before)
+        print(*peaks)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    peaks = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert all(int(p) < 32 * MiB for p in peaks), [int(p) / MiB for p in peaks]  # half the leaf
+    got = dict(safetensors.deserialize((tmp_path / "out-safetensors" / "model.safetensors").read_bytes()))
+    assert bytes(got["w"]["data"]) == np.arange(16 << 20, dtype=np.float32).tobytes()
+    assert np.array_equal(ocp.StandardCheckpointer().restore(tmp_path / "out-orbax")["w"],
+                          np.arange(16 << 20, dtype=np.float32).reshape(4096, 4096))
