@@ -139,13 +139,12 @@ class LocalOutput:
 
     def commit(self):
         """fsync what was written, then move it to ``dst`` (replacing what was there)."""
-        for root, _, files in os.walk(self.tmp) if os.path.isdir(self.tmp) else [(None, None, [self.tmp])]:
-            for name in files:
-                fd = os.open(name if root is None else os.path.join(root, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        if os.path.isdir(self.tmp):
+            for root, _, files in os.walk(self.tmp):
+                for path in [root] + [os.path.join(root, name) for name in files]:
+                    _fsync(path)
+        else:
+            _fsync(self.tmp)
         old = None
         if os.path.lexists(self.dst):
             old = f"{self.tmp}.old"
@@ -153,14 +152,19 @@ class LocalOutput:
         os.rename(self.tmp, self.dst)
         if old is not None:
             _remove(old)
-        fd = os.open(os.path.dirname(self.dst), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(os.path.dirname(self.dst))
 
     def abort(self):
         _remove(self.tmp)
+
+
+def _fsync(path: str):
+    """Make the file or directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: str):

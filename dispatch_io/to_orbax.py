@@ -63,9 +63,12 @@ def _sharding_entry(saved: SavedLeaf) -> dict | None:
     if sharding is None and described.get("type") == "NamedSharding":
         sizes = described["mesh"]
         if int(np.prod(list(sizes.values()))) == jax.device_count():
-            mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes))
             spec = [tuple(p) if isinstance(p, list) else p for p in described["spec"]]
-            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+            try:
+                mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes))
+                sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+            except (ValueError, TypeError):  # not a mesh of these devices: the default below
+                sharding = None
     if isinstance(sharding, jax.sharding.NamedSharding):
         mesh = sharding.mesh
         return {"sharding_type": "NamedSharding", "shape": list(mesh.devices.shape),
