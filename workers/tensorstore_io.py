@@ -129,6 +129,7 @@ class Session:
     def close(self):
         with self._lock:
             self._open.clear()
+            self._kvstore = None
 
 
 def _ended(futures):
