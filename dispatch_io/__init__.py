@@ -11,6 +11,7 @@ from dispatch_io import sharding, tree
 from dispatch_io.batches import Priority
 from dispatch_io.colocated import ColocatedDispatcher, ColocatedRunner
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
+from dispatch_io.exporting import ExportStats
 from dispatch_io.formats import metadata
 from dispatch_io.manager import CheckpointManager, Json, PerProcess, StepInfo, policies
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
@@ -20,7 +21,7 @@ from dispatch_io.runner import LocalRunner
 from dispatch_io.save import SaveHandle
 
 __all__ = [
-    "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "ColocatedRunner", "CorruptCheckpointError", "Dispatcher", "IncompleteCheckpointError", "LocalDispatcher", "LocalRunner", "Options", "Priority",
+    "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "ColocatedRunner", "CorruptCheckpointError", "Dispatcher", "ExportStats", "IncompleteCheckpointError", "LocalDispatcher", "LocalRunner", "Options", "Priority",
     "Json", "PerProcess", "RestoreStats", "SaveHandle", "SaveStats", "StepInfo", "TreeMismatchError", "WorkerError", "metadata",
     "policies", "sharding", "tree",
 ]

@@ -6,12 +6,13 @@
                                         holding at most N MiB (default 256) of it at once
                                         (or two stored chunks, where those are larger)
     dispatch-io convert SRC DST [--budget-mib N] [--layout ocdbt|files] [--overwrite]
-                                        copy SRC (an Orbax or dispatch_io checkpoint) into a new
-                                        dispatch_io checkpoint at DST (outside SRC), N MiB at a
-                                        time; --overwrite replaces a checkpoint committed at DST
+                       [--to dispatch_io|safetensors|orbax] [--max-shard-size 5GB] [--skip-unsupported]
+                                        copy SRC (dispatch_io, Orbax or safetensors) into a new
+                                        checkpoint at DST (outside SRC) in the format --to, N MiB
+                                        at a time; --overwrite replaces a checkpoint at DST
     dispatch-io bench [ARGS...]         run benchmarks/bench.py (a source checkout) with ARGS
 
-Each reads either format (Orbax checkpoints too) only through the library, work on a machine with a single CPU device, and
+Each reads every format (Orbax checkpoints and safetensors too) only through the library, work on a machine with a single CPU device, and
 answer a bad path, an uncommitted save or a foreign directory with one line and exit status 2
 (``verify``: 1 when the checkpoint is unsound), never a traceback.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import sys
 
 import humanize
@@ -148,9 +151,11 @@ def inspect(path: str, as_json: bool) -> int:
     return 0
 
 
-def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", overwrite: bool = False) -> int:
-    """``Dispatcher.convert``: ``src`` (Orbax or dispatch_io) into a new checkpoint at ``dst``
-    (``overwrite``: replacing a committed one there), holding at most the budget of it in memory."""
+def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", overwrite: bool = False,
+            to: str = "dispatch_io", max_shard_size: int | None = None, skip_unsupported: bool = False) -> int:
+    """``Dispatcher.convert``: ``src`` (dispatch_io, Orbax or safetensors) into a new checkpoint at
+    ``dst`` in the format ``to`` (``overwrite``: replacing one there), holding at most the budget
+    of it in memory."""
     import dispatch_io as dio
     from dispatch_io.convert import check_apart
     from dispatch_io.storage import Location
@@ -158,13 +163,36 @@ def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", ov
     destination = Location.parse(dst)
     check_apart(Location.parse(src), destination)
     _open(src)  # an unusable source is exit status 2, before anything is written
-    if not overwrite and destination.is_committed():  # the library's message names its keyword, not our flag
+    # the library's messages name its keywords, not our flags
+    if not overwrite and to == "dispatch_io" and destination.is_committed():
         raise FileExistsError(f"a checkpoint is already committed at {dst}; pass --overwrite to replace it")
+    if not overwrite and to != "dispatch_io" and os.path.lexists(dst):
+        raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20, layout=layout) as dispatcher:
-        stats = dispatcher.convert(src, dst, overwrite=overwrite)
-    print(f"{dst}: {humanize.naturalsize(stats.bytes_written, binary=True)} converted from {src} "
-          f"in {stats.total_seconds:.1f} s (layout {layout})")
+        stats = dispatcher.convert(src, dst, overwrite=overwrite, to=to, max_shard_size=max_shard_size,
+                                   skip_unsupported=skip_unsupported)
+    seconds = stats.total_seconds
+    if to == "dispatch_io":
+        print(f"{dst}: {humanize.naturalsize(stats.bytes_written, binary=True)} converted from {src} "
+              f"in {seconds:.1f} s (layout {layout})")
+        return 0
+    skipped = f"; skipped {len(stats.skipped)}: {', '.join(stats.skipped)}" if stats.skipped else ""
+    print(f"{dst}: {humanize.naturalsize(stats.bytes_written, binary=True)} exported from {src} to {to} "
+          f"in {seconds:.1f} s{skipped}")
     return 0
+
+
+_SIZE = re.compile(r"([0-9]+)\s*(|B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """A byte count written as Hugging Face writes shard sizes: ``5GB``, ``500MB``, ``2GiB``, ``1000``."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match or int(match[1]) == 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MB or 2GiB, got {text!r}")
+    return int(match[1]) * _UNITS[match[2].lower()]
 
 
 def verify(path: str, budget_mib: int = 256) -> int:
@@ -215,13 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("--budget-mib", type=_positive_int, default=256,
                    help="host memory the reads may hold at once, in MiB (default 256)")
-    p = commands.add_parser("convert", help="copy an Orbax (or dispatch_io) checkpoint into a new dispatch_io one")
+    p = commands.add_parser("convert", help="copy a checkpoint (dispatch_io, Orbax, safetensors) into a new one")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--budget-mib", type=_positive_int, default=256,
                    help="host memory the copy may hold at once, in MiB (default 256)")
     p.add_argument("--layout", choices=("ocdbt", "files"), default="ocdbt", help="chunk layout of DST")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint committed at DST")
+    p.add_argument("--to", choices=("dispatch_io", "safetensors", "orbax"), default="dispatch_io",
+                   help="format of DST (default dispatch_io); safetensors and orbax write local paths")
+    p.add_argument("--max-shard-size", type=_size, default=None,
+                   help="--to safetensors: tensor bytes per file, e.g. 5GB (the default)")
+    p.add_argument("--skip-unsupported", action="store_true",
+                   help="--to safetensors: leave out what it cannot hold (PRNG keys, Python scalars, int4...)")
     p = commands.add_parser("bench", help="run benchmarks/bench.py; --help there lists its options",
                             add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -238,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             return inspect(args.path, args.json)
         if args.command == "convert":
-            return convert(args.src, args.dst, args.budget_mib, args.layout, args.overwrite)
+            return convert(args.src, args.dst, args.budget_mib, args.layout, args.overwrite, args.to,
+                           args.max_shard_size, args.skip_unsupported)
         return verify(args.path, args.budget_mib)
     except (CheckpointError, OSError, ValueError) as exc:  # what an unusable path raises; a bug still tracebacks
         path = args.src if args.command == "convert" else args.path

@@ -11,6 +11,7 @@ host memory bound and "nothing committed on failure" hold as for any save.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Sequence
 
@@ -62,6 +63,14 @@ def plan_stored(manifest: Manifest, chunk_limit: int, small_leaf_bytes: int = 0)
     plan = Plan(manifest.treedef, specs, plan_chunks(specs, lambda spec: device_regions(None, spec.spec.shape)),
                 keys_by_name=manifest.keys_by_name)
     return with_packs(plan, small_leaf_bytes, chunk_limit // 2)
+
+
+def source_session(source, settings, chunk_bytes: int) -> Session:
+    """A Session reading the arrays of ``source`` (a ``formats.Opened``) with ``settings``. Stored
+    chunks larger than ``chunk_bytes`` are read in several pieces: one decoded chunk is cached."""
+    largest = max((math.prod(s.stored.chunk_shape) * numpy_dtype(s.stored.dtype).itemsize
+                   for s in source.manifest.leaves if s.stored is not None), default=0)
+    return Session(source.arrays, settings, source.context, cache_bytes=largest if largest > chunk_bytes else 0)
 
 
 class StoredSource:

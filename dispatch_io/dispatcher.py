@@ -10,8 +10,8 @@ worker code runs is the runner's business (``runner.py``): :class:`LocalDispatch
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
-import math
 import threading
 import time
 from typing import Callable
@@ -24,8 +24,9 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
 from dispatch_io import reading, scaleout
 from dispatch_io import restore as restore_lib
+from dispatch_io import exporting, to_orbax, to_safetensors
 from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
-from dispatch_io.convert import StoredSource, check_apart, plan_stored
+from dispatch_io.convert import StoredSource, check_apart, plan_stored, source_session
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache, with_packs
@@ -35,7 +36,6 @@ from dispatch_io.save import Attachments, SaveHandle, SaveJob, SaveRun, check_ca
 from dispatch_io.locks import PathLocks
 from dispatch_io.shared_verify import verify_shared
 from dispatch_io.staging import StagingRing
-from workers import Session, numpy_dtype
 from dispatch_io.formats import open_checkpoint
 from dispatch_io.storage import Location
 
@@ -122,20 +122,39 @@ class Dispatcher:
             raise
         return run
 
-    def convert(self, src, dst, *, overwrite: bool = False) -> SaveStats:
-        """Copy the checkpoint at ``src`` (dispatch_io, or one Orbax wrote) into a new dispatch_io
-        checkpoint at ``dst``, keeping key paths, dtypes, PRNG key impls and saved shardings.
+    def convert(self, src, dst, *, overwrite: bool = False, to: str = "dispatch_io", names: Callable | None = None,
+                skip_unsupported: bool = False, max_shard_size: int | None = None):
+        """Copy the checkpoint at ``src`` (dispatch_io, Orbax's or safetensors) into a new checkpoint
+        at ``dst``: ``to="dispatch_io"`` (keeping key paths, dtypes, PRNG key impls and saved
+        shardings; returns the save's :class:`SaveStats`), ``"safetensors"`` or ``"orbax"`` (local
+        paths; return an :class:`~dispatch_io.exporting.ExportStats`). See docs/format.md.
 
         Streams: at most the host memory budget of stored bytes is held at once, however large
-        the checkpoint; no device memory is used. Returns the save's :class:`SaveStats` once
-        ``dst`` is committed. Raises as ``restore`` does for ``src`` and as ``save`` does for
-        ``dst`` (``FileExistsError`` unless ``overwrite``); ``ValueError`` if ``dst`` is ``src``,
-        inside it or holds it. A failure leaves nothing at ``dst``."""
+        the checkpoint; no device memory is used. Exports name leaves by their key names joined
+        by ``.`` unless ``names(key path) -> str`` says otherwise; what the format cannot hold
+        (safetensors: PRNG keys, Python scalars, int4...) raises ValueError naming the key path,
+        or is left out with ``skip_unsupported``; ``max_shard_size``: bytes of tensor data per
+        safetensors file (default 5 GB). Raises as ``restore`` does for ``src`` and as ``save``
+        does for ``dst`` (``FileExistsError`` unless ``overwrite``); ``ValueError`` if ``dst``
+        is ``src``, inside it or holds it. A failure leaves nothing at ``dst``."""
         self._check_usable("convert")
+        if to not in exporting.TARGETS:
+            raise ValueError(f"to must be one of {exporting.TARGETS}, got {to!r}")
         started = time.perf_counter()
         location = Location.parse(dst)
         check_apart(Location.parse(src), location)
         source = open_checkpoint(src)
+        session = source_session(source, self.runner.settings, self.options.chunk_bytes)
+        if to != "dispatch_io":
+            common = dict(overwrite=overwrite, names=names, skip=skip_unsupported, max_shard_size=max_shard_size,
+                          chunk_limit=self.options.chunk_bytes, batch_limit=self.options.read_batch_bytes,
+                          check_unchanged=source.check_unchanged)
+            try:
+                if to == "safetensors":
+                    return to_safetensors.export(session, source.manifest, dst, **common)
+                return to_orbax.export(session, source.manifest, dst, settings=self.runner.settings, **common)
+            finally:
+                session.close()
         plan = plan_stored(source.manifest, self.options.chunk_bytes, self.options.small_leaf_bytes)
         batches = make_batches(plan, [Priority.LOW] * len(plan.leaves), self.options.batch_bytes,
                                worker=jax.process_index())
@@ -144,12 +163,7 @@ class Dispatcher:
                       progress=self.options.progress)
         local = self.runner if isinstance(self.runner, LocalRunner) else LocalRunner(self.runner.settings,
                                                                                       self.runner.threads)
-        # Stored chunks larger than ours are read in several pieces: one decoded chunk is cached.
-        largest = max((math.prod(s.stored.chunk_shape) * numpy_dtype(s.stored.dtype).itemsize
-                       for s in source.manifest.leaves if s.stored is not None), default=0)
-        cache = largest if largest > self.options.chunk_bytes else 0
-        reader = StoredSource(local, Session(source.arrays, self.runner.settings, source.context, cache_bytes=cache),
-                              [s.stored for s in source.manifest.leaves], source.check_unchanged)
+        reader = StoredSource(local, session, [s.stored for s in source.manifest.leaves], source.check_unchanged)
         try:
             return SaveHandle(self._launch(location, job, [None] * len(plan.leaves), reader, overwrite)).wait()
         finally:
@@ -234,7 +248,8 @@ class Dispatcher:
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def restore(self, path, target=None, *, partial: bool = False, cast: bool = False, verify: bool = False):
+    def restore(self, path, target=None, *, partial: bool = False, cast: bool = False, verify: bool = False,
+                names: Callable | None = None):
         """Read the checkpoint at ``path``.
 
         ``target`` (a pytree) says what to build: ``jax.ShapeDtypeStruct`` leaves with a
@@ -245,6 +260,10 @@ class Dispatcher:
         lets the target name a subset of the leaves, ``cast=True`` allows dtype changes.
         ``verify=True`` first checks every stored chunk it reads against the CRC-32C saved with
         it (``Options(checksums=True)``): ``CorruptCheckpointError`` names each bad chunk.
+        ``path`` may also hold Orbax's or Hugging Face safetensors (docs/format.md). ``names``: a
+        function from a target leaf's JAX key path to the name of the saved leaf it reads (its key
+        names joined by ``.``: a safetensors tensor name such as ``"model.layers.3.mlp.up_proj.weight"``);
+        default for safetensors: the target's own key names joined by ``.``.
 
         What it did (bytes, batches, seconds per stage) is then ``self.last_restore_stats``.
         """
@@ -253,6 +272,8 @@ class Dispatcher:
 
         def work(manifest, reader, progress, times):
             received = 0
+            if names is not None:
+                manifest = dataclasses.replace(manifest, tensor_names=names)
             treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast, options.small_leaf_bytes)
             times.append(time.perf_counter())
             if options.restore_broadcast and jax.process_count() > 1:

@@ -4,7 +4,9 @@ Detection looks at the files present, never tries and fails: a dispatch_io check
 ``manifest.json`` / ``COMMITTED``; an Orbax PyTree item has ``_METADATA``; an Orbax step
 directory holds exactly one such item (``default``, ``state``, ...). Anything else is read as a
 dispatch_io path, whose errors say what is missing. Orbax checkpoints are read from local
-directories (``file://`` too); URLs are always dispatch_io checkpoints.
+directories (``file://`` too). Hugging Face safetensors (``dispatch_io.safetensors``) are a
+``.safetensors`` file, or a directory / URL prefix holding such files and no dispatch_io
+checkpoint (local or ``s3://`` / ``gs://``).
 
 :func:`open_checkpoint` gives restore, verify, metadata and convert one view of either format:
 a :class:`~dispatch_io.manifest.Manifest`, the kvstore its arrays are read from, and a check
@@ -20,11 +22,11 @@ from typing import Callable
 import tensorstore as ts
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import orbax
+from dispatch_io import orbax, safetensors
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manifest import Manifest
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, DirectoryRoot, Location, StepRoot
-from workers import layout_kvstore
+from workers import layout_kvstore, shared_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +117,23 @@ def open_checkpoint(path) -> Opened:
                                       "read; read it again") from cause
 
         return Opened(display, manifest, arrays, None, check_orbax)
+    found = safetensors.find(path)
+    if found is not None:
+        return _open_safetensors(os.fspath(path), *found)
     location = Location.parse(path)
     marker = location.commit_marker()  # a save that replaces the checkpoint changes it
     manifest = manifest_lib.parse(location.read_manifest(), location.display)
     arrays = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
     return Opened(location.display, manifest, arrays, location.context,
                   lambda cause=None: location.check_commit_marker(marker, cause))
+
+
+def _open_safetensors(display: str, spec: dict, files, index) -> Opened:
+    """:func:`open_checkpoint` of the safetensors ``safetensors.find`` found at ``display``."""
+    context = shared_context(spec)
+    manifest, generations = safetensors.read(spec, files, index, display, context)
+    return Opened(display, manifest, spec, context,
+                  lambda cause=None: safetensors.check_unchanged(spec, generations, display, context, cause))
 
 
 def metadata(path):

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -172,6 +172,9 @@ class Manifest:
     compression: tuple[str, int] | None = None  # (codec, level) of our arrays; None: raw (or not ours)
     format: str = FORMAT   # who wrote it: "dispatch_io", or "orbax" (read by dispatch_io.orbax)
     keys_by_name: bool = False  # targets match leaves by key names (:meth:`saved_leaf`)
+    # Targets match the leaf whose key names joined by "." are tensor_names(target key path)
+    # (safetensors; restore(names=...) for any checkpoint).
+    tensor_names: Callable[[tuple], str] | None = None
 
     @property
     def has_checksums(self) -> bool:
@@ -189,10 +192,21 @@ class Manifest:
         An Orbax checkpoint, and ours converted from one, matches as Orbax does, by its names of
         the keys (:func:`~dispatch_io.tree.key_names`): Orbax stores a NamedTuple field or
         dataclass attribute as a dict key and an int dict key as its text, so a target holding
-        them matches the checkpoint they were saved from."""
+        them matches the checkpoint they were saved from. With ``tensor_names`` (safetensors, or
+        ``restore(names=...)``), the leaf whose key names joined by ``.`` are
+        ``tensor_names(path)``; TypeError if that is not a str."""
+        if self.tensor_names is not None:
+            name = self.tensor_names(path)
+            if not isinstance(name, str):
+                raise TypeError(f"names({keypath}) must return a tensor name (str), got {name!r}")
+            return self._by_tensor_name.get(name)
         if not self.keys_by_name:
             return self.by_keypath.get(keypath)
         return self._by_key_names.get(tree_lib.key_names(path))
+
+    @functools.cached_property
+    def _by_tensor_name(self) -> dict[str, SavedLeaf]:
+        return {".".join(names): leaf for names, leaf in self._by_key_names.items()}
 
     @functools.cached_property
     def _by_key_names(self) -> dict[tuple[str, ...], SavedLeaf]:

@@ -8,6 +8,7 @@ in a colocated Python worker, or in another ``jax.distributed`` process.
 from workers.contract import (
     COMPRESSIONS,
     LAYOUTS,
+    RAW,
     ArraySpec,
     ChunkError,
     IOSettings,
@@ -31,7 +32,7 @@ from workers.tensorstore_io import (
     write_regions,
 )
 
-__all__ = ["COMPRESSIONS", "LAYOUTS", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
+__all__ = ["COMPRESSIONS", "LAYOUTS", "RAW", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
            "aligned_empty", "check_data_file_bytes", "checksum_regions", "compression_codec", "crc32c",
            "finish_arrays", "layout_kvstore",
            "numpy_dtype", "pack_spec", "packed_leaf", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_files", "write_regions"]

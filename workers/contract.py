@@ -25,6 +25,7 @@ import tensorstore as ts
 
 LAYOUTS = ("ocdbt", "files")
 COMPRESSIONS = ("zstd",)
+RAW = "raw"                        # ArraySpec.driver of arrays stored as plain bytes at an offset
 ZSTD_DEFAULT_LEVEL = 3             # zstd's own default
 ZSTD_LEVELS = (-131072, 22)        # what zstd (and TensorStore's zarr3 codec) accepts
 
@@ -109,6 +110,11 @@ class ArraySpec:
     is lost data, an error. Its codecs are not part of it: a writer's
     (:meth:`zarr_metadata`) are ``IOSettings.compression``, a reader takes the stored ones.
 
+    ``driver="raw"`` (:data:`RAW`): the array's bytes, C order and little-endian, are
+    ``[offset, offset + nbytes)`` of the key ``name`` itself (a tensor in a safetensors file);
+    ``chunk_shape`` then only says how reads of it are cut, and workers read its regions as
+    byte ranges (``workers.raw_bytes``).
+
     ``packed``: ``(pack, offset)`` for a small leaf stored as bytes ``[offset, offset + nbytes)``
     of ``pack``, a 1-D ``uint8`` array holding many leaves (``workers.packs``); its own
     ``shape`` / ``dtype`` are the leaf's and it is one chunk (``chunk_shape == shape``). Workers
@@ -121,6 +127,7 @@ class ArraySpec:
     driver: str = "zarr3"
     missing_is_fill: bool = False
     packed: "tuple[ArraySpec, int] | None" = None
+    offset: int = 0       # driver "raw": where the bytes start in the key ``name``
 
     @property
     def storage_dtype(self) -> str:

@@ -11,9 +11,9 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from workers import packs
+from workers import packs, raw_bytes
 from workers.runs import runs
-from workers.contract import ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
+from workers.contract import RAW, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
 from workers.layouts import NODE_CACHE, layout_kvstore, storage_of
 from workers.page_cache import release_page_cache
 
@@ -79,6 +79,7 @@ class Session:
         # caller's buffers (reused staging), so TensorStore copies them there.
         self.reference_sources = storage.get("driver") != "memory"
         self._open: dict[str, Any] = {}
+        self._kvstore = None  # future of the opened kvstore, for raw byte-range reads
         self._lock = threading.Lock()
 
     @classmethod
@@ -107,6 +108,13 @@ class Session:
                     self._open[spec.name] = future
             return {spec.name: self._open[spec.name] for spec in specs}
 
+    def open_kvstore(self):
+        """Future of the session's kvstore itself, opened once (reads of ``raw`` arrays)."""
+        with self._lock:
+            if self._kvstore is None:
+                self._kvstore = ts.KvStore.open(self.kvstore, context=self.context)
+            return self._kvstore
+
     def _spec(self, spec: ArraySpec, write: bool) -> dict:
         """The TensorStore spec that writes or reads the array ``spec``."""
         tspec = spec.tensorstore_spec(self.kvstore)
@@ -121,6 +129,7 @@ class Session:
     def close(self):
         with self._lock:
             self._open.clear()
+            self._kvstore = None
 
 
 def _ended(futures):
@@ -209,8 +218,12 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
 
     ``out[i]``, when given, is filled in place: TensorStore decodes straight into it, so the
     bytes are touched once and no temporary is allocated. Otherwise a new array is returned.
-    Packed leaves are read from their pack, one read per run of nearby leaves (``packs.spans``)."""
+    Packed leaves are read from their pack, one read per run of nearby leaves (``packs.spans``);
+    ``raw`` arrays as byte ranges of their key (``raw_bytes``)."""
     out = list(out) if out is not None else [None] * len(regions)
+    raw = [i for i, r in enumerate(regions) if r.array.driver == RAW]
+    if raw:
+        return _read_raw(session, regions, out, raw)
     spans = packs.spans(regions)
     futures, waited = [], []
     stores = session.open_arrays([r.array for r in regions], write=False)
@@ -258,6 +271,19 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
             arr = arr.copy()  # not a view holding the whole span
         dtype = numpy_dtype(region.array.dtype)
         results.append(arr if arr.dtype == dtype else arr.view(dtype))
+    return results
+
+
+def _read_raw(session: Session, regions: Sequence[Region], out: list, raw: list[int]) -> list[np.ndarray]:
+    """:func:`read_regions` where the regions ``raw`` (indices) are of raw arrays."""
+    results: list = [None] * len(regions)
+    rest = sorted(set(range(len(regions))) - set(raw))
+    for i, array in zip(raw, raw_bytes.read_regions(session, [regions[i] for i in raw], [out[i] for i in raw])):
+        results[i] = array
+    if rest:
+        for i, array in zip(rest, read_regions(session, [regions[i] for i in rest], [out[i] for i in rest])):
+            results[i] = array
+    release_page_cache(session, [regions[i] for i in raw], written=False)
     return results
 
 

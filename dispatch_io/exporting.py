@@ -1,0 +1,180 @@
+"""What both exports (to safetensors, to Orbax) share: names, refusals, reading the source in
+bounded pieces, and committing a local directory.
+
+An export is a stream: every leaf of the source is read in pieces of whole leading-axis blocks
+(C order, at most ``max_chunk_bytes`` each), in batches of at most half the budget with one
+batch read while the previous one is written, so host memory stays within the budget however
+large the leaves. The output is written into a temporary sibling of the destination and renamed
+into place only once complete: a failure leaves nothing at the destination.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import math
+import os
+import shutil
+import uuid
+from typing import Callable, Iterator
+
+import jax
+
+from dispatch_io import tree as tree_lib
+from dispatch_io.batches import pack
+from dispatch_io.manifest import Manifest, SavedLeaf
+from dispatch_io.plan import storage_chunk_shape
+from workers import Region, Session, numpy_dtype, read_regions
+
+TARGETS = ("dispatch_io", "safetensors", "orbax")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportStats:
+    """What an export did: where it wrote, the bytes of tensor data, the files it made, the
+    key paths it skipped (``skip_unsupported``), and how long it took."""
+
+    path: str
+    bytes_written: int
+    files: tuple[str, ...]
+    skipped: tuple[str, ...]
+    total_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """A source leaf being exported: its JAX key path, its name in the output, what it is."""
+
+    path: tuple
+    name: str
+    saved: SavedLeaf
+
+
+def default_name(path) -> str:
+    """A leaf's name in an export: its key names (dict keys, indices, attribute names) joined
+    by ``.`` -- ``['model']['layers'][3]['w']`` is ``model.layers.3.w``."""
+    return ".".join(tree_lib.key_names(path))
+
+
+def leaves(manifest: Manifest, names: Callable | None, refuse: Callable[[SavedLeaf], str | None],
+           skip: bool | None) -> tuple[list[Leaf], list[str]]:
+    """(leaves to export, key paths skipped) of ``manifest``. ``names(path) -> str`` names them
+    (default :func:`default_name`); ``refuse(saved)`` says why a leaf cannot be exported (None:
+    it can). Raises ValueError naming the key path of the first refused leaf unless ``skip``
+    (None: skipping is not offered), and of two leaves given one name (or a name that is not a str)."""
+    tree = jax.tree_util.tree_unflatten(manifest.treedef, manifest.leaves)
+    out, skipped, owners = [], [], {}
+    for path, saved in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        problem = refuse(saved)
+        if problem is not None:
+            if not skip:
+                hint = "" if skip is None else " (skip_unsupported=True leaves such leaves out)"
+                raise ValueError(f"{saved.keypath}: {problem}{hint}")
+            skipped.append(saved.keypath)
+            continue
+        name = (names or default_name)(path)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{saved.keypath}: names() gave {name!r}, not a non-empty str")
+        if name in owners:
+            raise ValueError(f"{owners[name]} and {saved.keypath} would both be named {name!r}; pass names=")
+        owners[name] = saved.keypath
+        out.append(Leaf(path, name, saved))
+    return out, skipped
+
+
+def pieces(saved: SavedLeaf, limit: int) -> list[Region]:
+    """The stored array of ``saved`` as regions of whole leading-axis blocks of at most ``limit``
+    bytes (or one row), in C order: concatenated, their bytes are the array's."""
+    stored = saved.stored
+    if stored is None:
+        return []
+    block = storage_chunk_shape(stored.shape, numpy_dtype(stored.dtype).itemsize, limit)
+    regions = []
+    # Blocks cut from the leading axes: iterate them in C order.
+    axes = [range(0, n, b) for n, b in zip(stored.shape, block)]
+    for starts in itertools.product(*axes):
+        bounds = tuple((s, min(s + b, n)) for s, b, n in zip(starts, block, stored.shape))
+        regions.append(Region(stored, bounds, saved.keypath))
+    return regions
+
+
+def stream(session: Session, work: list[tuple[object, Region]], batch_limit: int) -> Iterator[list[tuple]]:
+    """The (tag, region, host array) of each (tag, region) of ``work``, in order, a batch of at
+    most ``batch_limit`` bytes at a time; the next batch is read while the caller uses this one."""
+    batches = [batch for batch, _ in pack(work, lambda w: w[1].nbytes, batch_limit)]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-export") as pool:
+        read = lambda batch: read_regions(session, [region for _, region in batch])  # noqa: E731
+        future = pool.submit(read, batches[0]) if batches else None
+        for i, batch in enumerate(batches):
+            arrays = future.result()
+            future = pool.submit(read, batches[i + 1]) if i + 1 < len(batches) else None
+            try:
+                yield [(tag, region, array) for (tag, region), array in zip(batch, arrays)]
+            except BaseException:  # the caller failed (or stopped): no read may outlive it
+                if future is not None:
+                    future.cancel()
+                    concurrent.futures.wait([future])
+                raise
+
+
+class LocalOutput:
+    """A directory (or file) written beside ``dst`` and renamed into place by :meth:`commit`.
+
+    ``tmp`` is where to write (a sibling whose name holds ``marker``). Raises FileExistsError if
+    ``dst`` exists and not ``overwrite``; ``replaceable(dst)`` must then say it is something an
+    export may replace (ValueError otherwise). :meth:`abort` removes what was written."""
+
+    def __init__(self, dst: str, overwrite: bool, replaceable: Callable[[str], bool], marker: str, is_dir: bool):
+        self.dst = os.path.abspath(dst)
+        if os.path.lexists(self.dst):
+            if not overwrite:
+                raise FileExistsError(f"{dst} exists (pass overwrite=True to replace it)")
+            if not replaceable(self.dst):
+                raise ValueError(f"{dst} exists and is not a checkpoint this export writes: it is not replaced")
+        os.makedirs(os.path.dirname(self.dst), exist_ok=True)
+        self.tmp = os.path.join(os.path.dirname(self.dst), f".{os.path.basename(self.dst)}.{marker}-{uuid.uuid4().hex[:12]}")
+        if is_dir:
+            os.mkdir(self.tmp)
+
+    def commit(self):
+        """fsync what was written, then move it to ``dst`` (replacing what was there)."""
+        if os.path.isdir(self.tmp):
+            for root, _, files in os.walk(self.tmp):
+                for path in [root] + [os.path.join(root, name) for name in files]:
+                    _fsync(path)
+        else:
+            _fsync(self.tmp)
+        old = None
+        if os.path.lexists(self.dst):
+            old = f"{self.tmp}.old"
+            os.rename(self.dst, old)
+        os.rename(self.tmp, self.dst)
+        if old is not None:
+            _remove(old)
+        _fsync(os.path.dirname(self.dst))
+
+    def abort(self):
+        _remove(self.tmp)
+
+
+def _fsync(path: str):
+    """Make the file or directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def nbytes(saved: SavedLeaf) -> int:
+    """The bytes of the stored array of ``saved`` (0 for none)."""
+    stored = saved.stored
+    return 0 if stored is None else math.prod(stored.shape) * numpy_dtype(stored.dtype).itemsize

@@ -1,0 +1,207 @@
+"""Exporting a checkpoint (ours, Orbax's, safetensors) as an Orbax PyTree checkpoint.
+
+What Orbax 0.12's ``StandardCheckpointer`` writes (see ``dispatch_io.orbax`` for the layout):
+one zarr3 array per leaf, named by its key names joined by ``.``, in an OCDBT database at the
+item directory (written as ``ocdbt.process_0/`` and merged into the root by reference),
+``_METADATA`` (the tree: key_metadata, value types), ``_sharding`` (each leaf's sharding, where
+known: saved shardings, else the first device), ``array_metadatas/process_0`` (PRNG key
+impls: keys are stored as their key_data and come back as key arrays), ``_strings.json``,
+``_CHECKPOINT_METADATA`` with a commit time and ``commit_success.txt``.
+
+``dst`` whose last name is a number (``<root>/100``) is written as a step of Orbax's
+``CheckpointManager``: the item in ``<dst>/default/``, the step's metadata in ``<dst>``; any
+other ``dst`` is a standalone item, as ``StandardCheckpointer.save`` writes it. Local paths only.
+The directory is written under a name holding ``.orbax-checkpoint-tmp`` (which Orbax never
+lists) and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from dispatch_io import exporting, orbax
+from dispatch_io import tree as tree_lib
+from dispatch_io.exporting import ExportStats, LocalOutput
+from dispatch_io.manifest import SavedLeaf
+from dispatch_io.plan import storage_chunk_shape
+from dispatch_io.storage import DirectoryLocation, Location
+from workers import ArraySpec, Region, Session, finish_arrays, numpy_dtype, storage_dtype_name, write_regions
+
+HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+WRITER = "ocdbt.process_0"
+ITEM = "default"
+_SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64}
+_EMPTY_TYPES = {dict: "Dict", list: "List", tuple: "Tuple", type(None): "None"}
+
+
+def refusal(saved: SavedLeaf) -> str | None:
+    """Why ``saved`` cannot be an Orbax leaf, or None if it can."""
+    if saved.kind == tree_lib.SCALAR:
+        if isinstance(saved.value, str) or type(saved.value) in (bool, float):
+            return None
+        if type(saved.value) is int and -2**63 <= saved.value < 2**63:
+            return None
+        return f"the Python {type(saved.value).__name__} {str(saved.value)[:40]} has no Orbax scalar form"
+    dtype = saved.stored.dtype if saved.stored is not None else np.dtype(saved.dtype).name
+    if saved.kind != tree_lib.KEY and storage_dtype_name(dtype) != np.dtype(numpy_dtype(dtype)).name:
+        return f"dtype {dtype} is not one zarr3 (and so Orbax) stores"
+    return None
+
+
+def _sharding_entry(saved: SavedLeaf) -> dict | None:
+    """Orbax's description of the leaf's sharding: the saved one where known and usable here,
+    else one on the first device (Orbax restores a jax.Array where its sharding says)."""
+    sharding = saved.sharding
+    described = saved.described_sharding or {}
+    if sharding is None and described.get("type") == "NamedSharding":
+        sizes = described["mesh"]
+        if int(np.prod(list(sizes.values()))) == jax.device_count():
+            spec = [tuple(p) if isinstance(p, list) else p for p in described["spec"]]
+            try:
+                mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes))
+                sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+            except (ValueError, TypeError):  # not a mesh of these devices: the default below
+                sharding = None
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        return {"sharding_type": "NamedSharding", "shape": list(mesh.devices.shape),
+                "axis_names": list(mesh.axis_names), "axis_types": [str(t) for t in mesh.axis_types],
+                "partition_spec": [list(p) if isinstance(p, tuple) else p for p in sharding.spec],
+                "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(mesh.devices).tolist()}}
+    device = next(iter(sharding.device_set)) if isinstance(sharding, jax.sharding.SingleDeviceSharding) else jax.devices()[0]
+    return {"sharding_type": "SingleDeviceSharding", "device_str": str(device)}
+
+
+def _key_metadata(path) -> list[dict]:
+    return [{"key": name, "key_type": 1 if isinstance(entry, jax.tree_util.SequenceKey) else 2}
+            for entry, name in zip(path, tree_lib.key_names(path))]
+
+
+def _tree_entries(manifest, arrays: dict[str, ArraySpec]) -> dict:
+    """_METADATA's tree_metadata: every leaf, empty container and None of the source tree."""
+    tree = jax.tree_util.tree_unflatten(manifest.treedef, manifest.leaves)
+    empty = lambda x: x is None or (type(x) in _EMPTY_TYPES and not x)  # noqa: E731
+    entries = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=empty)[0]:
+        names = tree_lib.key_names(path)
+        if not isinstance(leaf, SavedLeaf):
+            value = {"value_type": _EMPTY_TYPES[type(leaf)], "skip_deserialize": True}
+        elif leaf.kind == tree_lib.SCALAR:
+            value = {"value_type": "string" if isinstance(leaf.value, str) else "scalar", "skip_deserialize": False}
+        else:
+            value = {"value_type": "jax.Array" if leaf.origin == "jax" or leaf.kind == tree_lib.KEY else "np.ndarray",
+                     "skip_deserialize": False, "write_shape": list(arrays[".".join(names)].chunk_shape)}
+        entries[str(names)] = {"key_metadata": _key_metadata(path), "value_metadata": value}
+    return entries
+
+
+def _array(name: str, saved: SavedLeaf, chunk_limit: int) -> ArraySpec:
+    """The zarr3 array a leaf is written as (keys: their key_data; scalars: 0-d)."""
+    if saved.kind == tree_lib.SCALAR:
+        return ArraySpec(name, (), np.dtype(_SCALAR_DTYPES[type(saved.value)]).name, ())
+    if saved.stored is not None:
+        shape, dtype = saved.stored.shape, saved.stored.dtype
+    elif saved.kind == tree_lib.KEY:
+        phys = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(saved.shape, saved.dtype))
+        shape, dtype = tuple(phys.shape), np.dtype(phys.dtype).name
+    else:
+        shape, dtype = saved.shape, np.dtype(saved.dtype).name
+    chunks = storage_chunk_shape(shape, numpy_dtype(dtype).itemsize, chunk_limit)
+    return ArraySpec(name, tuple(shape), dtype, tuple(max(1, c) for c in chunks))
+
+
+def _write_json(path: str, doc):
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def export(session, manifest, dst, *, overwrite: bool, names, skip: bool, max_shard_size, chunk_limit: int,
+           batch_limit: int, check_unchanged, settings) -> ExportStats:
+    """Write the tree of ``manifest`` (arrays read through ``session``) as an Orbax checkpoint at
+    ``dst``; see the module docstring. ``settings``: the IOSettings to write with. Raises
+    ValueError for a leaf Orbax cannot hold (naming its key path), for ``names`` (Orbax names
+    leaves by their key paths), ``max_shard_size`` or ``skip``, for a non-local ``dst``;
+    FileExistsError if ``dst`` exists and not ``overwrite``. A failure leaves nothing at ``dst``."""
+    started = time.perf_counter()
+    if names is not None or max_shard_size is not None:
+        raise ValueError("an Orbax checkpoint names its leaves by their key paths and has no shards: "
+                         "names= and max_shard_size= are for safetensors")
+    location = Location.parse(dst)
+    if not isinstance(location, DirectoryLocation):
+        raise ValueError(f"export to Orbax writes a local directory: {dst} is not a local path")
+    if skip:
+        raise ValueError("an Orbax checkpoint keeps the whole tree: skip_unsupported is for safetensors")
+    exported, _ = exporting.leaves(manifest, None, refusal, None)
+    step = os.path.basename(os.path.abspath(location.path)).isdigit()
+    output = LocalOutput(location.path, overwrite, lambda p: orbax.is_item(p) or bool(orbax.items(p)),
+                         orbax.TMP, is_dir=True)
+    try:
+        item = os.path.join(output.tmp, ITEM) if step else output.tmp
+        os.makedirs(item, exist_ok=True)
+        arrays = {leaf.name: _array(leaf.name, leaf.saved, chunk_limit) for leaf in exported
+                  if not isinstance(leaf.saved.value, str)}
+        base = {"driver": "file", "path": item + "/"}
+        writer = Session.writer(base, WRITER, dataclasses.replace(settings, layout="ocdbt", checksums=False))
+        try:
+            scalars = [(Region(arrays[leaf.name], (), leaf.saved.keypath),
+                        np.asarray(leaf.saved.value, _SCALAR_DTYPES[type(leaf.saved.value)]))
+                       for leaf in exported if leaf.saved.kind == tree_lib.SCALAR and leaf.name in arrays]
+            if scalars:
+                write_regions(writer, *zip(*scalars))
+            work = [(arrays[leaf.name], region) for leaf in exported for region in exporting.pieces(leaf.saved, chunk_limit)]
+            for batch in exporting.stream(session, work, batch_limit):
+                write_regions(writer, [Region(spec, region.bounds, region.keypath) for spec, region, _ in batch],
+                              [array for _, _, array in batch])
+        finally:
+            writer.close()
+        finish_arrays(base, "ocdbt", list(arrays.values()), settings.compression)
+        _write_metadata(item, manifest, exported, arrays)
+        check_unchanged()
+        now = time.time_ns()
+        handlers = {ITEM: HANDLER} if step else HANDLER
+        _write_json(os.path.join(output.tmp, orbax.STEP_METADATA), {
+            "item_handlers": handlers, "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
+            "commit_timestamp_nsecs": now, "custom_metadata": {}})
+        for folder in {output.tmp, item}:
+            with open(os.path.join(folder, orbax.COMMIT_SUCCESS), "w") as f:
+                f.write(f"Checkpoint commit was successful to {os.path.abspath(location.path)}")
+        output.commit()
+    except BaseException:
+        output.abort()
+        raise
+    return ExportStats(os.fspath(dst), sum(exporting.nbytes(leaf.saved) for leaf in exported),
+                       (ITEM,) if step else (), (), time.perf_counter() - started)
+
+
+def _write_metadata(item: str, manifest, exported, arrays: dict[str, ArraySpec]):
+    """_METADATA, _sharding, _strings.json and array_metadatas/process_0 of the item."""
+    _write_json(os.path.join(item, orbax.METADATA), {
+        "tree_metadata": _tree_entries(manifest, arrays), "use_ocdbt": True, "use_zarr3": True,
+        "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
+    shardings, strings, metadatas = {}, {}, []
+    for leaf in exported:
+        saved = leaf.saved
+        if isinstance(saved.value, str):
+            strings[leaf.name] = saved.value
+            continue
+        if saved.kind == tree_lib.SCALAR:
+            continue
+        spec = arrays[leaf.name]
+        if saved.origin == "jax" or saved.kind == tree_lib.KEY:
+            key = base64.urlsafe_b64encode(leaf.name.encode()).decode()
+            shardings[key] = json.dumps(_sharding_entry(saved))
+        metadatas.append({"array_metadata": {
+            "param_name": leaf.name, "write_shape": list(spec.chunk_shape), "chunk_shape": list(spec.chunk_shape),
+            "ext_metadata": {"random_key_impl": saved.key_impl} if saved.kind == tree_lib.KEY else None}})
+    _write_json(os.path.join(item, "_sharding"), shardings)
+    if strings:
+        _write_json(os.path.join(item, "_strings.json"), strings)
+    os.makedirs(os.path.join(item, "array_metadatas"))
+    _write_json(os.path.join(item, "array_metadatas", "process_0"), {"array_metadatas": metadatas})
