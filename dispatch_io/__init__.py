@@ -13,7 +13,8 @@ from dispatch_io.colocated import ColocatedDispatcher, ColocatedRunner
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
 from dispatch_io.exporting import ExportStats
 from dispatch_io.formats import metadata
-from dispatch_io.manager import CheckpointManager, Json, PerProcess, StepInfo, policies
+from dispatch_io import policies
+from dispatch_io.manager import CheckpointManager, Json, PerProcess, StepInfo
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.options import Options
 from dispatch_io.progress import RestoreStats, SaveStats

@@ -70,7 +70,7 @@ class SingleProcessCommit:
         self.location = location
         self.target: WriteTarget | None = None
 
-    def check_same_plan(self, plan: Plan, stored: dict):
+    def check_same_plan(self, plan: Plan, stored: dict, agreed=None):
         pass
 
     def start(self, overwrite: bool):
@@ -140,20 +140,28 @@ class MultiProcessCommit:
 
     # -- the protocol ------------------------------------------------------------------------
 
-    def check_same_plan(self, plan: Plan, stored: dict):
+    def check_same_plan(self, plan: Plan, stored: dict, agreed=None):
         """Every process must have planned the same save, or chunks would be written twice or
         by nobody, and store it alike (``stored``: ``IOSettings.stored_as``), or the leader's
-        metadata would describe other processes' chunks wrongly. All processes see the same
-        digests and options, so all raise ValueError (before anything is written)."""
-        self.room.set(f"plan/{self.job.process}", [plan.digest, stored])
+        metadata would describe other processes' chunks wrongly; and attach files alike
+        (``agreed``: ``Attachments.agreed``), or the leader's info would list files some never
+        wrote. All processes see the same digests and options, so all raise ValueError
+        (before anything is written)."""
+        self.room.set(f"plan/{self.job.process}", [plan.digest, stored, agreed])
         published = self.room.gather("plan")
-        options = {p: o for p, (_, o) in published.items()}
+        attached = {p: a for p, (_, _, a) in published.items()}
+        if any(a != attached[0] for a in attached.values()):
+            differ = sorted(p for p, a in attached.items() if a != attached[0])
+            raise ValueError(f"the processes attach different items to the save of {self.location.display}: "
+                             f"process(es) {differ} attach {attached[differ[0]]}, process 0 {attached[0]}. Every "
+                             "process must pass the same item names and kinds.")
+        options = {p: o for p, (_, o, _) in published.items()}
         if any(o != options[0] for o in options.values()):
             differ = sorted(p for p, o in options.items() if o != options[0])
             raise ValueError(f"the processes save {self.location.display} with different options: process(es) "
                              f"{differ} store {options[differ[0]]}, process 0 {options[0]}. Every process must "
                              "save with the same Options.")
-        digests = {p: d for p, (d, _) in published.items()}
+        digests = {p: d for p, (d, _, _) in published.items()}
         if len(set(digests.values())) == 1:
             return
         self.room.set(f"leaves/{self.job.process}", plan.leaf_digests)

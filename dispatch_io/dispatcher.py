@@ -110,7 +110,7 @@ class Dispatcher:
         try:
             opened = self.coordinator.open(location)
             settings = runner.settings
-            opened.check_same_plan(job.plan, settings.stored_as)
+            opened.check_same_plan(job.plan, settings.stored_as, job.attachments.agreed)
             opened.start(overwrite)
             commit = opened
             run = SaveRun(job, leaves, runner, commit, self._ring, settings, self._finished)

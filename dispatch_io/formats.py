@@ -71,6 +71,20 @@ def committed_steps(root: StepRoot) -> list[int]:
     return sorted(set(root.committed_steps()) | set(orbax_steps))
 
 
+def check_reachable(root: StepRoot):
+    """CheckpointError naming them if ``root`` is an object-store prefix holding Orbax steps:
+    those are read from local directories only, and a manager that did not list them would
+    start the run again from step 0."""
+    if isinstance(root, DirectoryRoot):
+        return
+    held = sorted(step for step, keys in root.step_keys().items()
+                  if orbax.STEP_METADATA in keys or any(k.endswith("/" + orbax.METADATA) for k in keys))
+    if held:
+        raise CheckpointError(f"{root.display} holds Orbax steps ({', '.join(map(str, held[:5]))}"
+                              f"{', ...' if len(held) > 5 else ''}), which dispatch_io reads from local directories "
+                              "only: copy the root to a local directory (or convert its steps) and open that")
+
+
 def step_path(root: StepRoot, step: int) -> str:
     """The checkpoint of ``step`` under a manager's ``root``: ``<root>/<step>``, or (directory
     roots only) the Orbax step directory holding it under another of Orbax's namings

@@ -58,11 +58,14 @@ class Attachments:
     ``files``: this process's, key (relative to the checkpoint's arrays folder) -> bytes, written
     once its batches are; every process's are in place before the commit. ``info``: JSON the
     leader writes as the checkpoint's :data:`~dispatch_io.storage.INFO` file when it commits,
-    with ``"committed"`` (``clock()``, UNIX seconds) and ``"arrays"`` (the arrays folder) added."""
+    with ``"committed"`` (``clock()``, UNIX seconds) and ``"arrays"`` (the arrays folder) added.
+    ``agreed``: JSON every process of a job must attach alike (what ``info`` says of all their
+    files), checked with the plan before anything is written."""
 
     files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
     info: Mapping | None = None
     clock: Callable[[], float] = time.time
+    agreed: object = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dispatch_io import policies as P
-from dispatch_io.manager.policies import SaveState, StepRecord, check, keep_policy, steps_to_delete
+from dispatch_io.manager.policies import SaveState, StepRecord, check, keep_policy
+from dispatch_io.manager.retention import steps_to_delete
 
 
 def state(step, now=0.0, last_save=0.0, last_saved_step=None, preempted=False):

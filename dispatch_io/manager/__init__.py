@@ -5,6 +5,7 @@
 * ``info``: each step's info (times, metrics, metadata, items);
 * ``decisions``: one save decision for every process of a job;
 * ``preemption``: the step at which a preempted job stops;
+* ``retention``: which committed steps go (pure), and deleting them;
 * ``orbax_items``: the items of steps Orbax's CheckpointManager wrote;
 * ``steps``: what a committed step holds (ours or Orbax's), read from its files;
 * ``manager``: :class:`CheckpointManager`, which puts them to work.

@@ -26,8 +26,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from dispatch_io.errors import CheckpointError
+from dispatch_io.manager.items import NAME
 
 FORMAT, VERSION = "dispatch_io.step", 1
+_LAST_SECOND = 253402300799   # 9999-12-31 23:59:59 UTC: a time beyond is no time a step was saved
 _ARRAYS = re.compile(r"arrays/([A-Za-z0-9_-]+/)?")   # where item files may be: never outside the step
 
 
@@ -61,7 +63,12 @@ def _number(name: str, value) -> float | None:
         value = value.item()
     if not isinstance(value, numbers.Real):
         raise TypeError
-    return float(value) if math.isfinite(value) else None
+    return float(value) if _finite(value) else None
+
+
+def metric(value) -> float | None:
+    """A stored metric as StepInfo holds it: a float, None where it is not finite."""
+    return float(value) if _finite(value) else None
 
 
 def metrics_of(metrics: Mapping | None) -> dict[str, float | None]:
@@ -97,26 +104,42 @@ def make(step: int, started: float, metrics: Mapping, metadata, items: Mapping, 
             "metadata": metadata, "items": entries, "processes": processes, "dispatch_io": version}
 
 
+def _finite(value) -> bool:
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def parse(data: bytes | None, step: int, where: str) -> StepInfo:
     """The :class:`StepInfo` in ``data`` (a step's ``info.json``; None: it has none).
-    CheckpointError naming ``where`` if it is not step info this version reads."""
+    CheckpointError naming ``where`` if it is not step info this version reads: every field
+    typed and in range (finite times and metrics, item names as :mod:`items` makes them,
+    ``"arrays"`` the checkpoint's own arrays folder)."""
     if data is None:
         return StepInfo(step)
     try:
         info = json.loads(data)
         ok = (isinstance(info, dict) and info.get("format") == FORMAT and info.get("version") == VERSION
               and isinstance(info.get("metrics"), dict) and isinstance(info.get("items"), dict)
-              and all(isinstance(e, dict) and e.get("kind") in ("json", "per_process") for e in info["items"].values())
-              and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
-                      for v in info["metrics"].values())
-              and all(isinstance(info.get(k), (int, float, type(None))) for k in ("started", "committed"))
-              and isinstance(info.get("processes"), int)
+              and all(isinstance(name, str) and NAME.fullmatch(name) and isinstance(e, dict)
+                      and (e.get("kind") == "json" or (e.get("kind") == "per_process" and _count(e.get("processes"))))
+                      for name, e in info["items"].items())
+              and all(v is None or _finite(v) for v in info["metrics"].values())
+              and all(info.get(k) is None or (_finite(info[k]) and 0 <= info[k] <= _LAST_SECOND)
+                      for k in ("started", "committed"))
+              and _count(info.get("processes"))
               and isinstance(info.get("arrays"), str) and _ARRAYS.fullmatch(info["arrays"]) is not None)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         ok = False
     if not ok:
         raise CheckpointError(f"{where}: its step info is not one this version of dispatch_io reads "
                               "(malformed checkpoint, or written by a newer version)")
-    return StepInfo(step, info["started"], info["committed"], info["metrics"], info.get("metadata"),
+    metrics = {k: None if v is None else float(v) for k, v in info["metrics"].items()}
+    return StepInfo(step, info["started"], info["committed"], metrics, info.get("metadata"),
                     {name: e["kind"] for name, e in info["items"].items()}, info["processes"],
                     info.get("dispatch_io"), info["arrays"], info["items"])
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1 << 24

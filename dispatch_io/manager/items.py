@@ -25,7 +25,7 @@ from typing import Any, Mapping
 from dispatch_io.errors import CheckpointError
 
 ITEMS = "items/"
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}\Z")
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")   # an item's name: never a path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _decode(data: bytes, where: str):
             return base64.b64decode(stored["bytes"], validate=True)
         if isinstance(stored, dict) and set(stored) == {"json"}:
             return stored["json"]
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         pass
     raise CheckpointError(f"{where} is not an item file dispatch_io wrote (malformed checkpoint)")
 
@@ -77,7 +77,7 @@ def files(items: Mapping[str, Json | PerProcess] | None, process: int) -> tuple[
         raise TypeError(f"items must be a dict of name -> dio.Json / dio.PerProcess, got {type(items).__name__}")
     out, index = {}, {}
     for name, item in items.items():
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ValueError(f"item name {name!r}: use letters, digits, '_', '.' and '-' (at most 100, "
                              "not starting with '.' or '-')")
         if isinstance(item, Json):

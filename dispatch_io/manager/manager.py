@@ -48,11 +48,13 @@ import time
 import jax
 from absl import logging
 
+from dispatch_io.coordination import open_room
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.formats import committed_steps, metadata, step_path
+from dispatch_io.errors import CheckpointError
+from dispatch_io.formats import check_reachable, committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import orbax_items, policies, steps
+from dispatch_io.manager import orbax_items, policies, retention, steps
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
@@ -95,6 +97,7 @@ class CheckpointManager:
             raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
         self._root = StepRoot.open(root)
         self.root = self._root.display
+        check_reachable(self._root)
         self._owns_dispatcher = dispatcher is None
         if dispatcher is None:
             extra = {} if barrier_timeout is None else {"barrier_timeout": barrier_timeout}
@@ -115,15 +118,15 @@ class CheckpointManager:
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-retention")
         if self._leader:
             self._root.remove_leftovers()
-        client = None
-        if self._processes > 1:
-            from dispatch_io.coordination import job_client
-            client = job_client()
-        self._decisions = SharedDecisions(client, self._process, self.root, dispatcher.options.barrier_timeout)
+        room = None
+        if self._processes > 1 and self.save_policy is not None and self.save_policy.uses_clock:
+            room = open_room("manager", self._root.display, f"the CheckpointManager of {self.root}",
+                             dispatcher.options.barrier_timeout)
+        self._decisions = SharedDecisions(room)
         self._preemption = PreemptionWatcher()
         self._decision: tuple[int, bool] | None = None           # should_save's last answer
-        self._last_save = clock()
         self._last_saved_step = self.latest_step()
+        self._last_save = self._started(self._last_saved_step)
 
     # ---- listing ------------------------------------------------------------------------------
 
@@ -167,17 +170,33 @@ class CheckpointManager:
 
     # ---- policies ------------------------------------------------------------------------------
 
+    def _started(self, step: int | None) -> float:
+        """When the save of ``step`` started (EveryNSeconds counts from it after a restart), or
+        now if that is not known (no step, none recorded, or its info unreadable)."""
+        now = self._clock()
+        if step is None:
+            return now
+        try:
+            started = self.step_info(step).started
+        except (CheckpointError, OSError):
+            return now
+        return now if started is None or started > now else started
+
     def should_save(self, step: int) -> bool:
         """Whether to save ``step``: any save policy says so, or the job reached its preemption
-        point at it (always True without a save policy). Identical on every process of a job
-        (a clock-reading decision is process 0's); call it at every step."""
+        point at it (always True without a save policy; with one, False for a step not newer
+        than the last saved). Identical on every process of a job (a clock-reading decision
+        is process 0's); call it at every step, on every process."""
         step = _step_number(step)
         if self._decision is not None and self._decision[0] == step:
             return self._decision[1]
         preempted = self._preemption.reached(step)
         policy = self.save_policy
+        saved = self._last_saved_step
 
         def decide() -> bool:
+            if policy is not None and saved is not None and step <= saved:
+                return False  # saved already (a resumed loop asks again about the step it restored)
             if policy is None or preempted:
                 return True
             return policy.should_save(policies.SaveState(step, self._clock(), self._last_save,
@@ -211,6 +230,10 @@ class CheckpointManager:
         raised here (once)."""
         step = _step_number(step)
         self._check_usable("save")
+        if self._saving_thread == threading.get_ident():
+            raise RuntimeError("CheckpointManager.save() called by the thread inside its save() (from a signal "
+                               "handler or a priority callback?): it would wait for itself; set a flag there and "
+                               "save after save() returned")
         files, index = items_lib.files(items, self._process)
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes,
                              _version())
@@ -227,11 +250,12 @@ class CheckpointManager:
                                           "never replaces one, even with overwrite=True (remove it first if it may go)")
                 self._check_not_older(step)
                 handle = self.dispatcher.save(path, tree, overwrite=overwrite,
-                                              attachments=Attachments(files, info, self._clock), **save_kwargs)
+                                              attachments=Attachments(files, info, self._clock, agreed=index),
+                                              **save_kwargs)
                 self._last_save, self._last_saved_step = info["started"], step
                 self._infos.pop(step, None)
                 with self._lock:
-                    self._in_flight = self._thread.submit(self._finish_save, handle)
+                    self._in_flight = self._thread.submit(self._finish_save, handle, step)
             finally:
                 self._saving_thread = None
         return handle
@@ -247,7 +271,7 @@ class CheckpointManager:
                 f"the latest and retention could delete it at once; remove the steps newer than {step} first "
                 f"({', '.join(self.step_path(s) for s in newer)}), or save into another root")
 
-    def _finish_save(self, handle: SaveHandle):
+    def _finish_save(self, handle: SaveHandle, step: int):
         """On the manager's thread: wait for the save, then hand retention to its own thread."""
         try:
             handle.wait()
@@ -255,6 +279,8 @@ class CheckpointManager:
             with self._lock:
                 self._unreported = exc
             return
+        finally:  # info read while it was being saved (an overwrite) is the replaced step's
+            self._infos.pop(step, None)
         if self._leader and self.keep_policy is not None:
             with self._lock:
                 self._deleting = self._deleter.submit(self._apply_retention)
@@ -321,25 +347,22 @@ class CheckpointManager:
             info = self.step_info(step)
         except FileNotFoundError:
             return policies.StepRecord(step)
+        except CheckpointError as exc:  # one bad info.json must not stop retention of the rest
+            logging.warning("dispatch_io: %s; step %d is ranked without its info", exc, step)
+            return policies.StepRecord(step)
         return policies.StepRecord(step, info.committed, info.metrics)
 
     def steps_to_delete(self, steps: list[int]) -> list[int]:
         """Which of the committed ``steps`` (any order) the keep policy drops, ascending; the
         newest is always kept."""
-        return policies.steps_to_delete([self._record(s) for s in steps], self.keep_policy, self._clock())
+        return retention.steps_to_delete([self._record(s) for s in steps], self.keep_policy, self._clock())
 
     def _apply_retention(self):
         """Delete the dropped steps dispatch_io wrote; never one it did not (Orbax's are kept).
         Never raises: a committed save is not failed over clean-up."""
         try:
-            ours = set(self._root.committed_steps())
-            for step in self.steps_to_delete(self.all_steps()):
-                if step in ours:
-                    self._root.delete(step)
-                    self._infos.pop(step, None)
-                else:
-                    logging.info("dispatch_io: keeping step %d under %s: dispatch_io did not write it "
-                                 "(remove it yourself to reclaim its space)", step, self.root)
+            retention.delete_dropped(self._root, self.steps_to_delete(self.all_steps()),
+                                     lambda step: self._infos.pop(step, None))
         except Exception:  # noqa: BLE001 - logged; the next retention tries again
             logging.exception("dispatch_io: retention under %s failed", self.root)
     # ---- lifecycle -------------------------------------------------------------------------------

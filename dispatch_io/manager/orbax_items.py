@@ -22,7 +22,7 @@ import re
 
 from dispatch_io import orbax
 from dispatch_io.errors import CheckpointError
-from dispatch_io.manager.info import StepInfo
+from dispatch_io.manager.info import StepInfo, metric
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
 
 _GRAIN_FILE = re.compile(r"process_([0-9]+)-of-([0-9]+)\.json")
@@ -127,7 +127,7 @@ def step_info(path: str, step: int) -> StepInfo:
     seconds = lambda key: meta[key] / 1e9 if isinstance(meta.get(key), (int, float)) else None
     kinds = _kinds(path)
     metrics = item(path, _METRICS, 0, 1) if kinds.get(_METRICS) == "json" else meta.get("metrics")
-    metrics = {k: v for k, v in (metrics if isinstance(metrics, dict) else {}).items()
+    metrics = {k: metric(v) for k, v in (metrics if isinstance(metrics, dict) else {}).items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return StepInfo(step, seconds("init_timestamp_nsecs"), seconds("commit_timestamp_nsecs"), metrics,
                     meta.get("custom_metadata"), kinds, version="orbax")

@@ -131,6 +131,7 @@ class OnSteps(Policy):
     saves = keeps = True
 
     def __init__(self, steps):
+        steps = list(steps)
         bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0]
         if bad:
             raise ValueError(f"OnSteps(steps) takes non-negative integers, got {bad[0]!r}")
@@ -232,15 +233,6 @@ class BestN(Policy):
                 unscored.add(r.step)
         best = {-negated for _, negated in sorted(scored)[:self.n]}
         return best | (unscored if self.keep_without_metric else set())
-
-
-def steps_to_delete(steps: Sequence[StepRecord], keep_policy: Policy | None, now: float) -> list[int]:
-    """The committed ``steps`` that ``keep_policy`` drops, ascending. The newest step is always
-    kept (a run resumes from it); None keeps everything."""
-    if keep_policy is None or not steps:
-        return []
-    kept = keep_policy.keep(steps, now) | {max(r.step for r in steps)}
-    return sorted({r.step for r in steps} - kept)
 
 
 def integer(value, name: str, minimum: int, expected: str) -> int:

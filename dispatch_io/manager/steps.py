@@ -19,10 +19,9 @@ def read_info(path: str, step: int) -> info_lib.StepInfo:
     if orbax_items.is_orbax_step(path):
         return orbax_items.step_info(path, step)
     location = Location.parse(path)
-    data = location.read_file(INFO)
-    if data is None and not location.is_committed():
+    if not location.is_committed():  # an info.json without the commit is a save under way (or killed)
         raise FileNotFoundError(f"no committed step {step} at {path}")
-    return info_lib.parse(data, step, path)
+    return info_lib.parse(location.read_file(INFO), step, path)
 
 
 def read_item(path: str, info: info_lib.StepInfo | None, name: str, process: int, processes: int):

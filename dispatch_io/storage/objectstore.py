@@ -311,8 +311,8 @@ class KvRoot(StepRoot):
     def step_path(self, step: int) -> str:
         return f"{self.url}{step}"
 
-    def _steps(self) -> dict[int, set[str]]:
-        """Every step-named prefix and the keys under it (relative to it)."""
+    def step_keys(self) -> dict[int, set[str]]:
+        """Every step-named prefix and the keys under it (relative to it), ours or not."""
         steps: dict[int, set[str]] = {}
         for key in self.kv.list().result():
             name, _, rest = key.decode().partition("/")
@@ -326,7 +326,7 @@ class KvRoot(StepRoot):
         return [Marker.parse(bytes(r.value) if r.state == "value" else None) for r in (f.result() for f in reads)]
 
     def committed_steps(self) -> list[int]:
-        candidates = [step for step, keys in self._steps().items() if {COMMITTED, MANIFEST} <= keys]
+        candidates = [step for step, keys in self.step_keys().items() if {COMMITTED, MANIFEST} <= keys]
         markers = self._read_all([f"{step}/{COMMITTED}" for step in candidates])
         return sorted(step for step, marker in zip(candidates, markers) if marker.ours)
 
@@ -337,7 +337,7 @@ class KvRoot(StepRoot):
         """Uncommitted step prefixes our markers prove ours and abandoned: an unfinished delete
         (``DELETING``) or save (``WRITING``) of a process of this host that no longer runs it.
         Only our own keys are removed."""
-        steps = [step for step, keys in self._steps().items()
+        steps = [step for step, keys in self.step_keys().items()
                  if COMMITTED not in keys and (DELETING in keys or WRITING in keys)]
         deleting = self._read_all([f"{step}/{DELETING}" for step in steps])
         writing = self._read_all([f"{step}/{WRITING}" for step in steps])

@@ -1,0 +1,40 @@
+"""Retention: which committed steps go (pure), and deleting them (process 0, off the save path).
+
+:func:`steps_to_delete` decides from plain data -- each step's :class:`StepRecord` and the keep
+policy -- and is tested without IO. :func:`delete_dropped` carries the decision out on a
+manager's root: only steps dispatch_io wrote are deleted (Orbax's are counted, logged and
+kept), each unlisted first by the storage layer, so a crash mid-delete never leaves a listed
+but broken step. The manager runs it on a thread of its own after a newer step committed, so
+a slow delete (an object store) never delays the next save.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from absl import logging
+
+from dispatch_io.manager.policies import Policy, StepRecord
+from dispatch_io.storage import StepRoot
+
+
+def steps_to_delete(steps: Sequence[StepRecord], keep_policy: Policy | None, now: float) -> list[int]:
+    """The committed ``steps`` that ``keep_policy`` drops, ascending. The newest step is always
+    kept (a run resumes from it); None keeps everything."""
+    if keep_policy is None or not steps:
+        return []
+    kept = keep_policy.keep(steps, now) | {max(r.step for r in steps)}
+    return sorted({r.step for r in steps} - kept)
+
+
+def delete_dropped(root: StepRoot, dropped: Sequence[int], on_deleted: Callable[[int], None]):
+    """Delete the ``dropped`` steps of ``root`` that dispatch_io wrote, calling ``on_deleted``
+    after each; log the others (never deleted). Raises what the store raises."""
+    ours = set(root.committed_steps())
+    for step in dropped:
+        if step in ours:
+            root.delete(step)
+            on_deleted(step)
+        else:
+            logging.info("dispatch_io: keeping step %d under %s: dispatch_io did not write it "
+                         "(remove it yourself to reclaim its space)", step, root.display)

@@ -1,0 +1,8 @@
+"""Save and keep policies of :class:`dispatch_io.CheckpointManager` (``from dispatch_io import
+policies as P``); defined in :mod:`dispatch_io.manager.policies`, which documents them."""
+
+from dispatch_io.manager.policies import (AnyOf, BestN, EveryNSeconds, EveryNSteps, Initial, LatestN, OnSteps,
+                                          Policy, Preemption, SaveState, StepRecord)
+
+__all__ = ["AnyOf", "BestN", "EveryNSeconds", "EveryNSteps", "Initial", "LatestN", "OnSteps", "Policy", "Preemption",
+           "SaveState", "StepRecord"]
