@@ -410,6 +410,25 @@ def test_restore_reads_every_stored_byte_once_per_job(jobs, tmp_path, processes,
         assert sum(per_process) == sizes[keypath] and min(per_process) > 0, (keypath, per_process)
 
 
+def test_fsdp_restore_sends_each_piece_only_to_its_holders(jobs, tmp_path):
+    """8 processes x 1 device, mesh ("data", "fsdp") = (2, 4), a 32 MiB state sharded over fsdp
+    and replicated over data (each region held by 2 processes): bit-exact; every stored byte
+    read once in the job; each process receives about the part of its regions it did not read
+    itself (RestoreStats), and the loopback interface carries about the stored bytes once --
+    not the all-gather's 7x (every process receiving every row)."""
+    job = jobs("scaleout_fsdp", tmp_path / "ckpt", 8, 1)
+    results = job.wait(time.monotonic() + 2 * HARD_LIMIT)
+    assert_restored(results, job)
+    total = results[0]["total_bytes"]
+    assert sum(r["bytes_read"] for r in results) == total, [r["bytes_read"] for r in results]
+    for r in results:
+        assert r["held"] == total // 4, r
+        missing = r["held"] - r["bytes_read"]
+        assert 0.9 * missing <= r["bytes_received"] <= 1.1 * missing, (r["bytes_received"], missing)
+        assert 0.9 * r["bytes_read"] <= r["bytes_sent"] <= 1.1 * r["bytes_read"], (r["bytes_sent"], r["bytes_read"])
+    assert total <= results[0]["loopback"] <= 2 * total, (results[0]["loopback"], total)
+
+
 @pytest.mark.parametrize("scenario, failing", [("scaleout_fails", 1), ("scaleout_leader_fails", 0)])
 def test_a_failed_read_in_one_process_fails_every_process(jobs, tmp_path, scenario, failing):
     """One process's read of ['rep'] (a region both processes hold, broadcast) fails: both raise

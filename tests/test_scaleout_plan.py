@@ -11,6 +11,7 @@ import numpy as np
 import dispatch_io as dio
 from dispatch_io import formats, restore
 from dispatch_io.staging import aligned
+from dispatch_io.delivery import width
 from dispatch_io.scaleout import plan_split
 
 KiB = 1 << 10
@@ -59,8 +60,7 @@ def test_a_lone_process_reads_everything_itself(tmp_path):
 
 
 def test_row_widths_are_few(tmp_path):
-    from dispatch_io.scaleout import _width
-    widths = {_width(n) for n in itertools.chain(range(1, 5000, 7), range(10**6, 2 * 10**6, 997))}
+    widths = {width(n) for n in itertools.chain(range(1, 5000, 7), range(10**6, 2 * 10**6, 997))}
     assert all(w % 64 == 0 for w in widths)
-    assert all(n <= _width(n) <= max(64, n * 17 // 16 + 64) for n in range(1, 100000, 13))
+    assert all(n <= width(n) <= max(64, n * 17 // 16 + 64) for n in range(1, 100000, 13))
     assert len(widths) < 120
