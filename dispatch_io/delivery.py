@@ -145,7 +145,7 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
                 pieces[reader].append(piece)
     rounds: list[Round] = []
     for groups, pieces in by_groups.items():
-        rounds += _rounds(groups, pieces, max(HEADER + 64, batch_limit // len(groups[0])), len(rounds))
+        rounds += _rounds(groups, pieces, max(64, batch_limit // len(groups[0])), len(rounds))
     # With the share: processes with different budgets would cut different rounds.
     digest = hashlib.sha256(repr((batch_limit, [(i, out.saved.keypath) for i, out, _ in shared], [(r.groups, r.width, r.solo, [
         [(p.output, p.region, p.local, p.item.dtype) for p in row] for row in r.rows]) for r in rounds]))
@@ -155,10 +155,10 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
 
 def _rounds(groups: tuple, pieces: list[list[Piece]], share: int, first: int) -> list[Round]:
     """The rounds of one set of groups: each process's pieces (``pieces[reader]``) packed into
-    rows of at most ``share`` bytes (header included); larger pieces in solo rounds."""
+    rows of at most ``share`` bytes (and the header); larger pieces one per row."""
     count = len(pieces)
-    fits = lambda p: aligned(p.nbytes) <= share - HEADER  # noqa: E731
-    queues = [pack([p for p in mine if fits(p)], lambda p: p.nbytes, share - HEADER) for mine in pieces]
+    fits = lambda p: aligned(p.nbytes) <= share  # noqa: E731
+    queues = [pack([p for p in mine if fits(p)], lambda p: p.nbytes, share) for mine in pieces]
     rounds = []
     for k in range(max(map(len, queues), default=0)):
         rows = tuple(tuple(q[k][0]) if k < len(q) else () for q in queues)

@@ -1,0 +1,111 @@
+"""The scale-out restore's delivery plan (``dispatch_io.delivery``): pure, from plain data
+(``{region: holder processes}``), so jobs of several processes are planned here in one process,
+without devices -- the code ``benchmarks/scale.py`` runs for 1,024 processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dispatch_io import delivery, tree
+from dispatch_io.delivery import HEADER, plan_delivery, replica_groups
+from dispatch_io.manifest import SavedLeaf
+from dispatch_io.restore import DEVICE, Output
+from workers import ArraySpec
+
+KiB = 1 << 10
+
+
+def leaf(name: str, shape, chunk_shape) -> Output:
+    """A float32 result leaf as a manifest describes it (no device, no sharding)."""
+    stored = ArraySpec(name, tuple(shape), "float32", tuple(chunk_shape))
+    return Output(SavedLeaf(f"['{name}']", tree.ARRAY, "jax", tuple(shape), np.dtype(np.float32), stored=stored),
+                  DEVICE, np.dtype(np.float32))
+
+
+def fsdp_holders(rows: int, fsdp: int, data: int) -> dict:
+    """{region: holders} of a (rows, 64) leaf sharded over ``fsdp`` along its first axis and
+    replicated over ``data``, on a (data, fsdp) mesh of one device per process, row-major."""
+    step = rows // fsdp
+    return {((i * step, (i + 1) * step), (0, 64)): tuple(sorted(d * fsdp + i for d in range(data)))
+            for i in range(fsdp)}
+
+
+def test_replica_groups():
+    assert replica_groups({(0, 4), (1, 5), (2, 6), (3, 7)}, 8) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert replica_groups({(0, 1)}, 6) == ((0, 1), (2, 3), (4, 5))     # the others fill groups of their own
+    assert replica_groups({(0, 1, 2)}, 5) == ((0, 1, 2, 3, 4),)         # they cannot: one group
+    assert replica_groups({(0, 1), (1, 2)}, 4) == ((0, 1, 2, 3),)       # overlapping: one group
+    assert replica_groups({(0, 1), (2, 3, 4)}, 5) == ((0, 1, 2, 3, 4),)  # unequal: one group
+
+
+def _check(plan, shared, count: int):
+    """Every piece read by one of its holders and tiling its region once; its group holds it.
+    Returns {process: (bytes held, read, received, sent)}."""
+    held = {p: 0 for p in range(count)}
+    covered = {}
+    for index, out, holders in shared:
+        for region, procs in holders.items():
+            covered[index, region] = np.zeros([hi - lo for lo, hi in region], np.int8)
+            for p in procs:
+                held[p] += covered[index, region].size * 4
+    read = dict.fromkeys(range(count), 0)
+    moved = {p: [0, 0] for p in range(count)}
+    for r in plan.rounds:
+        assert sorted(p for g in r.groups for p in g) == list(range(count))
+        for process, row in enumerate(r.rows):
+            assert sum(-(-p.nbytes // 64) * 64 for p in row) + HEADER <= r.width
+            for piece in row:
+                assert piece.reader == process and process in piece.holders
+                assert set(piece.holders) <= set(r.group(process))     # only its group gets it
+                covered[piece.output, piece.region][tuple(slice(lo, hi) for lo, hi in piece.local)] += 1
+                read[process] += piece.nbytes
+        for process in range(count):
+            got, gave = r.traffic(process)
+            moved[process][0] += got
+            moved[process][1] += gave
+    assert all((c == 1).all() for c in covered.values())
+    return {p: (held[p], read[p], *moved[p]) for p in range(count)}
+
+
+@pytest.mark.parametrize("data, fsdp", [(2, 4), (8, 2), (2, 32)])
+def test_fsdp_x_data_parallel_pieces_go_only_to_their_holders(data, fsdp):
+    count = data * fsdp
+    shared = [(i, leaf(f"w{i}", (1024, 64), (16, 64)), fsdp_holders(1024, fsdp, data)) for i in range(3)]
+    batch = 64 * KiB
+    plan = plan_delivery(shared, count, 4 * KiB, batch)
+    assert {r.groups for r in plan.rounds} == {tuple(tuple(d * fsdp + i for d in range(data)) for i in range(fsdp))}
+    for process, (held, read, received, sent) in _check(plan, shared, count).items():
+        assert abs(read - held / data) <= 4 * KiB, (process, read, held)            # its fair share
+        assert held - read <= received <= 1.1 * (held - read) + 2 * HEADER * len(plan.rounds), (received, held, read)
+        assert sent == received
+    # rounds: about the bytes a process reads over its share of the batch (the group's rows fill it)
+    assert len(plan.rounds) <= -(-_check(plan, shared, count)[0][1] // (batch // data)) + 1
+
+
+def test_overlapping_holders_fall_back_to_one_group():
+    shared = [(0, leaf("w", (64, 64), (16, 64)), {((0, 32), (0, 64)): (0, 1), ((32, 64), (0, 64)): (1, 2)})]
+    plan = plan_delivery(shared, 3, 4 * KiB, 32 * KiB)
+    assert {r.groups for r in plan.rounds} == {((0, 1, 2),)}
+    _check(plan, shared, 3)
+
+
+@pytest.mark.parametrize("data, solo", [(2, False), (4, True)])
+def test_pieces_over_the_share_travel_one_per_row(data, solo):
+    """Stored chunks larger than the chunk limit are read whole: one per row, gathered in
+    groups of two, summed (one sender per group and round) in larger ones."""
+    shared = [(0, leaf("w", (512, 64), (128, 64)), fsdp_holders(512, 2, data))]   # 32 KiB stored chunks
+    plan = plan_delivery(shared, 2 * data, 4 * KiB, 32 * KiB)
+    big = [r for r in plan.rounds if any(p.nbytes > 8 * KiB for row in r.rows for p in row)]
+    assert big and all(r.solo == solo and all(len(row) <= 1 for row in r.rows) for r in big)
+    for r in big:
+        if solo:
+            assert all(sum(bool(r.rows[p]) for p in g) <= 1 for g in r.groups)
+    _check(plan, shared, 2 * data)
+
+
+def test_every_process_plans_the_same():
+    make = lambda: [(0, leaf("w", (256, 64), (16, 64)), fsdp_holders(256, 4, 2))]  # noqa: E731
+    assert plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest == plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest
+    assert plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest != plan_delivery(make(), 8, 4 * KiB, 32 * KiB).digest
+    assert delivery.width(HEADER + 1) >= HEADER + 1
