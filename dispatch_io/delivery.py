@@ -37,7 +37,7 @@ import numpy as np
 from dispatch_io.batches import pack
 from dispatch_io.reading import read_pieces
 from dispatch_io.staging import aligned
-from workers import ReadItem, numpy_dtype
+from workers import ReadItem
 
 HEADER = 64  # each row starts with its round's identity, checked after the collective
 
@@ -52,34 +52,37 @@ class Piece:
     item: ReadItem               # what the reader reads: host bytes in the result's dtype
     reader: int
     holders: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.item.shape) * numpy_dtype(self.item.dtype).itemsize
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """One collective: ``rows[process]`` are the pieces that process reads, in row order, at
-    64-byte aligned offsets after a HEADER, each row ``width`` bytes. The rows travel within
-    ``groups`` only (a partition of the job's processes, all groups of one size): gathered,
-    or summed where ``solo`` (at most one row per group carries pieces)."""
+    """One collective: ``rows[process]`` are the pieces that process reads (no entry: none), in
+    row order, at 64-byte aligned offsets after a HEADER, each row ``width`` bytes. The rows
+    travel within ``groups`` only (a partition of the job's processes, all groups of one size;
+    ``group_of``: process -> its group): gathered, or summed where ``solo`` (at most one row
+    per group carries pieces)."""
 
     index: int
     groups: tuple[tuple[int, ...], ...]
-    rows: tuple[tuple[Piece, ...], ...]
+    rows: dict
     width: int
     solo: bool = False
+    group_of: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def row(self, process: int) -> tuple:
+        """The pieces ``process`` reads and sends in this round."""
+        return self.rows.get(process, ())
 
     def group(self, process: int) -> tuple[int, ...]:
         """The group ``process`` exchanges rows with (itself included)."""
-        return next(g for g in self.groups if process in g)
+        return self.group_of[process]
 
     def traffic(self, process: int) -> tuple[int, int]:
         """(bytes ``process`` receives, bytes it sends) in this round, whole rows: a gather
         sends its row to the S - 1 others of its group and receives theirs; a sum over a group
         (a ring all-reduce) sends and receives 2 (S - 1) / S rows."""
-        members = len(self.group(process))
+        members = len(self.groups[0])
         moved = (members - 1) * self.width if not self.solo else 2 * (members - 1) * self.width // members
         return moved, moved
 
@@ -133,48 +136,50 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
     by_groups: dict[tuple, list[list[Piece]]] = {}    # groups -> pieces by reader, in plan order
     for index, out, holders in shared:
         groups = replica_groups(set(holders.values()), count)
-        pieces = by_groups.setdefault(groups, [[] for _ in range(count)])
-        dtype = np.dtype(out.dtype).name
+        if groups not in by_groups:
+            by_groups[groups] = [[] for _ in range(count)]
+        pieces = by_groups[groups]
+        name, itemsize = np.dtype(out.dtype).name, np.dtype(out.dtype).itemsize
         for region, procs in holders.items():
             for stored, bounds in read_pieces(out, region, chunk_limit):
                 shape = tuple(hi - lo for lo, hi in bounds)
-                item = ReadItem(((stored, tuple((0, n) for n in shape)),), shape, dtype, on_host=True)
+                item = ReadItem(((stored, tuple((0, n) for n in shape)),), shape, name, on_host=True)
                 reader = min(procs, key=lambda p: (load[p], p))
-                piece = Piece(index, region, bounds, item, reader, procs)
+                piece = Piece(index, region, bounds, item, reader, procs, math.prod(shape) * itemsize)
                 load[reader] += piece.nbytes
                 pieces[reader].append(piece)
     rounds: list[Round] = []
     for groups, pieces in by_groups.items():
         rounds += _rounds(groups, pieces, max(64, batch_limit // len(groups[0])), len(rounds))
     # With the share: processes with different budgets would cut different rounds.
-    digest = hashlib.sha256(repr((batch_limit, [(i, out.saved.keypath) for i, out, _ in shared], [(r.groups, r.width, r.solo, [
-        [(p.output, p.region, p.local, p.item.dtype) for p in row] for row in r.rows]) for r in rounds]))
-        .encode()).hexdigest()
+    digest = hashlib.sha256(repr((batch_limit, [(i, out.saved.keypath) for i, out, _ in shared], [
+        (r.groups, r.width, r.solo, [(p, [(x.output, x.region, x.local, x.item.dtype) for x in row])
+                                     for p, row in sorted(r.rows.items())]) for r in rounds])).encode()).hexdigest()
     return Delivery(rounds, digest)
 
 
 def _rounds(groups: tuple, pieces: list[list[Piece]], share: int, first: int) -> list[Round]:
     """The rounds of one set of groups: each process's pieces (``pieces[reader]``) packed into
     rows of at most ``share`` bytes (and the header); larger pieces one per row."""
-    count = len(pieces)
+    group_of = {p: g for g in groups for p in g}
     fits = lambda p: aligned(p.nbytes) <= share  # noqa: E731
-    queues = [pack([p for p in mine if fits(p)], lambda p: p.nbytes, share) for mine in pieces]
+    queues = {r: pack([p for p in mine if fits(p)], lambda p: p.nbytes, share) for r, mine in enumerate(pieces) if mine}
     rounds = []
-    for k in range(max(map(len, queues), default=0)):
-        rows = tuple(tuple(q[k][0]) if k < len(q) else () for q in queues)
-        used = max(q[k][1] if k < len(q) else 0 for q in queues)
-        rounds.append(Round(first + len(rounds), groups, rows, width(HEADER + used)))
+    for k in range(max(map(len, queues.values()), default=0)):
+        rows = {r: tuple(q[k][0]) for r, q in queues.items() if k < len(q)}
+        used = max(q[k][1] for q in queues.values() if k < len(q))
+        rounds.append(Round(first + len(rounds), groups, rows, width(HEADER + used), group_of=group_of))
     # Larger pieces: one per row. In groups of two, gathered (every member sends one; the
     # gathered copy holds what a sum's row and result would); in larger groups, where a gather
     # would hold S of them, one per group and round, summed over the group.
     solo = len(groups[0]) > 2
     if solo:
-        queues = [[p for member in g for p in pieces[member] if not fits(p)] for g in groups]
+        big = [[p for member in g for p in pieces[member] if not fits(p)] for g in groups]
     else:
-        queues = [[p for p in mine if not fits(p)] for mine in pieces]
-    for k in range(max(map(len, queues), default=0)):
-        row_of = {q[k].reader: q[k] for q in queues if k < len(q)}
-        rows = tuple((row_of[p],) if p in row_of else () for p in range(count))
-        most = max(aligned(p.nbytes) for p in row_of.values())
-        rounds.append(Round(first + len(rounds), groups, rows, width(HEADER + most), solo=solo))
+        big = [[p for p in mine if not fits(p)] for mine in pieces]
+    big = [q for q in big if q]
+    for k in range(max(map(len, big), default=0)):
+        rows = {q[k].reader: (q[k],) for q in big if k < len(q)}
+        most = max(aligned(row[0].nbytes) for row in rows.values())
+        rounds.append(Round(first + len(rounds), groups, rows, width(HEADER + most), solo=solo, group_of=group_of))
     return rounds

@@ -251,7 +251,7 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
             raise ValueError(f"the processes planned different restores of {display}: process(es) {differ} differ "
                              "from process 0. Every process must restore the same checkpoint onto the same "
                              "target (the same global shardings), in the same order.")
-        mine = [p for r in split.rounds for p in r.rows[process]]
+        mine = [p for r in split.rounds for p in r.row(process)]
         if verify:
             verify_stored(reader, [(outputs[p.output], p.item.pieces[0][0].bounds) for p in mine] +
                           [(out, out.stored_bounds(region)) for out, region in split.local],
@@ -281,22 +281,22 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
     useful = received = sent = 0
 
     def submit(round_: Round):
-        if not round_.rows[process]:
+        if not round_.row(process):
             done = concurrent.futures.Future()
             done.set_result([])
             return done
-        return reader.read([p.item for p in round_.rows[process]])
+        return reader.read([p.item for p in round_.row(process)])
 
     def consume(round_: Round, arrays):
         nonlocal useful, received, sent
         k, group = round_.index, round_.group(process)
-        if round_.solo and not round_.rows[process]:  # a sum: this row only adds zeros
+        if round_.solo and not round_.row(process):  # a sum: this row only adds zeros
             row = np.zeros(round_.width, np.uint8)
         else:
             row = aligned_empty((round_.width,), np.uint8)
             row[:HEADER] = _header(room, k)
         offset = HEADER
-        for piece, array in zip(round_.rows[process], arrays):
+        for piece, array in zip(round_.row(process), arrays):
             data = np.asarray(array).reshape(-1).view(np.uint8)
             row[offset:offset + data.size] = data
             offset += aligned(data.size)
@@ -307,13 +307,13 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
             table = dict(zip(group, gather(row, round_.groups, devices)))
         else:  # the one member of the group with a row, if any, sent it
             summed = group_sum(row, round_.groups, devices)
-            table = {member: summed for member in group if round_.rows[member]}
+            table = {member: summed for member in group if round_.row(member)}
         if not all((r[:HEADER] == _header(room, k)).all() for r in table.values()):
             raise CheckpointError(f"round {k} of the restore of {display}: the processes' collectives crossed "
                                   "(another collective ran at the same time on some process); nothing was restored")
         for member, data in table.items():
             offset = HEADER
-            for piece in round_.rows[member]:
+            for piece in round_.row(member):
                 if process in piece.holders:
                     buffer = outputs[piece.output].buffers[piece.region]
                     buffer[_index(piece.local)] = data[offset:offset + piece.nbytes].view(buffer.dtype).reshape(
@@ -323,6 +323,6 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
         got, gave = round_.traffic(process)
         received, sent = received + got, sent + gave
 
-    pipelined(rounds, submit, consume, lambda r: sum(p.item.nbytes for p in r.rows[process]), progress, "broadcast",
-              lambda exc, r: read_failure(exc, r.rows[process][0].item.keypath, display))
+    pipelined(rounds, submit, consume, lambda r: sum(p.nbytes for p in r.row(process)), progress, "broadcast",
+              lambda exc, r: read_failure(exc, r.row(process)[0].item.keypath, display))
     return Exchanged(useful, received, sent)

@@ -53,7 +53,7 @@ def _check(plan, shared, count: int):
     moved = {p: [0, 0] for p in range(count)}
     for r in plan.rounds:
         assert sorted(p for g in r.groups for p in g) == list(range(count))
-        for process, row in enumerate(r.rows):
+        for process, row in r.rows.items():
             assert sum(-(-p.nbytes // 64) * 64 for p in row) + HEADER <= r.width
             for piece in row:
                 assert piece.reader == process and process in piece.holders
@@ -96,11 +96,11 @@ def test_pieces_over_the_share_travel_one_per_row(data, solo):
     groups of two, summed (one sender per group and round) in larger ones."""
     shared = [(0, leaf("w", (512, 64), (128, 64)), fsdp_holders(512, 2, data))]   # 32 KiB stored chunks
     plan = plan_delivery(shared, 2 * data, 4 * KiB, 32 * KiB)
-    big = [r for r in plan.rounds if any(p.nbytes > 8 * KiB for row in r.rows for p in row)]
-    assert big and all(r.solo == solo and all(len(row) <= 1 for row in r.rows) for r in big)
+    big = [r for r in plan.rounds if any(p.nbytes > 8 * KiB for row in r.rows.values() for p in row)]
+    assert big and all(r.solo == solo and all(len(row) == 1 for row in r.rows.values()) for r in big)
     for r in big:
         if solo:
-            assert all(sum(bool(r.rows[p]) for p in g) <= 1 for g in r.groups)
+            assert all(sum(bool(r.row(p)) for p in g) <= 1 for g in r.groups)
     _check(plan, shared, 2 * data)
 
 

@@ -34,12 +34,12 @@ def test_every_piece_has_one_reader_and_the_loads_balance(tmp_path):
     assert len({s.digest for s in splits}) == 1            # every process planned the same
     assert all(s.local == [] for s in splits)              # host results are wanted by all
     rounds = splits[0].rounds
-    pieces = [piece for r in rounds for row in r.rows for piece in row]
+    pieces = [piece for r in rounds for row in r.rows.values() for piece in row]
     assert all(piece.holders == (0, 1, 2) and piece.nbytes <= chunk for piece in pieces)
     loads = [sum(p.nbytes for p in pieces if p.reader == r) for r in range(count)]
     assert sum(loads) == 256 * 256 * 4 + 20 and max(loads) - min(loads) <= chunk, loads
     for r in rounds:   # a row is at most its process's share of the batch, one piece at least
-        for row in r.rows:
+        for row in r.rows.values():
             size = sum(aligned(p.nbytes) for p in row)
             assert size <= r.width and (size <= batch // count or len(row) == 1), (size, r.width)
     # the pieces of each region tile its buffer exactly once
