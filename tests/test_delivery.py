@@ -109,3 +109,28 @@ def test_every_process_plans_the_same():
     assert plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest == plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest
     assert plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest != plan_delivery(make(), 8, 4 * KiB, 32 * KiB).digest
     assert delivery.width(HEADER + 1) >= HEADER + 1
+
+
+def test_the_simulation_sees_shardings_as_jax_does(monkeypatch):
+    """benchmarks/scale.py describes a NamedSharding's regions and their holders without devices
+    (one device per process): the same as JAX's devices_indices_map on 8 real devices."""
+    import importlib.util
+    import os
+    import sys
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dispatch_io.plan import device_regions
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "scale.py")
+    module = importlib.util.spec_from_file_location("scale", path)
+    scale = importlib.util.module_from_spec(module)
+    monkeypatch.setitem(sys.modules, "scale", scale)   # its dataclasses look themselves up there
+    module.loader.exec_module(scale)
+    axes = {"data": 2, "fsdp": 2, "tensor": 2}
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), tuple(axes))
+    for spec in [("fsdp", "tensor"), ("tensor", "fsdp"), (), ("fsdp", None), ("data",)]:
+        jax_view = {region: tuple(sorted(d.id for d in devices)) for region, devices in
+                    device_regions(NamedSharding(mesh, PartitionSpec(*spec)), (8, 16)).items()}
+        assert scale.holders((8, 16), axes, spec) == jax_view, spec
