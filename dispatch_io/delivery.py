@@ -34,6 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dispatch_io.balance import LeastLoaded
 from dispatch_io.batches import pack
 from dispatch_io.reading import read_pieces
 from dispatch_io.staging import aligned
@@ -133,6 +134,7 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
 
     Returns the same :class:`Delivery` in every process given the same arguments."""
     load = [0] * count
+    least = LeastLoaded(lambda p: (load[p], p))
     by_groups: dict[tuple, list[list[Piece]]] = {}    # groups -> pieces by reader, in plan order
     for index, out, holders in shared:
         groups = replica_groups(set(holders.values()), count)
@@ -144,7 +146,7 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
             for stored, bounds in read_pieces(out, region, chunk_limit):
                 shape = tuple(hi - lo for lo, hi in bounds)
                 item = ReadItem(((stored, tuple((0, n) for n in shape)),), shape, name, on_host=True)
-                reader = min(procs, key=lambda p: (load[p], p))
+                reader = least.pick(procs)
                 piece = Piece(index, region, bounds, item, reader, procs, math.prod(shape) * itemsize)
                 load[reader] += piece.nbytes
                 pieces[reader].append(piece)

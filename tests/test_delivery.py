@@ -134,3 +134,19 @@ def test_the_simulation_sees_shardings_as_jax_does(monkeypatch):
         jax_view = {region: tuple(sorted(d.id for d in devices)) for region, devices in
                     device_regions(NamedSharding(mesh, PartitionSpec(*spec)), (8, 16)).items()}
         assert scale.holders((8, 16), axes, spec) == jax_view, spec
+
+
+def test_least_loaded_picks_what_min_picks():
+    """The heap per candidate set gives min()'s choice, pick after pick, as loads grow."""
+    from dispatch_io.balance import LeastLoaded
+
+    rng = np.random.default_rng(0)
+    load = [0] * 40
+    least = LeastLoaded(lambda p: (load[p], p))
+    sets = [tuple(sorted(rng.choice(40, size, replace=False).tolist())) for size in (1, 2, 5, 40, 40, 17)]
+    for _ in range(3000):
+        candidates = sets[rng.integers(len(sets))]
+        expected = min(candidates, key=lambda p: (load[p], p))
+        assert least.pick(candidates) == expected
+        load[expected] += int(rng.integers(0, 5))
+        load[int(rng.integers(40))] += int(rng.integers(0, 3))   # others' loads grow meanwhile
