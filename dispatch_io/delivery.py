@@ -20,13 +20,17 @@ fallback: correct for any sharding, every process receiving every row).
 (so the holders of a region read about equal shares of it), and each process's pieces are packed
 into rows of at most ``batch_limit / S`` bytes: a round's gathered rows (S of them) stay within
 ``batch_limit``, and the number of rounds is about the bytes a process holds / ``batch_limit``,
-whatever the number of processes. A piece larger than that share (a stored chunk over the chunk
-limit, read whole so that it is read once) goes in a *solo* round, at most one per group, summed
-over the group (the others add zeros) rather than gathered S times.
+whatever the number of processes. A round where few members of a group have pieces
+(small replicated leaves: norms, biases) is *summed* over the group instead: one row per group,
+each member's pieces at their own offsets, the others adding zeros -- 2 (S - 1) / S of that row
+moves per process, rather than S - 1 mostly empty rows. A piece larger than the share (a stored
+chunk over the chunk limit, read whole so that it is read once) travels one per row: gathered in
+groups of two, summed one per group and round in larger ones.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import math
@@ -58,17 +62,22 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """One collective: ``rows[process]`` are the pieces that process reads (no entry: none), in
-    row order, at 64-byte aligned offsets after a HEADER, each row ``width`` bytes. The rows
-    travel within ``groups`` only (a partition of the job's processes, all groups of one size;
-    ``group_of``: process -> its group): gathered, or summed where ``solo`` (at most one row
-    per group carries pieces)."""
+    """One collective within ``groups`` (a partition of the job's processes, all groups of one
+    size S; ``group_of``: process -> its group). ``rows[process]``: the pieces that process
+    reads (no entry: none), each at a 64-byte aligned offset after the previous one.
+
+    Gathered: each process sends a row of ``width`` bytes -- a HEADER, then its pieces -- and
+    receives the rows of its group. ``summed``: each group has one row of ``width`` bytes, the
+    HEADER (written by the group's first member), then its members' pieces one member after the
+    other; each member writes its own part, the others zeros, and the group sums them: cheaper
+    than a gather where few members have pieces (2 (S - 1) / S of the row moves per process
+    instead of S - 1 rows)."""
 
     index: int
     groups: tuple[tuple[int, ...], ...]
     rows: dict
     width: int
-    solo: bool = False
+    summed: bool = False
     group_of: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def row(self, process: int) -> tuple:
@@ -79,13 +88,27 @@ class Round:
         """The group ``process`` exchanges rows with (itself included)."""
         return self.group_of[process]
 
+    def starts(self, group: tuple[int, ...]) -> dict[int, int]:
+        """{member: offset of its first piece in the row that carries it}."""
+        starts, offset = {}, HEADER
+        for member in group:
+            starts[member] = offset if self.summed else HEADER
+            offset += _row_bytes(self.row(member))
+        return starts
+
     def traffic(self, process: int) -> tuple[int, int]:
         """(bytes ``process`` receives, bytes it sends) in this round, whole rows: a gather
         sends its row to the S - 1 others of its group and receives theirs; a sum over a group
-        (a ring all-reduce) sends and receives 2 (S - 1) / S rows."""
-        members = len(self.groups[0])
-        moved = (members - 1) * self.width if not self.solo else 2 * (members - 1) * self.width // members
-        return moved, moved
+        (a ring all-reduce) sends and receives 2 (S - 1) / S of the row."""
+        return (_moved(len(self.groups[0]), self.width, self.summed),) * 2
+
+
+def _row_bytes(pieces) -> int:
+    return sum(aligned(p.nbytes) for p in pieces)
+
+
+def _moved(members: int, row: int, summed: bool) -> int:
+    return 2 * (members - 1) * row // members if summed else (members - 1) * row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,9 +178,23 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
         rounds += _rounds(groups, pieces, max(64, batch_limit // len(groups[0])), len(rounds))
     # With the share: processes with different budgets would cut different rounds.
     digest = hashlib.sha256(repr((batch_limit, [(i, out.saved.keypath) for i, out, _ in shared], [
-        (r.groups, r.width, r.solo, [(p, [(x.output, x.region, x.local, x.item.dtype) for x in row])
-                                     for p, row in sorted(r.rows.items())]) for r in rounds])).encode()).hexdigest()
+        (r.groups, r.width, r.summed, [(p, [(x.output, x.region, x.local, x.item.dtype) for x in row])
+                                       for p, row in sorted(r.rows.items())]) for r in rounds])).encode()).hexdigest()
     return Delivery(rounds, digest)
+
+
+def _round(index: int, groups: tuple, rows: dict, group_of: dict, summed: bool | None = None) -> Round:
+    """The round carrying ``rows``: gathered or summed, whichever moves fewer bytes (or as
+    ``summed`` says), its width rounded (:func:`width`)."""
+    members = len(groups[0])
+    gathered = width(HEADER + max(map(_row_bytes, rows.values())))
+    totals = collections.Counter()
+    for reader, row in rows.items():
+        totals[group_of[reader]] += _row_bytes(row)
+    joined = width(HEADER + max(totals.values()))
+    if summed is None:
+        summed = _moved(members, joined, True) < _moved(members, gathered, False)
+    return Round(index, groups, rows, joined if summed else gathered, summed, group_of)
 
 
 def _rounds(groups: tuple, pieces: list[list[Piece]], share: int, first: int) -> list[Round]:
@@ -169,19 +206,17 @@ def _rounds(groups: tuple, pieces: list[list[Piece]], share: int, first: int) ->
     rounds = []
     for k in range(max(map(len, queues.values()), default=0)):
         rows = {r: tuple(q[k][0]) for r, q in queues.items() if k < len(q)}
-        used = max(q[k][1] for q in queues.values() if k < len(q))
-        rounds.append(Round(first + len(rounds), groups, rows, width(HEADER + used), group_of=group_of))
+        rounds.append(_round(first + len(rounds), groups, rows, group_of))
     # Larger pieces: one per row. In groups of two, gathered (every member sends one; the
     # gathered copy holds what a sum's row and result would); in larger groups, where a gather
     # would hold S of them, one per group and round, summed over the group.
-    solo = len(groups[0]) > 2
-    if solo:
+    summed = len(groups[0]) > 2
+    if summed:
         big = [[p for member in g for p in pieces[member] if not fits(p)] for g in groups]
     else:
         big = [[p for p in mine if not fits(p)] for mine in pieces]
     big = [q for q in big if q]
     for k in range(max(map(len, big), default=0)):
         rows = {q[k].reader: (q[k],) for q in big if k < len(q)}
-        most = max(aligned(row[0].nbytes) for row in rows.values())
-        rounds.append(Round(first + len(rounds), groups, rows, width(HEADER + most), solo=solo, group_of=group_of))
+        rounds.append(_round(first + len(rounds), groups, rows, group_of, summed))
     return rounds

@@ -21,7 +21,9 @@ sharded by group (:func:`gather`: an all-gather within each group; gloo on CPU, 
 on accelerators), gives each process the rows of its group; the headers are checked (a
 collective crossed by another thread's fails loudly, never silently); each process copies out
 the pieces of the regions it holds. The next round's reads run while a round is exchanged. A
-piece over a process's share goes in a solo round, summed over its group (:func:`group_sum`).
+round where few members of a group have pieces is summed over the group instead
+(:func:`group_sum`: each member writes its part of one row, the others add zeros), as is a
+piece over a process's share in a group of more than two.
 
 Bounds, per process: host memory holds at most two rounds' reads and one gathered round
 (``read_batch_bytes`` each, plus padding) beyond the restored arrays; device memory on the
@@ -290,12 +292,14 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
     def consume(round_: Round, arrays):
         nonlocal useful, received, sent
         k, group = round_.index, round_.group(process)
-        if round_.solo and not round_.row(process):  # a sum: this row only adds zeros
+        starts = round_.starts(group)
+        if round_.summed:  # this process's part of its group's row; zeros elsewhere
             row = np.zeros(round_.width, np.uint8)
         else:
             row = aligned_empty((round_.width,), np.uint8)
+        if not round_.summed or process == group[0]:
             row[:HEADER] = _header(room, k)
-        offset = HEADER
+        offset = starts[process]
         for piece, array in zip(round_.row(process), arrays):
             data = np.asarray(array).reshape(-1).view(np.uint8)
             row[offset:offset + data.size] = data
@@ -303,16 +307,15 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
         room.set(f"ready/{k}/{process}", True)
         upcoming[0] = k + 1
         _proceed(room, k, display)
-        if not round_.solo:
+        if round_.summed:
+            table = dict.fromkeys(group, group_sum(row, round_.groups, devices))
+        else:
             table = dict(zip(group, gather(row, round_.groups, devices)))
-        else:  # the one member of the group with a row, if any, sent it
-            summed = group_sum(row, round_.groups, devices)
-            table = {member: summed for member in group if round_.row(member)}
         if not all((r[:HEADER] == _header(room, k)).all() for r in table.values()):
             raise CheckpointError(f"round {k} of the restore of {display}: the processes' collectives crossed "
                                   "(another collective ran at the same time on some process); nothing was restored")
         for member, data in table.items():
-            offset = HEADER
+            offset = starts[member]
             for piece in round_.row(member):
                 if process in piece.holders:
                     buffer = outputs[piece.output].buffers[piece.region]
