@@ -20,18 +20,20 @@ class LeastLoaded:
 
     def __init__(self, key: Callable[[Hashable], tuple]):
         self.key = key
-        self.heaps: dict[tuple, list] = {}
+        self.heaps: dict[int, tuple[Sequence, list]] = {}   # id(candidates) -> (candidates, heap)
 
     def pick(self, candidates: Sequence[Hashable]):
-        """The least loaded of ``candidates`` (a sequence of one candidate set, in any order
-        that is the same each time the set is given)."""
-        if len(candidates) == 1:
-            return candidates[0]
-        group = tuple(candidates)
-        heap = self.heaps.get(group)
-        if heap is None:
-            heap = self.heaps[group] = [(self.key(c), i, c) for i, c in enumerate(group)]
+        """The least loaded of ``candidates``. A candidate set is known by the identity of the
+        sequence given (callers pass the same object for the same set; it is kept, so its id is
+        not reused): hashing a thousand holders per pick would cost what the heap saves."""
+        if len(candidates) <= 4:  # a heap costs more than it saves
+            return min(candidates, key=self.key)
+        known = self.heaps.get(id(candidates))
+        if known is None or known[0] is not candidates:
+            heap = [(self.key(c), i, c) for i, c in enumerate(candidates)]
             heapq.heapify(heap)
+            known = self.heaps[id(candidates)] = (candidates, heap)
+        heap = known[1]
         while True:
             seen, position, candidate = heap[0]
             now = self.key(candidate)

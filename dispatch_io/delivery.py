@@ -190,7 +190,7 @@ def _round(index: int, groups: tuple, rows: dict, group_of: dict, summed: bool |
     gathered = width(HEADER + max(map(_row_bytes, rows.values())))
     totals = collections.Counter()
     for reader, row in rows.items():
-        totals[group_of[reader]] += _row_bytes(row)
+        totals[group_of[reader][0]] += _row_bytes(row)   # by first member: hashing a group costs S
     joined = width(HEADER + max(totals.values()))
     if summed is None:
         summed = _moved(members, joined, True) < _moved(members, gathered, False)
