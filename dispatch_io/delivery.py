@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import math
 from typing import Sequence
@@ -42,7 +43,7 @@ from dispatch_io.balance import LeastLoaded
 from dispatch_io.batches import pack
 from dispatch_io.reading import read_pieces
 from dispatch_io.staging import aligned
-from workers import ReadItem
+from workers import ReadItem, Region
 
 HEADER = 64  # each row starts with its round's identity, checked after the collective
 
@@ -54,10 +55,18 @@ class Piece:
     output: int                  # index of its Output in the restore's outputs
     region: tuple                # the result region whose buffer it fills
     local: tuple                 # its bounds in that buffer
-    item: ReadItem               # what the reader reads: host bytes in the result's dtype
+    stored: Region               # the stored region it is read from
+    dtype: str                   # the result's dtype, which the reader reads it as
     reader: int
     holders: tuple[int, ...]
     nbytes: int
+
+    @functools.cached_property
+    def item(self) -> ReadItem:
+        """What the reader reads: host bytes in the result's dtype (made when read: a job's plan
+        has a piece for every region of every process)."""
+        shape = tuple(hi - lo for lo, hi in self.local)
+        return ReadItem(((self.stored, tuple((0, n) for n in shape)),), shape, self.dtype, on_host=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,26 +168,31 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
     load = [0] * count
     least = LeastLoaded(lambda p: (load[p], p))
     by_groups: dict[tuple, list[list[Piece]]] = {}    # groups -> pieces by reader, in plan order
+    todo = []   # every piece: (its groups' lists, output, region, bounds, stored region, holders, bytes, dtype)
     for index, out, holders in shared:
         groups = replica_groups(set(holders.values()), count)
         if groups not in by_groups:
             by_groups[groups] = [[] for _ in range(count)]
-        pieces = by_groups[groups]
+        lists = by_groups[groups]
         name, itemsize = np.dtype(out.dtype).name, np.dtype(out.dtype).itemsize
         for region, procs in holders.items():
             for stored, bounds in read_pieces(out, region, chunk_limit):
-                shape = tuple(hi - lo for lo, hi in bounds)
-                item = ReadItem(((stored, tuple((0, n) for n in shape)),), shape, name, on_host=True)
-                reader = least.pick(procs)
-                piece = Piece(index, region, bounds, item, reader, procs, math.prod(shape) * itemsize)
-                load[reader] += piece.nbytes
-                pieces[reader].append(piece)
+                todo.append((lists, index, region, bounds, stored, procs,
+                             math.prod(hi - lo for lo, hi in bounds) * itemsize, name))
+    # Readers: the largest pieces first, each to the least loaded of its holders, so that the
+    # loads end within a small piece of each other (in plan order, a large one).
+    readers = [0] * len(todo)
+    for i in sorted(range(len(todo)), key=lambda i: -todo[i][6]):
+        readers[i] = reader = least.pick(todo[i][5])
+        load[reader] += todo[i][6]
+    for (lists, index, region, bounds, stored, procs, nbytes, name), reader in zip(todo, readers):
+        lists[reader].append(Piece(index, region, bounds, stored, name, reader, procs, nbytes))
     rounds: list[Round] = []
     for groups, pieces in by_groups.items():
         rounds += _rounds(groups, pieces, max(64, batch_limit // len(groups[0])), len(rounds))
     # With the share: processes with different budgets would cut different rounds.
     digest = hashlib.sha256(repr((batch_limit, [(i, out.saved.keypath) for i, out, _ in shared], [
-        (r.groups, r.width, r.summed, [(p, [(x.output, x.region, x.local, x.item.dtype) for x in row])
+        (r.groups, r.width, r.summed, [(p, [(x.output, x.region, x.local, x.dtype) for x in row])
                                        for p, row in sorted(r.rows.items())]) for r in rounds])).encode()).hexdigest()
     return Delivery(rounds, digest)
 

@@ -255,7 +255,7 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
                              "target (the same global shardings), in the same order.")
         mine = [p for r in split.rounds for p in r.row(process)]
         if verify:
-            verify_stored(reader, [(outputs[p.output], p.item.pieces[0][0].bounds) for p in mine] +
+            verify_stored(reader, [(outputs[p.output], p.stored.bounds) for p in mine] +
                           [(out, out.stored_bounds(region)) for out, region in split.local],
                           options.read_batch_bytes, progress, on_batch=report)
         times.append(time.perf_counter())
