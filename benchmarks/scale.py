@@ -220,7 +220,7 @@ def simulate(gib: int, kind: str, count: int, options: Options, fit: bool = Fals
 def size(n: float) -> str:
     for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}"
+            return f"{n / scale:.{3 if n < 1000 * scale else 4}g} {unit}"
     return f"{int(n)} B"
 
 
