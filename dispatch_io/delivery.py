@@ -16,8 +16,8 @@ its regions, nothing else. Leaves with the same groups share rounds. Where the h
 overlap or differ in size, one group holds the whole job (an all-gather over every process, the
 fallback: correct for any sharding, every process receiving every row).
 
-**Rounds.** Within a leaf's groups, each piece's reader is the holder that has read least so far
-(so the holders of a region read about equal shares of it), and each process's pieces are packed
+**Rounds.** Each piece's reader is the least loaded of its holders, the largest pieces given
+first (so the holders of a region read about equal shares of it), and each process's pieces are packed
 into rows of at most ``batch_limit / S`` bytes: a round's gathered rows (S of them) stay within
 ``batch_limit``, and the number of rounds is about the bytes a process holds / ``batch_limit``,
 whatever the number of processes. A round where few members of a group have pieces
