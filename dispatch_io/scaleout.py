@@ -141,8 +141,8 @@ def gather(row: np.ndarray, groups: tuple, devices: list) -> np.ndarray:
 
 
 def group_sum(row: np.ndarray, groups: tuple, devices: list) -> np.ndarray:
-    """The sum of the ``row`` of each process of this process's group (uint8; one sends its
-    row, the others zeros: a broadcast within each group), as :func:`gather`."""
+    """The sum of the ``row`` of each process of this process's group (uint8, each member's part
+    at its own offsets and zeros elsewhere: the parts joined, in every member), as :func:`gather`."""
     rows, mesh = _rows(row, groups, devices)
     return np.asarray(_sum_rows(rows, NamedSharding(mesh, PartitionSpec("group"))).addressable_data(0))[0]
 
