@@ -174,7 +174,16 @@ def _decision(room: Room, k: int) -> str:
     """Wait for round ``k``'s decision and return it: ``GO`` once every process is ready (any
     process may decide it), or why not -- a failure reported, or processes that made no
     progress for the timeout. The first decision published wins (``Room.decide``), so every
-    process acts on the same one: all enter the collective, or none does."""
+    process acts on the same one: all enter the collective, or none does.
+
+    The leader watches (its polls read every process's entries); the others wait on the
+    service for the decision, and watch too only if none comes within the timeout: a round
+    costs each of them two operations, not polls of P entries. (So a stalled leader is named
+    after up to twice the timeout.)"""
+    if not room.leader:
+        decided = room.wait_for(f"decision/{k}", room.timeout)
+        if decided is not None:
+            return decided
     deadline, seen, pause = time.monotonic() + room.timeout, None, 0.002
     while True:
         decided = room.get(f"decision/{k}")

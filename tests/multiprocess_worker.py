@@ -512,9 +512,9 @@ def scaleout_fsdp(mesh, path):
             "bytes_sent": getattr(stats, "bytes_sent", None), "loopback": moved, **checks}
 
 
-def _scaleout_fault(kind, faulty=1):
+def _scaleout_fault(kind, faulty=1, timeouts=1):
     """Process ``faulty``'s read of ['rep'] (1 MiB held by every process, read in 64 KiB pieces
-    by both) fails (``kind`` "fails") or stalls for BARRIER_TIMEOUT + 3 s ("stalls"), in a
+    by both) fails (``kind`` "fails") or stalls for ``timeouts`` x BARRIER_TIMEOUT + 3 s ("stalls"), in a
     restore with the broadcast on. Every process then stays up until all have failed, and all
     retry the restore without the fault (``retry``: what it gave)."""
     def scenario(mesh, path):
@@ -526,7 +526,7 @@ def _scaleout_fault(kind, faulty=1):
             if kind == "fails":
                 runner.fail_keypath = "['rep']"
             else:
-                runner.stall_read = ("['rep']", BARRIER_TIMEOUT + 3)
+                runner.stall_read = ("['rep']", timeouts * BARRIER_TIMEOUT + 3)
         sync("scaleout_fault")
         start = time.monotonic()
         out = {}
@@ -669,7 +669,7 @@ SCENARIOS = {"process_local_leaf": process_local_leaf, "different_compression": 
              "save_big": save_big, "verify": verify, "verify_stalls": verify_stalls, "restore_colocated": restore_colocated, "restore_big": restore_big,
              "scaleout_fails": _scaleout_fault("fails"), "scaleout_stalls": _scaleout_fault("stalls"),
              "scaleout_leader_fails": _scaleout_fault("fails", faulty=0), "scaleout_crossing": scaleout_crossing,
-             "scaleout_fsdp": scaleout_fsdp,
+             "scaleout_fsdp": scaleout_fsdp, "scaleout_leader_stalls": _scaleout_fault("stalls", faulty=0, timeouts=2),
              "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),
              "sleep_in_write": _sleeper("in_write")}
 

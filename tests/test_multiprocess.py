@@ -462,6 +462,22 @@ def test_a_stalled_reader_times_out_every_process(jobs, tmp_path):
         assert r["retry"].get("mismatches") == [] and r["retry"]["checked"] > 0, r["retry"]
 
 
+def test_a_stalled_leader_times_out_every_process(jobs, tmp_path):
+    """Process 0 -- which watches the rounds while the others wait on the coordination service
+    for its decision -- stalls in its read of ['rep'] for twice the timeout + 3 s: process 1
+    waits on the service for a timeout, then watches itself and raises BarrierTimeoutError
+    naming process 0 a timeout later; process 0, once awake, raises too; then a retry
+    restores everything."""
+    timeout = 3.0
+    job = jobs("scaleout_leader_stalls", tmp_path / "ckpt", 2, 4, barrier_timeout=timeout)
+    leader, other = job.wait(deadline())
+    assert other.get("is_barrier_timeout") and other["processes"] == [0], other
+    assert 2 * timeout * 0.9 <= other["elapsed"] < 2 * timeout + 7, other
+    assert leader.get("is_barrier_timeout") and leader["processes"] == [0], leader
+    for r in (leader, other):
+        assert r["retry"].get("mismatches") == [] and r["retry"]["checked"] > 0, r["retry"]
+
+
 def test_crossing_restores_never_swap_data(jobs, tmp_path):
     """Two restores at once in each process (two dispatchers, two threads): each gives its own
     checkpoint's bytes or raises; neither returns the other's data."""
