@@ -82,6 +82,14 @@ class Room:
         except Exception:  # noqa: BLE001 - NOT_FOUND has no exception type of its own
             return None
 
+    def wait_for(self, key: str, seconds: float):
+        """The value published under ``key``, waiting up to ``seconds`` for it (the service holds
+        the request: no polling); None if nothing was published by then."""
+        try:
+            return json.loads(self.client.blocking_key_value_get(f"{self.prefix}/{key}", max(1, int(seconds * 1000))))
+        except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED has no exception type of its own
+            return None
+
     def decide(self, key: str, value):
         """Publish ``value`` under ``key`` unless something was published there first; returns
         what is there now. Every process that decides the same key gets the same answer."""

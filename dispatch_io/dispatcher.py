@@ -271,20 +271,20 @@ class Dispatcher:
         options = self.options
 
         def work(manifest, reader, progress, times):
-            received = 0
+            exchanged = scaleout.Exchanged(0, 0, 0)
             if names is not None:
                 manifest = dataclasses.replace(manifest, tensor_names=names)
             treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast, options.small_leaf_bytes)
             times.append(time.perf_counter())
             if options.restore_broadcast and jax.process_count() > 1:
-                received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=times)
+                exchanged = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=times)
             else:
                 if verify:
                     reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
                 times.append(time.perf_counter())
                 reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress)
             times.append(time.perf_counter())
-            return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, received
+            return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, exchanged
 
         result, self.last_restore_stats = self._read("restore", path, work)
         return result
@@ -315,7 +315,7 @@ class Dispatcher:
                 reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress,
                                        compare=manifest.has_checksums)
             times += [time.perf_counter()] * 2  # nothing read into a result
-            return None, manifest.has_checksums, 0
+            return None, manifest.has_checksums, scaleout.Exchanged(0, 0, 0)
 
         _, stats = self._read("verify", path, work)
         return stats
@@ -324,7 +324,8 @@ class Dispatcher:
         """The skeleton restore and verify share: the manifest, a reader, progress, and the
         check that no save replaced the checkpoint while it was read. ``work(manifest, reader,
         progress, times)`` appends the times it planned, verified and read at and returns
-        (result, whether every chunk read was checked, bytes received from other processes);
+        (result, whether every chunk read was checked, what it exchanged with other processes:
+        ``scaleout.Exchanged``);
         returns (result, RestoreStats). The garbage collector is paused throughout (``collector``)."""
         started = time.perf_counter()
         with collector.paused():
@@ -338,7 +339,7 @@ class Dispatcher:
         with progress:  # a terminal line is ended if this raises
             reader = self.runner.open_reader(source.arrays, source.context)
             try:
-                result, verified, received = work(source.manifest, reader, progress, times)
+                result, verified, exchanged = work(source.manifest, reader, progress, times)
             except Exception as exc:
                 source.check_unchanged(exc)  # a read failure caused by a replacement
                 raise
@@ -350,7 +351,8 @@ class Dispatcher:
             path=source.display, bytes_read=sum(p.bytes_done for p in phases),
             batches=sum(p.batches_done for p in phases), plan_seconds=times[0] - started,
             verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
-            total_seconds=time.perf_counter() - started, verified=verified, bytes_broadcast=received)
+            total_seconds=time.perf_counter() - started, verified=verified, bytes_broadcast=exchanged.useful,
+            bytes_received=exchanged.received, bytes_sent=exchanged.sent)
         progress_lib.report(kind, progress, stats)
         return result, stats
 

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
+from dispatch_io.balance import LeastLoaded
 from workers import ArraySpec, pack_spec, packed_leaf
 from workers.packs import pack_offsets
 
@@ -281,6 +282,7 @@ def plan_chunks(specs, regions_of) -> tuple[Chunk, ...]:
     which region of it (``device_regions``; device None: host data, written by process 0)."""
     worker_load: dict[int, int] = {}
     device_load: dict[int, int] = {}
+    least = LeastLoaded(lambda d: (worker_load.get(_process(d), 0), device_load.get(_id(d), 0), _id(d) or 0))
     chunks = []
     for spec in specs:
         if spec.storage is None:
@@ -292,8 +294,7 @@ def plan_chunks(specs, regions_of) -> tuple[Chunk, ...]:
                 nbytes = math.prod(hi - lo for lo, hi in cell) * spec.dtype.itemsize
                 # Each distinct chunk is written once, by the least loaded worker (then device)
                 # holding it: replicated arrays are spread over every process that has a copy.
-                device = devices[0] if len(devices) == 1 else min(devices, key=lambda d: (
-                    worker_load.get(_process(d), 0), device_load.get(_id(d), 0), _id(d) or 0))
+                device = least.pick(devices)
                 worker = _process(device)
                 worker_load[worker] = worker_load.get(worker, 0) + nbytes
                 device_load[_id(device)] = device_load.get(_id(device), 0) + nbytes

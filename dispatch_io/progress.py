@@ -37,6 +37,8 @@ Three outlets, each fed from the same counts:
   /dispatch_io/restore/total_duration_secs    duration  RestoreStats.total_seconds
   /dispatch_io/restore/bytes                  scalar    RestoreStats.bytes_read
   /dispatch_io/restore/broadcast_bytes        scalar    RestoreStats.bytes_broadcast
+  /dispatch_io/restore/received_bytes         scalar    RestoreStats.bytes_received
+  /dispatch_io/restore/sent_bytes             scalar    RestoreStats.bytes_sent
   /dispatch_io/verify/total_duration_secs     duration  RestoreStats.total_seconds (verify())
   /dispatch_io/verify/bytes                   scalar    RestoreStats.bytes_read
   ==========================================  ========  =====================================
@@ -78,6 +80,8 @@ EVENTS: dict[str, tuple[str, str]] = {
     "/dispatch_io/restore/total_duration_secs": (DURATION, "total_seconds"),
     "/dispatch_io/restore/bytes": (SCALAR, "bytes_read"),
     "/dispatch_io/restore/broadcast_bytes": (SCALAR, "bytes_broadcast"),
+    "/dispatch_io/restore/received_bytes": (SCALAR, "bytes_received"),
+    "/dispatch_io/restore/sent_bytes": (SCALAR, "bytes_sent"),
     "/dispatch_io/verify/total_duration_secs": (DURATION, "total_seconds"),
     "/dispatch_io/verify/bytes": (SCALAR, "bytes_read"),
 }
@@ -118,6 +122,8 @@ class RestoreStats:
     total_seconds: float    # called -> result built (arrays on their devices) / verified
     verified: bool          # every chunk read was checked against its saved CRC-32C
     bytes_broadcast: int = 0  # result bytes received from other processes' reads (scale-out restore)
+    bytes_received: int = 0   # bytes the scale-out restore's collectives brought here (rows: padding too)
+    bytes_sent: int = 0       # bytes of this process's rows they took to other processes
 
 def size(nbytes: float) -> str:
     """``412.3 MiB``."""

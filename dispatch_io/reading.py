@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import math
 from typing import Callable, Sequence
@@ -77,9 +78,10 @@ def read_pieces(out: Output, region, chunk_limit: int) -> list[tuple[Region, tup
     or one per stored chunk where those are larger."""
     saved = out.saved
     full = out.stored_bounds(region)
-    shape = out.buffer_shape(region)
+    shape = tuple(hi - lo for lo, hi in full)
+    itemsize = np.dtype(out.dtype).itemsize
     pieces = []
-    if math.prod(saved.stored.chunk_shape) * np.dtype(out.dtype).itemsize > chunk_limit:
+    if math.prod(saved.stored.chunk_shape) * itemsize > chunk_limit:
         # Stored chunks over the limit (other writers' checkpoints) are decoded whole whatever
         # is read of them: one piece per stored chunk, so each is decoded once, not per piece.
         for _, cell in stored_cells(saved.stored, full):
@@ -87,12 +89,19 @@ def read_pieces(out: Output, region, chunk_limit: int) -> list[tuple[Region, tup
             local = tuple((a - lo, b - lo) for (a, b), (lo, _) in zip(bounds, full))
             pieces.append((Region(saved.stored, bounds, saved.keypath), local))
         return pieces
-    step = storage_chunk_shape(shape, np.dtype(out.dtype).itemsize, chunk_limit)
-    for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]):
-        local = tuple((s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
+    for local in _cuts(shape, itemsize, chunk_limit):
         bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(full, local))
         pieces.append((Region(saved.stored, bounds, saved.keypath), local))
     return pieces
+
+
+@functools.lru_cache(maxsize=1024)
+def _cuts(shape: tuple, itemsize: int, chunk_limit: int) -> tuple:
+    """The bounds of the pieces of at most ``chunk_limit`` bytes a buffer of ``shape`` is read in
+    (cached: a model's regions have few shapes, and a job's plan cuts every region of it)."""
+    step = storage_chunk_shape(shape, itemsize, chunk_limit)
+    return tuple(tuple((s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
+                 for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]))
 
 
 def read_item(out: Output, region, chunk_limit: int) -> ReadItem:

@@ -38,7 +38,8 @@ class Output:
     def stored_bounds(self, region) -> tuple:
         """``region`` (over the logical shape) as bounds over the stored array: PRNG keys'
         trailing ``key_data`` dimensions are read whole."""
-        return region + tuple((0, n) for n in self.saved.stored.shape[len(region):])
+        extra = self.saved.stored.shape[len(region):]
+        return region + tuple((0, n) for n in extra) if extra else region
 
     def buffer_shape(self, region) -> tuple[int, ...]:
         """Shape of the host buffer holding ``region`` as stored."""

@@ -478,9 +478,43 @@ def restore_big(mesh, path):
         return {"bytes_read": d.last_restore_stats.bytes_read, **checks}
 
 
-def _scaleout_fault(kind, faulty=1):
+def loopback_bytes() -> int:
+    """Bytes the loopback interface has received so far (``lo`` in /proc/net/dev; every byte
+    sent over it is received once, so this is also what was sent). Machine-wide."""
+    with open("/proc/net/dev") as f:
+        return int(next(line for line in f if line.strip().startswith("lo:")).split(":")[1].split()[0])
+
+
+def scaleout_fsdp(mesh, path):
+    """8 processes x 1 device, mesh ("data", "fsdp") = (2, 4): a 32 MiB state (8 leaves of
+    4 MiB) sharded over fsdp, replicated over data, so each region is held by two processes.
+    Saved in 256 KiB chunks, then restored with the broadcast on: every shard compared; this process's bytes
+    read, received and sent (RestoreStats) beside the bytes of the regions it holds; and
+    (process 0) the loopback interface's bytes over the restore, all processes lined up."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    rng = np.random.default_rng(27)
+    table = {f"layer{i}": (rng.standard_normal((1024, 1024)).astype(np.float32), P("fsdp")) for i in range(8)}
+    with dio.LocalDispatcher(host_memory_budget=8 << 20, max_chunk_bytes=256 << 10, barrier_timeout=BARRIER_TIMEOUT) as d:
+        d.save(path, build(mesh, table)).wait()
+    target = abstract(mesh, table)
+    held = sum(int(np.prod(shard.data.shape)) * 4 for leaf in jax.tree.leaves(build(mesh, table))
+               if isinstance(leaf, jax.Array) for shard in leaf.addressable_shards)
+    with dio.LocalDispatcher(host_memory_budget=4 << 20, max_chunk_bytes=256 << 10,
+                             barrier_timeout=BARRIER_TIMEOUT) as d:
+        sync("fsdp/before")
+        before = loopback_bytes()
+        checks = restore_and_compare(d, path, target, mesh, table)
+        sync("fsdp/after")
+        moved = loopback_bytes() - before
+        stats = d.last_restore_stats
+    return {"total_bytes": stored_nbytes(table), "held": held, "bytes_read": stats.bytes_read,
+            "bytes_received": getattr(stats, "bytes_received", stats.bytes_broadcast),
+            "bytes_sent": getattr(stats, "bytes_sent", None), "loopback": moved, **checks}
+
+
+def _scaleout_fault(kind, faulty=1, timeouts=1):
     """Process ``faulty``'s read of ['rep'] (1 MiB held by every process, read in 64 KiB pieces
-    by both) fails (``kind`` "fails") or stalls for BARRIER_TIMEOUT + 3 s ("stalls"), in a
+    by both) fails (``kind`` "fails") or stalls for ``timeouts`` x BARRIER_TIMEOUT + 3 s ("stalls"), in a
     restore with the broadcast on. Every process then stays up until all have failed, and all
     retry the restore without the fault (``retry``: what it gave)."""
     def scenario(mesh, path):
@@ -492,7 +526,7 @@ def _scaleout_fault(kind, faulty=1):
             if kind == "fails":
                 runner.fail_keypath = "['rep']"
             else:
-                runner.stall_read = ("['rep']", BARRIER_TIMEOUT + 3)
+                runner.stall_read = ("['rep']", timeouts * BARRIER_TIMEOUT + 3)
         sync("scaleout_fault")
         start = time.monotonic()
         out = {}
@@ -635,6 +669,7 @@ SCENARIOS = {"process_local_leaf": process_local_leaf, "different_compression": 
              "save_big": save_big, "verify": verify, "verify_stalls": verify_stalls, "restore_colocated": restore_colocated, "restore_big": restore_big,
              "scaleout_fails": _scaleout_fault("fails"), "scaleout_stalls": _scaleout_fault("stalls"),
              "scaleout_leader_fails": _scaleout_fault("fails", faulty=0), "scaleout_crossing": scaleout_crossing,
+             "scaleout_fsdp": scaleout_fsdp, "scaleout_leader_stalls": _scaleout_fault("stalls", faulty=0, timeouts=2),
              "write_fails": write_fails, "manager_write_fails": manager_write_fails, "sleep_before_save": _sleeper("before_save"),
              "sleep_in_write": _sleeper("in_write")}
 

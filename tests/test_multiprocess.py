@@ -410,6 +410,25 @@ def test_restore_reads_every_stored_byte_once_per_job(jobs, tmp_path, processes,
         assert sum(per_process) == sizes[keypath] and min(per_process) > 0, (keypath, per_process)
 
 
+def test_fsdp_restore_sends_each_piece_only_to_its_holders(jobs, tmp_path):
+    """8 processes x 1 device, mesh ("data", "fsdp") = (2, 4), a 32 MiB state sharded over fsdp
+    and replicated over data (each region held by 2 processes): bit-exact; every stored byte
+    read once in the job; each process receives about the part of its regions it did not read
+    itself (RestoreStats), and the loopback interface carries about the stored bytes once --
+    not the all-gather's 7x (every process receiving every row)."""
+    job = jobs("scaleout_fsdp", tmp_path / "ckpt", 8, 1)
+    results = job.wait(time.monotonic() + 2 * HARD_LIMIT)
+    assert_restored(results, job)
+    total = results[0]["total_bytes"]
+    assert sum(r["bytes_read"] for r in results) == total, [r["bytes_read"] for r in results]
+    for r in results:
+        assert r["held"] == total // 4, r
+        missing = r["held"] - r["bytes_read"]
+        assert 0.9 * missing <= r["bytes_received"] <= 1.1 * missing, (r["bytes_received"], missing)
+        assert 0.9 * r["bytes_read"] <= r["bytes_sent"] <= 1.1 * r["bytes_read"], (r["bytes_sent"], r["bytes_read"])
+    assert total <= results[0]["loopback"] <= 2 * total, (results[0]["loopback"], total)
+
+
 @pytest.mark.parametrize("scenario, failing", [("scaleout_fails", 1), ("scaleout_leader_fails", 0)])
 def test_a_failed_read_in_one_process_fails_every_process(jobs, tmp_path, scenario, failing):
     """One process's read of ['rep'] (a region both processes hold, broadcast) fails: both raise
@@ -440,6 +459,22 @@ def test_a_stalled_reader_times_out_every_process(jobs, tmp_path):
     assert stalled["is_barrier_timeout"] and stalled["processes"] == [1], stalled
     assert stalled["elapsed"] < 2 * timeout + 10, stalled
     for r in results:
+        assert r["retry"].get("mismatches") == [] and r["retry"]["checked"] > 0, r["retry"]
+
+
+def test_a_stalled_leader_times_out_every_process(jobs, tmp_path):
+    """Process 0 -- which watches the rounds while the others wait on the coordination service
+    for its decision -- stalls in its read of ['rep'] for twice the timeout + 3 s: process 1
+    waits on the service for a timeout, then watches itself and raises BarrierTimeoutError
+    naming process 0 a timeout later; process 0, once awake, raises too; then a retry
+    restores everything."""
+    timeout = 3.0
+    job = jobs("scaleout_leader_stalls", tmp_path / "ckpt", 2, 4, barrier_timeout=timeout)
+    leader, other = job.wait(deadline())
+    assert other.get("is_barrier_timeout") and other["processes"] == [0], other
+    assert 2 * timeout * 0.9 <= other["elapsed"] < 2 * timeout + 7, other
+    assert leader.get("is_barrier_timeout") and leader["processes"] == [0], leader
+    for r in (leader, other):
         assert r["retry"].get("mismatches") == [] and r["retry"]["checked"] > 0, r["retry"]
 
 

@@ -169,7 +169,8 @@ def test_progress_false_is_silent_but_keeps_stats_and_events(mesh, tmp_path, abs
     assert stats.bytes_written == STORED and d.last_restore_stats.bytes_read == STORED
     assert [e for e in seen if e.startswith("/dispatch_io/")] == [
         "/dispatch_io/save/bytes", "/dispatch_io/save/peak_host_bytes", "/dispatch_io/restore/bytes",
-        "/dispatch_io/restore/broadcast_bytes"]
+        "/dispatch_io/restore/broadcast_bytes", "/dispatch_io/restore/received_bytes",
+        "/dispatch_io/restore/sent_bytes"]
 
 
 # ---- jax.monitoring ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import numpy as np
 import dispatch_io as dio
 from dispatch_io import formats, restore
 from dispatch_io.staging import aligned
+from dispatch_io.delivery import width
 from dispatch_io.scaleout import plan_split
 
 KiB = 1 << 10
@@ -33,12 +34,12 @@ def test_every_piece_has_one_reader_and_the_loads_balance(tmp_path):
     assert len({s.digest for s in splits}) == 1            # every process planned the same
     assert all(s.local == [] for s in splits)              # host results are wanted by all
     rounds = splits[0].rounds
-    pieces = [piece for r in rounds for row in r.rows for piece in row]
+    pieces = [piece for r in rounds for row in r.rows.values() for piece in row]
     assert all(piece.holders == (0, 1, 2) and piece.nbytes <= chunk for piece in pieces)
     loads = [sum(p.nbytes for p in pieces if p.reader == r) for r in range(count)]
     assert sum(loads) == 256 * 256 * 4 + 20 and max(loads) - min(loads) <= chunk, loads
     for r in rounds:   # a row is at most its process's share of the batch, one piece at least
-        for row in r.rows:
+        for row in r.rows.values():
             size = sum(aligned(p.nbytes) for p in row)
             assert size <= r.width and (size <= batch // count or len(row) == 1), (size, r.width)
     # the pieces of each region tile its buffer exactly once
@@ -59,8 +60,7 @@ def test_a_lone_process_reads_everything_itself(tmp_path):
 
 
 def test_row_widths_are_few(tmp_path):
-    from dispatch_io.scaleout import _width
-    widths = {_width(n) for n in itertools.chain(range(1, 5000, 7), range(10**6, 2 * 10**6, 997))}
+    widths = {width(n) for n in itertools.chain(range(1, 5000, 7), range(10**6, 2 * 10**6, 997))}
     assert all(w % 64 == 0 for w in widths)
-    assert all(n <= _width(n) <= max(64, n * 17 // 16 + 64) for n in range(1, 100000, 13))
+    assert all(n <= width(n) <= max(64, n * 17 // 16 + 64) for n in range(1, 100000, 13))
     assert len(widths) < 120

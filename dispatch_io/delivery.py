@@ -1,0 +1,236 @@
+"""Who reads each shared piece of a scale-out restore, and who receives it (pure).
+
+A region of a result held by several processes (its *holders*) is read once in the job: cut
+into pieces (:func:`~dispatch_io.reading.read_pieces`), each read by one holder and delivered to
+the other holders only. :func:`plan_delivery` plans that for the whole job from plain data --
+for each shared leaf, ``{region: holder processes}`` -- so every process computes the same plan,
+and ``benchmarks/scale.py`` runs this very code for jobs of 1,024 processes without devices.
+
+**Replica groups.** The regions of one sharding are held by groups of processes: for a
+``NamedSharding`` over a mesh, the processes along the mesh axes its spec leaves out (FSDP x
+data parallelism over 128 x 2 hosts: 128 groups of 2). Where a leaf's holder sets are disjoint
+and of one size S (:func:`replica_groups`), the job is partitioned into groups of S processes
+(processes holding none of the leaf fill groups of their own) and each round's rows are
+all-gathered *within* each group: a process receives the rows of the S - 1 other holders of
+its regions, nothing else. Leaves with the same groups share rounds. Where the holder sets
+overlap or differ in size, one group holds the whole job (an all-gather over every process, the
+fallback: correct for any sharding, every process receiving every row).
+
+**Rounds.** Each piece's reader is the least loaded of its holders, the largest pieces given
+first (so the holders of a region read about equal shares of it), and each process's pieces are packed
+into rows of at most ``batch_limit / S`` bytes: a round's gathered rows (S of them) stay within
+``batch_limit``, and the number of rounds is about the bytes a process holds / ``batch_limit``,
+whatever the number of processes. A round where few members of a group have pieces
+(small replicated leaves: norms, biases) is *summed* over the group instead: one row per group,
+each member's pieces at their own offsets, the others adding zeros -- 2 (S - 1) / S of that row
+moves per process, rather than S - 1 mostly empty rows. A piece larger than the share (a stored
+chunk over the chunk limit, read whole so that it is read once) travels one per row: gathered in
+groups of two, summed one per group and round in larger ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import math
+from typing import Sequence
+
+import numpy as np
+
+from dispatch_io.balance import LeastLoaded
+from dispatch_io.batches import pack
+from dispatch_io.reading import read_pieces
+from dispatch_io.staging import aligned
+from workers import ReadItem, Region
+
+HEADER = 64  # each row starts with its round's identity, checked after the collective
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A piece of a shared region: ``reader`` reads it, every process in ``holders`` gets it."""
+
+    output: int                  # index of its Output in the restore's outputs
+    region: tuple                # the result region whose buffer it fills
+    local: tuple                 # its bounds in that buffer
+    stored: Region               # the stored region it is read from
+    dtype: str                   # the result's dtype, which the reader reads it as
+    reader: int
+    holders: tuple[int, ...]
+    nbytes: int
+
+    @functools.cached_property
+    def item(self) -> ReadItem:
+        """What the reader reads: host bytes in the result's dtype (made when read: a job's plan
+        has a piece for every region of every process)."""
+        shape = tuple(hi - lo for lo, hi in self.local)
+        return ReadItem(((self.stored, tuple((0, n) for n in shape)),), shape, self.dtype, on_host=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One collective within ``groups`` (a partition of the job's processes, all groups of one
+    size S; ``group_of``: process -> its group). ``rows[process]``: the pieces that process
+    reads (no entry: none), each at a 64-byte aligned offset after the previous one.
+
+    Gathered: each process sends a row of ``width`` bytes -- a HEADER, then its pieces -- and
+    receives the rows of its group. ``summed``: each group has one row of ``width`` bytes, the
+    HEADER (written by the group's first member), then its members' pieces one member after the
+    other; each member writes its own part, the others zeros, and the group sums them: cheaper
+    than a gather where few members have pieces (2 (S - 1) / S of the row moves per process
+    instead of S - 1 rows)."""
+
+    index: int
+    groups: tuple[tuple[int, ...], ...]
+    rows: dict
+    width: int
+    summed: bool = False
+    group_of: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def row(self, process: int) -> tuple:
+        """The pieces ``process`` reads and sends in this round."""
+        return self.rows.get(process, ())
+
+    def group(self, process: int) -> tuple[int, ...]:
+        """The group ``process`` exchanges rows with (itself included)."""
+        return self.group_of[process]
+
+    def starts(self, group: tuple[int, ...]) -> dict[int, int]:
+        """{member: offset of its first piece in the row that carries it}."""
+        starts, offset = {}, HEADER
+        for member in group:
+            starts[member] = offset if self.summed else HEADER
+            offset += _row_bytes(self.row(member))
+        return starts
+
+    def traffic(self, process: int) -> tuple[int, int]:
+        """(bytes ``process`` receives, bytes it sends) in this round, whole rows: a gather
+        sends its row to the S - 1 others of its group and receives theirs; a sum over a group
+        (a ring all-reduce) sends and receives 2 (S - 1) / S of the row."""
+        return (_moved(len(self.groups[0]), self.width, self.summed),) * 2
+
+
+def _row_bytes(pieces) -> int:
+    return sum(aligned(p.nbytes) for p in pieces)
+
+
+def _moved(members: int, row: int, summed: bool) -> int:
+    return 2 * (members - 1) * row // members if summed else (members - 1) * row
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    rounds: list          # [Round]
+    digest: str           # equal in every process that planned the same restore
+
+
+def replica_groups(holder_sets: set, count: int) -> tuple[tuple[int, ...], ...]:
+    """The groups a leaf's rows travel in, given its regions' distinct ``holder_sets`` (sorted
+    tuples of processes, each of two or more): the holder sets themselves where they are
+    disjoint and of one size S, completed with groups of S of the other processes (in order);
+    else -- overlapping or unequal sets, or other processes that do not divide into S -- one
+    group of all ``count`` processes."""
+    everyone = (tuple(range(count)),)
+    sizes = {len(s) for s in holder_sets}
+    if len(sizes) != 1:
+        return everyone
+    size = sizes.pop()
+    covered = [p for s in holder_sets for p in s]
+    if len(covered) != len(set(covered)):
+        return everyone
+    rest = sorted(set(range(count)) - set(covered))
+    if len(rest) % size:
+        return everyone
+    return tuple(sorted(holder_sets)) + tuple(tuple(rest[i:i + size]) for i in range(0, len(rest), size))
+
+
+def width(nbytes: int) -> int:
+    """Row width for ``nbytes``: rounded up by at most 1/16, so few distinct shapes are compiled."""
+    step = 1 << max(6, nbytes.bit_length() - 5)
+    return max(step, -(-nbytes // step) * step)
+
+
+def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_limit: int,
+                  batch_limit: int) -> Delivery:
+    """The rounds delivering the shared regions of a restore in a job of ``count`` processes.
+
+    Args:
+      shared: (output index, Output, {region: holders}) per result leaf with regions held by
+        several processes; ``holders``: sorted tuple of two or more process indices. Only the
+        Output's stored leaf and dtype are used (no device, no sharding): plain data.
+      chunk_limit: the largest piece read (``Options.chunk_bytes``); stored chunks larger than
+        it are one piece each.
+      batch_limit: bytes of one round's gathered rows per process (``Options.read_batch_bytes``).
+
+    Returns the same :class:`Delivery` in every process given the same arguments."""
+    load = [0] * count
+    least = LeastLoaded(lambda p: (load[p], p))
+    by_groups: dict[tuple, list[list[Piece]]] = {}    # groups -> pieces by reader, in plan order
+    todo = []   # every piece: (its groups' lists, output, region, bounds, stored region, holders, bytes, dtype)
+    for index, out, holders in shared:
+        groups = replica_groups(set(holders.values()), count)
+        if groups not in by_groups:
+            by_groups[groups] = [[] for _ in range(count)]
+        lists = by_groups[groups]
+        name, itemsize = np.dtype(out.dtype).name, np.dtype(out.dtype).itemsize
+        for region, procs in holders.items():
+            for stored, bounds in read_pieces(out, region, chunk_limit):
+                todo.append((lists, index, region, bounds, stored, procs,
+                             math.prod(hi - lo for lo, hi in bounds) * itemsize, name))
+    # Readers: the largest pieces first, each to the least loaded of its holders, so that the
+    # loads end within a small piece of each other (in plan order, a large one).
+    readers = [0] * len(todo)
+    for i in sorted(range(len(todo)), key=lambda i: -todo[i][6]):
+        readers[i] = reader = least.pick(todo[i][5])
+        load[reader] += todo[i][6]
+    for (lists, index, region, bounds, stored, procs, nbytes, name), reader in zip(todo, readers):
+        lists[reader].append(Piece(index, region, bounds, stored, name, reader, procs, nbytes))
+    rounds: list[Round] = []
+    for groups, pieces in by_groups.items():
+        rounds += _rounds(groups, pieces, max(64, batch_limit // len(groups[0])), len(rounds))
+    # With the share: processes with different budgets would cut different rounds.
+    digest = hashlib.sha256(repr((batch_limit, [(i, out.saved.keypath) for i, out, _ in shared], [
+        (r.groups, r.width, r.summed, [(p, [(x.output, x.region, x.local, x.dtype) for x in row])
+                                       for p, row in sorted(r.rows.items())]) for r in rounds])).encode()).hexdigest()
+    return Delivery(rounds, digest)
+
+
+def _round(index: int, groups: tuple, rows: dict, group_of: dict, summed: bool | None = None) -> Round:
+    """The round carrying ``rows``: gathered or summed, whichever moves fewer bytes (or as
+    ``summed`` says), its width rounded (:func:`width`)."""
+    members = len(groups[0])
+    gathered = width(HEADER + max(map(_row_bytes, rows.values())))
+    totals = collections.Counter()
+    for reader, row in rows.items():
+        totals[group_of[reader][0]] += _row_bytes(row)   # by first member: hashing a group costs S
+    joined = width(HEADER + max(totals.values()))
+    if summed is None:
+        summed = _moved(members, joined, True) < _moved(members, gathered, False)
+    return Round(index, groups, rows, joined if summed else gathered, summed, group_of)
+
+
+def _rounds(groups: tuple, pieces: list[list[Piece]], share: int, first: int) -> list[Round]:
+    """The rounds of one set of groups: each process's pieces (``pieces[reader]``) packed into
+    rows of at most ``share`` bytes (and the header); larger pieces one per row."""
+    group_of = {p: g for g in groups for p in g}
+    fits = lambda p: aligned(p.nbytes) <= share  # noqa: E731
+    queues = {r: pack([p for p in mine if fits(p)], lambda p: p.nbytes, share) for r, mine in enumerate(pieces) if mine}
+    rounds = []
+    for k in range(max(map(len, queues.values()), default=0)):
+        rows = {r: tuple(q[k][0]) for r, q in queues.items() if k < len(q)}
+        rounds.append(_round(first + len(rounds), groups, rows, group_of))
+    # Larger pieces: one per row. In groups of two, gathered (every member sends one; the
+    # gathered copy holds what a sum's row and result would); in larger groups, where a gather
+    # would hold S of them, one per group and round, summed over the group.
+    summed = len(groups[0]) > 2
+    if summed:
+        big = [[p for member in g for p in pieces[member] if not fits(p)] for g in groups]
+    else:
+        big = [[p for p in mine if not fits(p)] for mine in pieces]
+    big = [q for q in big if q]
+    for k in range(max(map(len, big), default=0)):
+        rows = {q[k].reader: (q[k],) for q in big if k < len(q)}
+        rounds.append(_round(first + len(rounds), groups, rows, group_of, summed))
+    return rounds

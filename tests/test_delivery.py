@@ -1,0 +1,166 @@
+"""The scale-out restore's delivery plan (``dispatch_io.delivery``): pure, from plain data
+(``{region: holder processes}``), so jobs of several processes are planned here in one process,
+without devices -- the code ``benchmarks/scale.py`` runs for 1,024 processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dispatch_io import delivery, tree
+from dispatch_io.delivery import HEADER, plan_delivery, replica_groups
+from dispatch_io.manifest import SavedLeaf
+from dispatch_io.restore import DEVICE, Output
+from workers import ArraySpec
+
+KiB = 1 << 10
+
+
+def leaf(name: str, shape, chunk_shape) -> Output:
+    """A float32 result leaf as a manifest describes it (no device, no sharding)."""
+    stored = ArraySpec(name, tuple(shape), "float32", tuple(chunk_shape))
+    return Output(SavedLeaf(f"['{name}']", tree.ARRAY, "jax", tuple(shape), np.dtype(np.float32), stored=stored),
+                  DEVICE, np.dtype(np.float32))
+
+
+def fsdp_holders(rows: int, fsdp: int, data: int) -> dict:
+    """{region: holders} of a (rows, 64) leaf sharded over ``fsdp`` along its first axis and
+    replicated over ``data``, on a (data, fsdp) mesh of one device per process, row-major."""
+    step = rows // fsdp
+    return {((i * step, (i + 1) * step), (0, 64)): tuple(sorted(d * fsdp + i for d in range(data)))
+            for i in range(fsdp)}
+
+
+def test_replica_groups():
+    assert replica_groups({(0, 4), (1, 5), (2, 6), (3, 7)}, 8) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert replica_groups({(0, 1)}, 6) == ((0, 1), (2, 3), (4, 5))     # the others fill groups of their own
+    assert replica_groups({(0, 1, 2)}, 5) == ((0, 1, 2, 3, 4),)         # they cannot: one group
+    assert replica_groups({(0, 1), (1, 2)}, 4) == ((0, 1, 2, 3),)       # overlapping: one group
+    assert replica_groups({(0, 1), (2, 3, 4)}, 5) == ((0, 1, 2, 3, 4),)  # unequal: one group
+
+
+def _check(plan, shared, count: int):
+    """Every piece read by one of its holders and tiling its region once; its group holds it.
+    Returns {process: (bytes held, read, received, sent)}."""
+    held = {p: 0 for p in range(count)}
+    covered = {}
+    for index, out, holders in shared:
+        for region, procs in holders.items():
+            covered[index, region] = np.zeros([hi - lo for lo, hi in region], np.int8)
+            for p in procs:
+                held[p] += covered[index, region].size * 4
+    read = dict.fromkeys(range(count), 0)
+    moved = {p: [0, 0] for p in range(count)}
+    for r in plan.rounds:
+        assert sorted(p for g in r.groups for p in g) == list(range(count))
+        for group in r.groups:   # a row holds its pieces (a summed round: its group's)
+            sizes = [sum(-(-p.nbytes // 64) * 64 for p in r.row(member)) for member in group]
+            assert HEADER + (sum(sizes) if r.summed else max(sizes)) <= r.width
+        for process, row in r.rows.items():
+            for piece in row:
+                assert piece.reader == process and process in piece.holders
+                assert set(piece.holders) <= set(r.group(process))     # only its group gets it
+                covered[piece.output, piece.region][tuple(slice(lo, hi) for lo, hi in piece.local)] += 1
+                read[process] += piece.nbytes
+        for process in range(count):
+            got, gave = r.traffic(process)
+            moved[process][0] += got
+            moved[process][1] += gave
+    assert all((c == 1).all() for c in covered.values())
+    return {p: (held[p], read[p], *moved[p]) for p in range(count)}
+
+
+@pytest.mark.parametrize("data, fsdp", [(2, 4), (8, 2), (2, 32)])
+def test_fsdp_x_data_parallel_pieces_go_only_to_their_holders(data, fsdp):
+    count = data * fsdp
+    shared = [(i, leaf(f"w{i}", (1024, 64), (16, 64)), fsdp_holders(1024, fsdp, data)) for i in range(3)]
+    batch = 64 * KiB
+    plan = plan_delivery(shared, count, 4 * KiB, batch)
+    assert {r.groups for r in plan.rounds} == {tuple(tuple(d * fsdp + i for d in range(data)) for i in range(fsdp))}
+    for process, (held, read, received, sent) in _check(plan, shared, count).items():
+        assert abs(read - held / data) <= 4 * KiB, (process, read, held)            # its fair share
+        assert held - read <= received <= 1.1 * (held - read) + 2 * HEADER * len(plan.rounds), (received, held, read)
+        assert sent == received
+    # rounds: about the bytes a process reads over its share of the batch (the group's rows fill it)
+    assert len(plan.rounds) <= -(-_check(plan, shared, count)[0][1] // (batch // data)) + 1
+
+
+def test_overlapping_holders_fall_back_to_one_group():
+    shared = [(0, leaf("w", (64, 64), (16, 64)), {((0, 32), (0, 64)): (0, 1), ((32, 64), (0, 64)): (1, 2)})]
+    plan = plan_delivery(shared, 3, 4 * KiB, 32 * KiB)
+    assert {r.groups for r in plan.rounds} == {((0, 1, 2),)}
+    _check(plan, shared, 3)
+
+
+@pytest.mark.parametrize("data, summed", [(2, False), (4, True)])
+def test_pieces_over_the_share_travel_one_per_row(data, summed):
+    """Stored chunks larger than the chunk limit are read whole: one per row, gathered in
+    groups of two, summed (one sender per group and round) in larger ones."""
+    shared = [(0, leaf("w", (512, 64), (128, 64)), fsdp_holders(512, 2, data))]   # 32 KiB stored chunks
+    plan = plan_delivery(shared, 2 * data, 4 * KiB, 32 * KiB)
+    big = [r for r in plan.rounds if any(p.nbytes > 8 * KiB for row in r.rows.values() for p in row)]
+    assert big and all(r.summed == summed and all(len(row) == 1 for row in r.rows.values()) for r in big)
+    for r in big:
+        if summed:
+            assert all(sum(bool(r.row(p)) for p in g) <= 1 for g in r.groups)
+    _check(plan, shared, 2 * data)
+
+
+def test_a_round_where_few_members_have_pieces_is_summed():
+    """A small leaf replicated over 16 processes, in 2 pieces: one row summed over the group (each
+    of the two readers' pieces at its own offset) moves less than 15 mostly empty rows."""
+    shared = [(0, leaf("norm", (2, 64), (1, 64)), {((0, 2), (0, 64)): tuple(range(16))})]
+    plan = plan_delivery(shared, 16, 256, 64 * KiB)
+    (r,) = plan.rounds
+    assert r.summed and len(r.rows) == 2
+    assert r.starts(r.groups[0]) == {p: HEADER + 256 * (p > min(r.rows)) + 256 * (p > max(r.rows)) for p in range(16)}
+    assert r.traffic(0)[0] < 15 * (HEADER + 256)
+    _check(plan, shared, 16)
+
+
+def test_every_process_plans_the_same():
+    make = lambda: [(0, leaf("w", (256, 64), (16, 64)), fsdp_holders(256, 4, 2))]  # noqa: E731
+    assert plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest == plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest
+    assert plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest != plan_delivery(make(), 8, 4 * KiB, 32 * KiB).digest
+    assert delivery.width(HEADER + 1) >= HEADER + 1
+
+
+def test_the_simulation_sees_shardings_as_jax_does(monkeypatch):
+    """benchmarks/scale.py describes a NamedSharding's regions and their holders without devices
+    (one device per process): the same as JAX's devices_indices_map on 8 real devices."""
+    import importlib.util
+    import os
+    import sys
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dispatch_io.plan import device_regions
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "scale.py")
+    module = importlib.util.spec_from_file_location("scale", path)
+    scale = importlib.util.module_from_spec(module)
+    monkeypatch.setitem(sys.modules, "scale", scale)   # its dataclasses look themselves up there
+    module.loader.exec_module(scale)
+    axes = {"data": 2, "fsdp": 2, "tensor": 2}
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), tuple(axes))
+    for spec in [("fsdp", "tensor"), ("tensor", "fsdp"), (), ("fsdp", None), ("data",)]:
+        jax_view = {region: tuple(sorted(d.id for d in devices)) for region, devices in
+                    device_regions(NamedSharding(mesh, PartitionSpec(*spec)), (8, 16)).items()}
+        assert scale.holders((8, 16), axes, spec) == jax_view, spec
+
+
+def test_least_loaded_picks_what_min_picks():
+    """The heap per candidate set gives min()'s choice, pick after pick, as loads grow."""
+    from dispatch_io.balance import LeastLoaded
+
+    rng = np.random.default_rng(0)
+    load = [0] * 40
+    least = LeastLoaded(lambda p: (load[p], p))
+    sets = [tuple(sorted(rng.choice(40, size, replace=False).tolist())) for size in (1, 2, 5, 40, 40, 17)]
+    for _ in range(3000):
+        candidates = sets[rng.integers(len(sets))]
+        expected = min(candidates, key=lambda p: (load[p], p))
+        assert least.pick(candidates) == expected
+        load[expected] += int(rng.integers(0, 5))
+        load[int(rng.integers(40))] += int(rng.integers(0, 3))   # others' loads grow meanwhile
