@@ -20,7 +20,7 @@ from typing import Callable
 import tensorstore as ts
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import orbax
+from dispatch_io import orbax, validate
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manifest import Manifest
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, DirectoryRoot, Location, StepRoot
@@ -100,14 +100,17 @@ def open_checkpoint(path) -> Opened:
     """Open the committed checkpoint at ``path`` (dispatch_io or Orbax) for reading.
 
     Raises TypeError / ValueError for a malformed path, FileNotFoundError if nothing is there,
-    IncompleteCheckpointError if it holds no committed checkpoint, CheckpointError for one this
-    version cannot read."""
+    IncompleteCheckpointError if it holds no committed checkpoint, CorruptCheckpointError for a
+    malformed one (its description, and each stored array's own metadata, are checked here,
+    before anything is planned: ``dispatch_io.validate``), CheckpointError for one this version
+    cannot read."""
     item = orbax_item(path)
     if item is not None:
         display = os.fspath(path)
         metadata = os.path.join(item, orbax.METADATA)
         before = _stat(metadata)  # Orbax replaces a checkpoint by writing a new directory
         manifest, arrays = orbax.read(item, display)
+        validate.check_manifest(manifest, display, names=None)
 
         def check_orbax(cause: BaseException | None = None):
             if _stat(metadata) != before:
@@ -119,6 +122,7 @@ def open_checkpoint(path) -> Opened:
     marker = location.commit_marker()  # a save that replaces the checkpoint changes it
     manifest = manifest_lib.parse(location.read_manifest(), location.display)
     arrays = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
+    validate.check_stored(manifest, arrays, location.context, location.display)
     return Opened(location.display, manifest, arrays, location.context,
                   lambda cause=None: location.check_commit_marker(marker, cause))
 
