@@ -35,7 +35,7 @@ from workers.layouts import NODE_CACHE
 MAX_RANK = 32                 # TensorStore's own limit
 MAX_DIM = 1 << 62             # any one dimension
 MAX_CHUNKS = 1 << 24          # chunks of one stored array: what a plan or a verify may iterate over
-MAX_STRUCTURE_DEPTH = 512     # nesting of the structure JSON (Python recursion stays far away)
+MAX_STRUCTURE_DEPTH = 200     # nesting of the structure JSON (two JSON levels each: far from Python's recursion limit)
 MAX_TEXT = 1 << 16            # characters of a key path, dtype or impl name
 MAX_ZARR_JSON_BYTES = 1 << 20
 NAME = re.compile(r"(?:packed\.)?[0-9]{5,12}(?:\.[A-Za-z0-9_-][A-Za-z0-9_.-]{0,79})?")

@@ -1,0 +1,181 @@
+"""Untrusted checkpoints: a damaged or crafted description ends promptly in a one-line
+CorruptCheckpointError ("malformed checkpoint") naming the key path, before anything is planned."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import dispatch_io as dio
+from dispatch_io import validate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT_SECONDS = 5   # each refusal; the damage of the issue took > 100 s or GiBs before
+
+
+def save(path, layout="ocdbt", **options):
+    tree = {"w": np.arange(512 * 256, dtype=np.float32).reshape(512, 256), "b": np.arange(8, dtype=np.int32),
+            "c": np.arange(4.0), "step": 3}   # b and c: one pack
+    with dio.LocalDispatcher(host_memory_budget=4 << 20, layout=layout, **options) as d:
+        d.save(path, tree).wait(60)
+    return tree
+
+
+def edit_manifest(path, change):
+    doc = json.loads((path / "manifest.json").read_text())
+    change(doc)
+    (path / "manifest.json").write_text(json.dumps(doc))
+
+
+def leaf(doc, keypath):
+    return next(e for e in doc["leaves"] if e["keypath"] == keypath)
+
+
+def refused(path, keypath, match):
+    """Every reading operation ends promptly in CorruptCheckpointError naming ``keypath``."""
+    with dio.LocalDispatcher(host_memory_budget=4 << 20) as d:
+        for name, call in (("metadata", lambda: dio.metadata(path)), ("restore", lambda: d.restore(path)),
+                           ("verify", lambda: d.verify(path)),
+                           ("convert", lambda: d.convert(path, path.parent / "converted"))):
+            started = time.perf_counter()
+            with pytest.raises(dio.CorruptCheckpointError, match=match) as info:
+                call()
+            assert time.perf_counter() - started < PROMPT_SECONDS, name
+            message = str(info.value)
+            assert "malformed checkpoint" in message and str(path) in message, message
+            assert len(message.splitlines()) == 1 and len(message) < 600, message
+            assert info.value.keypath == keypath and info.value.path == str(path), (name, info.value.keypath)
+    assert not (path.parent / "converted").exists()
+
+
+def set_shape(doc, keypath, shape, chunk_shape=None):
+    entry = leaf(doc, keypath)
+    entry["shape"] = entry["stored"]["shape"] = shape
+    if chunk_shape is not None:
+        entry["stored"]["chunk_shape"] = chunk_shape
+    doc["total_bytes"] += (np.prod(shape, dtype=object) - 512 * 256) * 4   # consistent: only zarr.json tells
+
+
+def test_a_claimed_2_28_by_2_28_leaf_is_refused_before_planning(tmp_path):
+    path = tmp_path / "ckpt"
+    save(path)
+    edit_manifest(path, lambda doc: set_shape(doc, "['w']", [1 << 28, 1 << 28]))
+    refused(path, "['w']", r"more than \d+")   # its chunk grid alone is 2^39 chunks
+
+
+@pytest.mark.parametrize("layout", ["ocdbt", "files"])
+def test_a_claimed_4_tib_leaf_is_refused_by_its_zarr_json(tmp_path, layout):
+    path = tmp_path / "ckpt"
+    save(path, layout)
+    # 2^20 x 2^20 float32 in its stored 512 x 256 chunks: 2^23 chunks, within bounds; only the
+    # stored array's own metadata says it is 512 x 256.
+    edit_manifest(path, lambda doc: set_shape(doc, "['w']", [1 << 20, 1 << 20]))
+    refused(path, "['w']", r"zarr.json shape \[512, 256\], the manifest says \[1048576, 1048576\]")
+
+
+def test_a_claimed_4_tib_restore_stays_small(tmp_path):
+    """In a fresh process (VmHWM is the process's peak): the refusal allocates nothing of it."""
+    path = tmp_path / "ckpt"
+    save(path)
+    edit_manifest(path, lambda doc: set_shape(doc, "['w']", [1 << 20, 1 << 20]))
+    script = textwrap.dedent(f"""
+        import os, time
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import dispatch_io as dio
+        def peak():
+            return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) << 10
+        d = dio.LocalDispatcher(host_memory_budget=64 << 20)
+        before, started = peak(), time.perf_counter()
+        try:
+            d.restore({str(path)!r})
+        except dio.CorruptCheckpointError as exc:
+            print(type(exc).__name__, time.perf_counter() - started, before, peak())
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                         check=True).stdout.split()
+    assert out[0] == "CorruptCheckpointError", out
+    seconds, before, after = float(out[1]), int(out[2]), int(out[3])
+    assert seconds < PROMPT_SECONDS and after - before < 64 << 20, out   # was: 1.7 GiB, then MemoryError
+
+
+@pytest.mark.parametrize("name", ["../../etc", "00000.w/../../x", "/tmp/x", "00000.w/x", ""])
+def test_a_stored_name_outside_the_checkpoint_is_our_one_line_error(tmp_path, name):
+    path = tmp_path / "ckpt"
+    save(path, "files")
+    edit_manifest(path, lambda doc: leaf(doc, "['w']")["stored"].update(name=name))
+    refused(path, "['w']", "stored array name .* is not '<index>.<hint>'")
+
+
+def test_a_logical_shape_that_is_not_the_stored_one(tmp_path):
+    path = tmp_path / "ckpt"
+    save(path)
+    edit_manifest(path, lambda doc: leaf(doc, "['w']").update(shape=[1 << 28, 1 << 28]))
+    refused(path, "['w']", r"stored shape \[512, 256\] is not the leaf's \[268435456, 268435456\]")
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("shape", [512, 128], r"zarr.json shape \[512, 128\]"),
+    ("data_type", "int32", "zarr.json data_type 'int32'"),
+    ("chunk_grid", {"name": "regular", "configuration": {"chunk_shape": [1, 1]}}, "zarr.json chunk_grid"),
+    ("codecs", [{"name": "bytes", "configuration": {"endian": "big"}}], "zarr.json codecs"),
+])
+def test_a_zarr_json_that_disagrees_with_the_manifest(tmp_path, field, value, match):
+    path = tmp_path / "ckpt"
+    save(path, "files")
+    name = leaf(json.loads((path / "manifest.json").read_text()), "['w']")["stored"]["name"]
+    zarr_json = path / "arrays" / name / "zarr.json"
+    zarr_json.write_text(json.dumps({**json.loads(zarr_json.read_text()), field: value}))
+    refused(path, "['w']", match)
+
+
+def test_a_pack_offset_outside_its_pack(tmp_path):
+    path = tmp_path / "ckpt"
+    save(path)
+    edit_manifest(path, lambda doc: leaf(doc, "['b']")["stored"].update(offset=1 << 40))
+    with pytest.raises(dio.CorruptCheckpointError, match="does not fit in pack") as info:
+        dio.metadata(path)
+    assert "malformed checkpoint" in str(info.value)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda doc: doc.update(structure=nested(validate.MAX_STRUCTURE_DEPTH + 1)), "nested deeper"),
+    (lambda doc: doc.update(total_bytes=1 << 50), "total_bytes"),
+    (lambda doc: doc.update(total_bytes="12"), "total_bytes must be an int"),
+    (lambda doc: leaf(doc, "['w']")["stored"].update(chunk_shape=[512]), "chunk shape"),
+    (lambda doc: leaf(doc, "['w']")["stored"].update(chunk_shape=[0, 256]), "chunk_shape must be"),
+    (lambda doc: leaf(doc, "['w']").update(shape=[512.0, 256]), "shape must be a list"),
+    (lambda doc: leaf(doc, "['w']").update(kind="pickle"), "kind"),
+    (lambda doc: leaf(doc, "['w']")["stored"].update(dtype="int32"), "stored dtype int32"),
+])
+def test_malformed_manifest_fields(tmp_path, change, match):
+    path = tmp_path / "ckpt"
+    save(path)
+    edit_manifest(path, change)
+    with pytest.raises(dio.CorruptCheckpointError, match=match) as info:
+        dio.metadata(path)
+    assert "malformed checkpoint" in str(info.value) and len(str(info.value).splitlines()) == 1
+
+
+def nested(depth):
+    node = {"leaf": True}
+    for _ in range(depth):
+        node = {"list": [node]}
+    return node
+
+
+def test_a_sound_checkpoint_still_restores(tmp_path):
+    path = tmp_path / "ckpt"
+    tree = save(path, checksums=True)
+    with dio.LocalDispatcher(host_memory_budget=4 << 20) as d:
+        out = d.restore(path)
+        assert d.verify(path).verified
+    np.testing.assert_array_equal(out["w"], tree["w"])
+    assert out["step"] == 3
