@@ -3,16 +3,17 @@
 The manifest stores the tree structure as plain JSON (never pickle), so a checkpoint can be
 read by a process that lacks the trainer's classes. Built-in containers (dict, list, tuple,
 None, OrderedDict) come back exactly. NamedTuples and custom registered nodes come back as
-their own class when it can be imported and its static data is a Python literal; otherwise
-as a dict of their children, so the data is never unreachable.
+their own class when its module is already imported (reading a checkpoint never imports one:
+that would run code a file names) and its static data is a Python literal; otherwise as a dict
+of their children, so the data is never unreachable.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
-import importlib
 import struct
+import sys
 from typing import Any
 
 import jax
@@ -139,13 +140,15 @@ def _class_name(cls) -> str:
 
 
 def _import_class(name: str):
+    """The class ``module:qualname`` names if its module is already imported, else None. A
+    checkpoint is untrusted input: reading one never imports a module (importing runs code)."""
     module, _, qualname = name.partition(":")
+    obj = sys.modules.get(module)
     try:
-        obj = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-        return obj
-    except Exception:  # not importable here: the caller falls back to a dict
+        return obj if isinstance(obj, type) else None
+    except AttributeError:  # not here: the caller falls back to a dict
         return None
 
 
