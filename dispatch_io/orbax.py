@@ -37,7 +37,8 @@ import tensorstore as ts
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
-from workers import ArraySpec, layout_kvstore
+from dispatch_io.validate import malformed
+from workers import ArraySpec, brief_error, layout_kvstore
 
 FORMAT = "orbax"
 METADATA = "_METADATA"                 # the PyTree item's description (its presence marks an item)
@@ -282,7 +283,7 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
         impls = _key_impls(directory)
         tree = _tree(entries, display)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{display}: unreadable Orbax metadata ({type(exc).__name__}: {exc})") from exc
+        raise malformed(display, f"unreadable Orbax metadata ({type(exc).__name__}: {brief_error(exc)})") from exc
     flat, treedef = tree_lib.flatten(tree)
     owners: dict[str, str] = {}
     for keypath, leaf in flat:
@@ -299,7 +300,7 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
     except Exception as exc:  # noqa: BLE001 - TensorStore raises ValueError / RuntimeError kinds
         bad = _first_unopenable(arrays, stored, driver, context, missing_is_fill)
         keypath = next((k for k, leaf in flat if leaf.name == bad), bad)
-        raise CheckpointError(f"{display}: cannot open the Orbax array of {keypath}: {exc}") from exc
+        raise CheckpointError(f"{display}: cannot open the Orbax array of {keypath}: {brief_error(exc)}") from exc
     leaves = []
     total = 0
     for keypath, leaf in flat:
@@ -311,10 +312,12 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
             continue
         store = opened[leaf.name]
         if kind == "scalar":
+            if store.size != 1:  # else reading it would read a whole array
+                raise malformed(display, f"an Orbax scalar stored as an array of shape {list(store.shape)}", keypath)
             try:
                 value = store.read().result().item()  # as Orbax: bool, int, float
             except Exception as exc:  # noqa: BLE001 - TensorStore's errors, named by the key path
-                raise CheckpointError(f"{display}: cannot read the Orbax scalar {keypath}: {exc}") from exc
+                raise CheckpointError(f"{display}: cannot read the Orbax scalar {keypath}: {brief_error(exc)}") from exc
             leaves.append(SavedLeaf(keypath, tree_lib.SCALAR, "python", value=value))
             continue
         if kind not in ("jax.Array", "np.ndarray"):

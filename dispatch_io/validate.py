@@ -216,8 +216,8 @@ def _check_name(name: str, pattern: re.Pattern | None, where: str, keypath: str)
     if pattern is not None:
         safe = pattern.fullmatch(name) is not None
     else:
-        parts = name.split("/")
-        safe = "\0" not in name and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
+        parts = name.split("/")  # "": Orbax's tree of one leaf, stored at the item itself
+        safe = name == "" or ("\0" not in name and "\\" not in name and all(p not in ("", ".", "..") for p in parts))
     if not safe:
         raise malformed(where, f"stored array name {name!r} is not a name inside the checkpoint", keypath)
 
@@ -232,6 +232,8 @@ def _codecs(codecs) -> list:
         if not isinstance(codec, dict):
             return [("invalid", codec)]
         config = codec.get("configuration") or {}
+        if not isinstance(config, dict):
+            return [("invalid", codec)]
         if codec.get("name") == "bytes":
             config = {k: v for k, v in config.items() if k != "endian" or v != "little"}
         out.append((codec.get("name"), config))
