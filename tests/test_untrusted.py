@@ -179,3 +179,36 @@ def test_a_sound_checkpoint_still_restores(tmp_path):
         assert d.verify(path).verified
     np.testing.assert_array_equal(out["w"], tree["w"])
     assert out["step"] == 3
+
+
+def run_cli(capsys, *args):
+    from dispatch_io import cli
+
+    code = cli.main([*map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_cli_answers_a_malformed_checkpoint_with_exit_2_and_one_line(tmp_path, capsys):
+    path = tmp_path / "ckpt"
+    save(path)
+    edit_manifest(path, lambda doc: set_shape(doc, "['w']", [1 << 20, 1 << 20]))
+    for args in (("inspect", path), ("verify", path), ("convert", path, tmp_path / "out")):
+        code, out, err = run_cli(capsys, *args)
+        assert code == 2 and not out and "Traceback" not in err, (args, code, err)
+        assert len(err.strip().splitlines()) == 1 and "malformed checkpoint: ['w']: " in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_answers_corrupt_data_with_exit_1_and_verbose_adds_the_causes(tmp_path, capsys):
+    path = tmp_path / "ckpt"
+    save(path, "files", checksums=True)
+    name = leaf(json.loads((path / "manifest.json").read_text()), "['w']")["stored"]["name"]
+    chunk = path / "arrays" / name / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:100])   # truncated: TensorStore cannot decode it
+    code, out, err = run_cli(capsys, "verify", path)
+    assert code == 1 and "Traceback" not in err and "['w']" in err and "NOT sound" in err, err
+    assert len(err.strip().splitlines()) == 1 and "tensorstore_spec" not in err, err
+    code, _, verbose = run_cli(capsys, "verify", path, "--verbose")
+    assert code == 1 and verbose.startswith(err.strip()) and "caused by" in verbose, verbose
+    assert len(verbose.strip().splitlines()) >= 2   # the chained causes, in full
