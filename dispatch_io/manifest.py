@@ -218,6 +218,11 @@ def parse(doc: dict, where: str) -> Manifest:
     if manifest.treedef.num_leaves != len(manifest.leaves):
         raise validate.malformed(where, f"manifest.json: its structure has {manifest.treedef.num_leaves} "
                                         f"leaves, its leaf list {len(manifest.leaves)}")
+    try:  # a custom node's own unflatten runs here, once, not first deep inside a restore
+        jax.tree_util.tree_unflatten(manifest.treedef, manifest.leaves)
+    except Exception as exc:  # noqa: BLE001 - a registered class's code may raise anything; chained
+        raise validate.malformed(where, f"manifest.json: its structure cannot be rebuilt "
+                                        f"({type(exc).__name__}: {exc})") from exc
     validate.check_manifest(manifest, where)
     return manifest
 

@@ -173,6 +173,29 @@ def _encode_key(k):
     return k
 
 
+def _listed(children) -> list:
+    """``children`` of a structure node, which must be a JSON list (ValueError otherwise)."""
+    if not isinstance(children, list):
+        raise ValueError(f"structure children must be a list, got {type(children).__name__}")
+    return children
+
+
+def _keys(keys, children: list, names: bool = False) -> list:
+    """The decoded keys of a dict-like node (``names``: a NamedTuple's field names), one per child
+    and each once: ValueError otherwise (JAX's tree code must never see a malformed node)."""
+    decoded = [_decode_key(k) for k in _listed(keys)]
+    if len(decoded) != len(children):
+        raise ValueError(f"a structure node with {len(decoded)} keys for {len(children)} children")
+    if names and not all(isinstance(k, str) and k.isidentifier() for k in decoded):
+        raise ValueError(f"NamedTuple fields must be identifiers, got {decoded[:5]!r}")
+    try:
+        if len(set(decoded)) != len(decoded):
+            raise ValueError(f"a structure node with a repeated key among {decoded[:5]!r}...")
+    except TypeError:  # an unhashable key
+        raise ValueError(f"a structure node with an unhashable key among {decoded[:5]!r}") from None
+    return decoded
+
+
 def _decode_key(k):
     if isinstance(k, dict):
         try:
@@ -225,15 +248,16 @@ def decode_structure(node: dict) -> Any:
         if "none" in n:
             return none_def
         if "list" in n:
-            return make(list, None, [walk(c) for c in n["list"]])
+            return make(list, None, [walk(c) for c in _listed(n["list"])])
         if "tuple" in n:
-            return make(tuple, None, [walk(c) for c in n["tuple"]])
-        children = [walk(c) for c in n["children"]]
+            return make(tuple, None, [walk(c) for c in _listed(n["tuple"])])
+        children = [walk(c) for c in _listed(n["children"])]
         if "dict" in n:
-            return make(dict, [_decode_key(k) for k in n["dict"]], children)
+            return make(dict, _keys(n["dict"], children), children)
         if "ordereddict" in n:
-            return make(collections.OrderedDict, tuple(_decode_key(k) for k in n["ordereddict"]), children)
+            return make(collections.OrderedDict, tuple(_keys(n["ordereddict"], children)), children)
         if "namedtuple" in n:
+            _keys(n["fields"], children, names=True)
             cls = _import_class(n["namedtuple"])
             if cls is None or not _is_namedtuple(cls) or list(cls._fields) != n["fields"]:
                 name = n["namedtuple"].rpartition(":")[2].rpartition(".")[2]

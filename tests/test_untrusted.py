@@ -212,3 +212,33 @@ def test_the_cli_answers_corrupt_data_with_exit_1_and_verbose_adds_the_causes(tm
     code, _, verbose = run_cli(capsys, "verify", path, "--verbose")
     assert code == 1 and verbose.startswith(err.strip()) and "caused by" in verbose, verbose
     assert len(verbose.strip().splitlines()) >= 2   # the chained causes, in full
+
+
+@pytest.mark.parametrize("structure", [
+    {"dict": ["a", "b"], "children": [{"leaf": 0}]},                                   # fewer children than keys
+    {"dict": ["a", "a"], "children": [{"leaf": 0}, {"leaf": 1}]},                      # a key twice
+    {"ordereddict": ["a"], "children": [{"leaf": 0}, {"leaf": 1}]},
+    {"namedtuple": "x:Y", "fields": ["a", "b"], "children": [{"leaf": 0}]},
+    {"dict": [{"repr": "[1]"}], "children": [{"leaf": 0}]},                            # unhashable
+    {"list": {"leaf": 0}},
+], ids=["dict-count", "dict-repeated", "ordereddict-count", "namedtuple-count", "unhashable", "list-not-list"])
+def test_a_malformed_structure_never_reaches_jax(tmp_path, structure):
+    """Each of these made JAX's tree code raise RuntimeError / TypeError (one crashed the process)."""
+    path = tmp_path / "ckpt"
+    save(path)
+    edit_manifest(path, lambda doc: doc.update(structure=structure))
+    with pytest.raises(dio.CorruptCheckpointError, match="malformed checkpoint"):
+        dio.metadata(path)
+
+
+def test_a_structure_never_imports_a_module(tmp_path):
+    import sys
+
+    path = tmp_path / "ckpt"
+    save(path)
+    module = "antigravity"   # importing it opens a web browser
+    assert module not in sys.modules
+    edit_manifest(path, lambda doc: doc.update(structure={
+        "custom": f"{module}:geohash", "aux": None, "children": [{"leaf": i} for i in range(4)]}))
+    dio.metadata(path)   # read as a dict of its children
+    assert module not in sys.modules
