@@ -139,7 +139,7 @@ def _check_entry(entry, i: int, packs: dict, where: str) -> None:
     _shape(stored.get("shape"), "stored shape", where, keypath)
     _shape(stored.get("chunk_shape"), "chunk_shape", where, keypath, low=1)
     if "pack" in stored:
-        if stored["pack"] not in packs or not _is_int(stored.get("offset")):
+        if not isinstance(stored["pack"], str) or stored["pack"] not in packs or not _is_int(stored.get("offset")):
             raise malformed(where, f"stored in pack {_short(stored['pack'])} at offset "
                                    f"{_short(stored.get('offset'))}, which the manifest's packs do not list", keypath)
     elif not (isinstance(stored.get("name"), str) and NAME.fullmatch(stored["name"])):
