@@ -242,3 +242,24 @@ def test_a_structure_never_imports_a_module(tmp_path):
         "custom": f"{module}:geohash", "aux": None, "children": [{"leaf": i} for i in range(4)]}))
     dio.metadata(path)   # read as a dict of its children
     assert module not in sys.modules
+
+
+def test_a_symlink_leading_out_of_the_checkpoint_is_refused(tmp_path):
+    """Decided: a reader reads nothing outside the checkpoint; a link inside it to inside it
+    (or the checkpoint path itself a link) is fine."""
+    path = tmp_path / "ckpt"
+    tree = save(path, "files")
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"\0" * (512 * 256 * 4))
+    name = leaf(json.loads((path / "manifest.json").read_text()), "['w']")["stored"]["name"]
+    chunk = path / "arrays" / name / "c" / "0" / "0"
+    kept = path / "kept"
+    chunk.rename(kept)
+    chunk.symlink_to(kept)                      # inside: reads as before
+    (tmp_path / "link").symlink_to(path)
+    with dio.LocalDispatcher(host_memory_budget=4 << 20) as d:
+        np.testing.assert_array_equal(d.restore(tmp_path / "link")["w"], tree["w"])
+    chunk.unlink()
+    chunk.symlink_to(outside)                   # outside: refused, naming the link
+    with pytest.raises(dio.CorruptCheckpointError, match=r"1 symbolic link\(s\) in it lead outside it \(arrays/"):
+        dio.metadata(path)
