@@ -232,8 +232,10 @@ def _tree(entries: dict, display: str):
         path = ()
         for depth, k in enumerate(keys):
             kind = k["key_type"]
+            if type(k["key"]) not in (str, int):
+                raise malformed(display, f"Orbax metadata: {text} has a key {k['key']!r}")
             if kinds.setdefault(path, kind) != kind:
-                raise CheckpointError(f"{display}: malformed Orbax metadata: {text} mixes sequence and dict keys")
+                raise malformed(display, f"Orbax metadata: {text} mixes sequence and dict keys")
             path = path + (k["key"],)
             if depth == len(keys) - 1:
                 if value.get("skip_deserialize") and value.get("value_type") in _EMPTY:
@@ -248,6 +250,7 @@ def _tree(entries: dict, display: str):
             children = {k: build(v, path + (k,)) for k, v in node.items()}
             if kinds[path] == _SEQUENCE:
                 return [children[k] for k in sorted(children, key=int)]
+            sorted(children)  # TypeError (malformed) for keys JAX could not sort
             return children
         return node  # a leaf, or an empty container
 

@@ -191,8 +191,10 @@ def _keys(keys, children: list, names: bool = False) -> list:
     try:
         if len(set(decoded)) != len(decoded):
             raise ValueError(f"a structure node with a repeated key among {decoded[:5]!r}...")
-    except TypeError:  # an unhashable key
-        raise ValueError(f"a structure node with an unhashable key among {decoded[:5]!r}") from None
+        sorted(decoded)  # JAX sorts a dict's keys whenever it flattens one
+    except TypeError:  # an unhashable key, or keys that do not compare
+        raise ValueError(f"a structure node with keys that are unhashable or do not compare: {decoded[:5]!r}") \
+            from None
     return decoded
 
 
