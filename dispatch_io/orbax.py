@@ -37,7 +37,7 @@ import tensorstore as ts
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
-from dispatch_io.validate import malformed
+from dispatch_io.validate import describes_sharding, malformed
 from workers import ArraySpec, brief_error, layout_kvstore
 
 FORMAT = "orbax"
@@ -192,6 +192,8 @@ def _saved_sharding(entry: dict | None, ndim: int) -> dict:
             described["spec"] = described["spec"][:ndim]
     except (KeyError, TypeError, ValueError, AttributeError):
         pass
+    if not describes_sharding(described):  # only for people: one that cannot be shown is left out
+        described = None
     return {"sharding": _sharding(entry, ndim), "described_sharding": described}
 
 

@@ -113,6 +113,23 @@ def _check_structure(structure, where: str) -> None:
         level = following
 
 
+def describes_sharding(value) -> bool:
+    """Whether ``value`` is a saved sharding as the manifest describes it for people
+    (``manifest.describe_sharding``'s form, or None), which ``inspect`` prints."""
+    if value is None:
+        return True
+    if not isinstance(value, dict) or not _is_text(value.get("type")):
+        return False
+    if value["type"] == "NamedSharding":
+        mesh, spec = value.get("mesh"), value.get("spec")
+        return isinstance(mesh, dict) and all(_is_text(k) and _is_int(v) for k, v in mesh.items()) \
+            and isinstance(spec, list) and all(
+                p is None or _is_text(p) or (isinstance(p, list) and all(map(_is_text, p))) for p in spec)
+    if value["type"] == "SingleDeviceSharding":
+        return "device" in value and (value["device"] is None or _is_int(value["device"]) or _is_text(value["device"]))
+    return True
+
+
 def _check_entry(entry, i: int, packs: dict, where: str) -> None:
     if not isinstance(entry, dict) or not _is_text(entry.get("keypath")):
         raise malformed(where, f"manifest.json: leaf {i} must be an object with a text keypath")
@@ -129,6 +146,8 @@ def _check_entry(entry, i: int, packs: dict, where: str) -> None:
         raise malformed(where, "dtype and key_impl must be text", keypath)
     if entry["kind"] == tree_lib.KEY and entry.get("key_impl") is None:
         raise malformed(where, "a key leaf without its key_impl", keypath)
+    if not describes_sharding(entry.get("sharding")):
+        raise malformed(where, f"sharding {_short(entry.get('sharding'))} is not a described sharding", keypath)
     stored = entry.get("stored")
     if stored is None:
         if math.prod(entry["shape"]):

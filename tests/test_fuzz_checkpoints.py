@@ -3,7 +3,7 @@
 Each case copies a sound checkpoint, damages one of its files -- ``manifest.json``, a
 ``zarr.json``, the OCDBT manifest or a data file, a marker, Orbax's ``_METADATA`` -- by a JSON
 edit (a value replaced by a hostile one, a key dropped) or a byte edit (a flip, a truncation,
-garbage), and reads it: metadata, then a restore that checks every chunk's CRC-32C. Each must
+garbage), and reads it: ``dispatch-io inspect``, metadata, then a restore that checks every chunk's CRC-32C. Each must
 end within seconds in success with the stored values or a CheckpointError -- never another
 exception, a hang, or memory beyond the bound.
 
@@ -12,6 +12,8 @@ exception, a hang, or memory beyond the bound.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -25,6 +27,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 import dispatch_io as dio  # noqa: E402
+from dispatch_io import cli  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DISPATCH_IO_FUZZ_EXAMPLES", "150"))
 CASE_SECONDS = 20          # one case: far more than a sound read of these few KiB takes
@@ -158,6 +161,8 @@ def read_damaged(dispatcher, path, verify: bool):
 
     def body():
         try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                assert cli.main(["inspect", str(path)]) in (0, cli.EXIT_UNUSABLE)   # a bug would raise
             dio.metadata(path)
             out["ok"] = dispatcher.restore(path, verify=verify)
         except BaseException as exc:  # noqa: BLE001 - judged by the test
