@@ -92,7 +92,8 @@ def check_document(doc: dict, where: str) -> None:
 
 
 def _check_structure(structure, where: str) -> None:
-    """Depth and node count of the structure JSON, without recursion."""
+    """The structure JSON's nodes are objects, their children lists, at most
+    :data:`MAX_STRUCTURE_DEPTH` deep: checked level by level, without recursion."""
     if not isinstance(structure, dict):
         raise malformed(where, f"manifest.json: structure must be an object, got {_short(structure)}")
     level, depth = [structure], 0

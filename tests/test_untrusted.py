@@ -263,3 +263,10 @@ def test_a_symlink_leading_out_of_the_checkpoint_is_refused(tmp_path):
     chunk.symlink_to(outside)                   # outside: refused, naming the link
     with pytest.raises(dio.CorruptCheckpointError, match=r"1 symbolic link\(s\) in it lead outside it \(arrays/"):
         dio.metadata(path)
+
+
+def test_a_marker_nested_too_deep_is_no_marker():
+    from dispatch_io.storage.markers import Marker
+
+    assert not Marker.parse(b"[" * 100_000).ours   # was a RecursionError out of a manager's listing
+    assert not Marker.parse(b'{"host": [], "pid": "x", "id": 1}').ours
