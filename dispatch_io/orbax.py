@@ -120,7 +120,7 @@ def check_committed(directory: str, display: str):
         if os.path.isfile(meta) and not os.path.isfile(os.path.join(folder, COMMIT_SUCCESS)):
             try:
                 committed = _json(meta).get("commit_timestamp_nsecs") is not None
-            except (OSError, ValueError, AttributeError):
+            except (OSError, ValueError, AttributeError, RecursionError):
                 committed = False
             if not committed:
                 raise IncompleteCheckpointError(f"{display} is an Orbax checkpoint that was never committed "
@@ -287,7 +287,7 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
         shardings = _shardings(directory)
         impls = _key_impls(directory)
         tree = _tree(entries, display)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise malformed(display, f"unreadable Orbax metadata ({type(exc).__name__}: {brief_error(exc)})") from exc
     flat, treedef = tree_lib.flatten(tree)
     owners: dict[str, str] = {}
@@ -336,8 +336,12 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
         stored_spec = spec if all(shape) else None
         impl = impls.get(leaf.name)
         if impl is not None:
-            key_dims = len(jax.eval_shape(jax.random.key_data, jax.random.key(0, impl=impl)).shape)
-            leaves.append(SavedLeaf(keypath, tree_lib.KEY, "jax", shape[:len(shape) - key_dims], key_dtype(impl),
+            try:
+                key_dims, dtype = len(jax.eval_shape(jax.random.key_data, jax.random.key(0, impl=impl)).shape), \
+                    key_dtype(impl)
+            except (ValueError, TypeError) as exc:  # not a PRNG impl JAX knows
+                raise malformed(display, f"PRNG key impl {impl!r}: {brief_error(exc)}", keypath) from exc
+            leaves.append(SavedLeaf(keypath, tree_lib.KEY, "jax", shape[:len(shape) - key_dims], dtype,
                                     impl, stored_spec, **_saved_sharding(shardings.get(leaf.name), len(shape) - key_dims)))
         else:
             origin = "jax" if kind == "jax.Array" else "numpy"

@@ -66,7 +66,7 @@ def sound(tmp_path_factory):
         out[layout] = root / layout
     ocp = pytest.importorskip("orbax.checkpoint")
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(root / "orbax", {k: TREE[k] for k in ("w", "b", "c", "nested", "step")})
+        ckptr.save(root / "orbax", {k: TREE[k] for k in ("w", "b", "c", "key", "nested", "step")})
     out["orbax"] = root / "orbax"
     return {kind: (path, files_of(path)) for kind, path in out.items()}
 
