@@ -37,7 +37,7 @@ import tensorstore as ts
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
-from dispatch_io.validate import describes_sharding, malformed
+from dispatch_io.validate import check_name, describes_sharding, malformed
 from workers import ArraySpec, brief_error, layout_kvstore
 
 FORMAT = "orbax"
@@ -292,6 +292,8 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
     flat, treedef = tree_lib.flatten(tree)
     owners: dict[str, str] = {}
     for keypath, leaf in flat:
+        if leaf.value.get("value_type") != "string":  # an array: checked before TensorStore opens it by name
+            check_name(leaf.name, None, display, keypath)
         other = owners.setdefault(leaf.name, keypath)
         if other != keypath:
             raise CheckpointError(f"{display}: {other} and {keypath} are both stored as {leaf.name!r} in this Orbax "

@@ -221,7 +221,7 @@ def check_manifest(manifest, where: str, names: re.Pattern | None = NAME) -> Non
             if spec.chunk_shape != spec.shape or offset + spec.nbytes > pack.shape[0]:
                 raise malformed(where, f"bytes [{offset}, {offset + spec.nbytes}) are not inside pack "
                                        f"{pack.name} of {pack.shape[0]} bytes", keypath)
-        _check_name(array.name, names, where, keypath)
+        check_name(array.name, names, where, keypath)
         grid = [-(-n // c) for n, c in zip(spec.shape, spec.chunk_shape)]
         for index in (leaf.checksums or {}):
             if len(index) != len(grid) or not all(0 <= i < n for i, n in zip(index, grid)):
@@ -232,7 +232,10 @@ def check_manifest(manifest, where: str, names: re.Pattern | None = NAME) -> Non
                                "its leaves store")
 
 
-def _check_name(name: str, pattern: re.Pattern | None, where: str, keypath: str) -> None:
+def check_name(name: str, pattern: re.Pattern | None, where: str, keypath: str) -> None:
+    """Raise CorruptCheckpointError unless the stored array name ``name`` matches ``pattern``
+    (None: Orbax's names, which need only be relative paths without empty, ``.`` or ``..``
+    components) -- a name that could lead outside the checkpoint's arrays."""
     if pattern is not None:
         safe = pattern.fullmatch(name) is not None
     else:

@@ -270,3 +270,41 @@ def test_a_marker_nested_too_deep_is_no_marker():
 
     assert not Marker.parse(b"[" * 100_000).ours   # was a RecursionError out of a manager's listing
     assert not Marker.parse(b'{"host": [], "pid": "x", "id": 1}').ours
+
+
+@pytest.fixture(scope="module")
+def orbax_checkpoint(tmp_path_factory):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    path = tmp_path_factory.mktemp("orbax") / "item"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, {"w": np.arange(512 * 256, dtype=np.float32).reshape(512, 256), "s": 3})
+    return path
+
+
+def orbax_entry(doc, key):
+    return next(e for e in doc["tree_metadata"].values() if e["key_metadata"][0]["key"] == key)
+
+
+@pytest.mark.parametrize("change, keypath, match", [
+    (lambda doc: orbax_entry(doc, "w")["key_metadata"][0].update(key=".."), "['..']", "not a name inside"),
+    (lambda doc: orbax_entry(doc, "w")["key_metadata"][0].update(key="a/../../b"), "['a/../../b']",
+     "not a name inside"),
+    (lambda doc: orbax_entry(doc, "w")["value_metadata"].update(value_type="scalar"), "['w']",
+     r"an Orbax scalar stored as an array of shape \[512, 256\]"),
+    (lambda doc: orbax_entry(doc, "w")["key_metadata"][0].update(key=None), None, "Orbax metadata"),
+    (lambda doc: doc.update(tree_metadata=[]), None, "unreadable Orbax metadata"),
+], ids=["dotdot", "slashes", "scalar-array", "key-null", "tree-list"])
+def test_a_malformed_orbax_metadata(tmp_path, orbax_checkpoint, change, keypath, match):
+    import shutil
+
+    path = tmp_path / "item"
+    shutil.copytree(orbax_checkpoint, path)
+    doc = json.loads((path / "_METADATA").read_text())
+    change(doc)
+    (path / "_METADATA").write_text(json.dumps(doc))
+    started = time.perf_counter()
+    with pytest.raises(dio.CorruptCheckpointError, match=match) as info:
+        dio.metadata(path)
+    assert time.perf_counter() - started < PROMPT_SECONDS
+    assert "malformed checkpoint" in str(info.value) and len(str(info.value).splitlines()) == 1
+    assert info.value.keypath == keypath
