@@ -145,8 +145,8 @@ def _check_entry(entry, i: int, packs: dict, where: str) -> None:
     _shape(entry.get("shape"), "shape", where, keypath)
     if not _is_text(entry.get("dtype")) or not (entry.get("key_impl") is None or _is_text(entry["key_impl"])):
         raise malformed(where, "dtype and key_impl must be text", keypath)
-    if entry["kind"] == tree_lib.KEY and entry.get("key_impl") is None:
-        raise malformed(where, "a key leaf without its key_impl", keypath)
+    if (entry["kind"] == tree_lib.KEY) != (entry.get("key_impl") is not None):
+        raise malformed(where, "a key_impl is for key leaves, and every key leaf has one", keypath)
     if not describes_sharding(entry.get("sharding")):
         raise malformed(where, f"sharding {_short(entry.get('sharding'))} is not a described sharding", keypath)
     stored = entry.get("stored")
