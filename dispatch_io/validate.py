@@ -209,6 +209,8 @@ def check_manifest(manifest, where: str, names: re.Pattern | None = NAME) -> Non
             raise malformed(where, f"stored shape {list(spec.shape)} is not the leaf's {list(expected)}", keypath)
         if numpy_dtype(spec.dtype).name != dtype:
             raise malformed(where, f"stored dtype {spec.dtype} is not the leaf's {dtype}", keypath)
+        if numpy_dtype(spec.dtype).hasobject:  # bytes read into Python object pointers
+            raise malformed(where, f"dtype {spec.dtype} holds Python objects, never stored", keypath)
         array = spec.stored
         if len(array.chunk_shape) != len(array.shape) or min(array.chunk_shape, default=1) < 1:
             raise malformed(where, f"chunk shape {list(array.chunk_shape)} does not tile stored shape "
@@ -218,7 +220,7 @@ def check_manifest(manifest, where: str, names: re.Pattern | None = NAME) -> Non
                                    f"{chunk_count(array)} chunks, more than {MAX_CHUNKS}", keypath)
         if spec.packed is not None:
             pack, offset = spec.packed
-            if spec.chunk_shape != spec.shape or offset + spec.nbytes > pack.shape[0]:
+            if offset + spec.nbytes > pack.shape[0]:
                 raise malformed(where, f"bytes [{offset}, {offset + spec.nbytes}) are not inside pack "
                                        f"{pack.name} of {pack.shape[0]} bytes", keypath)
         check_name(array.name, names, where, keypath)

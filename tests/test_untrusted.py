@@ -154,6 +154,9 @@ def test_a_pack_offset_outside_its_pack(tmp_path):
     (lambda doc: leaf(doc, "['w']").update(shape=[512.0, 256]), "shape must be a list"),
     (lambda doc: leaf(doc, "['w']").update(kind="pickle"), "kind"),
     (lambda doc: leaf(doc, "['w']")["stored"].update(dtype="int32"), "stored dtype int32"),
+    (lambda doc: leaf(doc, "['w']").update(dtype="object") or leaf(doc, "['w']")["stored"].update(dtype="object"),
+     "holds Python objects"),
+    (lambda doc: leaf(doc, "['w']").update(key_impl=""), "key_impl is for key leaves"),
 ])
 def test_malformed_manifest_fields(tmp_path, change, match):
     path = tmp_path / "ckpt"
