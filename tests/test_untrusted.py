@@ -311,3 +311,22 @@ def test_a_malformed_orbax_metadata(tmp_path, orbax_checkpoint, change, keypath,
     assert time.perf_counter() - started < PROMPT_SECONDS
     assert "malformed checkpoint" in str(info.value) and len(str(info.value).splitlines()) == 1
     assert info.value.keypath == keypath
+
+
+def test_tensorstore_errors_are_condensed_and_the_chain_keeps_them(tmp_path):
+    import shutil
+
+    path = tmp_path / "ckpt"
+    save(path, "files")
+    name = leaf(json.loads((path / "manifest.json").read_text()), "['w']")["stored"]["name"]
+    shutil.rmtree(path / "arrays" / name)   # lost: reading ['w'] fails in TensorStore
+    with dio.LocalDispatcher(host_memory_budget=4 << 20) as d, pytest.raises(dio.WorkerError) as info:
+        d.restore(path)
+    message = str(info.value)
+    assert "['w']" in message and "NOT_FOUND" in message and len(message.splitlines()) == 1, message
+    assert "tensorstore_spec" not in message and len(message) < 800, message
+    chain, cause = [], info.value.__cause__
+    while cause is not None:
+        chain.append(str(cause))
+        cause = cause.__cause__
+    assert any("tensorstore_spec" in text for text in chain)   # the detail, for --verbose and debuggers
