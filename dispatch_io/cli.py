@@ -13,8 +13,9 @@
     dispatch-io bench [ARGS...]         run benchmarks/bench.py (a source checkout) with ARGS
 
 Each reads every format (Orbax checkpoints and safetensors too) only through the library, work on a machine with a single CPU device, and
-answer a bad path, an uncommitted save or a foreign directory with one line and exit status 2
-(``verify``: 1 when the checkpoint is unsound), never a traceback.
+answer a bad path, an uncommitted save, a foreign directory or a malformed checkpoint (a damaged
+or crafted description) with one line and exit status 2 (``verify``: 1 when the stored data is
+unsound), never a traceback; ``--verbose`` adds the chained causes in full.
 """
 
 from __future__ import annotations
@@ -195,9 +196,9 @@ def _size(text: str) -> int:
     return int(match[1]) * _UNITS[match[2].lower()]
 
 
-def verify(path: str, budget_mib: int = 256) -> int:
+def verify(path: str, budget_mib: int = 256, verbose: bool = False) -> int:
     """``Dispatcher.verify``: chunk by chunk, so memory stays within the budget whatever the
-    checkpoint's size (progress on stderr when it is a terminal)."""
+    checkpoint's size (progress on stderr when it is a terminal); ``verbose``: with the causes."""
     import dispatch_io as dio
 
     _open(path)  # an unusable path is exit status 2, before reading
@@ -205,7 +206,7 @@ def verify(path: str, budget_mib: int = 256) -> int:
         try:
             stats = dispatcher.verify(path)
         except (dio.CorruptCheckpointError, dio.WorkerError, dio.CheckpointError) as exc:
-            print(f"dispatch-io verify: {path} is NOT sound: {exc}", file=sys.stderr)
+            print(f"dispatch-io verify: {path} is NOT sound: {exc}{_causes(exc) if verbose else ''}", file=sys.stderr)
             return EXIT_UNSOUND
     what = "every stored byte read and its CRC-32C checked" if stats.verified else \
         "every stored byte read (saved without checksums: Options(checksums=True) adds them)"
@@ -226,6 +227,16 @@ def bench(args: list[str]) -> int:
     return subprocess.call([sys.executable, script, *args])
 
 
+def _causes(exc: BaseException) -> str:
+    """The exceptions chained under ``exc``, in full (TensorStore's own messages included), one
+    line each: what ``--verbose`` adds to the one-line error."""
+    lines, cause = [], exc.__cause__ or exc.__context__
+    while cause is not None and len(lines) < 8:
+        lines.append(f"\n  caused by {type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or cause.__context__
+    return "".join(lines)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -236,14 +247,18 @@ def _positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dispatch-io", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("inspect", help="list the leaves of a checkpoint")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true", help="on an error, also print its causes in full")
+    p = commands.add_parser("inspect", help="list the leaves of a checkpoint", parents=[common])
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = commands.add_parser("verify", help="read every byte of a checkpoint and check its checksums")
+    p = commands.add_parser("verify", help="read every byte of a checkpoint and check its checksums",
+                            parents=[common])
     p.add_argument("path")
     p.add_argument("--budget-mib", type=_positive_int, default=256,
                    help="host memory the reads may hold at once, in MiB (default 256)")
-    p = commands.add_parser("convert", help="copy a checkpoint (dispatch_io, Orbax, safetensors) into a new one")
+    p = commands.add_parser("convert", help="copy a checkpoint (dispatch_io, Orbax, safetensors) into a new one",
+                            parents=[common])
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--budget-mib", type=_positive_int, default=256,
@@ -274,10 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             return convert(args.src, args.dst, args.budget_mib, args.layout, args.overwrite, args.to,
                            args.max_shard_size, args.skip_unsupported)
-        return verify(args.path, args.budget_mib)
+        return verify(args.path, args.budget_mib, args.verbose)
     except (CheckpointError, OSError, ValueError) as exc:  # what an unusable path raises; a bug still tracebacks
         path = args.src if args.command == "convert" else args.path
-        print(f"dispatch-io {args.command}: {exc}{_steps_hint(path)}", file=sys.stderr)
+        print(f"dispatch-io {args.command}: {exc}{_steps_hint(path)}{_causes(exc) if args.verbose else ''}",
+              file=sys.stderr)
         return EXIT_UNUSABLE
 
 

@@ -34,6 +34,7 @@ from dispatch_io.coordination import Room, job_client
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
 from dispatch_io.plan import Plan
 from dispatch_io.storage import KvLocation, Location, WriteTarget
+from workers import brief_error
 
 
 def for_this_job(barrier_timeout: float) -> "SingleProcess | MultiProcess":
@@ -53,7 +54,7 @@ def _abort(target: WriteTarget | None):
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {brief_error(exc)}"
 
 
 class SingleProcess:

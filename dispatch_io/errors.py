@@ -50,14 +50,18 @@ class BarrierTimeoutError(CheckpointError, TimeoutError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """Stored bytes do not match the checksum saved with them (``restore(verify=True)``).
+    """Stored bytes do not match the checksum saved with them (``restore(verify=True)``), or the
+    checkpoint's description is malformed (a damaged or crafted file: the message says
+    "malformed checkpoint" and what is wrong; ``dispatch_io.validate``).
 
-    ``keypath`` names the leaf, ``chunk`` the chunk grid index; the message lists every bad chunk,
-    and ``chunks`` holds them: (key path, grid index, stored region, saved CRC-32C or None, read
-    CRC-32C) each (empty where a chunk could not be read at all)."""
+    ``keypath`` names the leaf (None: the checkpoint as a whole), ``path`` the checkpoint (where
+    known), ``chunk`` the chunk grid index; for checksum mismatches the message lists every bad
+    chunk, and ``chunks`` holds them: (key path, grid index, stored region, saved CRC-32C or None,
+    read CRC-32C) each (empty where a chunk could not be read at all)."""
 
-    def __init__(self, message, *, keypath=None, chunk=None, chunks=()):
+    def __init__(self, message, *, keypath=None, chunk=None, chunks=(), path=None):
         self.keypath = keypath
         self.chunk = chunk
         self.chunks = list(chunks)
+        self.path = path
         super().__init__(message)

@@ -22,10 +22,11 @@ from typing import Callable
 import tensorstore as ts
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import orbax, safetensors
+from dispatch_io import orbax, safetensors, validate
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manifest import Manifest
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, DirectoryRoot, Location, StepRoot
+from dispatch_io.storage.directory import links_outside
 from workers import layout_kvstore, shared_context
 
 
@@ -112,18 +113,31 @@ def _stat(path: str):
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
+def _check_links(directory: str, display: str):
+    """CorruptCheckpointError if a symbolic link in the checkpoint at ``directory`` leads outside
+    it: a reader reads nothing but the checkpoint."""
+    outside = links_outside(directory)
+    if outside:
+        raise validate.malformed(display, f"{len(outside)} symbolic link(s) in it lead outside it "
+                                          f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''})")
+
+
 def open_checkpoint(path) -> Opened:
     """Open the committed checkpoint at ``path`` (dispatch_io or Orbax) for reading.
 
     Raises TypeError / ValueError for a malformed path, FileNotFoundError if nothing is there,
-    IncompleteCheckpointError if it holds no committed checkpoint, CheckpointError for one this
-    version cannot read."""
+    IncompleteCheckpointError if it holds no committed checkpoint, CorruptCheckpointError for a
+    malformed one (its description, and each stored array's own metadata, are checked here,
+    before anything is planned: ``dispatch_io.validate``), CheckpointError for one this version
+    cannot read."""
     item = orbax_item(path)
     if item is not None:
         display = os.fspath(path)
         metadata = os.path.join(item, orbax.METADATA)
         before = _stat(metadata)  # Orbax replaces a checkpoint by writing a new directory
+        _check_links(item, display)
         manifest, arrays = orbax.read(item, display)
+        validate.check_manifest(manifest, display, names=None)
 
         def check_orbax(cause: BaseException | None = None):
             if _stat(metadata) != before:
@@ -137,7 +151,10 @@ def open_checkpoint(path) -> Opened:
     location = Location.parse(path)
     marker = location.commit_marker()  # a save that replaces the checkpoint changes it
     manifest = manifest_lib.parse(location.read_manifest(), location.display)
+    if isinstance(location, DirectoryLocation):
+        _check_links(location.path, location.display)
     arrays = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
+    validate.check_stored(manifest, arrays, location.context, location.display)
     return Opened(location.display, manifest, arrays, location.context,
                   lambda cause=None: location.check_commit_marker(marker, cause))
 

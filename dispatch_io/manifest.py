@@ -38,6 +38,7 @@ from typing import Any, Callable
 import jax
 
 from dispatch_io import tree as tree_lib
+from dispatch_io import validate
 from dispatch_io.errors import CheckpointError
 from dispatch_io.plan import Plan, native_order
 from workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
@@ -219,21 +220,28 @@ def parse(doc: dict, where: str) -> Manifest:
     for anything this version cannot read, malformed documents included."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not a dispatch_io manifest")
-    try:
-        manifest = _parse(doc, where)
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
-        raise CheckpointError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
-    if manifest.treedef.num_leaves != len(manifest.leaves):
-        raise CheckpointError(f"{where}: malformed manifest: its structure has {manifest.treedef.num_leaves} "
-                              f"leaves, its leaf list {len(manifest.leaves)}")
-    return manifest
-
-
-def _parse(doc: dict, where: str) -> Manifest:
     version = doc.get("format_version")
     if version not in READS_VERSIONS:
         raise CheckpointError(f"{where}: manifest format version {version} is not supported "
                               f"by this dispatch_io (reads versions {', '.join(map(str, READS_VERSIONS))})")
+    validate.check_document(doc, where)
+    try:
+        manifest = _parse(doc, where)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+        raise validate.malformed(where, f"manifest.json: {type(exc).__name__}: {exc}") from exc
+    if manifest.treedef.num_leaves != len(manifest.leaves):
+        raise validate.malformed(where, f"manifest.json: its structure has {manifest.treedef.num_leaves} "
+                                        f"leaves, its leaf list {len(manifest.leaves)}")
+    try:  # a custom node's own unflatten runs here, once, not first deep inside a restore
+        jax.tree_util.tree_unflatten(manifest.treedef, manifest.leaves)
+    except Exception as exc:  # noqa: BLE001 - a registered class's code may raise anything; chained
+        raise validate.malformed(where, f"manifest.json: its structure cannot be rebuilt "
+                                        f"({type(exc).__name__}: {exc})") from exc
+    validate.check_manifest(manifest, where)
+    return manifest
+
+
+def _parse(doc: dict, where: str) -> Manifest:
     compression = doc.get("compression")
     if compression is not None:  # a malformed value is a ValueError: "malformed manifest"
         compression = compression_codec((compression["codec"], compression["level"]))
@@ -257,13 +265,14 @@ def _parse(doc: dict, where: str) -> Manifest:
     treedef = tree_lib.decode_structure(doc["structure"])
     layout = doc.get("layout", "files")
     if layout not in LAYOUTS:
-        raise CheckpointError(f"{where}: unknown chunk layout {layout!r} (this dispatch_io reads {LAYOUTS})")
+        raise validate.malformed(where, f"manifest.json: unknown chunk layout {layout!r} "
+                                        f"(this dispatch_io reads {LAYOUTS})")
     arrays = doc.get("arrays", ARRAYS)
     if not isinstance(arrays, str) or not _ARRAYS_PATH.match(arrays):
-        raise CheckpointError(f"{where}: malformed manifest: arrays at {arrays!r}")
+        raise validate.malformed(where, f"manifest.json: arrays at {arrays!r}")
     keys = doc.get("keys", "paths")
     if keys not in ("paths", "names"):
-        raise CheckpointError(f"{where}: malformed manifest: keys {keys!r}")
+        raise validate.malformed(where, f"manifest.json: keys {keys!r}")
     return Manifest(treedef, tuple(leaves), int(doc.get("total_bytes", 0)), layout, arrays, compression=compression,
                     keys_by_name=keys == "names")
 

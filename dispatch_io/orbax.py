@@ -37,7 +37,8 @@ import tensorstore as ts
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
-from workers import ArraySpec, layout_kvstore
+from dispatch_io.validate import check_name, describes_sharding, malformed
+from workers import ArraySpec, brief_error, layout_kvstore
 
 FORMAT = "orbax"
 METADATA = "_METADATA"                 # the PyTree item's description (its presence marks an item)
@@ -119,7 +120,7 @@ def check_committed(directory: str, display: str):
         if os.path.isfile(meta) and not os.path.isfile(os.path.join(folder, COMMIT_SUCCESS)):
             try:
                 committed = _json(meta).get("commit_timestamp_nsecs") is not None
-            except (OSError, ValueError, AttributeError):
+            except (OSError, ValueError, AttributeError, RecursionError):
                 committed = False
             if not committed:
                 raise IncompleteCheckpointError(f"{display} is an Orbax checkpoint that was never committed "
@@ -191,6 +192,8 @@ def _saved_sharding(entry: dict | None, ndim: int) -> dict:
             described["spec"] = described["spec"][:ndim]
     except (KeyError, TypeError, ValueError, AttributeError):
         pass
+    if not describes_sharding(described):  # only for people: one that cannot be shown is left out
+        described = None
     return {"sharding": _sharding(entry, ndim), "described_sharding": described}
 
 
@@ -231,8 +234,10 @@ def _tree(entries: dict, display: str):
         path = ()
         for depth, k in enumerate(keys):
             kind = k["key_type"]
+            if type(k["key"]) not in (str, int):
+                raise malformed(display, f"Orbax metadata: {text} has a key {k['key']!r}")
             if kinds.setdefault(path, kind) != kind:
-                raise CheckpointError(f"{display}: malformed Orbax metadata: {text} mixes sequence and dict keys")
+                raise malformed(display, f"Orbax metadata: {text} mixes sequence and dict keys")
             path = path + (k["key"],)
             if depth == len(keys) - 1:
                 if value.get("skip_deserialize") and value.get("value_type") in _EMPTY:
@@ -247,6 +252,7 @@ def _tree(entries: dict, display: str):
             children = {k: build(v, path + (k,)) for k, v in node.items()}
             if kinds[path] == _SEQUENCE:
                 return [children[k] for k in sorted(children, key=int)]
+            sorted(children)  # TypeError (malformed) for keys JAX could not sort
             return children
         return node  # a leaf, or an empty container
 
@@ -281,11 +287,13 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
         shardings = _shardings(directory)
         impls = _key_impls(directory)
         tree = _tree(entries, display)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{display}: unreadable Orbax metadata ({type(exc).__name__}: {exc})") from exc
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise malformed(display, f"unreadable Orbax metadata ({type(exc).__name__}: {brief_error(exc)})") from exc
     flat, treedef = tree_lib.flatten(tree)
     owners: dict[str, str] = {}
     for keypath, leaf in flat:
+        if leaf.value.get("value_type") != "string":  # an array: checked before TensorStore opens it by name
+            check_name(leaf.name, None, display, keypath)
         other = owners.setdefault(leaf.name, keypath)
         if other != keypath:
             raise CheckpointError(f"{display}: {other} and {keypath} are both stored as {leaf.name!r} in this Orbax "
@@ -299,7 +307,7 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
     except Exception as exc:  # noqa: BLE001 - TensorStore raises ValueError / RuntimeError kinds
         bad = _first_unopenable(arrays, stored, driver, context, missing_is_fill)
         keypath = next((k for k, leaf in flat if leaf.name == bad), bad)
-        raise CheckpointError(f"{display}: cannot open the Orbax array of {keypath}: {exc}") from exc
+        raise CheckpointError(f"{display}: cannot open the Orbax array of {keypath}: {brief_error(exc)}") from exc
     leaves = []
     total = 0
     for keypath, leaf in flat:
@@ -311,10 +319,12 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
             continue
         store = opened[leaf.name]
         if kind == "scalar":
+            if store.size != 1:  # else reading it would read a whole array
+                raise malformed(display, f"an Orbax scalar stored as an array of shape {list(store.shape)}", keypath)
             try:
                 value = store.read().result().item()  # as Orbax: bool, int, float
             except Exception as exc:  # noqa: BLE001 - TensorStore's errors, named by the key path
-                raise CheckpointError(f"{display}: cannot read the Orbax scalar {keypath}: {exc}") from exc
+                raise CheckpointError(f"{display}: cannot read the Orbax scalar {keypath}: {brief_error(exc)}") from exc
             leaves.append(SavedLeaf(keypath, tree_lib.SCALAR, "python", value=value))
             continue
         if kind not in ("jax.Array", "np.ndarray"):
@@ -328,8 +338,12 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
         stored_spec = spec if all(shape) else None
         impl = impls.get(leaf.name)
         if impl is not None:
-            key_dims = len(jax.eval_shape(jax.random.key_data, jax.random.key(0, impl=impl)).shape)
-            leaves.append(SavedLeaf(keypath, tree_lib.KEY, "jax", shape[:len(shape) - key_dims], key_dtype(impl),
+            try:
+                key_dims, dtype = len(jax.eval_shape(jax.random.key_data, jax.random.key(0, impl=impl)).shape), \
+                    key_dtype(impl)
+            except (ValueError, TypeError) as exc:  # not a PRNG impl JAX knows
+                raise malformed(display, f"PRNG key impl {impl!r}: {brief_error(exc)}", keypath) from exc
+            leaves.append(SavedLeaf(keypath, tree_lib.KEY, "jax", shape[:len(shape) - key_dims], dtype,
                                     impl, stored_spec, **_saved_sharding(shardings.get(leaf.name), len(shape) - key_dims)))
         else:
             origin = "jax" if kind == "jax.Array" else "numpy"

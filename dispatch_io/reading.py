@@ -30,7 +30,7 @@ from dispatch_io.errors import CheckpointError, CorruptCheckpointError, WorkerEr
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.progress import Progress
 from dispatch_io.restore import HOST, Output, finish, output_regions
-from workers import ReadItem, Region
+from workers import ReadItem, Region, brief_error
 
 
 def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futures.Future],
@@ -142,8 +142,8 @@ def read_failure(exc: BaseException, keypath: str, display: str) -> WorkerError:
     worker's error names its own)."""
     keypath = getattr(exc, "keypath", None) or keypath
     worker = jax.process_index()
-    return WorkerError(f"worker {worker} failed reading {keypath} from {display}: {type(exc).__name__}: {exc}",
-                       worker=worker, keypath=keypath)
+    return WorkerError(f"worker {worker} failed reading {keypath} from {display}: "
+                       f"{type(exc).__name__}: {brief_error(exc)}", worker=worker, keypath=keypath)
 
 
 def read_outputs(reader, outputs: list, chunk_limit: int, batch_limit: int, progress: Progress):
@@ -206,7 +206,7 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
     def failure(exc, batch):
         keypath = getattr(exc, "keypath", None) or batch[0][2].keypath
         return CorruptCheckpointError(f"cannot read {keypath} from {display} to verify it: "
-                                      f"{type(exc).__name__}: {exc}", keypath=keypath)
+                                      f"{type(exc).__name__}: {brief_error(exc)}", keypath=keypath)
 
     pipelined(batches, lambda batch: reader.checksums([region for _, _, region in batch]), consume,
               lambda batch: sum(region.nbytes for _, _, region in batch), progress, "verify", failure)

@@ -40,7 +40,7 @@ from dispatch_io.progress import SaveStats
 from dispatch_io.sources import Sources
 from dispatch_io.staging import StagingRing
 from dispatch_io.storage import INFO
-from workers import ChunkError, IOSettings, Region, finish_arrays, write_files
+from workers import ChunkError, IOSettings, Region, brief_error, finish_arrays, write_files
 
 
 def check_callbacks(**callbacks):
@@ -190,7 +190,7 @@ class SaveRun:
             keypath = keypaths[0] if len(keypaths) == 1 else None
             where = f" {keypath}" if keypath else f" a batch of {', '.join(keypaths)}"
         err = WorkerError(f"worker {worker} failed {action}{where} for {self.job.display}: "
-                          f"{type(cause).__name__}: {cause}", worker=worker, keypath=keypath)
+                          f"{type(cause).__name__}: {brief_error(cause)}", worker=worker, keypath=keypath)
         err.__cause__ = exc
         return err
 
@@ -257,7 +257,7 @@ class SaveRun:
             self._settle(writes)
             self._let_go_of_uncopied()
             if not isinstance(exc, (CheckpointError, FileExistsError)):
-                err = CheckpointError(f"save to {job.display} failed: {type(exc).__name__}: {exc}")
+                err = CheckpointError(f"save to {job.display} failed: {type(exc).__name__}: {brief_error(exc)}")
                 err.__cause__ = exc
                 exc = err
             self.future.set_exception(exc)

@@ -3,16 +3,17 @@
 The manifest stores the tree structure as plain JSON (never pickle), so a checkpoint can be
 read by a process that lacks the trainer's classes. Built-in containers (dict, list, tuple,
 None, OrderedDict) come back exactly. NamedTuples and custom registered nodes come back as
-their own class when it can be imported and its static data is a Python literal; otherwise
-as a dict of their children, so the data is never unreachable.
+their own class when its module is already imported (reading a checkpoint never imports one:
+that would run code a file names) and its static data is a Python literal; otherwise as a dict
+of their children, so the data is never unreachable.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
-import importlib
 import struct
+import sys
 from typing import Any
 
 import jax
@@ -139,13 +140,15 @@ def _class_name(cls) -> str:
 
 
 def _import_class(name: str):
+    """The class ``module:qualname`` names if its module is already imported, else None. A
+    checkpoint is untrusted input: reading one never imports a module (importing runs code)."""
     module, _, qualname = name.partition(":")
+    obj = sys.modules.get(module)
     try:
-        obj = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-        return obj
-    except Exception:  # not importable here: the caller falls back to a dict
+        return obj if isinstance(obj, type) else None
+    except AttributeError:  # not here: the caller falls back to a dict
         return None
 
 
@@ -168,6 +171,31 @@ def _encode_key(k):
     if isinstance(k, bool) or not isinstance(k, (str, int)):
         return {"repr": repr(k)}
     return k
+
+
+def _listed(children) -> list:
+    """``children`` of a structure node, which must be a JSON list (ValueError otherwise)."""
+    if not isinstance(children, list):
+        raise ValueError(f"structure children must be a list, got {type(children).__name__}")
+    return children
+
+
+def _keys(keys, children: list, names: bool = False) -> list:
+    """The decoded keys of a dict-like node (``names``: a NamedTuple's field names), one per child
+    and each once: ValueError otherwise (JAX's tree code must never see a malformed node)."""
+    decoded = [_decode_key(k) for k in _listed(keys)]
+    if len(decoded) != len(children):
+        raise ValueError(f"a structure node with {len(decoded)} keys for {len(children)} children")
+    if names and not all(isinstance(k, str) and k.isidentifier() for k in decoded):
+        raise ValueError(f"NamedTuple fields must be identifiers, got {decoded[:5]!r}")
+    try:
+        if len(set(decoded)) != len(decoded):
+            raise ValueError(f"a structure node with a repeated key among {decoded[:5]!r}...")
+        sorted(decoded)  # JAX sorts a dict's keys whenever it flattens one
+    except TypeError:  # an unhashable key, or keys that do not compare
+        raise ValueError(f"a structure node with keys that are unhashable or do not compare: {decoded[:5]!r}") \
+            from None
+    return decoded
 
 
 def _decode_key(k):
@@ -222,15 +250,16 @@ def decode_structure(node: dict) -> Any:
         if "none" in n:
             return none_def
         if "list" in n:
-            return make(list, None, [walk(c) for c in n["list"]])
+            return make(list, None, [walk(c) for c in _listed(n["list"])])
         if "tuple" in n:
-            return make(tuple, None, [walk(c) for c in n["tuple"]])
-        children = [walk(c) for c in n["children"]]
+            return make(tuple, None, [walk(c) for c in _listed(n["tuple"])])
+        children = [walk(c) for c in _listed(n["children"])]
         if "dict" in n:
-            return make(dict, [_decode_key(k) for k in n["dict"]], children)
+            return make(dict, _keys(n["dict"], children), children)
         if "ordereddict" in n:
-            return make(collections.OrderedDict, tuple(_decode_key(k) for k in n["ordereddict"]), children)
+            return make(collections.OrderedDict, tuple(_keys(n["ordereddict"], children)), children)
         if "namedtuple" in n:
+            _keys(n["fields"], children, names=True)
             cls = _import_class(n["namedtuple"])
             if cls is None or not _is_namedtuple(cls) or list(cls._fields) != n["fields"]:
                 name = n["namedtuple"].rpartition(":")[2].rpartition(".")[2]

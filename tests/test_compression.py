@@ -163,7 +163,7 @@ def test_the_manifest_records_it(tmp_path, mesh):
     del doc["compression"]  # manifests written before the option read as uncompressed
     assert manifest_lib.parse(doc, "old").compression is None
     for bad in ({"codec": "gzip", "level": 1}, {"codec": "zstd"}, "zstd", {"codec": "zstd", "level": 99}):
-        with pytest.raises(CheckpointError, match="malformed manifest"):
+        with pytest.raises(CheckpointError, match="malformed checkpoint"):
             manifest_lib.parse({**doc, "compression": bad}, "bad")
 
 

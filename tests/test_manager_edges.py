@@ -1,4 +1,4 @@
-"""CheckpointManager edge cases from an adversarial review of the manager package: each failed on the code it was written against.
+"""CheckpointManager edge cases from an adversarial review of the manager package (each failed before its fix)."""
 
 import json
 import os

@@ -337,5 +337,5 @@ def test_a_manifest_whose_leaf_names_an_unknown_pack_is_malformed(tmp_path, mesh
         doc = json.loads(path.read_text())
         doc["packs"] = {}
         path.write_text(json.dumps(doc))
-        with pytest.raises(dio.CheckpointError, match="malformed manifest"):
+        with pytest.raises(dio.CorruptCheckpointError, match="malformed checkpoint"):
             d.restore(tmp_path / "ckpt", tree)

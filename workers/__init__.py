@@ -14,6 +14,7 @@ from workers.contract import (
     IOSettings,
     ReadItem,
     Region,
+    brief_error,
     check_data_file_bytes,
     compression_codec,
     numpy_dtype,
@@ -33,6 +34,6 @@ from workers.tensorstore_io import (
 )
 
 __all__ = ["COMPRESSIONS", "LAYOUTS", "RAW", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
-           "aligned_empty", "check_data_file_bytes", "checksum_regions", "compression_codec", "crc32c",
+           "aligned_empty", "brief_error", "check_data_file_bytes", "checksum_regions", "compression_codec", "crc32c",
            "finish_arrays", "layout_kvstore",
            "numpy_dtype", "pack_spec", "packed_leaf", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_files", "write_regions"]

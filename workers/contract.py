@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import numpy as np
 import tensorstore as ts
@@ -55,13 +56,28 @@ def compression_codec(value) -> tuple[str, int] | None:
     return value[0], level
 
 
+# TensorStore appends status payloads to its messages: " [tensorstore_spec='{...}']" (the whole
+# spec JSON, context included: kilobytes) and " [source locations='...']".
+_PAYLOAD = re.compile(r"\s*\[[A-Za-z_ ]+='(?:[^'\\]|\\.)*'\]")
+BRIEF_CHARS = 400
+
+
+def brief_error(exc: BaseException) -> str:
+    """``str(exc)`` for a person: TensorStore's status payloads (its spec JSON with its context,
+    source locations) left out, the first line only, at most ``BRIEF_CHARS`` characters. Only
+    for messages: the exception itself, chained, keeps every detail."""
+    text = _PAYLOAD.sub("", str(exc)).strip().split("\n", 1)[0]
+    return text if len(text) <= BRIEF_CHARS else text[:BRIEF_CHARS - 3] + "..."
+
+
 class ChunkError(Exception):
-    """A read or write of one region failed; names the leaf's key path (the cause is chained)."""
+    """A read or write of one region failed; names the leaf's key path (the cause is chained;
+    the message has its :func:`brief_error`)."""
 
     def __init__(self, keypath: str, region, cause: BaseException):
         self.keypath = keypath
         self.region = region
-        super().__init__(f"{keypath} region {list(region)}: {type(cause).__name__}: {cause}")
+        super().__init__(f"{keypath} region {list(region)}: {type(cause).__name__}: {brief_error(cause)}")
 
 
 @functools.cache

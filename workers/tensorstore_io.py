@@ -310,7 +310,10 @@ def read_items(session: Session, items: Sequence[ReadItem], out: Sequence[np.nda
 
     Pieces are read in groups of at most ``session.read_window`` stored bytes, so TensorStore's
     temporary memory stays bounded however large an item is; where the item's dtype differs from
-    the stored one (``cast=True``) each group is read as stored and converted into the buffer."""
+    the stored one (``cast=True``) each group is read as stored and converted into the buffer.
+    Every stored array is opened, and checked against its ArraySpec, before any buffer is made
+    (:func:`_check_opened`)."""
+    _check_opened(session, [region for item in items for region, _ in item.pieces])
     buffers = list(out) if out is not None else [aligned_empty(item.shape, numpy_dtype(item.dtype)) for item in items]
     group: list = []   # (region, destination view, whether it needs converting)
     size = 0
@@ -326,6 +329,25 @@ def read_items(session: Session, items: Sequence[ReadItem], out: Sequence[np.nda
     if group:
         _read_group(session, group)
     return buffers
+
+
+def _check_opened(session: Session, regions: Sequence[Region]):
+    """Open the stored arrays of ``regions`` and raise ChunkError (naming a key path that reads
+    it) for one that cannot be opened or whose stored shape or dtype is not its ArraySpec's:
+    a reader sizes its buffers from the spec, so the stored metadata must agree first. Raw
+    arrays have no metadata of their own (their file's header was checked when it was opened)."""
+    first = {region.array.stored.name: region for region in reversed(regions) if region.array.driver != RAW}
+    stores = session.open_arrays([region.array for region in first.values()], write=False)
+    for name, region in first.items():
+        try:
+            store = stores[name].result()
+        except Exception as exc:  # noqa: BLE001 - TensorStore's error kinds, named by the key path
+            raise ChunkError(region.keypath, region.bounds, exc) from exc
+        spec = region.array.stored
+        if tuple(store.shape) != spec.shape or store.dtype.name != spec.storage_dtype:
+            found = ValueError(f"stored array {name} is {list(store.shape)} {store.dtype.name}, "
+                               f"not {list(spec.shape)} {spec.storage_dtype}")
+            raise ChunkError(region.keypath, region.bounds, found)
 
 
 def _read_group(session: Session, group: list):

@@ -39,6 +39,7 @@ from dispatch_io.manifest import ARRAYS
 # The keys of a checkpoint (relative to its path). ARRAYS, the default folder of the arrays, is
 # the manifest's (a manifest names another one when a save wrote its arrays elsewhere).
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 256 << 20   # a larger manifest.json is refused unread (a 10k-leaf one is ~2 MiB)
 COMMITTED = "COMMITTED"    # written last: the checkpoint is complete (a Marker: who, and a unique id)
 WRITING = "WRITING"        # a save under way claims its directory / prefix (a Marker)
 DELETING = "DELETING"      # kvstores: a checkpoint being deleted (what is left is provably ours)

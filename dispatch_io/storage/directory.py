@@ -22,9 +22,9 @@ from typing import Mapping
 from absl import logging
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
-from dispatch_io.storage import (ARRAYS, COMMITTED, MANIFEST, STEP, WRITING, JoinedWrite, Location, StepRoot,
-                                 WriteTarget)
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from dispatch_io.storage import (ARRAYS, COMMITTED, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING, JoinedWrite,
+                                 Location, StepRoot, WriteTarget)
 from dispatch_io.storage.markers import Marker
 
 
@@ -62,6 +62,23 @@ _MANIFEST_MARK = re.compile(rb'^\{\s*"format"\s*:\s*"' + manifest_lib.FORMAT.enc
 
 def _arrays_kvstore(directory: str, arrays: str = ARRAYS) -> dict:
     return {"driver": "file", "path": os.path.join(directory, arrays)}
+
+
+def links_outside(directory: str) -> list[str]:
+    """The symbolic links under ``directory`` (which may itself be a link) whose target is not
+    inside it, or does not exist, relative to it; the tree is walked without following links."""
+    root = os.path.realpath(directory)
+    found, pending = [], [directory]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    target = os.path.realpath(entry.path)
+                    if os.path.commonpath([root, target]) != root or not os.path.exists(target):
+                        found.append(os.path.relpath(entry.path, directory))
+                elif entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+    return sorted(found)
 
 
 def _read(path: str) -> bytes | None:
@@ -119,10 +136,18 @@ class DirectoryLocation(Location):
                 "the save failed, was interrupted, is still running, or this is not a dispatch_io checkpoint")
         try:
             with open(os.path.join(self.path, MANIFEST), "rb") as f:
+                if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
+                    raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} is larger "
+                                                 f"than {MAX_MANIFEST_BYTES} bytes", path=self.display)
                 return json.loads(f.read())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
             raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
                                             f"cannot be read: {exc}") from exc
+
+    def links_outside(self) -> list[str]:
+        """The symbolic links in the checkpoint that lead outside it (or nowhere), as paths
+        relative to it: a reader refuses such a checkpoint rather than read another file."""
+        return links_outside(self.path)
 
     @property
     def key(self) -> str:

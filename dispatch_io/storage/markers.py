@@ -103,7 +103,7 @@ class Marker:
         try:
             fields = json.loads(data)
             return cls(fields["host"], int(fields["pid"]), fields.get("started"), fields.get("time"), fields["id"])
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested too deep
             return cls()
 
     @classmethod

@@ -17,11 +17,11 @@ from typing import Mapping
 import tensorstore as ts
 from absl import logging
 
-from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
-from dispatch_io.storage import (ARRAYS, COMMITTED, DELETING, INFO, MANIFEST, STEP, WRITING, JoinedWrite, Location,
-                                 StepRoot, WriteTarget)
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from dispatch_io.storage import (ARRAYS, COMMITTED, DELETING, INFO, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING,
+                                 JoinedWrite, Location, StepRoot, WriteTarget)
 from dispatch_io.storage.markers import LIVE, Marker
-from workers import shared_context
+from workers import brief_error, shared_context
 
 # How often, and how patiently, a request to an object store is retried (429, 5xx, connection
 # errors) before the save or restore fails: ~80 s of backoff in all, doubling from 1 s. Without a
@@ -126,7 +126,7 @@ class KvLocation(Location):
         try:
             return future.result()
         except ValueError as exc:
-            raise CheckpointError(f"{self.display}: could not {what}: {exc}") from exc
+            raise CheckpointError(f"{self.display}: could not {what}: {brief_error(exc)}") from exc
 
     def _get(self, key: str) -> bytes | None:
         result = self._wait(self.open_kv().read(key), f"read {key}")
@@ -161,9 +161,12 @@ class KvLocation(Location):
                                             "dispatch_io checkpoint")
         manifest = self._get(MANIFEST)
         self.check_commit_marker(marker)  # not a manifest an overwrite wrote meanwhile
+        if manifest is not None and len(manifest) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} is larger than "
+                                         f"{MAX_MANIFEST_BYTES} bytes", path=self.display)
         try:
             return json.loads(manifest)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
             raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
                                             f"cannot be read: {exc}") from exc
 
@@ -199,7 +202,7 @@ class KvLocation(Location):
         try:
             delete_checkpoint(kv)
         except ValueError as exc:
-            raise CheckpointError(f"{self.display}: could not clear it: {exc}") from exc
+            raise CheckpointError(f"{self.display}: could not clear it: {brief_error(exc)}") from exc
         return KvWrite(self, kv)
 
     def join_write(self, token: str) -> JoinedWrite:
