@@ -61,7 +61,8 @@ def test_items_and_step_info_commit_with_the_step(tmp_path):
     # Read back by a new manager (nothing cached), and by plain dispatch_io tools.
     with dio.CheckpointManager(tmp_path) as mgr:
         assert mgr.item(10, "data") == state and mgr.step_info(10).metrics["eval_loss"] == 2.5
-    assert_trees_bit_equal(dio.LocalDispatcher().restore(tmp_path / "10"), tree(10))
+    with dio.LocalDispatcher() as dispatcher:
+        assert_trees_bit_equal(dispatcher.restore(tmp_path / "10"), tree(10))
 
 
 def test_a_per_process_item_restored_by_another_process_count_names_both(tmp_path):

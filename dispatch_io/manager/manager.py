@@ -18,25 +18,14 @@ object-store prefix (``s3://bucket/run1``, ``gs://...``; see dispatch_io.storage
 What the manager guarantees, built only on the dispatcher's atomic commit:
 
 * A step is listed (``all_steps``, ``latest_step``, ``restore``) only once committed, with all
-  its items; a save that failed or was killed never is. Leftovers of killed saves are removed
-  when a manager opens the root -- only those it can prove are its own and dead (a
-  ``WRITING`` marker naming a process of this host that no longer runs). A replaced step that
-  a crash left moved aside is put back.
+  its items; a save that failed or was killed never is, and its leftovers are removed when a
+  manager opens the root, where markers prove them ours and dead.
 * Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises
-  from its own handle and, once, from the next ``save()`` / ``wait()``; the manager stays usable.
-* Policies (``policies.py``) decide when to save and what to keep; a clock-reading save
-  decision is process 0's, shared (``decisions.py``). Preemption is JAX's sync point, or the
-  manager's own SIGTERM handler in a single process (``preemption.py``).
-* Retention runs after a newer step committed, on a thread of its own and on process 0 only:
-  it never delays ``save()``; ``wait()`` and ``close()`` wait for it. It keeps what any keep
-  policy keeps and always the latest step, and deletes only committed dispatch_io
-  checkpoints with step names; anything else in the root (``notes/``, a numeric directory
-  without a manifest, someone else's temporary directory) is neither listed nor deleted. A
-  deleted step is first unlisted (renamed away; on object stores, its marker deleted), so a
-  crash mid-delete never leaves a listed but broken step.
-* Steps that Orbax's CheckpointManager wrote in a directory root (also ``Composite`` ones:
-  ``restore(item=...)``, ``item(step, name)``) are listed and restored like ours; a step Orbax
-  holds is never saved again nor deleted (docs/manager.md).
+  from its own handle and, once, from the next ``save()`` / ``wait()``.
+* ``policies`` decide when to save and what to keep (one answer on every process:
+  ``decisions``); ``preemption`` says where a preempted job stops; ``retention`` deletes what
+  the keep policy drops, off the save path, never a step it did not write. Steps Orbax wrote
+  are listed and restored beside ours (``orbax_items``). See docs/manager.md.
 """
 
 from __future__ import annotations
@@ -158,15 +147,7 @@ class CheckpointManager:
         """The committed step with the best ``metric`` (``mode`` ``"min"`` / ``"max"``); both
         default to the keep policy's ``BestN``. None if no step has the metric. ValueError if
         no metric is given and the keep policy has no single ``BestN``."""
-        if metric is None:
-            parts = getattr(self.keep_policy, "policies", (self.keep_policy,))
-            best = [p for p in parts if isinstance(p, policies.BestN)]
-            if len(best) != 1:
-                raise ValueError("best_step() needs metric= (the keep policy has no single BestN to take it from)")
-            metric, mode = best[0].metric, mode or best[0].mode
-        ranking = policies.BestN(1, metric, mode or "min", keep_without_metric=False)
-        best = ranking.keep([self._record(s) for s in self.all_steps()], self._clock())
-        return next(iter(best), None)
+        return retention.best_step([self._record(s) for s in self.all_steps()], self.keep_policy, metric, mode)
 
     # ---- policies ------------------------------------------------------------------------------
 

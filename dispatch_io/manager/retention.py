@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from absl import logging
 
-from dispatch_io.manager.policies import Policy, StepRecord
+from dispatch_io.manager.policies import BestN, Policy, StepRecord
 from dispatch_io.storage import StepRoot
 
 
@@ -25,6 +25,19 @@ def steps_to_delete(steps: Sequence[StepRecord], keep_policy: Policy | None, now
         return []
     kept = keep_policy.keep(steps, now) | {max(r.step for r in steps)}
     return sorted({r.step for r in steps} - kept)
+
+
+def best_step(steps: Sequence[StepRecord], keep_policy: Policy | None, metric: str | None,
+              mode: str | None) -> int | None:
+    """The step of ``steps`` with the best ``metric`` (``mode``: ``"min"`` / ``"max"``; both
+    default to ``keep_policy``'s one ``BestN``), or None if none has it. ValueError if no metric
+    is given and ``keep_policy`` has no single ``BestN``."""
+    if metric is None:
+        best = [p for p in getattr(keep_policy, "policies", (keep_policy,)) if isinstance(p, BestN)]
+        if len(best) != 1:
+            raise ValueError("best_step() needs metric= (the keep policy has no single BestN to take it from)")
+        metric, mode = best[0].metric, mode or best[0].mode
+    return next(iter(BestN(1, metric, mode or "min", keep_without_metric=False).keep(steps, 0.0)), None)
 
 
 def delete_dropped(root: StepRoot, dropped: Sequence[int], on_deleted: Callable[[int], None]):
