@@ -224,8 +224,9 @@ def test_an_export_from_a_damaged_source_fails_as_a_checkpoint_error(tmp_path, c
     with dio.LocalDispatcher(host_memory_budget=MiB, layout="files") as d:
         d.save(tmp_path / "src", {"w": np.arange(1 << 16, dtype=np.float32)}).wait()
     for root, _, files in os.walk(tmp_path / "src" / "arrays"):
-        for name in files:
-            os.truncate(os.path.join(root, name), 10)
+        for name in files:  # the chunks (a truncated zarr.json is refused at open, before any read)
+            if name != "zarr.json":
+                os.truncate(os.path.join(root, name), 10)
     with dio.LocalDispatcher(host_memory_budget=MiB) as d:
         with pytest.raises(dio.WorkerError, match=r"\['w'\]"):
             d.convert(tmp_path / "src", tmp_path / "out", to=to)
