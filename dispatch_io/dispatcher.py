@@ -134,9 +134,9 @@ class Dispatcher:
         by ``.`` unless ``names(key path) -> str`` says otherwise; what the format cannot hold
         (safetensors: PRNG keys, Python scalars, int4...) raises ValueError naming the key path,
         or is left out with ``skip_unsupported``; ``max_shard_size``: bytes of tensor data per
-        safetensors file (default 5 GB); these three are for safetensors (ValueError else). Raises as ``restore`` does for ``src`` and as ``save``
-        does for ``dst`` (``FileExistsError`` unless ``overwrite``); ``ValueError`` if ``dst``
-        is ``src``, inside it or holds it. A failure leaves nothing at ``dst``."""
+        file (default 5 GB); these three are for safetensors only. Raises as ``restore`` does for
+        ``src``, as ``save`` does for ``dst`` (``FileExistsError`` unless ``overwrite``); ``ValueError``
+        if ``dst`` is ``src``, inside it or holds it. A failure leaves nothing at ``dst``."""
         self._check_usable("convert")
         exporting.check_keywords(to, names, skip_unsupported, max_shard_size)
         started = time.perf_counter()

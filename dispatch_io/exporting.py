@@ -71,8 +71,8 @@ def check_keywords(to: str, names, skip_unsupported: bool, max_shard_size: int |
              "max_shard_size": max_shard_size is not None}
     refused = [key for key, used in given.items() if used and key not in KEYWORDS[to]]
     if refused:
-        raise ValueError(f"{', '.join(k + '=' for k in refused)} {'is' if len(refused) == 1 else 'are'} not for "
-                         f"to={to!r}: {', '.join(k + '=' for k in refused)} apply to exports to safetensors")
+        raise ValueError(f"{', '.join(k + '=' for k in refused)}: only an export to safetensors takes "
+                         f"{'it' if len(refused) == 1 else 'them'}, not to={to!r}")
     if max_shard_size is not None and not (type(max_shard_size) is int and max_shard_size > 0):
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
 

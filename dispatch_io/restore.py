@@ -218,7 +218,8 @@ def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool, small_le
         saved = manifest.saved_leaf(path, keypath)
         if saved is None:
             name = manifest.tensor_name(path)
-            problems.append((keypath, "not in the checkpoint" + ("" if name is None else f" (no leaf is named {name!r})")))
+            looked_for = "" if name is None else f" (no leaf is named {name!r})"
+            problems.append((keypath, "not in the checkpoint" + looked_for))
             continue
         named.add(saved.keypath)
         problem = _target_problem(saved, leaf, cast)

@@ -161,7 +161,8 @@ def _tensors(key: str, header: dict, data: int, display: str) -> tuple[list[tupl
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in DTYPES:
             raise CheckpointError(f"{where}: dtype {str(dtype)[:40]!r} is not one dispatch_io reads ({', '.join(DTYPES)})")
-        if not (isinstance(shape, list) and len(shape) <= MAX_AXES and all(type(n) is int and 0 <= n < LIMIT for n in shape)):
+        if not (isinstance(shape, list) and len(shape) <= MAX_AXES
+                and all(type(n) is int and 0 <= n < LIMIT for n in shape)):
             raise CheckpointError(f"{where}: malformed shape {str(shape)[:200]} (at most {MAX_AXES} axes, "
                                   "each of 0 to 2**63 - 1)")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int and n >= 0 for n in offsets)

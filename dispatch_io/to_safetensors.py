@@ -114,7 +114,8 @@ def export(session, source, dst, *, overwrite: bool, names, skip: bool, max_shar
             raise ValueError(f"{leaf.saved.keypath}: {METADATA_KEY!r} is the safetensors header's metadata key, "
                              "not a tensor name (pass names= to name the leaf otherwise)")
     one_file = path.endswith(safetensors.SUFFIX)
-    files = [exported] if one_file else shards(exported, DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    limit = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+    files = [exported] if one_file else shards(exported, limit)
     names_of = [SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                                                  for i in range(len(files))]
     output = LocalOutput(path, overwrite, _replaceable, _MARKER, is_dir=not one_file)
