@@ -158,6 +158,7 @@ def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", ov
     ``dst`` in the format ``to`` (``overwrite``: replacing one there), holding at most the budget
     of it in memory."""
     import dispatch_io as dio
+    from dispatch_io import exporting
     from dispatch_io.convert import check_apart
     from dispatch_io.storage import Location
 
@@ -170,8 +171,11 @@ def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", ov
     if not overwrite and to != "dispatch_io" and os.path.lexists(dst):
         raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20, layout=layout) as dispatcher:
-        stats = dispatcher.convert(src, dst, overwrite=overwrite, to=to, max_shard_size=max_shard_size,
-                                   skip_unsupported=skip_unsupported)
+        try:
+            stats = dispatcher.convert(src, dst, overwrite=overwrite, to=to, max_shard_size=max_shard_size,
+                                       skip_unsupported=skip_unsupported)
+        except exporting.Unsupported as exc:  # the same refusal, naming our flag
+            raise exporting.Unsupported(exc.keypath, exc.reason, "--skip-unsupported") from None
     seconds = stats.total_seconds
     if to == "dispatch_io":
         print(f"{dst}: {humanize.naturalsize(stats.bytes_written, binary=True)} converted from {src} "

@@ -134,25 +134,24 @@ class Dispatcher:
         by ``.`` unless ``names(key path) -> str`` says otherwise; what the format cannot hold
         (safetensors: PRNG keys, Python scalars, int4...) raises ValueError naming the key path,
         or is left out with ``skip_unsupported``; ``max_shard_size``: bytes of tensor data per
-        safetensors file (default 5 GB). Raises as ``restore`` does for ``src`` and as ``save``
-        does for ``dst`` (``FileExistsError`` unless ``overwrite``); ``ValueError`` if ``dst``
-        is ``src``, inside it or holds it. A failure leaves nothing at ``dst``."""
+        file (default 5 GB); these three are for safetensors only. Raises as ``restore`` does for
+        ``src``, as ``save`` does for ``dst`` (``FileExistsError`` unless ``overwrite``); ``ValueError``
+        if ``dst`` is ``src``, inside it or holds it. A failure leaves nothing at ``dst``."""
         self._check_usable("convert")
-        if to not in exporting.TARGETS:
-            raise ValueError(f"to must be one of {exporting.TARGETS}, got {to!r}")
+        exporting.check_keywords(to, names, skip_unsupported, max_shard_size)
         started = time.perf_counter()
         location = Location.parse(dst)
         check_apart(Location.parse(src), location)
         source = open_checkpoint(src)
         session = source_session(source, self.runner.settings, self.options.chunk_bytes)
         if to != "dispatch_io":
-            common = dict(overwrite=overwrite, names=names, skip=skip_unsupported, max_shard_size=max_shard_size,
-                          chunk_limit=self.options.chunk_bytes, batch_limit=self.options.read_batch_bytes,
-                          check_unchanged=source.check_unchanged)
+            common = dict(overwrite=overwrite, chunk_limit=self.options.chunk_bytes,
+                          batch_limit=self.options.read_batch_bytes)
             try:
                 if to == "safetensors":
-                    return to_safetensors.export(session, source.manifest, dst, **common)
-                return to_orbax.export(session, source.manifest, dst, settings=self.runner.settings, **common)
+                    return to_safetensors.export(session, source, dst, names=names, skip=skip_unsupported,
+                                                 max_shard_size=max_shard_size, **common)
+                return to_orbax.export(session, source, dst, settings=self.runner.settings, **common)
             finally:
                 session.close()
         plan = plan_stored(source.manifest, self.options.chunk_bytes, self.options.small_leaf_bytes)

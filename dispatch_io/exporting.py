@@ -17,14 +17,16 @@ import math
 import os
 import shutil
 import uuid
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 
+from dispatch_io import reading
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import pack
 from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import storage_chunk_shape
+from dispatch_io.progress import Progress
 from workers import Region, Session, numpy_dtype, read_regions
 
 TARGETS = ("dispatch_io", "safetensors", "orbax")
@@ -51,33 +53,61 @@ class Leaf:
     saved: SavedLeaf
 
 
-def default_name(path) -> str:
-    """A leaf's name in an export: its key names (dict keys, indices, attribute names) joined
-    by ``.`` -- ``['model']['layers'][3]['w']`` is ``model.layers.3.w``."""
-    return ".".join(tree_lib.key_names(path))
+# A leaf's name in an export: its key names joined by ``.`` (one rule with restore's default
+# safetensors name): ``['model']['layers'][3]['w']`` is ``model.layers.3.w``.
+default_name = tree_lib.dotted_name
+
+# The keywords each target takes beyond ``overwrite`` (``Dispatcher.convert``).
+KEYWORDS = {"dispatch_io": (), "safetensors": ("names", "skip_unsupported", "max_shard_size"), "orbax": ()}
+
+
+def check_keywords(to: str, names, skip_unsupported: bool, max_shard_size: int | None):
+    """ValueError for a ``to`` that is not a target, for a keyword ``to`` does not take (an
+    Orbax checkpoint names its leaves by their key paths, keeps the whole tree and has no
+    shards; a dispatch_io one too), and for a ``max_shard_size`` that is not a positive int."""
+    if to not in TARGETS:
+        raise ValueError(f"to must be one of {TARGETS}, got {to!r}")
+    given = {"names": names is not None, "skip_unsupported": bool(skip_unsupported),
+             "max_shard_size": max_shard_size is not None}
+    refused = [key for key, used in given.items() if used and key not in KEYWORDS[to]]
+    if refused:
+        raise ValueError(f"{', '.join(k + '=' for k in refused)}: only an export to safetensors takes "
+                         f"{'it' if len(refused) == 1 else 'them'}, not to={to!r}")
+    if max_shard_size is not None and not (type(max_shard_size) is int and max_shard_size > 0):
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
+
+
+class Unsupported(ValueError):
+    """A leaf (``keypath``) that the export's format cannot hold, and why (``reason``); the
+    message names ``remedy``, what leaves such leaves out where the call came from."""
+
+    def __init__(self, keypath: str, reason: str, remedy: str = "skip_unsupported=True"):
+        super().__init__(f"{keypath}: {reason} ({remedy} leaves such leaves out)")
+        self.keypath, self.reason = keypath, reason
 
 
 def leaves(manifest: Manifest, names: Callable | None, refuse: Callable[[SavedLeaf], str | None],
            skip: bool | None) -> tuple[list[Leaf], list[str]]:
     """(leaves to export, key paths skipped) of ``manifest``. ``names(path) -> str`` names them
-    (default :func:`default_name`); ``refuse(saved)`` says why a leaf cannot be exported (None:
-    it can). Raises ValueError naming the key path of the first refused leaf unless ``skip``
-    (None: skipping is not offered), and of two leaves given one name (or a name that is not a str)."""
+    (``tree.call_names``; default :data:`default_name`); ``refuse(saved)`` says why a leaf cannot
+    be exported (None: it can). Raises :class:`Unsupported` for the first refused leaf unless
+    ``skip`` (None: skipping is not offered, and renaming neither: a plain ValueError), and
+    ValueError naming the key paths of two leaves given one name."""
     tree = jax.tree_util.tree_unflatten(manifest.treedef, manifest.leaves)
     out, skipped, owners = [], [], {}
     for path, saved in jax.tree_util.tree_flatten_with_path(tree)[0]:
         problem = refuse(saved)
         if problem is not None:
+            if skip is None:
+                raise ValueError(f"{saved.keypath}: {problem}")
             if not skip:
-                hint = "" if skip is None else " (skip_unsupported=True leaves such leaves out)"
-                raise ValueError(f"{saved.keypath}: {problem}{hint}")
+                raise Unsupported(saved.keypath, problem)
             skipped.append(saved.keypath)
             continue
-        name = (names or default_name)(path)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{saved.keypath}: names() gave {name!r}, not a non-empty str")
+        name = tree_lib.call_names(names or default_name, path)
         if name in owners:
-            raise ValueError(f"{owners[name]} and {saved.keypath} would both be named {name!r}; pass names=")
+            remedy = "rename one of their keys" if skip is None else "pass names= to name them apart"
+            raise ValueError(f"{owners[name]} and {saved.keypath} would both be named {name!r}: {remedy}")
         owners[name] = saved.keypath
         out.append(Leaf(path, name, saved))
     return out, skipped
@@ -99,23 +129,21 @@ def pieces(saved: SavedLeaf, limit: int) -> list[Region]:
     return regions
 
 
-def stream(session: Session, work: list[tuple[object, Region]], batch_limit: int) -> Iterator[list[tuple]]:
-    """The (tag, region, host array) of each (tag, region) of ``work``, in order, a batch of at
-    most ``batch_limit`` bytes at a time; the next batch is read while the caller uses this one."""
+def stream(session: Session, work: list[tuple[object, Region]], batch_limit: int,
+           write: Callable[[list[tuple]], None], display: str):
+    """Read each (tag, region) of ``work`` through ``session``, in order, in batches of at most
+    ``batch_limit`` bytes, and hand each batch to ``write`` as (tag, region, host array) triples
+    while the next batch is read: :func:`~dispatch_io.reading.pipelined`, the loop restore and
+    verify read with. Raises WorkerError naming the key path and ``display`` (the source) for a
+    region that cannot be read, what ``write`` raises as it is; no read outlives the call."""
     batches = [batch for batch, _ in pack(work, lambda w: w[1].nbytes, batch_limit)]
+    progress = Progress("export", display, enabled=False)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-export") as pool:
-        read = lambda batch: read_regions(session, [region for _, region in batch])  # noqa: E731
-        future = pool.submit(read, batches[0]) if batches else None
-        for i, batch in enumerate(batches):
-            arrays = future.result()
-            future = pool.submit(read, batches[i + 1]) if i + 1 < len(batches) else None
-            try:
-                yield [(tag, region, array) for (tag, region), array in zip(batch, arrays)]
-            except BaseException:  # the caller failed (or stopped): no read may outlive it
-                if future is not None:
-                    future.cancel()
-                    concurrent.futures.wait([future])
-                raise
+        reading.pipelined(
+            batches, lambda batch: pool.submit(read_regions, session, [region for _, region in batch]),
+            lambda batch, arrays: write([(tag, region, array) for (tag, region), array in zip(batch, arrays)]),
+            lambda batch: sum(region.nbytes for _, region in batch), progress, "export",
+            lambda exc, batch: reading.read_failure(exc, batch[0][1].keypath, display))
 
 
 class LocalOutput:

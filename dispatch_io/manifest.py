@@ -39,7 +39,7 @@ import jax
 
 from dispatch_io import tree as tree_lib
 from dispatch_io import validate
-from dispatch_io.errors import CheckpointError
+from dispatch_io.errors import CheckpointError, TreeMismatchError
 from dispatch_io.plan import Plan, native_order
 from workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
 
@@ -195,24 +195,41 @@ class Manifest:
         dataclass attribute as a dict key and an int dict key as its text, so a target holding
         them matches the checkpoint they were saved from. With ``tensor_names`` (safetensors, or
         ``restore(names=...)``), the leaf whose key names joined by ``.`` are
-        ``tensor_names(path)``; TypeError if that is not a str."""
+        :meth:`tensor_name` of ``path``; TreeMismatchError naming both if that names two leaves
+        (``{"a.b": x}`` beside ``{"a": {"b": y}}``)."""
         if self.tensor_names is not None:
-            name = self.tensor_names(path)
-            if not isinstance(name, str):
-                raise TypeError(f"names({keypath}) must return a tensor name (str), got {name!r}")
-            return self._by_tensor_name.get(name)
+            name = self.tensor_name(path)
+            held = self._by_tensor_name.get(name, ())
+            if len(held) > 1:
+                raise TreeMismatchError([(keypath, f"names() gave {name!r}, the name of "
+                                                   f"{' and '.join(s.keypath for s in held)}: which is meant "
+                                                   "cannot be told")])
+            return held[0] if held else None
         if not self.keys_by_name:
             return self.by_keypath.get(keypath)
         return self._by_key_names.get(tree_lib.key_names(path))
 
+    def tensor_name(self, path) -> str | None:
+        """The name a target leaf at the JAX key path ``path`` is looked up by (None: it is
+        matched by key path): ``tensor_names(path)`` (``tree.call_names``: ValueError naming the
+        key path if that raises or gives no str)."""
+        return None if self.tensor_names is None else tree_lib.call_names(self.tensor_names, path)
+
     @functools.cached_property
-    def _by_tensor_name(self) -> dict[str, SavedLeaf]:
-        return {".".join(names): leaf for names, leaf in self._by_key_names.items()}
+    def _by_tensor_name(self) -> dict[str, list[SavedLeaf]]:
+        found: dict[str, list[SavedLeaf]] = {}
+        for names, leaf in self._by_key_names_all:
+            found.setdefault(".".join(names), []).append(leaf)
+        return found
+
+    @functools.cached_property
+    def _by_key_names_all(self) -> list[tuple[tuple[str, ...], SavedLeaf]]:
+        tree = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+        return [(tree_lib.key_names(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
     @functools.cached_property
     def _by_key_names(self) -> dict[tuple[str, ...], SavedLeaf]:
-        tree = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
-        return {tree_lib.key_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return dict(self._by_key_names_all)
 
 
 def parse(doc: dict, where: str) -> Manifest:

@@ -58,6 +58,7 @@ def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futur
         except BaseException:
             concurrent.futures.wait(in_flight)
             raise
+        del result  # what consume did not keep is freed before the next batch is submitted
         progress.advance(size(batch))
 
 

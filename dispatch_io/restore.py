@@ -217,7 +217,9 @@ def plan_outputs(manifest: Manifest, target, partial: bool, cast: bool, small_le
         keypath = jax.tree_util.keystr(path)
         saved = manifest.saved_leaf(path, keypath)
         if saved is None:
-            problems.append((keypath, "not in the checkpoint"))
+            name = manifest.tensor_name(path)
+            looked_for = "" if name is None else f" (no leaf is named {name!r})"
+            problems.append((keypath, "not in the checkpoint" + looked_for))
             continue
         named.add(saved.keypath)
         problem = _target_problem(saved, leaf, cast)

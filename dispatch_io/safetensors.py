@@ -43,7 +43,9 @@ from workers import RAW, ArraySpec, numpy_dtype
 FORMAT = "safetensors"
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
-MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts
+MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts (an index file too)
+MAX_AXES = 64                   # numpy's limit
+LIMIT = 1 << 63                 # dimensions and byte offsets: numpy and TensorStore index with int64
 # The "chunk" of a tensor (it has none): at most the chunk limit of any budget of 4 MiB or more,
 # so reads are cut by the limit (reading.read_pieces) and regions several processes hold are
 # shared piece by piece (scaleout); verify reads this much at a time.
@@ -57,17 +59,22 @@ DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "
 _FILE_NAME = re.compile(r"[^/\\]+\.safetensors")
 
 
-def tensor_name(path) -> str:
-    """The default tensor name of a target leaf at the JAX key path ``path``: its key names
-    (``tree.key_names``: dict keys, sequence indices, attribute names) joined by ``.``."""
-    return ".".join(tree_lib.key_names(path))
+# The default tensor name of a target leaf: its key names joined by ``.`` (the export's rule too).
+tensor_name = tree_lib.dotted_name
+
+
+def is_data_file(name: str) -> bool:
+    """Whether the file ``name`` of a folder is a safetensors file of its set: ``*.safetensors``,
+    except macOS's ``._*`` resource-fork files that copies to some disks leave beside each file."""
+    return _FILE_NAME.fullmatch(name) is not None and not name.startswith("._")
 
 
 def find(path) -> tuple[dict, list[str] | None, str | None] | None:
     """What safetensors ``path`` holds, or None if it holds none (or a dispatch_io checkpoint):
     (kvstore spec of its folder, the file names -- None: every ``*.safetensors`` there --, the
     index file's name or None). ``path``: a ``.safetensors`` file, or a directory / URL prefix
-    holding such files (and an ``*.safetensors.index.json``)."""
+    holding such files (and an ``*.safetensors.index.json``). CheckpointError listing them for
+    a folder with several index files (Hugging Face variants such as ``model.fp16``)."""
     text = os.fspath(path) if isinstance(path, os.PathLike) else path
     location = Location.parse(path)
     if isinstance(location, DirectoryLocation):
@@ -89,42 +96,61 @@ def find(path) -> tuple[dict, list[str] | None, str | None] | None:
             return None
         spec = location.spec
         names = [key.decode() for key in ts.KvStore.open(spec, context=location.context).result().list().result()]
-    index = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
-    files = sorted(n for n in names if _FILE_NAME.fullmatch(n))
+    index = sorted(n for n in names if n.endswith(INDEX_SUFFIX) and not n.startswith("._"))
+    files = sorted(n for n in names if is_data_file(n))
     if not index and not files:
         return None
+    if len(index) > 1:
+        raise CheckpointError(f"{text} holds {len(index)} safetensors index files ({', '.join(index)}): which set "
+                              f"is meant cannot be told; open one file, or a folder holding one set")
     return spec, None, index[0] if index else None
 
 
-def _read(kv: ts.KvStore, key: str, start: int, stop: int, display: str):
-    """Bytes [start, stop) of ``key``; CheckpointError if the file is missing or shorter."""
-    try:
-        result = kv.read(key, byte_range=slice(start, stop)).result()
-    except ValueError as exc:  # OUT_OF_RANGE: the file is shorter
-        raise CheckpointError(f"{display}: {key} is shorter than its header says (no bytes [{start}, {stop}))") from exc
-    if result.state != "value":
-        raise CheckpointError(f"{display}: {key} is missing")
-    return result
+def _fetch(kv: ts.KvStore, requests: list[tuple[str, int, int | None]], display: str) -> list:
+    """The results of the byte-range reads ``requests`` ((key, start, stop) each), issued
+    together (one round trip however many files); CheckpointError if a file is missing or
+    shorter than a read."""
+    batch = ts.Batch()
+    futures = [kv.read(key, byte_range=slice(start, stop), batch=batch) for key, start, stop in requests]
+    batch.submit()
+    results = []
+    for (key, start, stop), future in zip(requests, futures):
+        try:
+            result = future.result()
+        except ValueError as exc:  # OUT_OF_RANGE: the file is shorter
+            raise CheckpointError(f"{display}: {key} is shorter than its header says (no bytes [{start}, {stop}))") from exc
+        if result.state != "value":
+            raise CheckpointError(f"{display}: {key} is missing")
+        results.append(result)
+    return results
 
 
-def _header(kv: ts.KvStore, key: str, display: str) -> tuple[dict, int, str]:
-    """(header JSON, where the data starts, the file's generation), checked."""
-    first = _read(kv, key, 0, 8, display)
-    size = int.from_bytes(first.value, "little")
-    if size > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{display}: {key} has a header of {size} bytes (at most {MAX_HEADER_BYTES} are read): "
-                              "not a safetensors file")
-    try:
-        header = json.loads(_read(kv, key, 8, 8 + size, display).value)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{display}: {key} has a header that is not JSON: not a safetensors file") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{display}: {key} has a header that is not a JSON object")
-    return header, 8 + size, first.stamp.generation
+def _headers(kv: ts.KvStore, keys: list[str], display: str) -> list[tuple[dict, int, str]]:
+    """(header JSON, where the data starts, the file's generation) of each file of ``keys``,
+    checked: every file's length field in one round trip, then every header in another."""
+    firsts = _fetch(kv, [(key, 0, 8) for key in keys], display)
+    sizes = [int.from_bytes(first.value, "little") for first in firsts]
+    for key, size in zip(keys, sizes):
+        if size > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{display}: {key} has a header of {size} bytes (at most {MAX_HEADER_BYTES} are "
+                                  "read): not a safetensors file")
+    found = []
+    for key, size, first, text in zip(keys, sizes, firsts,
+                                      _fetch(kv, [(key, 8, 8 + size) for key, size in zip(keys, sizes)], display)):
+        try:
+            header = json.loads(text.value)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointError(f"{display}: {key} has a header that is not JSON: not a safetensors file") from exc
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{display}: {key} has a header that is not a JSON object")
+        found.append((header, 8 + size, first.stamp.generation))
+    return found
 
 
-def _tensors(kv: ts.KvStore, key: str, header: dict, data: int, display: str) -> list[tuple[str, str, tuple, int]]:
-    """(name, dtype name, shape, absolute offset) of every tensor of a checked ``header``."""
+def _tensors(key: str, header: dict, data: int, display: str) -> tuple[list[tuple[str, str, tuple, int]], int]:
+    """(name, dtype name, shape, absolute offset) of every tensor of a checked ``header``, and
+    where its data ends in the file. Shapes and offsets are bounded as numpy and TensorStore
+    index them (at most :data:`MAX_AXES` axes, every dimension and byte offset below 2**63)."""
     tensors, ranges = [], []
     for name, entry in header.items():
         if name == "__metadata__":
@@ -135,10 +161,12 @@ def _tensors(kv: ts.KvStore, key: str, header: dict, data: int, display: str) ->
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in DTYPES:
             raise CheckpointError(f"{where}: dtype {str(dtype)[:40]!r} is not one dispatch_io reads ({', '.join(DTYPES)})")
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-            raise CheckpointError(f"{where}: malformed shape {str(shape)[:200]}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_AXES
+                and all(type(n) is int and 0 <= n < LIMIT for n in shape)):
+            raise CheckpointError(f"{where}: malformed shape {str(shape)[:200]} (at most {MAX_AXES} axes, "
+                                  "each of 0 to 2**63 - 1)")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int and n >= 0 for n in offsets)
-                and offsets[0] <= offsets[1]):
+                and offsets[0] <= offsets[1] and data + offsets[1] < LIMIT):
             raise CheckpointError(f"{where}: malformed data_offsets {str(offsets)[:200]}")
         nbytes = math.prod(shape) * numpy_dtype(DTYPES[dtype]).itemsize
         if offsets[1] - offsets[0] != nbytes:
@@ -152,40 +180,55 @@ def _tensors(kv: ts.KvStore, key: str, header: dict, data: int, display: str) ->
             raise CheckpointError(f"{display}: {key}: tensor data {'overlaps' if begin < end else 'has a gap'} "
                                   f"at byte {min(begin, end)} of its data: not a valid safetensors file")
         end = stop
-    if end:
-        _read(kv, key, data + end - 1, data + end, display)  # the data lies inside the file
-    return tensors
+    return tensors, data + end
+
+
+def _index(kv: ts.KvStore, index: str, display: str) -> dict[str, str]:
+    """The weight map (tensor name -> file) of the index file ``index``, read only if it is at
+    most :data:`MAX_HEADER_BYTES` (a real one is a few hundred KB)."""
+    try:
+        too_large = kv.read(index, byte_range=slice(MAX_HEADER_BYTES, MAX_HEADER_BYTES + 1)).result().state == "value"
+    except ValueError:  # OUT_OF_RANGE: smaller than that
+        too_large = False
+    if too_large:
+        raise CheckpointError(f"{display}: {index} is larger than {MAX_HEADER_BYTES} bytes: not a safetensors index")
+    try:
+        weight_map = json.loads(_fetch(kv, [(index, 0, None)], display)[0].value)["weight_map"]
+        return {str(name): str(file) for name, file in weight_map.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{display}: {index} is not a safetensors index (no weight_map)") from exc
 
 
 def read(spec: dict, files: list[str] | None, index: str | None, display: str,
          context: ts.Context | None = None) -> tuple[Manifest, list[tuple[str, str]]]:
     """The safetensors at ``spec`` (:func:`find`) as (Manifest, [(file, generation)]).
 
+    The files' headers are read together, in three round trips in all (length fields, headers,
+    each file's last data byte), however many files: every process of a job opens the set.
     Raises CheckpointError naming the file (and tensor) for a malformed or inconsistent header or
     index, a tensor held by two files, a file the index names that is missing."""
     kv = ts.KvStore.open(spec, context=context).result()
     expected = None
     if index is not None:
-        try:
-            weight_map = json.loads(_read(kv, index, 0, None, display).value)["weight_map"]
-            expected = {str(name): str(file) for name, file in weight_map.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{display}: {index} is not a safetensors index (no weight_map)") from exc
+        expected = _index(kv, index, display)
         files = sorted(set(expected.values()))
     elif files is None:
-        files = sorted(key.decode() for key in kv.list().result() if _FILE_NAME.fullmatch(key.decode()))
+        files = sorted(key.decode() for key in kv.list().result() if is_data_file(key.decode()))
     for name in files:
         if not _FILE_NAME.fullmatch(name) or posixpath.normpath(name) != name:
             raise CheckpointError(f"{display}: {index} names {name[:200]!r}, not a .safetensors file of its folder")
     held: dict[str, tuple] = {}
-    generations = []
-    for name in files:
-        header, data, generation = _header(kv, name, display)
+    generations, ends = [], []
+    for name, (header, data, generation) in zip(files, _headers(kv, files, display)):
         generations.append((name, generation))
-        for tensor, dtype, shape, offset in _tensors(kv, name, header, data, display):
+        tensors, end = _tensors(name, header, data, display)
+        if end > data:
+            ends.append((name, end - 1, end))
+        for tensor, dtype, shape, offset in tensors:
             if tensor in held:
                 raise CheckpointError(f"{display}: tensor {tensor!r} is in both {held[tensor][0]} and {name}")
             held[tensor] = (name, dtype, shape, offset)
+    _fetch(kv, ends, display)  # every file's data lies inside it
     if expected is not None:
         for tensor, (name, *_) in held.items():
             if expected.get(tensor, name) != name:

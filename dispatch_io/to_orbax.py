@@ -122,22 +122,18 @@ def _write_json(path: str, doc):
         json.dump(doc, f)
 
 
-def export(session, manifest, dst, *, overwrite: bool, names, skip: bool, max_shard_size, chunk_limit: int,
-           batch_limit: int, check_unchanged, settings) -> ExportStats:
-    """Write the tree of ``manifest`` (arrays read through ``session``) as an Orbax checkpoint at
-    ``dst``; see the module docstring. ``settings``: the IOSettings to write with. Raises
-    ValueError for a leaf Orbax cannot hold (naming its key path), for ``names`` (Orbax names
-    leaves by their key paths), ``max_shard_size`` or ``skip``, for a non-local ``dst``;
-    FileExistsError if ``dst`` exists and not ``overwrite``. A failure leaves nothing at ``dst``."""
+def export(session, source, dst, *, overwrite: bool, chunk_limit: int, batch_limit: int, settings) -> ExportStats:
+    """Write the tree of ``source`` (a ``formats.Opened``, its arrays read through ``session``) as
+    an Orbax checkpoint at ``dst``; see the module docstring. ``settings``: the IOSettings to
+    write with. Raises ValueError for a leaf Orbax cannot hold (naming its key path), for a
+    non-local ``dst``; FileExistsError if ``dst`` exists and not ``overwrite``; WorkerError
+    naming the key path for a source region that cannot be read. A failure leaves nothing at
+    ``dst``. (``exporting.check_keywords`` refuses the safetensors-only keywords.)"""
     started = time.perf_counter()
-    if names is not None or max_shard_size is not None:
-        raise ValueError("an Orbax checkpoint names its leaves by their key paths and has no shards: "
-                         "names= and max_shard_size= are for safetensors")
+    manifest = source.manifest
     location = Location.parse(dst)
     if not isinstance(location, DirectoryLocation):
         raise ValueError(f"export to Orbax writes a local directory: {dst} is not a local path")
-    if skip:
-        raise ValueError("an Orbax checkpoint keeps the whole tree: skip_unsupported is for safetensors")
     exported, _ = exporting.leaves(manifest, None, refusal, None)
     step = os.path.basename(os.path.abspath(location.path)).isdigit()
     output = LocalOutput(location.path, overwrite, lambda p: orbax.is_item(p) or bool(orbax.items(p)),
@@ -156,14 +152,14 @@ def export(session, manifest, dst, *, overwrite: bool, names, skip: bool, max_sh
             if scalars:
                 write_regions(writer, *zip(*scalars))
             work = [(arrays[leaf.name], region) for leaf in exported for region in exporting.pieces(leaf.saved, chunk_limit)]
-            for batch in exporting.stream(session, work, batch_limit):
-                write_regions(writer, [Region(spec, region.bounds, region.keypath) for spec, region, _ in batch],
-                              [array for _, _, array in batch])
+            exporting.stream(session, work, batch_limit, lambda batch: write_regions(
+                writer, [Region(spec, region.bounds, region.keypath) for spec, region, _ in batch],
+                [array for _, _, array in batch]), source.display)
         finally:
             writer.close()
         finish_arrays(base, "ocdbt", list(arrays.values()), settings.compression)
         _write_metadata(item, manifest, exported, arrays)
-        check_unchanged()
+        source.check_unchanged()
         now = time.time_ns()
         handlers = {ITEM: HANDLER} if step else HANDLER
         _write_json(os.path.join(output.tmp, orbax.STEP_METADATA), {

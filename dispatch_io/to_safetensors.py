@@ -5,7 +5,7 @@ directory: ``model.safetensors`` when everything fits in ``max_shard_size`` byte
 ``model-00001-of-0000N.safetensors`` (each at most ``max_shard_size`` of tensor data, or one
 larger tensor alone) and ``model.safetensors.index.json`` mapping each tensor to its shard, as
 Hugging Face writes them. Tensor names are the leaves' key names joined by ``.``
-(``exporting.default_name``) unless ``names`` says otherwise. Headers carry
+(``tree.dotted_name``) unless ``names`` says otherwise. Headers carry
 ``{"format": "pt"}`` in ``__metadata__`` (what Hugging Face loaders expect).
 
 safetensors holds tensors of its own dtypes only: PRNG key arrays, Python scalars and dtypes it
@@ -34,6 +34,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9   # Hugging Face's default, "5GB"
 _MARKER = "dispatch_io-export"
+METADATA_KEY = "__metadata__"   # the header's own entry: no tensor may be named so
 
 
 def refusal(saved: SavedLeaf) -> str | None:
@@ -65,7 +66,7 @@ def shards(leaves: list[Leaf], max_shard_size: int) -> list[list[Leaf]]:
 def header(leaves: list[Leaf]) -> bytes:
     """The 8-byte length and JSON header of a file holding ``leaves`` in order, padded with spaces
     to a multiple of 8 bytes (so the data is aligned, as the safetensors library writes it)."""
-    doc: dict = {"__metadata__": {"format": "pt"}}
+    doc: dict = {METADATA_KEY: {"format": "pt"}}
     offset = 0
     for leaf in leaves:
         n = math.prod(leaf.saved.shape) * np.dtype(leaf.saved.dtype).itemsize
@@ -78,46 +79,62 @@ def header(leaves: list[Leaf]) -> bytes:
 
 
 def _replaceable(path: str) -> bool:
-    return safetensors.find(path) is not None
+    """Whether an export may replace ``path``: a ``.safetensors`` file, or a directory holding
+    nothing but safetensors files and index files (what an export writes). A model folder with
+    ``config.json`` or a tokenizer beside its weights is not: replacing it would delete them."""
+    if not os.path.isdir(path):
+        return path.endswith(safetensors.SUFFIX)
+    held = os.listdir(path)
+    return bool(held) and all(safetensors.is_data_file(n) or n.endswith(safetensors.INDEX_SUFFIX) for n in held)
 
 
-def export(session, manifest, dst, *, overwrite: bool, names, skip: bool, max_shard_size: int | None,
-           chunk_limit: int, batch_limit: int, check_unchanged) -> ExportStats:
-    """Write the leaves of ``manifest`` (read through ``session``, the source's arrays) as
-    safetensors at ``dst``; see the module docstring. ``check_unchanged()`` raises if the source
-    was replaced meanwhile (called before the commit). Raises ValueError for a leaf safetensors
-    cannot hold (naming its key path), for two leaves given one name, for a non-local ``dst``;
-    FileExistsError if ``dst`` exists and not ``overwrite``. A failure leaves nothing at ``dst``."""
+def _little_endian(array: np.ndarray) -> np.ndarray:
+    """``array``'s bytes as safetensors stores them: C order, little-endian."""
+    array = np.ascontiguousarray(array)
+    return array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
+
+
+def export(session, source, dst, *, overwrite: bool, names, skip: bool, max_shard_size: int | None,
+           chunk_limit: int, batch_limit: int) -> ExportStats:
+    """Write the leaves of ``source`` (a ``formats.Opened``, its arrays read through ``session``)
+    as safetensors at ``dst``; see the module docstring. Raises ValueError for a leaf
+    safetensors cannot hold (``exporting.Unsupported``, naming its key path), for a leaf named
+    ``__metadata__`` (the header's own key) or two leaves given one name, for a non-local ``dst``
+    or a ``dst`` directory holding other files than safetensors (a model folder's config);
+    FileExistsError if ``dst`` exists and not ``overwrite``; WorkerError naming the key path for
+    a source region that cannot be read. A failure leaves nothing at ``dst``. The shards are
+    written one after the other: one file is open at a time, however many there are."""
     started = time.perf_counter()
     if not isinstance(Location.parse(dst), DirectoryLocation):
         raise ValueError(f"export to safetensors writes local files: {dst} is not a local path")
     path = Location.parse(dst).path
-    exported, skipped = exporting.leaves(manifest, names, refusal, skip)
+    exported, skipped = exporting.leaves(source.manifest, names, refusal, skip)
+    for leaf in exported:
+        if leaf.name == METADATA_KEY:
+            raise ValueError(f"{leaf.saved.keypath}: {METADATA_KEY!r} is the safetensors header's metadata key, "
+                             "not a tensor name (pass names= to name the leaf otherwise)")
     one_file = path.endswith(safetensors.SUFFIX)
-    files = [exported] if one_file else shards(exported, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    limit = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+    files = [exported] if one_file else shards(exported, limit)
     names_of = [SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                                                  for i in range(len(files))]
     output = LocalOutput(path, overwrite, _replaceable, _MARKER, is_dir=not one_file)
     try:
         where = [output.tmp] if one_file else [os.path.join(output.tmp, name) for name in names_of]
-        handles = [open(p, "wb") for p in where]
+        shard = _Shards(where, files)
         try:
-            for handle, leaves in zip(handles, files):
-                handle.write(header(leaves))
             work = [(i, region) for i, leaves in enumerate(files) for leaf in leaves
                     for region in exporting.pieces(leaf.saved, chunk_limit)]
-            for batch in exporting.stream(session, work, batch_limit):
-                for i, _, array in batch:
-                    handles[i].write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            exporting.stream(session, work, batch_limit, shard.write, source.display)
+            shard.finish()
         finally:
-            for handle in handles:
-                handle.close()
+            shard.close()
         if len(files) > 1:
             weight_map = {leaf.name: name for name, leaves in zip(names_of, files) for leaf in leaves}
             total = sum(exporting.nbytes(leaf.saved) for leaf in exported)
             with open(os.path.join(output.tmp, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        check_unchanged()
+        source.check_unchanged()
         output.commit()
     except BaseException:
         output.abort()
@@ -125,3 +142,34 @@ def export(session, manifest, dst, *, overwrite: bool, names, skip: bool, max_sh
     written = tuple([os.fspath(dst)] if one_file else names_of + ([INDEX] if len(files) > 1 else []))
     return ExportStats(os.fspath(dst), sum(exporting.nbytes(leaf.saved) for leaf in exported), written,
                        tuple(skipped), time.perf_counter() - started)
+
+
+class _Shards:
+    """The shard files at ``paths`` (holding ``files[i]``'s leaves each), written in order, one
+    open at a time: :meth:`write` takes the stream's (shard index, region, array) triples."""
+
+    def __init__(self, paths: list[str], files: list[list[Leaf]]):
+        self._paths, self._files = paths, files
+        self._current, self._handle = -1, None
+
+    def _open_until(self, index: int):
+        """Finish the shards before ``index`` (headers alone for those without data) and open it."""
+        while self._current < index:
+            self.close()
+            self._current += 1
+            self._handle = open(self._paths[self._current], "wb")
+            self._handle.write(header(self._files[self._current]))
+
+    def write(self, batch: list[tuple]):
+        for i, _, array in batch:
+            self._open_until(i)
+            self._handle.write(_little_endian(array))
+
+    def finish(self):
+        """Write the shards after the last one holding data."""
+        self._open_until(len(self._paths) - 1)
+
+    def close(self):
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None

@@ -55,6 +55,29 @@ def key_names(path) -> tuple[str, ...]:
     return tuple(str(_key_name(entry)) for entry in path)
 
 
+def dotted_name(path) -> str:
+    """A leaf's name where a checkpoint format names tensors by a string (safetensors, Orbax's
+    array names): its :func:`key_names` joined by ``.`` -- ``['model']['layers'][3]['w']`` is
+    ``model.layers.3.w``. The default of every ``names=`` function."""
+    return ".".join(key_names(path))
+
+
+def call_names(names, path) -> str:
+    """``names(path)``, the name a user's ``names=`` function gives the leaf at the JAX key path
+    ``path``. ValueError naming the key path if it raises (chained to its error) or returns an
+    empty str, TypeError if it returns no str."""
+    keypath = tu.keystr(path)
+    try:
+        name = names(path)
+    except Exception as exc:  # the user's function: its error is kept as the cause, named by key path
+        raise ValueError(f"names({keypath}) raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(name, str):
+        raise TypeError(f"names({keypath}) must return a tensor name (a non-empty str), got {name!r}")
+    if not name:
+        raise ValueError(f"names({keypath}) must return a tensor name (a non-empty str), got ''")
+    return name
+
+
 def _key_name(entry):
     if isinstance(entry, tu.SequenceKey):
         return entry.idx

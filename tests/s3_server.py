@@ -64,6 +64,7 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
     on a different object (so a retry after backoff gets through)."""
 
     daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 drops concurrent connects: each waits a 1 s SYN retry
 
     def __init__(self, upstream_port: int):
         super().__init__(("127.0.0.1", 0), _ProxyHandler)

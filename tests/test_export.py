@@ -139,9 +139,9 @@ def test_a_failed_export_leaves_nothing(source, tmp_path, monkeypatch):
     for to, dst in [("safetensors", tmp_path / "st"), ("orbax", tmp_path / "ox")]:
         calls.clear()
         with dio.LocalDispatcher(host_memory_budget=4 << 10, max_chunk_bytes=1 << 10) as d:
-            with pytest.raises(OSError, match="disk gone"):
+            with pytest.raises(dio.WorkerError, match="disk gone"):  # named with its key path and source
                 d.convert(path, dst, to=to, **({"skip_unsupported": True} if to == "safetensors" else {}))
-            assert len(calls) == 3
+            assert len(calls) in (3, 4)  # the failed read, and the one in flight beside it (reading.pipelined)
         assert sorted(os.listdir(tmp_path)) == ["ours"], os.listdir(tmp_path)
 
 

@@ -29,9 +29,7 @@ def release_page_cache(session, regions: Sequence[Region], written: bool):
     else:  # one array directory per region's array
         folders = {os.path.join(session.directory, r.array.name) for r in regions}
     for folder in folders:
-        # A raw array's name is a file (a safetensors file), not a folder of chunks.
-        walked = [(os.path.dirname(folder), [], [os.path.basename(folder)])] if os.path.isfile(folder) else os.walk(folder)
-        for root, _, names in walked:
+        for root, _, names in os.walk(folder):
             for name in names:
                 path = os.path.join(root, name)
                 try:

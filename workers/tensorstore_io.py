@@ -62,6 +62,9 @@ class Session:
         # Local files only: the directory whose page cache write_regions / read_regions drop.
         keep = settings.keep_page_cache
         self.directory = storage.get("path") if storage.get("driver") == "file" and not keep else None
+        # Raw arrays of a local folder (a plain file kvstore) are read with os.pread (raw_bytes).
+        self.raw_folder = kvstore.get("path") if kvstore.get("driver") == "file" else None
+        self.keep_page_cache = keep
         self.dropped: dict[str, tuple] = {}   # file -> (inode, size, mtime) when its page cache was dropped
         if context is None:
             context = shared_context(kvstore)
@@ -283,8 +286,7 @@ def _read_raw(session: Session, regions: Sequence[Region], out: list, raw: list[
     if rest:
         for i, array in zip(rest, read_regions(session, [regions[i] for i in rest], [out[i] for i in rest])):
             results[i] = array
-    release_page_cache(session, [regions[i] for i in raw], written=False)
-    return results
+    return results  # raw_bytes drops the page cache of the ranges it read: only those
 
 
 def _blame_leaf(stores: dict, regions: Sequence[Region], span: tuple[ArraySpec, int, int, str]):
