@@ -1,5 +1,5 @@
-"""Review of issue 29 (safetensors in, exports out): each test fails on the code it was written
-against and states the behaviour it expects."""
+"""safetensors in, safetensors and Orbax out: edge cases from an adversarial review (each failed
+before its fix) and the behaviour each expects."""
 
 import json
 import os
