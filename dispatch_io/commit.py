@@ -113,6 +113,11 @@ class SingleProcessCommit:
         pass
 
 
+def _unlike_leader(published: dict[int, object]) -> list[int]:
+    """The processes whose published value is not process 0's, ascending."""
+    return sorted(p for p, value in published.items() if value != published[0])
+
+
 class MultiProcess:
     """Coordinates the saves of a ``jax.distributed`` job through its coordination service."""
 
@@ -150,24 +155,22 @@ class MultiProcessCommit:
         (before anything is written)."""
         self.room.set(f"plan/{self.job.process}", [plan.digest, stored, agreed])
         published = self.room.gather("plan")
-        attached = {p: a for p, (_, _, a) in published.items()}
-        if any(a != attached[0] for a in attached.values()):
-            differ = sorted(p for p, a in attached.items() if a != attached[0])
+        digests, options, attached = ({p: entry[i] for p, entry in published.items()} for i in range(3))
+        differ = _unlike_leader(attached)
+        if differ:
             raise ValueError(f"the processes attach different items to the save of {self.location.display}: "
                              f"process(es) {differ} attach {attached[differ[0]]}, process 0 {attached[0]}. Every "
                              "process must pass the same item names and kinds.")
-        options = {p: o for p, (_, o, _) in published.items()}
-        if any(o != options[0] for o in options.values()):
-            differ = sorted(p for p, o in options.items() if o != options[0])
+        differ = _unlike_leader(options)
+        if differ:
             raise ValueError(f"the processes save {self.location.display} with different options: process(es) "
                              f"{differ} store {options[differ[0]]}, process 0 {options[0]}. Every process must "
                              "save with the same Options.")
-        digests = {p: d for p, (d, _, _) in published.items()}
-        if len(set(digests.values())) == 1:
+        differ = _unlike_leader(digests)
+        if not differ:
             return
         self.room.set(f"leaves/{self.job.process}", plan.leaf_digests)
         leaves = self.room.gather("leaves")
-        differ = sorted(p for p, d in digests.items() if d != digests[0])
         keypaths = [spec.keypath for spec in plan.leaves
                     if any(len(l) != len(plan.leaves) or l[spec.index] != leaves[0][spec.index]
                            for l in leaves.values())]
