@@ -1,0 +1,120 @@
+"""The local tier in a real 4-process x 2-device job (mesh data=2, fsdp=4), killed for real:
+a lost process's regions come back from its peers, both holders lost -> the newest persistent
+step with only their regions read from persistent storage (bytes read per source counted)."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import storage_helpers as sh
+from test_manager_multiprocess import _finish
+from test_multiprocess import child_env, free_port
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(TESTS, "tiers_job.py")
+LIMIT = 90
+HELD = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2 + 32 * 4   # bytes each process holds: half of w and m, all of b
+
+
+def _start(root, local, mode):
+    env, port = child_env(2, None), free_port()
+    return [subprocess.Popen([sys.executable, JOB, str(i), str(port), str(root), str(local), mode], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+
+
+def _kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait()
+
+
+def _train_and_kill(root, local):
+    """Train to step 9 (local saves 0, 2, .., 8; persistent 0, 6), then SIGKILL every process."""
+    procs = _start(root, local, "train")
+    try:
+        deadline = time.monotonic() + LIMIT
+        for i, p in enumerate(procs):
+            lines = []
+            while "step 9\n" not in lines:
+                line = p.stdout.readline()
+                assert line and time.monotonic() < deadline, \
+                    f"process {i} stopped before step 9:\n{''.join(lines)}\n{p.stderr.read()[-4000:]}"
+                lines.append(line)
+            assert re.findall(r"^saved (\d+)$", "".join(lines), re.M) == ["0", "2", "4", "6", "8"], lines
+    finally:
+        _kill([procs[1]] + procs)   # process 1 first, then the rest
+
+
+def _resumed(outs):
+    found = [re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+) "
+                       r"peer_regions (\d+) persistent_regions (\d+)$", out, re.M) for out in outs]
+    assert all(found), outs
+    return [(int(m[1]), m[2] == "True", int(m[3]), int(m[4]), int(m[5]), int(m[6]), int(m[7])) for m in found]
+
+
+def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persistent(tmp_path):
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    _train_and_kill(root, local)
+    # A flipped byte in process 0's copy of w's region 0 (step 8): that region comes from process 2's copy.
+    bad = sh.chunks(tmp_path / "local" / "0" / "8", "['w']")[(0, 0)]
+    sh.flip_byte(bad)
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (8, True) and r[3] == 0 and r[5:] == (1, 0) for r in results), results
+    assert results[0][4] == 1024 and results[0][2] == HELD - 1024, results
+    sh.flip_byte(bad)                                           # mended (the flip is an XOR)
+    shutil.rmtree(str(local).replace("{process}", "1"))       # process 1's host is gone with its disk
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (8, True) for r in results), results                  # the newest local step, bit-exact
+    assert sum(r[3] for r in results) == 0, results                           # nothing from persistent storage
+    assert results[1][2] == 0 and results[1][4] == HELD, results              # process 1: all from its peers
+    assert [r[2] for r in results] == [HELD, 0, HELD, HELD], results          # each other's own bytes, once
+    assert all(r[5:] == (5, 0) for r in results), results     # w's and m's regions 2, 3 and b came from peers
+    # Both holders of fsdp regions 0 and 1 lost: step 6 (persisted), those regions from the root only.
+    for p in (0, 2):
+        shutil.rmtree(str(local).replace("{process}", str(p)))
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (6, True) for r in results), results
+    lost = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2                            # w's and m's regions 0 and 1
+    assert sum(r[3] for r in results) == lost and results[1][3] == results[3][3] == 0, results
+
+
+def test_one_process_saves_locally_between_persistent_steps_and_restores_from_either(tmp_path, mesh):
+    """One process (8 devices): local steps hold every region once; a wiped local tier -> the root.
+    A manager without ``local=`` sees only the persistent steps, as before."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import dispatch_io as dio
+    from dispatch_io import policies
+
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding)}
+    state = lambda step: {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sharding)}  # noqa: E731
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(5):
+            assert mgr.should_save(step) == (step % 2 == 0 or step % 3 == 0)
+            mgr.save(step, state(step))
+        mgr.wait()
+        assert mgr.local.steps() == [0, 2, 4] and mgr.all_steps() == [0, 3]
+        restored = mgr.restore(None, target)
+        stats = mgr.last_tier_restore
+        assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (4, 512, 0), stats
+        assert np.array_equal(np.asarray(restored["w"]), np.asarray(state(4)["w"]))
+    shutil.rmtree(tmp_path / "local" / "0")
+    with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        restored = mgr.restore(None, target)
+        stats = mgr.last_tier_restore
+        assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (3, 0, 512), stats
+        assert np.array_equal(np.asarray(restored["w"]), np.asarray(state(3)["w"]))
+    with dio.CheckpointManager(tmp_path / "root") as mgr:
+        assert mgr.latest_step() == 3 and mgr.local is None

@@ -1,0 +1,67 @@
+"""One process of a 4-process x 2-CPU-device job with a local tier (run by tests/test_tiers.py).
+
+    python tiers_job.py PROCESS PORT ROOT LOCAL MODE
+
+Mesh (data=2, fsdp=4): process p holds fsdp regions 2(p % 2), 2(p % 2) + 1, so processes
+{0, 2} and {1, 3} hold the same regions. The state is a deterministic function of the step.
+
+MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each save waited
+for, so a step printed ``saved N`` is committed); prints ``step 9`` and waits to be killed.
+MODE ``resume``: restores through the tiers (verifying checksums; twice) and prints ``resumed STEP exact BOOL local L
+persistent P received R peer_regions A persistent_regions B``.
+"""
+
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dispatch_io as dio
+from dispatch_io import policies
+
+process, port, root, local, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
+mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+SPECS = {"w": ((64, 16), np.float32, P("fsdp", None)), "m": ((16, 64), np.int32, P(None, "fsdp")),
+         "b": ((32,), np.float32, P())}
+
+
+def value(name, step):
+    shape, dtype, _ = SPECS[name]
+    return (np.arange(np.prod(shape)).reshape(shape) * 7 + step * 1000 + len(name)).astype(dtype)
+
+
+def state_at(step):
+    return {name: jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda i, n=name: value(n, step)[i])
+            for name, (shape, dtype, spec) in SPECS.items()}
+
+
+target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+          for name, (shape, dtype, spec) in SPECS.items()}
+tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3))
+dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=30)
+with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:
+    if mode == "train":
+        for step in range(10):
+            print(f"step {step}", flush=True)
+            if mgr.should_save(step):
+                mgr.save(step, state_at(step))
+                mgr.wait()
+                print(f"saved {step}", flush=True)
+        time.sleep(600)  # killed here
+    again = None
+    for _ in range(2):  # two restores in a row: the same step, the same bytes
+        restored = mgr.restore(None, target, verify=True)
+        s = mgr.last_tier_restore
+        exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
+                    for name, array in restored.items() for shard in array.addressable_shards)
+        assert again is None or again == (s, exact), (again, s, exact)
+        again = (s, exact)
+    print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
+          f"received {s.bytes_received} peer_regions {s.peer_regions} persistent_regions {s.persistent_regions}",
+          flush=True)
+print("done", flush=True)
+dispatcher.close()
+jax.distributed.shutdown()
