@@ -1,6 +1,8 @@
-"""The local tier in a real 4-process x 2-device job (mesh data=2, fsdp=4), killed for real:
-a lost process's regions come back from its peers, both holders lost -> the newest persistent
-step with only their regions read from persistent storage (bytes read per source counted)."""
+"""The local tier in a real 4-process x 2-device job (mesh data=2, fsdp=4), killed for real, every
+restore checked byte for byte with the bytes read per source counted: a bad local chunk comes from
+the other holder; permuted process ids map copies by what they hold; a lost process's regions come
+from its peers; both holders lost -> the newest persistent step, only their regions read from it; a
+process that never comes makes the others raise BarrierTimeoutError naming it."""
 
 import os
 import re
@@ -20,8 +22,8 @@ LIMIT = 90
 HELD = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2 + 32 * 4   # bytes each process holds: half of w and m, all of b
 
 
-def _start(root, local, mode):
-    env, port = child_env(2, None), free_port()
+def _start(root, local, mode, barrier_timeout=None):
+    env, port = child_env(2, barrier_timeout), free_port()
     return [subprocess.Popen([sys.executable, JOB, str(i), str(port), str(root), str(local), mode], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
 
@@ -68,6 +70,18 @@ def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persis
     assert all(r[:2] == (8, True) and r[3] == 0 and r[5:] == (1, 0) for r in results), results
     assert results[0][4] == 1024 and results[0][2] == HELD - 1024, results
     sh.flip_byte(bad)                                           # mended (the flip is an XOR)
+    # Processes 0 and 1 restart on each other's hosts (ids permuted): each copy is mapped by the
+    # regions it holds, so 0 and 1 get their w and m regions from 2 and 3; b is everywhere.
+    swap = [tmp_path / "local" / name for name in ("0", "1", "swap")]
+    for a, b in ((0, 2), (1, 0), (2, 1)):
+        os.rename(swap[a], swap[b])
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (8, True) and r[3] == 0 and r[5:] == (8, 0) for r in results), results
+    assert [r[2] for r in results] == [128, 128, HELD, HELD] and [r[4] for r in results] == [4096, 4096, 0, 0], \
+        results
+    for a, b in ((0, 2), (1, 0), (2, 1)):
+        os.rename(swap[a], swap[b])
     shutil.rmtree(str(local).replace("{process}", "1"))       # process 1's host is gone with its disk
     results = _resumed(_finish(_start(root, local, "resume")))
     print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
@@ -84,6 +98,13 @@ def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persis
     assert all(r[:2] == (6, True) for r in results), results
     lost = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2                            # w's and m's regions 0 and 1
     assert sum(r[3] for r in results) == lost and results[1][3] == results[3][3] == 0, results
+    # A process that never comes to the restore: the others raise BarrierTimeoutError naming it.
+    procs = _start(root, local, "stall", barrier_timeout=3)
+    try:
+        outs = _finish(procs[:3])
+    finally:
+        _kill(procs)
+    assert all("timed out waiting for [3]" in out for out in outs), outs
 
 
 def test_one_process_saves_locally_between_persistent_steps_and_restores_from_either(tmp_path, mesh):

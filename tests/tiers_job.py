@@ -7,10 +7,12 @@ Mesh (data=2, fsdp=4): process p holds fsdp regions 2(p % 2), 2(p % 2) + 1, so p
 
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each save waited
 for, so a step printed ``saved N`` is committed); prints ``step 9`` and waits to be killed.
+MODE ``stall``: process 3 sleeps; the others print ``timed out waiting for [3]``.
 MODE ``resume``: restores through the tiers (verifying checksums; twice) and prints ``resumed STEP exact BOOL local L
 persistent P received R peer_regions A persistent_regions B``.
 """
 
+import os
 import sys
 import time
 
@@ -41,7 +43,7 @@ def state_at(step):
 target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
           for name, (shape, dtype, spec) in SPECS.items()}
 tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3))
-dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=30)
+dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:
     if mode == "train":
         for step in range(10):
@@ -51,6 +53,14 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
+    if mode == "stall":  # process 3 never comes to the restore; the others must name it, not hang
+        if process == 3:
+            time.sleep(600)
+        try:
+            mgr.restore(None, target)
+        except dio.BarrierTimeoutError as exc:
+            print(f"timed out waiting for {exc.processes}", flush=True)
+            os._exit(0)  # the job is broken: no clean shutdown with process 3 gone
     again = None
     for _ in range(2):  # two restores in a row: the same step, the same bytes
         restored = mgr.restore(None, target, verify=True)

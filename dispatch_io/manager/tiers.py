@@ -191,8 +191,10 @@ class LocalTiers:
     def restore(self, target, persistent_root: StepRoot, persistent_steps, *, verify: bool = False):
         """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
         from the newest step the tiers hold whole; every process calls it together. Returns
-        (tree, :class:`TierRestoreStats`). FileNotFoundError if no step has every region;
-        BarrierTimeoutError naming a process that does not report within the barrier timeout."""
+        (tree, :class:`TierRestoreStats`). This process's local steps newer than the one restored
+        are then deleted: they belong to a history the job no longer follows. FileNotFoundError if
+        no step has every region; BarrierTimeoutError naming a process that does not report within
+        the barrier timeout."""
         options = self.dispatcher.options
         held = self._held(target, verify)  # before the room: a long verify must not time the others out
         room = None
@@ -210,7 +212,12 @@ class LocalTiers:
         if plan is None:
             raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_root.display} holds "
                                     "every region of the target")
-        return self._fill(plan, target, persistent_root, local_pass, shared, verify)
+        result = self._fill(plan, target, persistent_root, local_pass, shared, verify)
+        for step in self.steps():  # an abandoned history: never to be mixed with the one resumed now
+            if step > plan.step:
+                self._root.delete(step)
+        self._last_step = plan.step
+        return result
 
     def _share_manifest(self, step: int, reports: dict, room):
         """The manifest of local ``step`` for a process without the step (it plans its part of
