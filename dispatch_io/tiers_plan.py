@@ -13,6 +13,7 @@ wants (``{key path: {region: holder processes}}``); every process computes the s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Mapping
@@ -92,13 +93,14 @@ def as_regions(held: Mapping[str, list]) -> dict[str, set]:
 @dataclasses.dataclass(frozen=True)
 class Route:
     """Where one region of the result comes from. ``own``: the holders that read their own local
-    copy. ``receivers``: the holders without one, which get it from ``kind``: PEER (the copy of
-    one of ``own``, delivered among the region's holders) or PERSISTENT (the persistent step,
-    read by one of the receivers and delivered to the others); None when every holder has one."""
+    copy. ``receivers``: the holders without one, which get it from ``kind``: PEER (``reader``'s
+    local copy, delivered to them) or PERSISTENT (the persistent step, read by one of the
+    receivers and delivered to the others); None when every holder has one."""
 
     own: tuple[int, ...]
     kind: str | None = None
     receivers: tuple[int, ...] = ()
+    reader: int | None = None          # PEER: whose copy is read (a holder's if any has one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,15 +116,18 @@ class TierPlan:
         return sum(r.kind == kind for regions in self.routes.values() for r in regions.values())
 
 
-def _route(region, holders: tuple, local: dict, persisted: bool) -> Route | None:
+def _route(region, holders: tuple, local: dict, persisted: bool, load: Mapping[int, int]) -> Route | None:
     """The route of one region, or None if no source has it. ``local``: process -> the regions
-    it holds locally at the step (of this leaf)."""
+    it holds locally at the step (of this leaf); ``load``: regions each process reads for others."""
     own = tuple(p for p in holders if region in local.get(p, ()))
     missing = tuple(p for p in holders if p not in own)
     if not missing:
         return Route(own)
-    if own:  # a holder's copy: it travels only within the region's holders
-        return Route(own, PEER, missing)
+    # A holder's copy first (it travels within the region's holders), else anyone's (a process
+    # that held the region before a restart with permuted process ids or on another mesh).
+    copies = own or tuple(sorted(p for p, regions in local.items() if region in regions))
+    if copies:
+        return Route(own, PEER, missing, min(copies, key=lambda p: (load[p], p)))
     return Route((), PERSISTENT, holders) if persisted else None
 
 
@@ -136,22 +141,24 @@ def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[i
       reports: process -> {step: {key path: set of regions held locally}} (:func:`as_regions`).
       persistent_steps: the steps committed in persistent storage (every region available).
 
-    A holder with its own copy reads it; the others get it from the first holder with a copy
-    (PEER), or, if none has one, from persistent storage (PERSISTENT). A copy held by a process
-    that is not among the region's holders is not used (a restore onto another mesh or permuted
-    processes then reads that region from persistent storage)."""
+    A holder with its own copy reads it; the others get it from another process's copy (PEER:
+    a holder's if any has one, else any process's, the least loaded reader), or, if no process
+    has one, from persistent storage (PERSISTENT). Copies are matched by the regions they hold,
+    never by process index: process ids permuted on a restart lose nothing."""
     persistent = set(persistent_steps)
     steps = persistent | {s for held in reports.values() for s in held}
     for step in sorted(steps, reverse=True):
-        routes, complete = {}, True
+        routes, complete, load = {}, True, collections.Counter()
         for keypath, regions in wanted.items():
             local = {p: held[step].get(keypath, ()) for p, held in reports.items() if step in held}
             routes[keypath] = {}
             for region, holders in regions.items():
-                route = _route(region, tuple(holders), local, step in persistent)
+                route = _route(region, tuple(holders), local, step in persistent, load)
                 if route is None:
                     complete = False
                     break
+                if route.reader is not None:
+                    load[route.reader] += 1
                 routes[keypath][region] = route
             if not complete:
                 break

@@ -20,6 +20,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(TESTS, "tiers_job.py")
 LIMIT = 90
 HELD = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2 + 32 * 4   # bytes each process holds: half of w and m, all of b
+SOLO = 8 * 4 * 4                                        # and s, process 0's alone (2 regions)
 
 
 def _start(root, local, mode, barrier_timeout=None):
@@ -68,18 +69,19 @@ def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persis
     results = _resumed(_finish(_start(root, local, "resume")))
     print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
     assert all(r[:2] == (8, True) and r[3] == 0 and r[5:] == (1, 0) for r in results), results
-    assert results[0][4] == 1024 and results[0][2] == HELD - 1024, results
+    assert results[0][4] == 1024 and results[0][2] == HELD + SOLO - 1024, results
     sh.flip_byte(bad)                                           # mended (the flip is an XOR)
     # Processes 0 and 1 restart on each other's hosts (ids permuted): each copy is mapped by the
-    # regions it holds, so 0 and 1 get their w and m regions from 2 and 3; b is everywhere.
+    # regions it holds, so 0 and 1 get their w and m regions from 2 and 3 (holders), and 0 its s
+    # from 1, which has 0's old copy though it does not hold s now; b is everywhere.
     swap = [tmp_path / "local" / name for name in ("0", "1", "swap")]
     for a, b in ((0, 2), (1, 0), (2, 1)):
         os.rename(swap[a], swap[b])
     results = _resumed(_finish(_start(root, local, "resume")))
     print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
-    assert all(r[:2] == (8, True) and r[3] == 0 and r[5:] == (8, 0) for r in results), results
-    assert [r[2] for r in results] == [128, 128, HELD, HELD] and [r[4] for r in results] == [4096, 4096, 0, 0], \
-        results
+    assert all(r[:2] == (8, True) and r[3] == 0 and r[5:] == (10, 0) for r in results), results
+    assert [r[2] for r in results] == [128, 128 + SOLO, HELD, HELD], results
+    assert [r[4] for r in results] == [4096 + SOLO, 4096, 0, 0], results
     for a, b in ((0, 2), (1, 0), (2, 1)):
         os.rename(swap[a], swap[b])
     shutil.rmtree(str(local).replace("{process}", "1"))       # process 1's host is gone with its disk
@@ -88,16 +90,17 @@ def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persis
     assert all(r[:2] == (8, True) for r in results), results                  # the newest local step, bit-exact
     assert sum(r[3] for r in results) == 0, results                           # nothing from persistent storage
     assert results[1][2] == 0 and results[1][4] == HELD, results              # process 1: all from its peers
-    assert [r[2] for r in results] == [HELD, 0, HELD, HELD], results          # each other's own bytes, once
+    assert [r[2] for r in results] == [HELD + SOLO, 0, HELD, HELD], results   # each other's own bytes, once
     assert all(r[5:] == (5, 0) for r in results), results     # w's and m's regions 2, 3 and b came from peers
-    # Both holders of fsdp regions 0 and 1 lost: step 6 (persisted), those regions from the root only.
+    # Both holders of fsdp regions 0 and 1 lost (and s): step 6 (persisted), those regions from the root only.
     for p in (0, 2):
         shutil.rmtree(str(local).replace("{process}", str(p)))
     results = _resumed(_finish(_start(root, local, "resume")))
     print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
     assert all(r[:2] == (6, True) for r in results), results
-    lost = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2                            # w's and m's regions 0 and 1
+    lost = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2 + SOLO                   # w's and m's regions 0 and 1, s
     assert sum(r[3] for r in results) == lost and results[1][3] == results[3][3] == 0, results
+    assert all(r[5:] == (5, 6) for r in results), results
     # A process that never comes to the restore: the others raise BarrierTimeoutError naming it.
     procs = _start(root, local, "stall", barrier_timeout=3)
     try:

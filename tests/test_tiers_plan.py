@@ -28,9 +28,9 @@ def test_every_holder_with_its_own_copy_reads_it_and_nothing_travels():
 def test_a_lost_process_gets_its_regions_from_the_other_holder():
     plan = plan_restore(WANTED, reports({0: [8], 1: [], 2: [8], 3: [8]}), persistent_steps=[6])
     assert plan.step == 8
-    assert plan.routes["['w']"][R[2]] == Route((3,), PEER, (1,))
+    assert plan.routes["['w']"][R[2]] == Route((3,), PEER, (1,), reader=3)
     assert plan.routes["['w']"][R[0]] == Route((0, 2))
-    assert plan.routes["['b']"][((0, 32),)] == Route((0, 2, 3), PEER, (1,))
+    assert plan.routes["['b']"][((0, 32),)] == Route((0, 2, 3), PEER, (1,), reader=0)   # 3 reads two already
     assert plan.regions(PEER) == 3 and plan.regions(PERSISTENT) == 0
 
 
@@ -39,7 +39,7 @@ def test_both_holders_lost_goes_back_to_the_newest_persistent_step_reading_only_
     assert plan.step == 6 and plan.persisted
     assert plan.routes["['w']"][R[0]] == Route((), PERSISTENT, (0, 2))
     assert plan.routes["['w']"][R[2]] == Route((1, 3))
-    assert plan.routes["['b']"][((0, 32),)] == Route((1, 3), PEER, (0, 2))
+    assert plan.routes["['b']"][((0, 32),)] == Route((1, 3), PEER, (0, 2), reader=1)
     assert plan.regions(PERSISTENT) == 2
 
 
@@ -47,17 +47,21 @@ def test_a_step_some_process_did_not_finish_is_skipped():
     # Process 2 was killed during its local save of 10 (never committed); 0 had one: step 10 is
     # still whole (0 holds regions 0, 1) -- but not if 0 lost it too.
     plan = plan_restore(WANTED, reports({0: [8, 10], 1: [8, 10], 2: [8], 3: [8, 10]}), persistent_steps=[])
-    assert plan.step == 10 and plan.routes["['w']"][R[0]] == Route((0,), PEER, (2,))
+    assert plan.step == 10 and plan.routes["['w']"][R[0]] == Route((0,), PEER, (2,), reader=0)
     plan = plan_restore(WANTED, reports({0: [8], 1: [8, 10], 2: [8], 3: [8, 10]}), persistent_steps=[])
     assert plan.step == 8
 
 
-def test_copies_held_by_processes_that_no_longer_hold_the_region_are_not_used():
-    # Processes permuted on restart: process 1's copy of regions 0, 1 is not where they are wanted.
+def test_copies_are_matched_by_the_regions_they_hold_not_by_process_id():
+    # Processes 0 and 1 restarted on each other's hosts: a holder's copy is preferred...
     swapped = {0: {4: held(1)}, 1: {4: held(0)}, 2: {4: held(2)}, 3: {4: held(3)}}
     plan = plan_restore(WANTED, swapped, persistent_steps=[])
-    assert plan.step == 4 and plan.routes["['w']"][R[0]] == Route((2,), PEER, (0,))
-    assert plan_restore(WANTED, {0: {4: held(1)}, 1: {4: held(0)}}, persistent_steps=[]) is None
+    assert plan.step == 4 and plan.routes["['w']"][R[0]] == Route((2,), PEER, (0,), reader=2)
+    # ...and where no holder has one, any process's copy is read and delivered to the holders.
+    plan = plan_restore(WANTED, {0: {4: held(1)}, 1: {4: held(0)}}, persistent_steps=[])
+    assert plan.step == 4 and plan.routes["['w']"][R[0]] == Route((), PEER, (0, 2), reader=1)
+    assert plan.routes["['w']"][R[2]] == Route((), PEER, (1, 3), reader=0)
+    assert plan.regions(PEER) == 5 and plan.regions(PERSISTENT) == 0   # b too: 2 and 3 lost theirs
 
 
 def test_nothing_anywhere_is_none_and_a_persistent_step_alone_is_read_whole():

@@ -27,7 +27,15 @@ process, port, root, local, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], s
 jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
 mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
 SPECS = {"w": ((64, 16), np.float32, P("fsdp", None)), "m": ((16, 64), np.int32, P(None, "fsdp")),
-         "b": ((32,), np.float32, P())}
+         "b": ((32,), np.float32, P()), "s": ((8, 4), np.float32, None)}
+
+
+# "s" is held by process 0 alone (on its two devices): no peer has a copy of it.
+SOLO = NamedSharding(jax.sharding.Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("x",)), P("x"))
+
+
+def sharding(spec):
+    return SOLO if spec is None else NamedSharding(mesh, spec)
 
 
 def value(name, step):
@@ -36,11 +44,11 @@ def value(name, step):
 
 
 def state_at(step):
-    return {name: jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda i, n=name: value(n, step)[i])
+    return {name: jax.make_array_from_callback(shape, sharding(spec), lambda i, n=name: value(n, step)[i], dtype=dtype)
             for name, (shape, dtype, spec) in SPECS.items()}
 
 
-target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
           for name, (shape, dtype, spec) in SPECS.items()}
 tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))

@@ -271,14 +271,15 @@ class LocalTiers:
 
     def _local_routes(self, plan: tiers_plan.TierPlan):
         """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
-        own; for the others, the first holder with a copy reads it and delivers it to them."""
+        own; for the others, the route's reader reads its copy and delivers it to them (a reader
+        that does not hold the region receives its own piece too: one buffer it never uses)."""
         def routes(index, out):
             held, mine, may = {}, [], {}
             for region, route in plan.routes[out.saved.keypath].items():
-                if route.kind == tiers_plan.PEER:
-                    held[region] = tuple(sorted(route.receivers + route.own[:1]))
-                    may[region] = route.own[:1]
-                delivers = route.kind == tiers_plan.PEER and route.own[0] == self.process  # gets it with the others
+                if route.kind == tiers_plan.PEER:  # the reader (a holder or not) delivers it to the receivers
+                    held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
+                    may[region] = (route.reader,)
+                delivers = route.kind == tiers_plan.PEER and route.reader == self.process  # gets it with the others
                 if self.process in route.own and region in out.regions and not delivers:
                     mine.append(region)
             return held, mine, may
