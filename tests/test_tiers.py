@@ -110,6 +110,31 @@ def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persis
     assert all("timed out waiting for [3]" in out for out in outs), outs
 
 
+def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_path):
+    """Process 1 is SIGKILLed mid local save of step 10 (the others commit theirs): its step 10 never
+    commits and its leftovers are removed on restart; step 10 is still whole through process 3."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    procs = _start(root, local, "die")
+    try:
+        assert procs[1].wait(timeout=LIMIT) == -signal.SIGKILL
+        for i in (0, 2, 3):
+            lines = []
+            while "saved 10\n" not in lines:
+                line = procs[i].stdout.readline()
+                assert line, f"process {i}:\n{''.join(lines)}\n{procs[i].stderr.read()[-4000:]}"
+                lines.append(line)
+    finally:
+        _kill(procs)
+    out = procs[1].stdout.read()
+    assert "saved 8" in out and "saved 10" not in out, out
+    assert 10 not in [int(n) for n in os.listdir(tmp_path / "local" / "1") if n.isdigit()]
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (10, True) and r[3] == 0 for r in results), results
+    assert results[1][2] == 0 and results[1][4] == HELD, results
+    assert sorted(os.listdir(tmp_path / "local" / "1")) == ["4", "6", "8"], "leftovers of the killed save remain"
+
+
 def test_one_process_saves_locally_between_persistent_steps_and_restores_from_either(tmp_path, mesh):
     """One process (8 devices): local steps hold every region once; a wiped local tier -> the root.
     A manager without ``local=`` sees only the persistent steps, as before."""

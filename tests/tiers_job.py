@@ -7,6 +7,7 @@ Mesh (data=2, fsdp=4): process p holds fsdp regions 2(p % 2), 2(p % 2) + 1, so p
 
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each save waited
 for, so a step printed ``saved N`` is committed); prints ``step 9`` and waits to be killed.
+MODE ``die``: as ``train`` to step 10, where process 1 is killed during its local save.
 MODE ``stall``: process 3 sleeps; the others print ``timed out waiting for [3]``.
 MODE ``resume``: restores through the tiers (verifying checksums; twice) and prints ``resumed STEP exact BOOL local L
 persistent P received R peer_regions A persistent_regions B``.
@@ -53,11 +54,13 @@ target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
 tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:
-    if mode == "train":
-        for step in range(10):
+    if mode in ("train", "die"):
+        for step in range(10 if mode == "train" else 11):
             print(f"step {step}", flush=True)
             if mgr.should_save(step):
-                mgr.save(step, state_at(step))
+                dies = mode == "die" and step == 10 and process == 1
+                # SIGKILL from the IO thread, once the first leaf is copied: mid-save, before its commit
+                mgr.save(step, state_at(step), on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None)
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
