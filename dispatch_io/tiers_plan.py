@@ -76,6 +76,14 @@ def held_regions(tree, process: int) -> dict[str, list]:
     return held
 
 
+def copies(tree, count: int) -> int:
+    """The fewest processes holding any region of ``tree``'s stored leaves (host leaves: all
+    ``count``): how many local copies of every region a local step of ``tree`` has once every
+    process saved it -- its durability (2 or more: any one lost process loses nothing)."""
+    return min((count if devices == [None] else len({d.process_index for d in devices})
+                for _, regions in _leaf_regions(tree) for devices in regions.values()), default=count)
+
+
 def wanted_regions(target, count: int) -> dict[str, dict]:
     """{key path: {region: sorted holder processes}} of a restore ``target`` (leaves with global
     shardings; host leaves: one region, wanted by all ``count`` processes)."""

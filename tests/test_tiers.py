@@ -4,6 +4,7 @@ the other holder; permuted process ids map copies by what they hold; a lost proc
 from its peers; both holders lost -> the newest persistent step, only their regions read from it; a
 process that never comes makes the others raise BarrierTimeoutError naming it."""
 
+import json
 import os
 import re
 import shutil
@@ -63,6 +64,9 @@ def _resumed(outs):
 def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persistent(tmp_path):
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
     _train_and_kill(root, local)
+    info = json.loads((tmp_path / "local" / "2" / "8" / "info.json").read_text())
+    assert (info["tier"], info["process"], info["copies"]) == ("local", 2, 1), info   # s: on process 0 alone
+    assert info["held"]["['w']"] == [[[0, 16], [0, 16]], [[16, 32], [0, 16]]] and "['s']" not in info["held"], info
     # A flipped byte in process 0's copy of w's region 0 (step 8): that region comes from process 2's copy.
     bad = sh.chunks(tmp_path / "local" / "0" / "8", "['w']")[(0, 0)]
     sh.flip_byte(bad)

@@ -112,7 +112,7 @@ class LocalTiers:
         flight); retention of local steps follows its commit, on the tier's thread."""
         self.wait()
         info = {"step": step, "tier": "local", "process": self.process, "started": self._clock(),
-                "held": tiers_plan.held_regions(tree, self.process)}
+                "copies": tiers_plan.copies(tree, self.count), "held": tiers_plan.held_regions(tree, self.process)}
         handle = self.dispatcher.save(self._root.step_path(step), tree, own=True, overwrite=True,
                                       attachments=Attachments(info=info, clock=self._clock), **save_kwargs)
         self._last_step, self._last_save = step, info["started"]
