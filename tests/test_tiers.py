@@ -37,19 +37,26 @@ def _kill(procs):
         p.wait()
 
 
+def _wait_for(procs, text: str) -> list[str]:
+    """Each process's output up to the line ``text`` (failing, with its output, if it ends first)."""
+    deadline, outs = time.monotonic() + LIMIT, []
+    for i, p in enumerate(procs):
+        lines = []
+        while text + "\n" not in lines:
+            line = p.stdout.readline()
+            assert line and time.monotonic() < deadline, \
+                f"process {i} ended before {text!r}:\n{''.join(lines)}\n{p.stderr.read()[-4000:]}"
+            lines.append(line)
+        outs.append("".join(lines))
+    return outs
+
+
 def _train_and_kill(root, local):
     """Train to step 9 (local saves 0, 2, .., 8; persistent 0, 6), then SIGKILL every process."""
     procs = _start(root, local, "train")
     try:
-        deadline = time.monotonic() + LIMIT
-        for i, p in enumerate(procs):
-            lines = []
-            while "step 9\n" not in lines:
-                line = p.stdout.readline()
-                assert line and time.monotonic() < deadline, \
-                    f"process {i} stopped before step 9:\n{''.join(lines)}\n{p.stderr.read()[-4000:]}"
-                lines.append(line)
-            assert re.findall(r"^saved (\d+)$", "".join(lines), re.M) == ["0", "2", "4", "6", "8"], lines
+        for out in _wait_for(procs, "step 9"):
+            assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
     finally:
         _kill([procs[1]] + procs)   # process 1 first, then the rest
 
@@ -108,10 +115,9 @@ def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persis
     # A process that never comes to the restore: the others raise BarrierTimeoutError naming it.
     procs = _start(root, local, "stall", barrier_timeout=3)
     try:
-        outs = _finish(procs[:3])
+        _wait_for(procs[:3], "timed out waiting for [3]")
     finally:
         _kill(procs)
-    assert all("timed out waiting for [3]" in out for out in outs), outs
 
 
 def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_path):
@@ -121,12 +127,7 @@ def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_pa
     procs = _start(root, local, "die")
     try:
         assert procs[1].wait(timeout=LIMIT) == -signal.SIGKILL
-        for i in (0, 2, 3):
-            lines = []
-            while "saved 10\n" not in lines:
-                line = procs[i].stdout.readline()
-                assert line, f"process {i}:\n{''.join(lines)}\n{procs[i].stderr.read()[-4000:]}"
-                lines.append(line)
+        _wait_for([procs[i] for i in (0, 2, 3)], "saved 10")
     finally:
         _kill(procs)
     out = procs[1].stdout.read()

@@ -121,11 +121,17 @@ class LocalTiers:
         return handle
 
     def _finish(self, handle: SaveHandle):
+        """On the tier's thread: wait for the save (its failure is raised by :meth:`wait`), then
+        delete the local steps the keep policy drops (logged, never raised: the save committed)."""
         handle.wait()
-        if self.tier.keep_policy is not None:
+        if self.tier.keep_policy is None:
+            return
+        try:
             records = [policies.StepRecord(s) for s in self.steps()]
             retention.delete_dropped(self._root, retention.steps_to_delete(records, self.tier.keep_policy,
                                                                            self._clock()), lambda step: None)
+        except Exception:  # noqa: BLE001 - logged; the next local save tries again
+            logging.exception("dispatch_io: retention of the local tier %s failed", self.path)
 
     def wait(self):
         """Wait for the local save in flight and its retention; raise its failure."""
@@ -205,7 +211,8 @@ class LocalTiers:
         reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in steps.items()}
                    for p, steps in (room.gather("held") if room else {self.process: held}).items()}
         plan = tiers_plan.plan_restore(tiers_plan.wanted_regions(target, self.count), reports, persistent_steps)
-        local_pass = plan is not None and any(r.own for regions in plan.routes.values() for r in regions.values())
+        local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
+                                              for regions in plan.routes.values() for r in regions.values())
         shared = self._share_manifest(plan.step, reports, room) if local_pass and room else None
         if room is not None:
             room.close()
@@ -236,8 +243,8 @@ class LocalTiers:
 
     def _fill(self, plan: tiers_plan.TierPlan, target, persistent_root: StepRoot, local_pass: bool, shared,
               verify: bool):
-        """The local pass (if any holder reads its own copy), then the persistent pass (if a region
-        needs it); their buffers joined, the result finished. ``shared``: the step's manifest for a
+        """The local pass (if any region is read from a local copy), then the persistent pass (if a
+        region needs it); their buffers joined, the result finished. ``shared``: the step's manifest for a
         process without a copy of its own."""
         read_local = read_persistent = received = 0
         outputs = None
