@@ -150,25 +150,35 @@ def test_one_process_saves_locally_between_persistent_steps_and_restores_from_ei
     import dispatch_io as dio
     from dispatch_io import policies
 
-    sharding = NamedSharding(mesh, P("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding)}
-    state = lambda step: {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sharding)}  # noqa: E731
+    sharding, replicated = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P())
+    target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding),
+              "r": jax.ShapeDtypeStruct((64,), np.int32, sharding=replicated)}
+
+    def state(step):
+        return {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sharding),
+                "r": jax.device_put(np.arange(64, dtype=np.int32) * step, replicated)}
+
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
-    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+    dispatcher = dio.LocalDispatcher(small_leaf_bytes=0)   # leaves stored by region, not whole
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(3), local=tier) as mgr:
         for step in range(5):
             assert mgr.should_save(step) == (step % 2 == 0 or step % 3 == 0)
             mgr.save(step, state(step))
         mgr.wait()
         assert mgr.local.steps() == [0, 2, 4] and mgr.all_steps() == [0, 3]
+        # r is on all 8 devices: its one region is stored once (w: one chunk per device's region)
+        assert len(sh.chunks(tmp_path / "local" / "0" / "4", "['r']")) == 1
+        assert len(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")) == 8
         restored = mgr.restore(None, target)
         stats = mgr.last_tier_restore
-        assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (4, 512, 0), stats
-        assert np.array_equal(np.asarray(restored["w"]), np.asarray(state(4)["w"]))
+        assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (4, 512 + 256, 0), stats
+        assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state(4)[k])) for k in target)
     shutil.rmtree(tmp_path / "local" / "0")
     with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         restored = mgr.restore(None, target)
         stats = mgr.last_tier_restore
-        assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (3, 0, 512), stats
-        assert np.array_equal(np.asarray(restored["w"]), np.asarray(state(3)["w"]))
+        assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (3, 0, 512 + 256), stats
+        assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state(3)[k])) for k in target)
+    dispatcher.close()
     with dio.CheckpointManager(tmp_path / "root") as mgr:
         assert mgr.latest_step() == 3 and mgr.local is None
