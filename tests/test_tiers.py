@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import storage_helpers as sh
 from test_manager_multiprocess import _finish
 from test_multiprocess import child_env, free_port
@@ -182,3 +184,22 @@ def test_one_process_saves_locally_between_persistent_steps_and_restores_from_ei
     dispatcher.close()
     with dio.CheckpointManager(tmp_path / "root") as mgr:
         assert mgr.latest_step() == 3 and mgr.local is None
+    with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        with pytest.raises(ValueError, match="needs a target"):
+            mgr.restore(None)
+        assert mgr.restore(3)["w"].shape == (16, 8)                     # a step named: the root, as before
+    shutil.rmtree(tmp_path / "root")
+    with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr, pytest.raises(FileNotFoundError):
+        mgr.restore(None, target)
+
+
+def test_local_tier_arguments_are_checked():
+    import dispatch_io as dio
+    from dispatch_io import policies
+
+    with pytest.raises(TypeError, match="cannot be part of a save_policy"):
+        dio.LocalTier("/tmp/x", save_policy=policies.LatestN(2))
+    with pytest.raises(ValueError, match="replicas=0"):
+        dio.LocalTier("/tmp/x", replicas=1)
+    with pytest.raises(TypeError, match="directory path"):
+        dio.LocalTier(None)

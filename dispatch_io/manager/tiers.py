@@ -198,9 +198,12 @@ class LocalTiers:
         """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
         from the newest step the tiers hold whole; every process calls it together. Returns
         (tree, :class:`TierRestoreStats`). This process's local steps newer than the one restored
-        are then deleted: they belong to a history the job no longer follows. FileNotFoundError if
-        no step has every region; BarrierTimeoutError naming a process that does not report within
-        the barrier timeout."""
+        are then deleted: they belong to a history the job no longer follows. ValueError without a
+        target; FileNotFoundError if no step has every region; BarrierTimeoutError naming a process
+        that does not report within the barrier timeout."""
+        if target is None:
+            raise ValueError("a restore through the local tier needs a target with global shardings: they say "
+                             "which process holds which region (restore(step, ...) reads the root without one)")
         options = self.dispatcher.options
         held = self._held(target, verify)  # before the room: a long verify must not time the others out
         room = None
