@@ -2,7 +2,8 @@
 restore checked byte for byte with the bytes read per source counted: a bad local chunk comes from
 the other holder; permuted process ids map copies by what they hold; a lost process's regions come
 from its peers; both holders lost -> the newest persistent step, only their regions read from it; a
-process that never comes makes the others raise BarrierTimeoutError naming it."""
+process that never comes makes the others raise BarrierTimeoutError naming it; a process killed
+during its local save. Then one process: the local tier beside the root, and the root alone."""
 
 import json
 import os
@@ -13,9 +14,14 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+import dispatch_io as dio
 import storage_helpers as sh
+from dispatch_io import policies
 from test_manager_multiprocess import _finish
 from test_multiprocess import child_env, free_port
 
@@ -145,13 +151,6 @@ def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_pa
 def test_one_process_saves_locally_between_persistent_steps_and_restores_from_either(tmp_path, mesh):
     """One process (8 devices): local steps hold every region once; a wiped local tier -> the root.
     A manager without ``local=`` sees only the persistent steps, as before."""
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import dispatch_io as dio
-    from dispatch_io import policies
-
     sharding, replicated = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P())
     target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding),
               "r": jax.ShapeDtypeStruct((64,), np.int32, sharding=replicated)}
@@ -194,9 +193,6 @@ def test_one_process_saves_locally_between_persistent_steps_and_restores_from_ei
 
 
 def test_local_tier_arguments_are_checked():
-    import dispatch_io as dio
-    from dispatch_io import policies
-
     with pytest.raises(TypeError, match="cannot be part of a save_policy"):
         dio.LocalTier("/tmp/x", save_policy=policies.LatestN(2))
     with pytest.raises(ValueError, match="replicas=0"):
