@@ -14,7 +14,7 @@ from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
 from dispatch_io.exporting import ExportStats
 from dispatch_io.formats import metadata
 from dispatch_io import policies
-from dispatch_io.manager import CheckpointManager, Json, PerProcess, StepInfo
+from dispatch_io.manager import CheckpointManager, Json, LocalTier, PerProcess, StepInfo
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError
 from dispatch_io.options import Options
 from dispatch_io.progress import RestoreStats, SaveStats
@@ -22,7 +22,7 @@ from dispatch_io.runner import LocalRunner
 from dispatch_io.save import SaveHandle
 
 __all__ = [
-    "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "ColocatedRunner", "CorruptCheckpointError", "Dispatcher", "ExportStats", "IncompleteCheckpointError", "LocalDispatcher", "LocalRunner", "Options", "Priority",
+    "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "ColocatedRunner", "CorruptCheckpointError", "Dispatcher", "ExportStats", "IncompleteCheckpointError", "LocalDispatcher", "LocalRunner", "LocalTier", "Options", "Priority",
     "Json", "PerProcess", "RestoreStats", "SaveHandle", "SaveStats", "StepInfo", "TreeMismatchError", "WorkerError", "metadata",
     "policies", "sharding", "tree",
 ]

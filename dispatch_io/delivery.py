@@ -153,7 +153,7 @@ def width(nbytes: int) -> int:
 
 
 def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_limit: int,
-                  batch_limit: int) -> Delivery:
+                  batch_limit: int, readers: dict | None = None) -> Delivery:
     """The rounds delivering the shared regions of a restore in a job of ``count`` processes.
 
     Args:
@@ -163,12 +163,14 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
       chunk_limit: the largest piece read (``Options.chunk_bytes``); stored chunks larger than
         it are one piece each.
       batch_limit: bytes of one round's gathered rows per process (``Options.read_batch_bytes``).
+      readers: (output index, region) -> the holders that may read it (default: any holder): the
+        local tier's, whose copies are on some holders only (``tiers_plan``).
 
     Returns the same :class:`Delivery` in every process given the same arguments."""
     load = [0] * count
     least = LeastLoaded(lambda p: (load[p], p))
     by_groups: dict[tuple, list[list[Piece]]] = {}    # groups -> pieces by reader, in plan order
-    todo = []   # every piece: (its groups' lists, output, region, bounds, stored region, holders, bytes, dtype)
+    todo = []   # every piece: (its groups' lists, output, region, bounds, stored region, holders, readers, bytes, dtype)
     for index, out, holders in shared:
         groups = replica_groups(set(holders.values()), count)
         if groups not in by_groups:
@@ -176,16 +178,17 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
         lists = by_groups[groups]
         name, itemsize = np.dtype(out.dtype).name, np.dtype(out.dtype).itemsize
         for region, procs in holders.items():
+            may = (readers or {}).get((index, region), procs)
             for stored, bounds in read_pieces(out, region, chunk_limit):
-                todo.append((lists, index, region, bounds, stored, procs,
+                todo.append((lists, index, region, bounds, stored, procs, may,
                              math.prod(hi - lo for lo, hi in bounds) * itemsize, name))
     # Readers: the largest pieces first, each to the least loaded of its holders, so that the
     # loads end within a small piece of each other (in plan order, a large one).
-    readers = [0] * len(todo)
-    for i in sorted(range(len(todo)), key=lambda i: -todo[i][6]):
-        readers[i] = reader = least.pick(todo[i][5])
-        load[reader] += todo[i][6]
-    for (lists, index, region, bounds, stored, procs, nbytes, name), reader in zip(todo, readers):
+    chosen = [0] * len(todo)
+    for i in sorted(range(len(todo)), key=lambda i: -todo[i][7]):
+        chosen[i] = reader = least.pick(todo[i][6])
+        load[reader] += todo[i][7]
+    for (lists, index, region, bounds, stored, procs, _, nbytes, name), reader in zip(todo, chosen):
         lists[reader].append(Piece(index, region, bounds, stored, name, reader, procs, nbytes))
     rounds: list[Round] = []
     for groups, pieces in by_groups.items():

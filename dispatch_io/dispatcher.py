@@ -22,7 +22,7 @@ from dispatch_io import collector
 from dispatch_io import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
-from dispatch_io import reading, scaleout
+from dispatch_io import reading, scaleout, tiers_plan
 from dispatch_io import restore as restore_lib
 from dispatch_io import exporting, to_orbax, to_safetensors
 from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
@@ -67,14 +67,15 @@ class Dispatcher:
     def save(self, path, tree, *, priority: PriorityFn | None = None,
              on_transfer_end: Callable[[str], None] | None = None,
              on_write_end: Callable[[str], None] | None = None, overwrite: bool = False,
-             attachments: Attachments | None = None) -> SaveHandle:
+             attachments: Attachments | None = None, own: bool = False) -> SaveHandle:
         """Save ``tree`` to ``path``; returns once every SYNC leaf is off the device.
 
         ``priority(keypath, spec)`` gives each array leaf a :class:`Priority` (default SYNC).
         ``on_transfer_end(keypath)`` fires exactly once per array leaf, once its device data is
         no longer needed (copied, or the save failed first); ``on_write_end(keypath)`` once its
         bytes are written (not for leaves a failed save did not write). ``attachments``: small
-        files committed with the arrays (what ``CheckpointManager`` stores beside a step).
+        files committed with the arrays (what ``CheckpointManager`` stores beside a step). ``own``: a
+        local-tier save (``tiers_plan.own_plan``), committed by this process alone, unpacked.
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
         a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
         priority callback raised, chained; after ``close()``; from this dispatcher's own
@@ -86,29 +87,32 @@ class Dispatcher:
         location = Location.parse(path)
         with collector.paused():
             plan, leaves, cached = self._plans.get(tree)
+            if own:
+                plan = self._plans.derive(plan, "own", lambda: tiers_plan.own_plan(plan, jax.process_index()))
             priorities = leaf_priorities(plan, priority)
-            packed, batches, describe = self._layout(plan, priorities)
+            packed, batches, describe = self._layout(plan, priorities, packs=not own)
         overflow = self._snapshot_sync_overflow(packed, leaves, batches)
         if overflow:  # on their devices now: to host later, with HIGH priority
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
             with collector.paused():
-                packed, batches, describe = self._layout(plan, priorities)
+                packed, batches, describe = self._layout(plan, priorities, packs=not own)
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
                       describe=describe, attachments=attachments or Attachments())
-        run = self._launch(location, job, leaves, self.runner, overwrite)
+        run = self._launch(location, job, leaves, self.runner, overwrite, commit_lib.SingleProcess() if own else None)
         run.wait_until_sync_copied()
         return SaveHandle(run)
 
-    def _launch(self, location: Location, job: SaveJob, leaves: list, runner, overwrite: bool) -> SaveRun:
+    def _launch(self, location: Location, job: SaveJob, leaves: list, runner, overwrite: bool,
+                coordinator=None) -> SaveRun:
         """Take the path's lock, open the commit (every process planned the same save; the path
         may be written) and start the save's driver; the lock goes with the run."""
         self._paths.acquire(location.key)  # released by the run when it is over
         commit = None
         try:
-            opened = self.coordinator.open(location)
+            opened = (coordinator or self.coordinator).open(location)
             settings = runner.settings
             opened.check_same_plan(job.plan, settings.stored_as, job.attachments.agreed)
             opened.start(overwrite)
@@ -194,17 +198,17 @@ class Dispatcher:
                 raise failed(i, exc) from exc
         return set(indices)
 
-    def _layout(self, plan: Plan, priorities: list[Priority]):
+    def _layout(self, plan: Plan, priorities: list[Priority], packs: bool = True):
         """(``plan`` with its small leaves packed, this process's batches, a function returning
         ``manifest.describe`` of it) for ``priorities``: a training loop saving the same state
         packs, batches and describes it once."""
         options, worker = self.options, jax.process_index()
 
         def make():
-            packed = with_packs(plan, options.small_leaf_bytes, options.chunk_bytes // 2, priorities)
+            packed = with_packs(plan, options.small_leaf_bytes, options.chunk_bytes // 2, priorities) if packs else plan
             batches = make_batches(packed, priorities, options.batch_bytes, worker=worker)
             return packed, batches, functools.cache(lambda: manifest_lib.describe(packed))
-        return self._plans.derive(plan, ("layout", tuple(priorities), worker), make)
+        return self._plans.derive(plan, ("layout", tuple(priorities), worker, packs), make)
 
     def _start(self, run: SaveRun, run_key: str):
         """Register ``run`` (unless the dispatcher was closed meanwhile) and start its driver."""

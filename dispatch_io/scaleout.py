@@ -87,23 +87,32 @@ def holders(out: Output, count: int, seen: dict) -> dict:
     return seen[key]
 
 
-def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_limit: int) -> Split:
+def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_limit: int,
+               routes=None) -> Split:
     """Split the restore of ``outputs`` (sets each ``out.regions``; allocates the buffers of the
     shared regions this process holds) into local regions and the rounds of shared pieces
-    (:func:`~dispatch_io.delivery.plan_delivery`)."""
-    local, shared, seen = [], [], {}
+    (:func:`~dispatch_io.delivery.plan_delivery`). ``routes(index, out)``, if given, says
+    instead which regions travel and who may read them -- ({region: processes it goes to},
+    [regions this process reads for itself], {region: processes that may read it}) -- for a
+    restore that fills only some regions from this checkpoint (the local tier's)."""
+    local, shared, seen, readers = [], [], {}, {}
     for index, out in enumerate(outputs):
         if not isinstance(out, Output) or out.saved.stored is None:
             continue
         out.regions = output_regions(out)
-        held = {region: procs for region, procs in holders(out, count, seen).items() if len(procs) > 1}
-        local += [(out, region) for region in out.regions if region not in held]
+        if routes is None:
+            held = {region: procs for region, procs in holders(out, count, seen).items() if len(procs) > 1}
+            mine = [region for region in out.regions if region not in held]
+        else:
+            held, mine, may = routes(index, out)
+            readers.update({(index, region): procs for region, procs in may.items()})
+        local += [(out, region) for region in mine]
         for region, procs in held.items():
             if process in procs:
                 out.buffers[region] = aligned_empty(out.buffer_shape(region), out.dtype)
         if held:
             shared.append((index, out, held))
-    plan = plan_delivery(shared, count, chunk_limit, batch_limit)
+    plan = plan_delivery(shared, count, chunk_limit, batch_limit, readers)
     return Split(local, plan.rounds, plan.digest)
 
 
@@ -235,7 +244,8 @@ def _index(bounds) -> tuple:
 _ONE_AT_A_TIME = threading.Lock()
 
 
-def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: bool, times: list) -> Exchanged:
+def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: bool, times: list,
+                 routes=None) -> Exchanged:
     """Fill every output's buffers in a multi-process job, every stored byte read by one
     process (see the module doc); ``verify=True`` checks what this process reads first. All
     processes call it together, restoring the same checkpoints in the same order. Appends the
@@ -243,14 +253,15 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
 
     Raises WorkerError naming the process and key path of a read that failed anywhere,
     BarrierTimeoutError naming the processes that stopped making progress, ValueError where
-    the processes planned different restores."""
+    the processes planned different restores. ``routes``: see :func:`plan_split` (``progress.path``
+    then names the restore alike in every process: its coordination keys derive from it)."""
     with _ONE_AT_A_TIME:
-        return _fill(reader, outputs, options, progress, verify, times)
+        return _fill(reader, outputs, options, progress, verify, times, routes)
 
 
-def _fill(reader, outputs: list, options, progress: Progress, verify: bool, times: list) -> Exchanged:
+def _fill(reader, outputs: list, options, progress: Progress, verify: bool, times: list, routes) -> Exchanged:
     process, count, display = jax.process_index(), jax.process_count(), progress.path
-    split = plan_split(outputs, process, count, options.chunk_bytes, options.read_batch_bytes)
+    split = plan_split(outputs, process, count, options.chunk_bytes, options.read_batch_bytes, routes)
     room = open_room("restore", display, f"the restore of {display}", options.barrier_timeout)
     report = lambda done: room.set(f"progress/{process}", done)  # noqa: E731 - moves the others' deadlines
     upcoming = [0]   # the next round this process has not said it is ready for

@@ -8,6 +8,7 @@
 * ``retention``: which committed steps go (pure), and deleting them;
 * ``orbax_items``: the items of steps Orbax's CheckpointManager wrote;
 * ``steps``: what a committed step holds (ours or Orbax's), read from its files;
+* ``tiers``: the local tier (:class:`LocalTier`): its saves, steps, and restores mixing tiers;
 * ``manager``: :class:`CheckpointManager`, which puts them to work.
 """
 
@@ -15,5 +16,6 @@ from dispatch_io.manager import policies
 from dispatch_io.manager.info import StepInfo
 from dispatch_io.manager.items import Json, PerProcess
 from dispatch_io.manager.manager import CheckpointManager
+from dispatch_io.manager.tiers import LocalTier
 
-__all__ = ["CheckpointManager", "Json", "PerProcess", "StepInfo", "policies"]
+__all__ = ["CheckpointManager", "Json", "LocalTier", "PerProcess", "StepInfo", "policies"]

@@ -43,7 +43,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.formats import check_reachable, committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import orbax_items, policies, retention, steps
+from dispatch_io.manager import orbax_items, policies, retention, steps, tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
@@ -67,12 +67,14 @@ class CheckpointManager:
     a ``ValueError``). ``clock``: UNIX seconds, for the policies (tests pass their own).
 
     Raises ``TypeError`` for a policy used in the wrong role (``LatestN`` cannot decide saves),
-    ``ValueError`` for bad numbers or a keep policy given twice.
+    ``ValueError`` for bad numbers or a keep policy given twice. ``local``: a fast local tier
+    (:class:`~dispatch_io.manager.tiers.LocalTier`; docs/design.md "Tiers").
     """
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: policies.Policy | None = None,
                  keep_policy: policies.Policy | None = None, max_to_keep: int | None = None,
-                 keep_every_n_steps: int | None = None, barrier_timeout: float | None = None, clock=time.time):
+                 keep_every_n_steps: int | None = None, barrier_timeout: float | None = None, clock=time.time,
+                 local: tiers.LocalTier | None = None):
         self.save_policy = policies.check(save_policy, "save")
         self.keep_policy, self.max_to_keep, self.keep_every_n_steps = policies.keep_policy(
             keep_policy, max_to_keep, keep_every_n_steps)
@@ -115,7 +117,10 @@ class CheckpointManager:
         self._preemption = PreemptionWatcher()
         self._decision: tuple[int, bool] | None = None           # should_save's last answer
         self._last_saved_step = self.latest_step()
-        self._last_save = self._started(self._last_saved_step)
+        self._last_save = steps.started(self.step_info, self._last_saved_step, self._clock())
+        self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
+                                                                 self._processes)
+        self.last_tier_restore: tiers.TierRestoreStats | None = None  # what restore() through the tiers did
 
     # ---- listing ------------------------------------------------------------------------------
 
@@ -147,28 +152,21 @@ class CheckpointManager:
         """The committed step with the best ``metric`` (``mode`` ``"min"`` / ``"max"``); both
         default to the keep policy's ``BestN``. None if no step has the metric. ValueError if
         no metric is given and the keep policy has no single ``BestN``."""
-        return retention.best_step([self._record(s) for s in self.all_steps()], self.keep_policy, metric, mode)
+        return retention.best_step([self._record(s) for s in self.all_steps()], self.keep_policy, metric, mode,
+                                   self._clock())
 
     # ---- policies ------------------------------------------------------------------------------
 
-    def _started(self, step: int | None) -> float:
-        """When the save of ``step`` started (EveryNSeconds counts from it after a restart), or
-        now if that is not known (no step, none recorded, or its info unreadable)."""
-        now = self._clock()
-        if step is None:
-            return now
-        try:
-            started = self.step_info(step).started
-        except (CheckpointError, OSError):
-            return now
-        return now if started is None or started > now else started
-
     def should_save(self, step: int) -> bool:
-        """Whether to save ``step``: any save policy says so, or the job reached its preemption
-        point at it (always True without a save policy; with one, False for a step not newer
-        than the last saved). Identical on every process of a job (a clock-reading decision
-        is process 0's); call it at every step, on every process."""
+        """Whether to save ``step``: any save policy (the local tier's too) says so, or the job reached
+        its preemption point at it (always True without a save policy; with one, False for a step not
+        newer than the last saved). Identical on every process of a job (a clock-reading decision is
+        process 0's); call it at every step, on every process."""
         step = _step_number(step)
+        return self._should_persist(step) or (self.local is not None and self.local.should_save(step))
+
+    def _should_persist(self, step: int) -> bool:
+        """Whether the persistent root saves ``step`` (what ``should_save`` says without a local tier)."""
         if self._decision is not None and self._decision[0] == step:
             return self._decision[1]
         preempted = self._preemption.reached(step)
@@ -218,8 +216,11 @@ class CheckpointManager:
         files, index = items_lib.files(items, self._process)
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes,
                              _version())
-        if not force and self.save_policy is not None and not self.should_save(step):
-            return None
+        persist = force or self.save_policy is None or self._should_persist(step)
+        local = self.local is not None and self.local.should_save(step)
+        handle = self.local.save(step, tree, **save_kwargs) if local else None  # the fast tier first: ms
+        if not persist:
+            return handle
         with self._save_lock:  # saves from several threads run one after the other; close() waits here
             self._check_usable("save")  # again: close() may have run while this waited for the lock
             self._saving_thread = threading.get_ident()
@@ -229,7 +230,7 @@ class CheckpointManager:
                 if path != self._root.step_path(step):
                     raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save "
                                           "never replaces one, even with overwrite=True (remove it first if it may go)")
-                self._check_not_older(step)
+                retention.check_not_older(step, self.all_steps(), self.root, self.step_path)
                 handle = self.dispatcher.save(path, tree, overwrite=overwrite,
                                               attachments=Attachments(files, info, self._clock, agreed=index),
                                               **save_kwargs)
@@ -240,17 +241,6 @@ class CheckpointManager:
             finally:
                 self._saving_thread = None
         return handle
-
-    def _check_not_older(self, step: int):
-        """Retention ranks steps by number: a step below the newest committed one would be the
-        first it deletes (and ``latest_step`` / ``restore()`` would ignore it)."""
-        latest = self.latest_step()
-        if latest is not None and step < latest:
-            newer = [s for s in self.all_steps() if s > step]
-            raise ValueError(
-                f"cannot save step {step} under {self.root}: step {latest} is newer, so step {step} would never be "
-                f"the latest and retention could delete it at once; remove the steps newer than {step} first "
-                f"({', '.join(self.step_path(s) for s in newer)}), or save into another root")
 
     def _finish_save(self, handle: SaveHandle, step: int):
         """On the manager's thread: wait for the save, then hand retention to its own thread."""
@@ -282,6 +272,8 @@ class CheckpointManager:
         ``RuntimeError`` from a save callback (that would deadlock)."""
         self.dispatcher.check_not_io_thread("CheckpointManager.wait")
         try:
+            if self.local is not None:
+                self.local.wait()
             self._wait_for_save()
         finally:
             with self._lock:
@@ -292,8 +284,12 @@ class CheckpointManager:
     def restore(self, step: int | None = None, target=None, *, item: str | None = None, **restore_kwargs):
         """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore``.
         ``item``: which pytree item of an Orbax step with several (``"items"`` for MaxText's);
-        None: the only one. Our steps hold one pytree (``item`` must be None)."""
+        None: the only one. Our steps hold one pytree (``item`` must be None). With a local tier and
+        ``step=None``: through the tiers (``tiers.LocalTiers.restore``; then see ``last_tier_restore``)."""
         self._check_usable("restore")
+        if self.local is not None and step is None and item is None:
+            tree, self.last_tier_restore = self.local.restore(target, self._root, self.all_steps(), **restore_kwargs)
+            return tree
         return self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
 
     def metadata(self, step: int | None = None, *, item: str | None = None):
@@ -376,6 +372,8 @@ class CheckpointManager:
             self._thread.shutdown(wait=True)
             self._deleter.shutdown(wait=True)
             self._preemption.close()
+            if self.local is not None:
+                self.local.close()
             if self._owns_dispatcher:
                 self.dispatcher.close()
 

@@ -27,17 +27,29 @@ def steps_to_delete(steps: Sequence[StepRecord], keep_policy: Policy | None, now
     return sorted({r.step for r in steps} - kept)
 
 
-def best_step(steps: Sequence[StepRecord], keep_policy: Policy | None, metric: str | None,
-              mode: str | None) -> int | None:
-    """The step of ``steps`` with the best ``metric`` (``mode``: ``"min"`` / ``"max"``; both
-    default to ``keep_policy``'s one ``BestN``), or None if none has it. ValueError if no metric
-    is given and ``keep_policy`` has no single ``BestN``."""
+def check_not_older(step: int, steps: Sequence[int], root: str, step_path: Callable[[int], str]):
+    """ValueError if committed ``steps`` under ``root`` hold one newer than ``step``: retention ranks
+    steps by number, so ``step`` would be the first it deletes (and never the latest)."""
+    newer = [s for s in steps if s > step]
+    if newer:
+        raise ValueError(
+            f"cannot save step {step} under {root}: step {newer[-1]} is newer, so step {step} would never be "
+            f"the latest and retention could delete it at once; remove the steps newer than {step} first "
+            f"({', '.join(step_path(s) for s in newer)}), or save into another root")
+
+
+def best_step(steps: Sequence[StepRecord], keep_policy: Policy | None, metric: str | None, mode: str | None,
+              now: float) -> int | None:
+    """The step of ``steps`` with the best ``metric`` (``mode`` ``"min"`` / ``"max"``), both
+    defaulting to ``keep_policy``'s single ``BestN``; None if no step has the metric. ValueError
+    if no metric is given and the keep policy has no single ``BestN``."""
     if metric is None:
-        best = [p for p in getattr(keep_policy, "policies", (keep_policy,)) if isinstance(p, BestN)]
+        parts = getattr(keep_policy, "policies", (keep_policy,))
+        best = [p for p in parts if isinstance(p, BestN)]
         if len(best) != 1:
             raise ValueError("best_step() needs metric= (the keep policy has no single BestN to take it from)")
         metric, mode = best[0].metric, mode or best[0].mode
-    return next(iter(BestN(1, metric, mode or "min", keep_without_metric=False).keep(steps, 0.0)), None)
+    return next(iter(BestN(1, metric, mode or "min", keep_without_metric=False).keep(steps, now)), None)
 
 
 def delete_dropped(root: StepRoot, dropped: Sequence[int], on_deleted: Callable[[int], None]):

@@ -7,10 +7,23 @@ never ask which.
 
 from __future__ import annotations
 
+from dispatch_io.errors import CheckpointError
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager import orbax_items
 from dispatch_io.storage import INFO, Location
+
+
+def started(step_info, step: int | None, now: float) -> float:
+    """When the save of ``step`` started (``step_info(step).started``: EveryNSeconds counts from it
+    after a restart), or ``now`` if that is not known (no step, none recorded, or its info unreadable)."""
+    if step is None:
+        return now
+    try:
+        begun = step_info(step).started
+    except (CheckpointError, OSError):
+        return now
+    return now if begun is None or begun > now else begun
 
 
 def read_info(path: str, step: int) -> info_lib.StepInfo:

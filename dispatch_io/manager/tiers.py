@@ -1,0 +1,336 @@
+"""The local tier of a CheckpointManager: its saves, its steps, and the restore that mixes tiers.
+
+    mgr = dio.CheckpointManager("gs://bucket/run1", save_policy=P.EveryNSteps(500),
+                                local=dio.LocalTier("/dev/shm/run1/{process}", save_policy=P.EveryNSteps(50),
+                                                    keep_policy=P.LatestN(2)))
+
+Each process saves, to ``<local>/<step>/``, the regions its own devices hold, committed by itself
+alone (``Dispatcher.save(own=True)``): no coordination-service round trip, no object store, the
+same staging budget and asynchronous copies as any save. The step's info records the regions it
+holds. :meth:`LocalTiers.restore` gathers what every process holds (one named gather), plans with
+``tiers_plan.plan_restore`` (pure) and fills the target in at most two scale-out passes: the
+local copies (each holder reads its own; the holders without one receive a peer's), then the
+persistent step for the regions no holder has. See docs/design.md "Tiers".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import threading
+
+import jax
+from absl import logging
+
+from dispatch_io import reading
+from dispatch_io import restore as restore_lib
+from dispatch_io import scaleout
+from dispatch_io import tiers_plan
+from dispatch_io.coordination import open_room
+from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError
+from dispatch_io.formats import open_checkpoint
+from dispatch_io.manager import policies, retention
+from dispatch_io.manifest import parse as parse_manifest
+from dispatch_io.progress import Progress
+from dispatch_io.save import Attachments, SaveHandle
+from dispatch_io.storage import INFO, Location, StepRoot
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTier:
+    """A fast local tier beside a manager's persistent root (``CheckpointManager(local=...)``).
+
+    ``path``: a directory on each host (a RAM disk or local SSD); ``{process}`` in it is replaced
+    by the process index (needed where processes share a host). ``save_policy``: when to save
+    locally (None: never, unless ``save(..., local=True)``); ``keep_policy``: which local steps
+    each process keeps (the latest always; None: all). ``replicas``: extra copies on peers of
+    state that no other process holds (only 0 is built yet: data-parallel replicas already count)."""
+
+    path: str
+    save_policy: policies.Policy | None = None
+    keep_policy: policies.Policy | None = None
+    replicas: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.path, (str, os.PathLike)):
+            raise TypeError(f"LocalTier path must be a directory path, got {self.path!r}")
+        policies.check(self.save_policy, "save")
+        policies.check(self.keep_policy, "keep")
+        if self.replicas != 0:
+            raise ValueError(f"LocalTier(replicas={self.replicas!r}): only replicas=0 is supported yet (regions "
+                             "that data parallelism replicates survive a lost process; copies to peers are not built)")
+
+    def process_path(self, process: int) -> str:
+        return os.fspath(self.path).replace("{process}", str(process))
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRestoreStats:
+    """What a restore through the tiers did, in this process: the step, how many regions came
+    from a peer / persistent storage (job-wide), and the bytes this process read from its own
+    local copy, read from persistent storage, and received from other processes."""
+
+    step: int
+    peer_regions: int
+    persistent_regions: int
+    bytes_read_local: int
+    bytes_read_persistent: int
+    bytes_received: int
+
+
+class LocalTiers:
+    """The local tier of one manager, in one process (see the module doc)."""
+
+    def __init__(self, tier: LocalTier, dispatcher, clock, process: int, count: int):
+        self.tier, self.dispatcher, self._clock = tier, dispatcher, clock
+        self.process, self.count = process, count
+        self.path = tier.process_path(process)
+        self._root = StepRoot.open(self.path)
+        self._root.remove_leftovers()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
+        self._in_flight: concurrent.futures.Future | None = None
+        self._lock = threading.Lock()
+        steps = self.steps()
+        self._last_step = steps[-1] if steps else None
+        self._last_save = clock()
+
+    def steps(self) -> list[int]:
+        """This process's committed local steps, ascending."""
+        return self._root.committed_steps()
+
+    def should_save(self, step: int, preempted: bool = False) -> bool:
+        """Whether the local save policy saves ``step`` (never a step not newer than the last)."""
+        policy = self.tier.save_policy
+        if policy is None or (self._last_step is not None and step <= self._last_step):
+            return False
+        return policy.should_save(policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted))
+
+    def save(self, step: int, tree, **save_kwargs) -> SaveHandle:
+        """Save this process's regions of ``tree`` as local ``step`` (after the local save in
+        flight); retention of local steps follows its commit, on the tier's thread."""
+        self.wait()
+        info = {"step": step, "tier": "local", "process": self.process, "started": self._clock(),
+                "copies": tiers_plan.copies(tree, self.count), "held": tiers_plan.held_regions(tree, self.process)}
+        handle = self.dispatcher.save(self._root.step_path(step), tree, own=True, overwrite=True,
+                                      attachments=Attachments(info=info, clock=self._clock), **save_kwargs)
+        self._last_step, self._last_save = step, info["started"]
+        with self._lock:
+            self._in_flight = self._thread.submit(self._finish, handle)
+        return handle
+
+    def _finish(self, handle: SaveHandle):
+        """On the tier's thread: wait for the save (its failure is raised by :meth:`wait`), then
+        delete the local steps the keep policy drops (logged, never raised: the save committed)."""
+        handle.wait()
+        if self.tier.keep_policy is None:
+            return
+        try:
+            records = [policies.StepRecord(s) for s in self.steps()]
+            retention.delete_dropped(self._root, retention.steps_to_delete(records, self.tier.keep_policy,
+                                                                           self._clock()), lambda step: None)
+        except Exception:  # noqa: BLE001 - logged; the next local save tries again
+            logging.exception("dispatch_io: retention of the local tier %s failed", self.path)
+
+    def wait(self):
+        """Wait for the local save in flight and its retention; raise its failure."""
+        with self._lock:
+            pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            pending.result()
+
+    def close(self):
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
+
+    # ---- restore ------------------------------------------------------------------------------
+
+    def _held(self, target, verify: bool) -> dict:
+        """{step: {key path: [region, ...]}} of this process's committed local steps; with
+        ``verify``, the newest without the regions whose chunks fail their CRC-32C."""
+        held = {}
+        for step in self.steps():
+            with open(os.path.join(self._root.step_path(step), INFO), "rb") as f:
+                info = json.load(f)
+            if info.get("tier") != "local" or "held" not in info:
+                raise CheckpointError(f"{self._root.step_path(step)} is not a local-tier step (its {INFO} "
+                                      "records no held regions)")
+            held[str(step)] = info["held"]
+        if verify and held:
+            newest = max(held, key=int)
+            held[newest] = self._intact(int(newest), held[newest], target)
+        return held
+
+    def _intact(self, step: int, held: dict, target) -> dict:
+        """``held`` (of local ``step``) without the regions a chunk of which fails its CRC-32C
+        (logged): the restore then plans them from the next source, a peer's copy or persistent
+        storage. A step saved without checksums is returned as it is (nothing to check against)."""
+        opened = open_checkpoint(self._root.step_path(step))
+        if not opened.manifest.has_checksums:
+            return held
+        _, outputs = restore_lib.plan_outputs(opened.manifest, target, False, False)
+        reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
+        progress = Progress("verify", opened.display, enabled=False)
+        intact = {}
+        try:
+            with progress:
+                for out in outputs:
+                    if not isinstance(out, restore_lib.Output) or out.saved.keypath not in held:
+                        continue
+                    intact[out.saved.keypath] = []
+                    for region in held[out.saved.keypath]:
+                        bounds = out.stored_bounds(tuple(tuple(b) for b in region))
+                        try:
+                            reading.verify_stored(reader, [(out, bounds)], self.dispatcher.options.read_batch_bytes,
+                                                  progress)
+                        except CorruptCheckpointError as exc:
+                            logging.warning("dispatch_io: the local copy is not used: %s", exc)
+                            continue
+                        intact[out.saved.keypath].append(region)
+        finally:
+            reader.close()
+        return intact
+
+    def restore(self, target, persistent_root: StepRoot, persistent_steps, *, verify: bool = False):
+        """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
+        from the newest step the tiers hold whole; every process calls it together. Returns
+        (tree, :class:`TierRestoreStats`). This process's local steps newer than the one restored
+        are then deleted: they belong to a history the job no longer follows. ValueError without a
+        target; FileNotFoundError if no step has every region; BarrierTimeoutError naming a process
+        that does not report within the barrier timeout."""
+        if target is None:
+            raise ValueError("a restore through the local tier needs a target with global shardings: they say "
+                             "which process holds which region (restore(step, ...) reads the root without one)")
+        options = self.dispatcher.options
+        held = self._held(target, verify)  # before the room: a long verify must not time the others out
+        room = None
+        if self.count > 1:
+            room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
+                             options.barrier_timeout)
+            room.set(f"held/{self.process}", held)
+        reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in steps.items()}
+                   for p, steps in (room.gather("held") if room else {self.process: held}).items()}
+        plan = tiers_plan.plan_restore(tiers_plan.wanted_regions(target, self.count), reports, persistent_steps)
+        local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
+                                              for regions in plan.routes.values() for r in regions.values())
+        shared = self._share_manifest(plan.step, reports, room) if local_pass and room else None
+        if room is not None:
+            room.close()
+        if plan is None:
+            raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_root.display} holds "
+                                    "every region of the target")
+        result = self._fill(plan, target, persistent_root, local_pass, shared, verify)
+        for step in self.steps():  # an abandoned history: never to be mixed with the one resumed now
+            if step > plan.step:
+                self._root.delete(step)
+        self._last_step = plan.step
+        return result
+
+    def _share_manifest(self, step: int, reports: dict, room):
+        """The manifest of local ``step`` for a process without the step (it plans its part of
+        the restore with it: every copy's manifest describes the same arrays), from the first
+        process with it; None in the processes with their own."""
+        sharer = min(p for p, steps in reports.items() if step in steps)
+        if step in reports[self.process]:
+            if self.process == sharer:
+                room.set("manifest", Location.parse(self._root.step_path(step)).read_manifest())
+            return None
+        manifest = room.wait_for("manifest", room.timeout)
+        if manifest is None:
+            raise BarrierTimeoutError(f"process {sharer} did not share the manifest of local step {step} within "
+                                      f"{room.timeout:g} s", processes=[sharer], barrier=f"{room.prefix}/manifest")
+        return manifest
+
+    def _fill(self, plan: tiers_plan.TierPlan, target, persistent_root: StepRoot, local_pass: bool, shared,
+              verify: bool):
+        """The local pass (if any region is read from a local copy), then the persistent pass (if a
+        region needs it); their buffers joined, the result finished. ``shared``: the step's manifest for a
+        process without a copy of its own."""
+        read_local = read_persistent = received = 0
+        outputs = None
+        if local_pass:
+            step_path = self._root.step_path(plan.step)
+            reader, described = None, None
+            if plan.step in self.steps():  # its own manifest: it has the checksums of its own chunks
+                opened = open_checkpoint(step_path)
+                reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
+                described = opened.manifest
+            display = f"local step {plan.step} of {self.tier.process_path('{process}')}"
+            described = described or parse_manifest(shared, step_path)
+            treedef, outputs = restore_lib.plan_outputs(described, target, False, False)
+            read_local, received = self._pass(reader, outputs, display, self._local_routes(plan), verify)
+        if plan.regions(tiers_plan.PERSISTENT):
+            opened = open_checkpoint(persistent_root.step_path(plan.step))
+            reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
+            ptreedef, poutputs = restore_lib.plan_outputs(opened.manifest, target, False, False)
+            read_persistent, got = self._pass(reader, poutputs, opened.display, self._persistent_routes(plan), verify)
+            received += got
+            opened.check_unchanged()
+            if outputs is None:
+                treedef, outputs = ptreedef, poutputs
+            else:
+                for out, pout in zip(outputs, poutputs):
+                    if isinstance(out, restore_lib.Output):
+                        out.buffers.update(pout.buffers)
+        tree = jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
+        return tree, TierRestoreStats(plan.step, plan.regions(tiers_plan.PEER), plan.regions(tiers_plan.PERSISTENT),
+                                      read_local, read_persistent, received)
+
+    def _local_routes(self, plan: tiers_plan.TierPlan):
+        """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
+        own; for the others, the route's reader reads its copy and delivers it to them (a reader
+        that does not hold the region receives its own piece too: one buffer it never uses)."""
+        def routes(index, out):
+            held, mine, may = {}, [], {}
+            for region, route in plan.routes[out.saved.keypath].items():
+                if route.kind == tiers_plan.PEER:  # the reader (a holder or not) delivers it to the receivers
+                    held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
+                    may[region] = (route.reader,)
+                delivers = route.kind == tiers_plan.PEER and route.reader == self.process  # gets it with the others
+                if self.process in route.own and region in out.regions and not delivers:
+                    mine.append(region)
+            return held, mine, may
+        return routes
+
+    def _persistent_routes(self, plan: tiers_plan.TierPlan):
+        """The persistent pass's: the regions no holder has locally, as a scale-out restore reads them."""
+        def routes(index, out):
+            held, mine = {}, []
+            for region, route in plan.routes[out.saved.keypath].items():
+                if route.kind != tiers_plan.PERSISTENT:
+                    continue
+                if len(route.receivers) > 1:
+                    held[region] = route.receivers
+                elif self.process in route.receivers:
+                    mine.append(region)
+            return held, mine, {}
+        return routes
+
+    def _pass(self, reader, outputs: list, display: str, routes, verify: bool) -> tuple[int, int]:
+        """Fill the regions ``routes`` give this checkpoint (every process together); returns
+        (bytes this process read into the result -- not counting a verify's reads -- bytes it
+        received from others)."""
+        options = self.dispatcher.options
+        progress = Progress("restore", display, enabled=options.progress)
+        try:
+            with progress:
+                if self.count > 1:
+                    received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=[],
+                                                     routes=routes).useful
+                else:  # one process: nothing travels, its own regions are read as a restore reads them
+                    received, wanted = 0, []
+                    for index, out in enumerate(outputs):
+                        if isinstance(out, restore_lib.Output) and out.saved.stored is not None:
+                            out.regions = restore_lib.output_regions(out)
+                            wanted += [(out, region) for region in routes(index, out)[1]]
+                    if verify:
+                        reading.verify_stored(reader, [(o, o.stored_bounds(r)) for o, r in wanted],
+                                              options.read_batch_bytes, progress)
+                    reading.read_regions(reader, wanted, options.chunk_bytes, options.read_batch_bytes, progress)
+        finally:
+            if reader is not None:
+                reader.close()
+        return sum(p.bytes_done for name, p in progress.phases.items() if name != "verify"), received

@@ -1,0 +1,175 @@
+"""The local tier's plans (pure): what a local save writes, and where a restore reads each region.
+
+A **local save** (:func:`own_plan`) writes, into this process's own directory, every distinct
+region of every leaf that this process's devices hold -- once per process, however many of its
+devices hold a replica -- and host (numpy) leaves whole, all by this process. :func:`held_regions`
+is what it records holding (in its step info), so that a restore maps copies by what they hold.
+
+A **restore** (:func:`plan_restore`) takes plain data: what every process reports holding
+(``{process: {step: {key path: [region, ...]}}}``), the persistent steps, and what the target
+wants (``{key path: {region: holder processes}}``); every process computes the same
+:class:`TierPlan` from it. See docs/design.md "Tiers".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Mapping
+
+from dispatch_io import tree as tree_lib
+from dispatch_io.plan import Plan, device_regions, plan_chunks
+
+LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
+
+
+def _held_by(devices, process: int) -> list:
+    """The devices of ``devices`` that are ``process``'s (host data, device None: every process's)."""
+    return [d for d in devices if d is None or d.process_index == process]
+
+
+def _own_regions(spec, process: int) -> dict:
+    """{region: [this process's devices holding it]} of a leaf being saved (regions it holds)."""
+    regions = device_regions(spec.spec.sharding, spec.spec.shape)
+    mine = {region: _held_by(devices, process) for region, devices in regions.items()}
+    return {region: devices for region, devices in mine.items() if devices}
+
+
+def own_plan(plan: Plan, process: int) -> Plan:
+    """``plan`` (a job-wide save plan, unpacked) made a local save's: each region ``process``'s
+    devices hold (and every host leaf), one chunk grid each, all written by ``process``. Leaves
+    copied whole keep one chunk (their regions are all on one process)."""
+    def regions_of(spec):
+        if spec.whole:
+            devices = _held_by(spec.spec.sharding.device_set, process)
+            return {tuple((0, n) for n in spec.spec.shape): [min(devices, key=lambda d: d.id)]} if devices else {}
+        return _own_regions(spec, process)
+
+    chunks = tuple(dataclasses.replace(c, worker=process) for c in plan_chunks(plan.leaves, regions_of))
+    return dataclasses.replace(plan, chunks=chunks)
+
+
+def _leaf_regions(tree):
+    """(key path, {region: devices}) of every stored leaf of ``tree`` (arrays, keys, numpy data;
+    its devices None for host data), as :func:`~dispatch_io.plan.device_regions` gives them."""
+    flat, _ = tree_lib.flatten(tree)
+    for keypath, leaf in flat:
+        if not hasattr(leaf, "shape") or not math.prod(leaf.shape):  # Python scalars, empty arrays: nothing stored
+            continue
+        yield keypath, device_regions(getattr(leaf, "sharding", None), leaf.shape)
+
+
+def _json(region) -> list:
+    return [list(bounds) for bounds in region]
+
+
+def held_regions(tree, process: int) -> dict[str, list]:
+    """{key path: [region, ...]} of ``tree``'s stored leaves that ``process``'s devices hold
+    (host leaves: every process), regions as JSON ``[[start, stop], ...]`` over the logical shape:
+    what a local step records holding. Reads shardings only, never device data."""
+    held = {}
+    for keypath, regions in _leaf_regions(tree):
+        mine = sorted(region for region, devices in regions.items() if _held_by(devices, process))
+        if mine:
+            held[keypath] = [_json(region) for region in mine]
+    return held
+
+
+def copies(tree, count: int) -> int:
+    """The fewest processes holding any region of ``tree``'s stored leaves (host leaves: all
+    ``count``): how many local copies of every region a local step of ``tree`` has once every
+    process saved it -- its durability (2 or more: any one lost process loses nothing)."""
+    return min((count if devices == [None] else len({d.process_index for d in devices})
+                for _, regions in _leaf_regions(tree) for devices in regions.values()), default=count)
+
+
+def wanted_regions(target, count: int) -> dict[str, dict]:
+    """{key path: {region: sorted holder processes}} of a restore ``target`` (leaves with global
+    shardings; host leaves: one region, wanted by all ``count`` processes)."""
+    return {keypath: {region: tuple(range(count)) if devices == [None] else
+                      tuple(sorted({d.process_index for d in devices}))
+                      for region, devices in regions.items()}
+            for keypath, regions in _leaf_regions(target)}
+
+
+def as_regions(held: Mapping[str, list]) -> dict[str, set]:
+    """:func:`held_regions`' JSON back as {key path: {region tuple}}."""
+    return {keypath: {tuple(tuple(b) for b in region) for region in regions} for keypath, regions in held.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where one region of the result comes from. ``own``: the holders that read their own local
+    copy. ``receivers``: the holders without one, which get it from ``kind``: PEER (``reader``'s
+    local copy, delivered to them) or PERSISTENT (the persistent step, read by one of the
+    receivers and delivered to the others); None when every holder has one."""
+
+    own: tuple[int, ...]
+    kind: str | None = None
+    receivers: tuple[int, ...] = ()
+    reader: int | None = None          # PEER: whose copy is read (a holder's if any has one)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierPlan:
+    """The step to restore and, per key path and region, its :class:`Route`."""
+
+    step: int
+    routes: dict                       # key path -> {region: Route}
+    persisted: bool                    # the step is also in persistent storage
+
+    def regions(self, kind: str) -> int:
+        """How many regions are read for someone who lacks them from ``kind`` (PEER / PERSISTENT)."""
+        return sum(r.kind == kind for regions in self.routes.values() for r in regions.values())
+
+
+def _route(region, holders: tuple, local: dict, persisted: bool, load: Mapping[int, int]) -> Route | None:
+    """The route of one region, or None if no source has it. ``local``: process -> the regions
+    it holds locally at the step (of this leaf); ``load``: regions each process reads for others."""
+    own = tuple(p for p in holders if region in local.get(p, ()))
+    missing = tuple(p for p in holders if p not in own)
+    if not missing:
+        return Route(own)
+    # A holder's copy first (it travels within the region's holders), else anyone's (a process
+    # that held the region before a restart with permuted process ids or on another mesh).
+    copies = own or tuple(sorted(p for p, regions in local.items() if region in regions))
+    if copies:
+        return Route(own, PEER, missing, min(copies, key=lambda p: (load[p], p)))
+    return Route((), PERSISTENT, holders) if persisted else None
+
+
+def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[int, Mapping[int, Mapping]],
+                 persistent_steps) -> TierPlan | None:
+    """The newest step all of whose wanted regions are available, and their routes; None if no
+    step is (then nothing local or persistent can be restored onto this target).
+
+    Args:
+      wanted: key path -> {region: sorted holder processes} of the restore's target.
+      reports: process -> {step: {key path: set of regions held locally}} (:func:`as_regions`).
+      persistent_steps: the steps committed in persistent storage (every region available).
+
+    A holder with its own copy reads it; the others get it from another process's copy (PEER:
+    a holder's if any has one, else any process's, the least loaded reader), or, if no process
+    has one, from persistent storage (PERSISTENT). Copies are matched by the regions they hold,
+    never by process index: process ids permuted on a restart lose nothing."""
+    persistent = set(persistent_steps)
+    steps = persistent | {s for held in reports.values() for s in held}
+    for step in sorted(steps, reverse=True):
+        routes, complete, load = {}, True, collections.Counter()
+        for keypath, regions in wanted.items():
+            local = {p: held[step].get(keypath, ()) for p, held in reports.items() if step in held}
+            routes[keypath] = {}
+            for region, holders in regions.items():
+                route = _route(region, tuple(holders), local, step in persistent, load)
+                if route is None:
+                    complete = False
+                    break
+                if route.reader is not None:
+                    load[route.reader] += 1
+                routes[keypath][region] = route
+            if not complete:
+                break
+        if complete:
+            return TierPlan(step, routes, step in persistent)
+    return None

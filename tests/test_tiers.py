@@ -1,0 +1,201 @@
+"""The local tier in a real 4-process x 2-device job (mesh data=2, fsdp=4), killed for real, every
+restore checked byte for byte with the bytes read per source counted: a bad local chunk comes from
+the other holder; permuted process ids map copies by what they hold; a lost process's regions come
+from its peers; both holders lost -> the newest persistent step, only their regions read from it; a
+process that never comes makes the others raise BarrierTimeoutError naming it; a process killed
+during its local save. Then one process: the local tier beside the root, and the root alone."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dispatch_io as dio
+import storage_helpers as sh
+from dispatch_io import policies
+from test_manager_multiprocess import _finish
+from test_multiprocess import child_env, free_port
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(TESTS, "tiers_job.py")
+LIMIT = 90
+HELD = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2 + 32 * 4   # bytes each process holds: half of w and m, all of b
+SOLO = 8 * 4 * 4                                        # and s, process 0's alone (2 regions)
+
+
+def _start(root, local, mode, barrier_timeout=None):
+    env, port = child_env(2, barrier_timeout), free_port()
+    return [subprocess.Popen([sys.executable, JOB, str(i), str(port), str(root), str(local), mode], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+
+
+def _kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait()
+
+
+def _wait_for(procs, text: str) -> list[str]:
+    """Each process's output up to the line ``text`` (failing, with its output, if it ends first)."""
+    deadline, outs = time.monotonic() + LIMIT, []
+    for i, p in enumerate(procs):
+        lines = []
+        while text + "\n" not in lines:
+            line = p.stdout.readline()
+            assert line and time.monotonic() < deadline, \
+                f"process {i} ended before {text!r}:\n{''.join(lines)}\n{p.stderr.read()[-4000:]}"
+            lines.append(line)
+        outs.append("".join(lines))
+    return outs
+
+
+def _train_and_kill(root, local):
+    """Train to step 9 (local saves 0, 2, .., 8; persistent 0, 6), then SIGKILL every process."""
+    procs = _start(root, local, "train")
+    try:
+        for out in _wait_for(procs, "step 9"):
+            assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
+    finally:
+        _kill([procs[1]] + procs)   # process 1 first, then the rest
+
+
+def _resumed(outs):
+    found = [re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+) "
+                       r"peer_regions (\d+) persistent_regions (\d+)$", out, re.M) for out in outs]
+    assert all(found), outs
+    return [(int(m[1]), m[2] == "True", int(m[3]), int(m[4]), int(m[5]), int(m[6]), int(m[7])) for m in found]
+
+
+def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persistent(tmp_path):
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    _train_and_kill(root, local)
+    info = json.loads((tmp_path / "local" / "2" / "8" / "info.json").read_text())
+    assert (info["tier"], info["process"], info["copies"]) == ("local", 2, 1), info   # s: on process 0 alone
+    assert info["held"]["['w']"] == [[[0, 16], [0, 16]], [[16, 32], [0, 16]]] and "['s']" not in info["held"], info
+    # A flipped byte in process 0's copy of w's region 0 (step 8): that region comes from process 2's copy.
+    bad = sh.chunks(tmp_path / "local" / "0" / "8", "['w']")[(0, 0)]
+    sh.flip_byte(bad)
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (8, True) and r[3] == 0 and r[5:] == (1, 0) for r in results), results
+    assert results[0][4] == 1024 and results[0][2] == HELD + SOLO - 1024, results
+    sh.flip_byte(bad)                                           # mended (the flip is an XOR)
+    # Processes 0 and 1 restart on each other's hosts (ids permuted): each copy is mapped by the
+    # regions it holds, so 0 and 1 get their w and m regions from 2 and 3 (holders), and 0 its s
+    # from 1, which has 0's old copy though it does not hold s now; b is everywhere.
+    swap = [tmp_path / "local" / name for name in ("0", "1", "swap")]
+    for a, b in ((0, 2), (1, 0), (2, 1)):
+        os.rename(swap[a], swap[b])
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (8, True) and r[3] == 0 and r[5:] == (10, 0) for r in results), results
+    assert [r[2] for r in results] == [128, 128 + SOLO, HELD, HELD], results
+    assert [r[4] for r in results] == [4096 + SOLO, 4096, 0, 0], results
+    for a, b in ((0, 2), (1, 0), (2, 1)):
+        os.rename(swap[a], swap[b])
+    shutil.rmtree(str(local).replace("{process}", "1"))       # process 1's host is gone with its disk
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (8, True) for r in results), results                  # the newest local step, bit-exact
+    assert sum(r[3] for r in results) == 0, results                           # nothing from persistent storage
+    assert results[1][2] == 0 and results[1][4] == HELD, results              # process 1: all from its peers
+    assert [r[2] for r in results] == [HELD + SOLO, 0, HELD, HELD], results   # each other's own bytes, once
+    assert all(r[5:] == (5, 0) for r in results), results     # w's and m's regions 2, 3 and b came from peers
+    # Both holders of fsdp regions 0 and 1 lost (and s): step 6 (persisted), those regions from the root only.
+    for p in (0, 2):
+        shutil.rmtree(str(local).replace("{process}", str(p)))
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (6, True) for r in results), results
+    lost = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2 + SOLO                   # w's and m's regions 0 and 1, s
+    assert sum(r[3] for r in results) == lost and results[1][3] == results[3][3] == 0, results
+    assert all(r[5:] == (5, 6) for r in results), results
+    # A process that never comes to the restore: the others raise BarrierTimeoutError naming it.
+    procs = _start(root, local, "stall", barrier_timeout=3)
+    try:
+        _wait_for(procs[:3], "timed out waiting for [3]")
+    finally:
+        _kill(procs)
+
+
+def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_path):
+    """Process 1 is SIGKILLed mid local save of step 10 (the others commit theirs): its step 10 never
+    commits and its leftovers are removed on restart; step 10 is still whole through process 3."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    procs = _start(root, local, "die")
+    try:
+        assert procs[1].wait(timeout=LIMIT) == -signal.SIGKILL
+        _wait_for([procs[i] for i in (0, 2, 3)], "saved 10")
+    finally:
+        _kill(procs)
+    out = procs[1].stdout.read()
+    assert "saved 8" in out and "saved 10" not in out, out
+    assert 10 not in [int(n) for n in os.listdir(tmp_path / "local" / "1") if n.isdigit()]
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (10, True) and r[3] == 0 for r in results), results
+    assert results[1][2] == 0 and results[1][4] == HELD, results
+    assert sorted(os.listdir(tmp_path / "local" / "1")) == ["4", "6", "8"], "leftovers of the killed save remain"
+
+
+def test_one_process_saves_locally_between_persistent_steps_and_restores_from_either(tmp_path, mesh):
+    """One process (8 devices): local steps hold every region once; a wiped local tier -> the root.
+    A manager without ``local=`` sees only the persistent steps, as before."""
+    sharding, replicated = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P())
+    target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding),
+              "r": jax.ShapeDtypeStruct((64,), np.int32, sharding=replicated)}
+
+    def state(step):
+        return {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sharding),
+                "r": jax.device_put(np.arange(64, dtype=np.int32) * step, replicated)}
+
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    dispatcher = dio.LocalDispatcher(small_leaf_bytes=0)   # leaves stored by region, not whole
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(5):
+            assert mgr.should_save(step) == (step % 2 == 0 or step % 3 == 0)
+            mgr.save(step, state(step))
+        mgr.wait()
+        assert mgr.local.steps() == [0, 2, 4] and mgr.all_steps() == [0, 3]
+        # r is on all 8 devices: its one region is stored once (w: one chunk per device's region)
+        assert len(sh.chunks(tmp_path / "local" / "0" / "4", "['r']")) == 1
+        assert len(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")) == 8
+        restored = mgr.restore(None, target)
+        stats = mgr.last_tier_restore
+        assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (4, 512 + 256, 0), stats
+        assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state(4)[k])) for k in target)
+    shutil.rmtree(tmp_path / "local" / "0")
+    with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        restored = mgr.restore(None, target)
+        stats = mgr.last_tier_restore
+        assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (3, 0, 512 + 256), stats
+        assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state(3)[k])) for k in target)
+    dispatcher.close()
+    with dio.CheckpointManager(tmp_path / "root") as mgr:
+        assert mgr.latest_step() == 3 and mgr.local is None
+    with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        with pytest.raises(ValueError, match="needs a target"):
+            mgr.restore(None)
+        assert mgr.restore(3)["w"].shape == (16, 8)                     # a step named: the root, as before
+    shutil.rmtree(tmp_path / "root")
+    with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr, pytest.raises(FileNotFoundError):
+        mgr.restore(None, target)
+
+
+def test_local_tier_arguments_are_checked():
+    with pytest.raises(TypeError, match="cannot be part of a save_policy"):
+        dio.LocalTier("/tmp/x", save_policy=policies.LatestN(2))
+    with pytest.raises(ValueError, match="replicas=0"):
+        dio.LocalTier("/tmp/x", replicas=1)
+    with pytest.raises(TypeError, match="directory path"):
+        dio.LocalTier(None)

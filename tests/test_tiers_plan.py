@@ -1,0 +1,70 @@
+"""The local tier's restore planner on plain data (no devices, no IO): which step, and where each
+region of it comes from."""
+
+from dispatch_io.tiers_plan import PEER, PERSISTENT, Route, TierPlan, as_regions, plan_restore
+
+# A leaf of 4 regions over (data=2, fsdp=4) on 4 processes: regions 0, 1 held by {0, 2}; 2, 3 by {1, 3}.
+R = [((i * 16, i * 16 + 16), (0, 16)) for i in range(4)]
+WANTED = {"['w']": {R[0]: (0, 2), R[1]: (0, 2), R[2]: (1, 3), R[3]: (1, 3)},
+          "['b']": {((0, 32),): (0, 1, 2, 3)}}
+
+
+def held(process):
+    """What ``process`` holds of WANTED (as a local step records it)."""
+    own = [list(map(list, r)) for r, holders in WANTED["['w']"].items() if process in holders]
+    return as_regions({"['w']": own, "['b']": [[[0, 32]]]})
+
+
+def reports(steps_of):
+    return {p: {s: held(p) for s in steps} for p, steps in steps_of.items()}
+
+
+def test_every_holder_with_its_own_copy_reads_it_and_nothing_travels():
+    plan = plan_restore(WANTED, reports({p: [2, 4] for p in range(4)}), persistent_steps=[0])
+    assert plan.step == 4 and not plan.persisted
+    assert plan.routes["['w']"][R[0]] == Route((0, 2)) and plan.regions(PEER) == plan.regions(PERSISTENT) == 0
+
+
+def test_a_lost_process_gets_its_regions_from_the_other_holder():
+    plan = plan_restore(WANTED, reports({0: [8], 1: [], 2: [8], 3: [8]}), persistent_steps=[6])
+    assert plan.step == 8
+    assert plan.routes["['w']"][R[2]] == Route((3,), PEER, (1,), reader=3)
+    assert plan.routes["['w']"][R[0]] == Route((0, 2))
+    assert plan.routes["['b']"][((0, 32),)] == Route((0, 2, 3), PEER, (1,), reader=0)   # 3 reads two already
+    assert plan.regions(PEER) == 3 and plan.regions(PERSISTENT) == 0
+
+
+def test_both_holders_lost_goes_back_to_the_newest_persistent_step_reading_only_their_regions():
+    plan = plan_restore(WANTED, reports({0: [], 1: [4, 6, 8], 2: [], 3: [6, 8]}), persistent_steps=[0, 6])
+    assert plan.step == 6 and plan.persisted
+    assert plan.routes["['w']"][R[0]] == Route((), PERSISTENT, (0, 2))
+    assert plan.routes["['w']"][R[2]] == Route((1, 3))
+    assert plan.routes["['b']"][((0, 32),)] == Route((1, 3), PEER, (0, 2), reader=1)
+    assert plan.regions(PERSISTENT) == 2
+
+
+def test_a_step_some_process_did_not_finish_is_skipped():
+    # Process 2 was killed during its local save of 10 (never committed); 0 had one: step 10 is
+    # still whole (0 holds regions 0, 1) -- but not if 0 lost it too.
+    plan = plan_restore(WANTED, reports({0: [8, 10], 1: [8, 10], 2: [8], 3: [8, 10]}), persistent_steps=[])
+    assert plan.step == 10 and plan.routes["['w']"][R[0]] == Route((0,), PEER, (2,), reader=0)
+    plan = plan_restore(WANTED, reports({0: [8], 1: [8, 10], 2: [8], 3: [8, 10]}), persistent_steps=[])
+    assert plan.step == 8
+
+
+def test_copies_are_matched_by_the_regions_they_hold_not_by_process_id():
+    # Processes 0 and 1 restarted on each other's hosts: a holder's copy is preferred...
+    swapped = {0: {4: held(1)}, 1: {4: held(0)}, 2: {4: held(2)}, 3: {4: held(3)}}
+    plan = plan_restore(WANTED, swapped, persistent_steps=[])
+    assert plan.step == 4 and plan.routes["['w']"][R[0]] == Route((2,), PEER, (0,), reader=2)
+    # ...and where no holder has one, any process's copy is read and delivered to the holders.
+    plan = plan_restore(WANTED, {0: {4: held(1)}, 1: {4: held(0)}}, persistent_steps=[])
+    assert plan.step == 4 and plan.routes["['w']"][R[0]] == Route((), PEER, (0, 2), reader=1)
+    assert plan.routes["['w']"][R[2]] == Route((), PEER, (1, 3), reader=0)
+    assert plan.regions(PEER) == 5 and plan.regions(PERSISTENT) == 0   # b too: 2 and 3 lost theirs
+
+
+def test_nothing_anywhere_is_none_and_a_persistent_step_alone_is_read_whole():
+    assert plan_restore(WANTED, reports({p: [] for p in range(4)}), persistent_steps=[]) is None
+    plan = plan_restore(WANTED, {}, persistent_steps=[3])
+    assert isinstance(plan, TierPlan) and plan.step == 3 and plan.regions(PERSISTENT) == 5

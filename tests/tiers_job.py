@@ -1,0 +1,88 @@
+"""One process of a 4-process x 2-CPU-device job with a local tier (run by tests/test_tiers.py).
+
+    python tiers_job.py PROCESS PORT ROOT LOCAL MODE
+
+Mesh (data=2, fsdp=4): process p holds fsdp regions 2(p % 2), 2(p % 2) + 1, so processes
+{0, 2} and {1, 3} hold the same regions. The state is a deterministic function of the step.
+
+MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each save waited
+for, so a step printed ``saved N`` is committed); prints ``step 9`` and waits to be killed.
+MODE ``die``: as ``train`` to step 10, where process 1 is killed during its local save.
+MODE ``stall``: process 3 sleeps; the others print ``timed out waiting for [3]``.
+MODE ``resume``: restores through the tiers (verifying checksums; twice) and prints ``resumed STEP exact BOOL local L
+persistent P received R peer_regions A persistent_regions B``.
+"""
+
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dispatch_io as dio
+from dispatch_io import policies
+
+process, port, root, local, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
+mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+SPECS = {"w": ((64, 16), np.float32, P("fsdp", None)), "m": ((16, 64), np.int32, P(None, "fsdp")),
+         "b": ((32,), np.float32, P()), "s": ((8, 4), np.float32, None)}
+
+
+# "s" is held by process 0 alone (on its two devices): no peer has a copy of it.
+SOLO = NamedSharding(jax.sharding.Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("x",)), P("x"))
+
+
+def sharding(spec):
+    return SOLO if spec is None else NamedSharding(mesh, spec)
+
+
+def value(name, step):
+    shape, dtype, _ = SPECS[name]
+    return (np.arange(np.prod(shape)).reshape(shape) * 7 + step * 1000 + len(name)).astype(dtype)
+
+
+def state_at(step):
+    return {name: jax.make_array_from_callback(shape, sharding(spec), lambda i, n=name: value(n, step)[i], dtype=dtype)
+            for name, (shape, dtype, spec) in SPECS.items()}
+
+
+target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
+          for name, (shape, dtype, spec) in SPECS.items()}
+tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3))
+dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
+with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:
+    if mode in ("train", "die"):
+        for step in range(10 if mode == "train" else 11):
+            print(f"step {step}", flush=True)
+            if mgr.should_save(step):
+                dies = mode == "die" and step == 10 and process == 1
+                # SIGKILL from the IO thread, once the first leaf is copied: mid-save, before its commit
+                mgr.save(step, state_at(step), on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None)
+                mgr.wait()
+                print(f"saved {step}", flush=True)
+        time.sleep(600)  # killed here
+    if mode == "stall":  # process 3 never comes to the restore; the others must name it, not hang
+        if process == 3:
+            time.sleep(600)
+        try:
+            mgr.restore(None, target)
+        except dio.BarrierTimeoutError as exc:
+            print(f"timed out waiting for {exc.processes}", flush=True)
+            time.sleep(600)  # killed here (the job is broken: no clean shutdown with process 3 gone)
+    again = None
+    for _ in range(2):  # two restores in a row: the same step, the same bytes
+        restored = mgr.restore(None, target, verify=True)
+        s = mgr.last_tier_restore
+        exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
+                    for name, array in restored.items() for shard in array.addressable_shards)
+        assert again is None or again == (s, exact), (again, s, exact)
+        again = (s, exact)
+    print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
+          f"received {s.bytes_received} peer_regions {s.peer_regions} persistent_regions {s.persistent_regions}",
+          flush=True)
+print("done", flush=True)
+dispatcher.close()
+jax.distributed.shutdown()
