@@ -1,0 +1,286 @@
+"""Review of issue 28 (first part): the local tier. Each test fails on a defect found."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dispatch_io as dio
+import storage_helpers as sh
+from dispatch_io import policies
+
+
+def _setup(mesh):
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
+
+    def state(step):
+        return {"w": jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64) + step, sharding)}
+    return target, state
+
+
+def _exact(restored, expected):
+    return np.asarray(restored["w"]).tobytes() == np.asarray(expected["w"]).tobytes()
+
+
+def test_flipped_byte_in_local_copy_without_verify_is_detected(tmp_path, mesh):
+    """Issue 28: "Every stored chunk's CRC-32C is checked on the way back; a bad local copy falls
+    back to the next source". Local steps saved with checksums, one bit flipped in a RAM-disk chunk:
+    restore(None, target) (verify defaults to False) returns the flipped float silently."""
+    target, state = _setup(mesh)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    d = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
+    with dio.CheckpointManager(tmp_path / "root", d, save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(5):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+        sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")[(0, 0)], 0)
+        try:
+            restored = mgr.restore(None, target)
+        except dio.CorruptCheckpointError:
+            return
+        assert _exact(restored, state(mgr.last_tier_restore.step)), "silently wrong bytes from a corrupt local copy"
+    d.close()
+
+
+def test_save_local_true_as_documented(tmp_path, mesh):
+    """LocalTier's doc: save_policy None means "never, unless save(..., local=True)". There is no
+    such keyword: local=True lands in **save_kwargs and, the persistent policy skipping the step,
+    is silently dropped (nothing saved, no error; an unknown keyword is never checked)."""
+    target, state = _setup(mesh)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")   # save_policy None: "never, unless save(..., local=True)"
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        mgr.save(1, state(1), local=True)
+        mgr.wait()
+        assert mgr.local.steps() == [1]
+
+
+def test_explicit_rollback_then_tiered_restore_mixes_histories(tmp_path, mesh):
+    """Train 0..8 (local every 2, persistent every 4); roll back explicitly to step 4 (restore(4)),
+    deleting the persistent steps after it; train a new history 5..9 (state + 100); a restart
+    through the tiers must not resume the abandoned history's local step 8."""
+    target, state = _setup(mesh)
+
+    def state_b(step):
+        return jax.tree.map(lambda x: x + 100, state(step))
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        for step in range(9):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+    shutil.rmtree(tmp_path / "root" / "8")
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        mgr.restore(4, target)
+        saved = []
+        for step in range(5, 10):
+            if mgr.should_save(step):
+                mgr.save(step, state_b(step))
+                saved.append(step)
+        mgr.wait()
+        skipped = f"local saves of the new history: {saved}, local steps {mgr.local.steps()}"
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        restored = mgr.restore(None, target)
+        step = mgr.last_tier_restore.step
+        assert _exact(restored, state_b(step)), f"step {step} restored from the abandoned history ({skipped})"
+
+
+def _train(root, local, mesh, steps=9, offset=0):
+    target, state = _setup(mesh)
+    tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
+    saved = []
+    with dio.CheckpointManager(root, save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(steps):
+            if mgr.should_save(step):
+                mgr.save(step, jax.tree.map(lambda x: x + offset, state(step)))
+                saved.append(step)
+        mgr.wait()
+        return saved, mgr.local.steps()
+
+
+def test_a_new_run_reusing_the_local_path_resumes_the_old_run(tmp_path, mesh):
+    """Run A (root a) leaves local steps up to 8 in /dev/shm-like path; run B, a new root, same local
+    path: its local saves are skipped until step 9 and a restore resumes run A's step 8."""
+    target, state = _setup(mesh)
+    local = tmp_path / "local" / "{process}"
+    _train(tmp_path / "a", local, mesh)
+    saved, steps = _train(tmp_path / "b", local, mesh, steps=5, offset=100)
+    tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "b", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        restored = mgr.restore(None, target)
+        step = mgr.last_tier_restore.step
+        assert _exact(restored, jax.tree.map(lambda x: x + 100, state(step))), \
+            f"run B restored step {step} of run A (run B saved {saved}, local steps {steps})"
+
+
+def test_garbage_local_info_names_the_file(tmp_path, mesh):
+    """A local step whose info.json is garbage (a torn RAM-disk write): a CheckpointError naming it
+    (or the step skipped), not a bare JSONDecodeError."""
+    target, _ = _setup(mesh)
+    local = tmp_path / "local" / "{process}"
+    _train(tmp_path / "root", local, mesh)
+    (tmp_path / "local" / "0" / "8" / "info.json").write_text("{not json")
+    tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        try:
+            mgr.restore(None, target)
+        except dio.CheckpointError as exc:
+            assert "8" in str(exc) and "info.json" in str(exc), exc
+
+
+def test_a_restore_onto_another_sharding_does_not_delete_newer_local_steps(tmp_path, mesh):
+    """Local step 8 is whole, persistent 6 is the newest root step. A restore onto another sharding
+    (an eval copy, replicated) cannot use the local copies (a known gap): it reads step 6 from the
+    root -- and then deletes local steps 6 and 8 as "an abandoned history", though nothing was
+    resumed; the training job's next restore loses 2 steps."""
+    target, state = _setup(mesh)
+    local = tmp_path / "local" / "{process}"
+    _train(tmp_path / "root", local, mesh)
+    tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
+    replicated = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=NamedSharding(mesh, P()))}
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        mgr.restore(None, replicated)
+        other = mgr.last_tier_restore.step
+        assert 8 in mgr.local.steps(), f"a restore onto another sharding (step {other}) deleted local steps: " \
+                                       f"{mgr.local.steps()} left"
+        mgr.restore(None, target)
+        assert mgr.last_tier_restore.step == 8
+
+
+
+
+@pytest.mark.parametrize("kwargs", [{"partial": True}, {"cast": True}])
+def test_restore_through_the_tiers_takes_the_same_keywords_as_a_restore(tmp_path, mesh, kwargs):
+    """CheckpointManager.restore: "same keywords as Dispatcher.restore". With a local tier,
+    restore(None, target, partial=True) (the params of a train state) or cast=True (another
+    dtype) raise TypeError: LocalTiers.restore() got an unexpected keyword argument."""
+    _, state = _setup(mesh)
+    sharding = NamedSharding(mesh, P("data", "model"))
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(5):
+            if mgr.should_save(step):
+                mgr.save(step, {**state(step), "v": state(step)["w"] * 2})
+        mgr.wait()
+        dtype = jax.numpy.bfloat16 if kwargs.get("cast") else np.float32
+        target = {"w": jax.ShapeDtypeStruct((256, 64), dtype, sharding=sharding)}
+        if kwargs.get("cast"):
+            target["v"] = jax.ShapeDtypeStruct((256, 64), dtype, sharding=sharding)
+        root = mgr.restore(3, target, **kwargs)                   # the root alone: fine
+        assert np.asarray(root["w"]).tobytes() == np.asarray(state(3)["w"], dtype).tobytes()
+        restored = mgr.restore(None, target, **kwargs)
+        assert mgr.last_tier_restore.step == 4
+        assert np.asarray(restored["w"]).tobytes() == np.asarray(state(4)["w"], dtype).tobytes()
+
+
+def test_a_local_tier_on_an_object_store_url_is_refused_or_works(tmp_path, mesh):
+    """LocalTier("memory://...") is accepted and saves, then restore raises a bare FileNotFoundError
+    on 'memory://loc/0/0/info.json' (open() of a URL) -- the very error that means "no checkpoint,
+    start fresh" to a training loop. Refuse a URL in LocalTier (a local directory only), or read
+    the step info through the Location."""
+    target, state = _setup(mesh)
+    try:
+        tier = dio.LocalTier(f"memory://{tmp_path.name}/{{process}}", save_policy=policies.EveryNSteps(2))
+    except ValueError:
+        return
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(5):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+        assert mgr.local.steps() == [0, 2, 4]
+        restored = mgr.restore(None, target)
+        assert mgr.last_tier_restore.step == 4 and _exact(restored, state(4))
+
+
+def test_one_process_with_a_torn_local_info_does_not_fail_the_job_restore(tmp_path):
+    """4 processes; process 1's local step 8 has a torn info.json (a full RAM disk, a crash while
+    the OS wrote it back). Its regions are also held by process 3: the job should resume step 8
+    (bit-exact), its copy treated as lost -- as a wiped directory is. Today process 1 raises a bare
+    JSONDecodeError before the gather and the three others wait out the barrier timeout."""
+    from test_tiers import _resumed, _start, _train_and_kill
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    _train_and_kill(root, local)
+    (tmp_path / "local" / "1" / "8" / "info.json").write_text('{"step": 8, "tier": "lo')
+    procs = _start(root, local, "resume", barrier_timeout=10)
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    report = "\n".join(f"process {i}: rc {p.returncode} {o[-300:]!r} {e[-600:]!r}"
+                       for i, (p, (o, e)) in enumerate(zip(procs, outs)))
+    assert all(p.returncode == 0 for p in procs), report
+    assert all(r[:2] == (8, True) for r in _resumed([o for o, _ in outs])), report
+
+
+def test_processes_sharing_one_local_path_are_told_or_kept_apart(tmp_path):
+    """4 processes on one host, LocalTier path without {process} (the docs say it is needed there;
+    nothing checks it): every process saves its local steps into the same <local>/<step>/ with
+    overwrite=True, replacing the others' commits. Either the manager refuses (naming {process}) or
+    the job still resumes the newest local step bit-exact."""
+    import subprocess
+    from test_tiers import _kill, _resumed, _start, _wait_for
+    root, local = tmp_path / "root", tmp_path / "local"
+    procs = _start(root, local, "train")
+    try:
+        outs = _wait_for(procs, "step 9")
+    except AssertionError as exc:
+        _kill(procs)
+        assert "{process}" in str(exc), exc     # refused, naming the fix
+        return
+    _kill(procs)
+    procs = _start(root, local, "resume", barrier_timeout=10)
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    except subprocess.TimeoutExpired:
+        outs = [("", "timeout")] * 4
+    finally:
+        _kill(procs)
+    report = "\n".join(f"process {i}: rc {p.returncode} {o[-300:]!r} {e[-600:]!r}"
+                       for i, (p, (o, e)) in enumerate(zip(procs, outs)))
+    assert all(p.returncode == 0 for p in procs), report
+    results = _resumed([o for o, _ in outs])
+    assert all(r[:2] == (8, True) for r in results), (results, sorted(os.listdir(local)))
+
+
+def test_a_tiered_restore_reads_an_orbax_step_with_a_step_prefix(tmp_path, mesh):
+    """The manager lists Orbax steps named with a step_prefix (checkpoint_7) and restore(7) reads
+    it; through the tiers (local tier empty) the persistent pass opens <root>/7 (StepRoot.step_path,
+    not the manager's step_path) and raises FileNotFoundError -- "no checkpoint", so a loop starts
+    from scratch."""
+    import orbax.checkpoint as ocp
+    target, state = _setup(mesh)
+    orbax_mgr = ocp.CheckpointManager(str(tmp_path / "root"), options=ocp.CheckpointManagerOptions(
+        step_prefix="checkpoint"))
+    orbax_mgr.save(7, args=ocp.args.StandardSave(state(7)))
+    orbax_mgr.wait_until_finished()
+    orbax_mgr.close()
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        assert mgr.all_steps() == [7] and _exact(mgr.restore(7, target), state(7))
+        restored = mgr.restore(None, target)
+        assert mgr.last_tier_restore.step == 7 and _exact(restored, state(7))
+
+
+def test_local_retention_by_time_reads_the_local_steps_commit_times(tmp_path, mesh):
+    """LocalTier(keep_policy=EveryNSeconds(3600)): one local step per hour. Local retention builds
+    StepRecord(step) without the commit time its info.json records, so EveryNSeconds keeps none
+    of them and every local step but the latest is deleted (a save killed next leaves nothing)."""
+    _, state = _setup(mesh)
+    now = [0.0]
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2),
+                         keep_policy=policies.EveryNSeconds(3600))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier,
+                               clock=lambda: now[0]) as mgr:
+        for step in range(1, 7):
+            now[0] = step * 4000.0          # local saves at 8000, 16000, 24000 s: three windows
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+                mgr.wait()
+        assert mgr.local.steps() == [2, 4, 6], mgr.local.steps()
