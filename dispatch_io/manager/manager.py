@@ -43,7 +43,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.formats import check_reachable, committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import orbax_items, policies, retention, steps, tiers
+from dispatch_io.manager import local_steps, orbax_items, policies, retention, steps, tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
@@ -119,7 +119,7 @@ class CheckpointManager:
         self._last_saved_step = self.latest_step()
         self._last_save = steps.started(self.step_info, self._last_saved_step, self._clock())
         self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
-                                                                 self._processes)
+                                                                 self._processes, self._root)
         self.last_tier_restore: tiers.TierRestoreStats | None = None  # what restore() through the tiers did
 
     # ---- listing ------------------------------------------------------------------------------
@@ -194,12 +194,13 @@ class CheckpointManager:
     # ---- save / restore --------------------------------------------------------------------------
 
     def save(self, step: int, tree, *, items=None, metrics=None, metadata=None, force: bool = False,
-             overwrite: bool = False, **save_kwargs) -> SaveHandle | None:
+             overwrite: bool = False, local: bool | None = None, **save_kwargs) -> SaveHandle | None:
         """Save ``tree`` as ``step`` (after the save in flight, if any, has finished), with
         ``items`` (name -> ``dio.Json`` / ``dio.PerProcess``), ``metrics`` (name -> number, for
         ``BestN``) and ``metadata`` (JSON), all committed together. Without ``force``, a step
         the save policy does not save is skipped (returns None). Same keyword arguments as
-        ``Dispatcher.save``.
+        ``Dispatcher.save``. ``local``: True saves the step in the local tier too, False not; None:
+        as its save policy says.
 
         Raises, before anything is written: ``TypeError`` / ``ValueError`` for a bad item,
         metric or metadata (naming it); ``ValueError`` if ``step`` is older than the latest
@@ -213,11 +214,12 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager.save() called by the thread inside its save() (from a signal "
                                "handler or a priority callback?): it would wait for itself; set a flag there and "
                                "save after save() returned")
+        local_steps.check_save_keywords(self.dispatcher, save_kwargs)
         files, index = items_lib.files(items, self._process)
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes,
                              _version())
         persist = force or self.save_policy is None or self._should_persist(step)
-        local = self.local is not None and self.local.should_save(step)
+        local = local_steps.prepare_save(self.local, step, local, persist)
         handle = self.local.save(step, tree, **save_kwargs) if local else None  # the fast tier first: ms
         if not persist:
             return handle
@@ -288,9 +290,14 @@ class CheckpointManager:
         ``step=None``: through the tiers (``tiers.LocalTiers.restore``; then see ``last_tier_restore``)."""
         self._check_usable("restore")
         if self.local is not None and step is None and item is None:
-            tree, self.last_tier_restore = self.local.restore(target, self._root, self.all_steps(), **restore_kwargs)
+            tree, self.last_tier_restore = self.local.restore(
+                target, self.all_steps(), lambda s: self._pytree_path(s, None), self.root, **restore_kwargs)
             return tree
-        return self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
+        step = self._resolve(step)
+        tree = self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
+        if self.local is not None:  # resuming an older step: the newer local steps are an abandoned history
+            self.local.resumed(step, target)
+        return tree
 
     def metadata(self, step: int | None = None, *, item: str | None = None):
         return metadata(self._pytree_path(step, item))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
+import functools
 import os
 import threading
 
@@ -29,13 +29,13 @@ from dispatch_io import restore as restore_lib
 from dispatch_io import scaleout
 from dispatch_io import tiers_plan
 from dispatch_io.coordination import open_room
-from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError
+from dispatch_io.errors import BarrierTimeoutError, CorruptCheckpointError
 from dispatch_io.formats import open_checkpoint
-from dispatch_io.manager import policies, retention
+from dispatch_io.manager import local_steps, policies, retention
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.progress import Progress
 from dispatch_io.save import Attachments, SaveHandle
-from dispatch_io.storage import INFO, Location, StepRoot
+from dispatch_io.storage import Location, StepRoot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,9 @@ class LocalTier:
     def __post_init__(self):
         if not isinstance(self.path, (str, os.PathLike)):
             raise TypeError(f"LocalTier path must be a directory path, got {self.path!r}")
+        if "://" in os.fspath(self.path):
+            raise ValueError(f"LocalTier({os.fspath(self.path)!r}): the local tier is a directory on each host (a RAM "
+                             "disk or local SSD), not a URL; the manager's root is the persistent tier")
         policies.check(self.save_policy, "save")
         policies.check(self.keep_policy, "keep")
         if self.replicas != 0:
@@ -83,12 +86,15 @@ class TierRestoreStats:
 class LocalTiers:
     """The local tier of one manager, in one process (see the module doc)."""
 
-    def __init__(self, tier: LocalTier, dispatcher, clock, process: int, count: int):
+    def __init__(self, tier: LocalTier, dispatcher, clock, process: int, count: int, root: StepRoot):
         self.tier, self.dispatcher, self._clock = tier, dispatcher, clock
         self.process, self.count = process, count
         self.path = tier.process_path(process)
+        local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
+                                dispatcher.options.barrier_timeout)
         self._root = StepRoot.open(self.path)
         self._root.remove_leftovers()
+        self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
         self._in_flight: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
@@ -97,8 +103,12 @@ class LocalTiers:
         self._last_save = clock()
 
     def steps(self) -> list[int]:
-        """This process's committed local steps, ascending."""
-        return self._root.committed_steps()
+        """This process's committed local steps of this manager's root, ascending (steps whose info
+        cannot be read are left out: lost, as a wiped step is)."""
+        return sorted(self._infos()[0])
+
+    def _infos(self) -> tuple[dict[int, dict], list[str]]:
+        return local_steps.read_steps(self._root, self._owner)
 
     def should_save(self, step: int, preempted: bool = False) -> bool:
         """Whether the local save policy saves ``step`` (never a step not newer than the last)."""
@@ -111,7 +121,7 @@ class LocalTiers:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
         flight); retention of local steps follows its commit, on the tier's thread."""
         self.wait()
-        info = {"step": step, "tier": "local", "process": self.process, "started": self._clock(),
+        info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": self._clock(),
                 "copies": tiers_plan.copies(tree, self.count), "held": tiers_plan.held_regions(tree, self.process)}
         handle = self.dispatcher.save(self._root.step_path(step), tree, own=True, overwrite=True,
                                       attachments=Attachments(info=info, clock=self._clock), **save_kwargs)
@@ -127,7 +137,9 @@ class LocalTiers:
         if self.tier.keep_policy is None:
             return
         try:
-            records = [policies.StepRecord(s) for s in self.steps()]
+            infos = self._infos()[0]
+            records = [policies.StepRecord(s, infos[s].get("committed") if s in infos else None)
+                       for s in self._root.committed_steps()]
             retention.delete_dropped(self._root, retention.steps_to_delete(records, self.tier.keep_policy,
                                                                            self._clock()), lambda step: None)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
@@ -148,30 +160,26 @@ class LocalTiers:
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def _held(self, target, verify: bool) -> dict:
-        """{step: {key path: [region, ...]}} of this process's committed local steps; with
-        ``verify``, the newest without the regions whose chunks fail their CRC-32C."""
-        held = {}
-        for step in self.steps():
-            with open(os.path.join(self._root.step_path(step), INFO), "rb") as f:
-                info = json.load(f)
-            if info.get("tier") != "local" or "held" not in info:
-                raise CheckpointError(f"{self._root.step_path(step)} is not a local-tier step (its {INFO} "
-                                      "records no held regions)")
-            held[str(step)] = info["held"]
-        if verify and held:
-            newest = max(held, key=int)
-            held[newest] = self._intact(int(newest), held[newest], target)
-        return held
+    def _held(self, outputs_of) -> tuple[dict, int | None, list[str]]:
+        """({step: {key path: [region, ...]}} of this process's usable local steps -- the newest
+        without the regions whose chunks fail their CRC-32C --, the step so checked, [the info
+        files that could not be read])."""
+        infos, unreadable = self._infos()
+        held = {str(step): info["held"] for step, info in infos.items()}
+        if not infos:
+            return held, None, unreadable
+        newest = max(infos)
+        held[str(newest)] = self._intact(newest, infos[newest]["held"], outputs_of)
+        return held, newest, unreadable
 
-    def _intact(self, step: int, held: dict, target) -> dict:
+    def _intact(self, step: int, held: dict, outputs_of) -> dict:
         """``held`` (of local ``step``) without the regions a chunk of which fails its CRC-32C
         (logged): the restore then plans them from the next source, a peer's copy or persistent
         storage. A step saved without checksums is returned as it is (nothing to check against)."""
         opened = open_checkpoint(self._root.step_path(step))
         if not opened.manifest.has_checksums:
             return held
-        _, outputs = restore_lib.plan_outputs(opened.manifest, target, False, False)
+        _, outputs = outputs_of(opened.manifest)
         reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
         progress = Progress("verify", opened.display, enabled=False)
         intact = {}
@@ -194,25 +202,33 @@ class LocalTiers:
             reader.close()
         return intact
 
-    def restore(self, target, persistent_root: StepRoot, persistent_steps, *, verify: bool = False):
+    def restore(self, target, persistent_steps, persistent_path, persistent_display: str, *, partial: bool = False,
+                cast: bool = False, verify: bool = False, names=None):
         """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
         from the newest step the tiers hold whole; every process calls it together. Returns
-        (tree, :class:`TierRestoreStats`). This process's local steps newer than the one restored
-        are then deleted: they belong to a history the job no longer follows. ValueError without a
-        target; FileNotFoundError if no step has every region; BarrierTimeoutError naming a process
-        that does not report within the barrier timeout."""
+        (tree, :class:`TierRestoreStats`). ``persistent_path(step)``: where the root holds a step.
+        ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
+        are always checked (a bad one is replaced by the next source), persistent ones with ``verify``.
+        Then, if the job resumes the step (:meth:`resumed`), the newer local steps are deleted.
+        ValueError without a target; FileNotFoundError if no step has every region; BarrierTimeoutError
+        naming a process that does not report within the barrier timeout."""
         if target is None:
             raise ValueError("a restore through the local tier needs a target with global shardings: they say "
                              "which process holds which region (restore(step, ...) reads the root without one)")
         options = self.dispatcher.options
-        held = self._held(target, verify)  # before the room: a long verify must not time the others out
+        outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
+        held, verified, unreadable = self._held(outputs_of)  # before the room: a long verify must not time out others
         room = None
         if self.count > 1:
             room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
                              options.barrier_timeout)
+            if room.leader:  # one listing of the root for every process
+                room.set("persistent", list(persistent_steps))
             room.set(f"held/{self.process}", held)
         reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in steps.items()}
                    for p, steps in (room.gather("held") if room else {self.process: held}).items()}
+        if room is not None:
+            persistent_steps = room.from_leader("persistent")
         plan = tiers_plan.plan_restore(tiers_plan.wanted_regions(target, self.count), reports, persistent_steps)
         local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
                                               for regions in plan.routes.values() for r in regions.values())
@@ -220,14 +236,38 @@ class LocalTiers:
         if room is not None:
             room.close()
         if plan is None:
-            raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_root.display} holds "
-                                    "every region of the target")
-        result = self._fill(plan, target, persistent_root, local_pass, shared, verify)
-        for step in self.steps():  # an abandoned history: never to be mixed with the one resumed now
-            if step > plan.step:
-                self._root.delete(step)
-        self._last_step = plan.step
+            lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
+            raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_display} holds "
+                                    f"every region of the target{lost}")
+        local_verify = verify or plan.step != verified  # the newest local step was checked in _held
+        result = self._fill(plan, persistent_path, local_pass, shared, local_verify, verify, outputs_of)
+        self.resumed(plan.step, target)
         return result
+
+    def resumed(self, step: int, target):
+        """After a restore of ``step`` onto ``target`` (through the tiers or of a named step): if
+        ``target`` is sharded as this process's newest local step was saved (the job resumes
+        ``step``), local saves go on after ``step`` -- and the first save of the resumed history
+        (either tier) deletes the local steps it makes stale (``local_steps.prepare_save``). A restore onto
+        another sharding (an eval copy) changes nothing."""
+        mine = tiers_plan.held_regions(target, self.process) if target is not None else {}
+        infos = self._infos()[0] if mine else {}
+        if not infos or any(infos[max(infos)]["held"].get(k) != v for k, v in mine.items()):
+            return
+        if self._last_step is not None and step < self._last_step:
+            self._last_step = step
+
+    def drop_from(self, step: int):
+        """Delete this process's local steps after ``step`` (and ``step``, unless it is the local
+        step of this history): a save of ``step`` means the job follows a history where they never
+        happened (a rollback), and a later restore must never resume them over it."""
+        stale = [s for s in self._root.committed_steps() if s > step or (s == step and s != self._last_step)]
+        if stale:
+            self.wait()
+            for s in stale:
+                logging.info("dispatch_io: local step %s is deleted: the job saves step %d of another history",
+                             self._root.step_path(s), step)
+                self._root.delete(s)
 
     def _share_manifest(self, step: int, reports: dict, room):
         """The manifest of local ``step`` for a process without the step (it plans its part of
@@ -244,8 +284,8 @@ class LocalTiers:
                                       f"{room.timeout:g} s", processes=[sharer], barrier=f"{room.prefix}/manifest")
         return manifest
 
-    def _fill(self, plan: tiers_plan.TierPlan, target, persistent_root: StepRoot, local_pass: bool, shared,
-              verify: bool):
+    def _fill(self, plan: tiers_plan.TierPlan, persistent_path, local_pass: bool, shared, local_verify: bool,
+              verify: bool, outputs_of):
         """The local pass (if any region is read from a local copy), then the persistent pass (if a
         region needs it); their buffers joined, the result finished. ``shared``: the step's manifest for a
         process without a copy of its own."""
@@ -260,12 +300,13 @@ class LocalTiers:
                 described = opened.manifest
             display = f"local step {plan.step} of {self.tier.process_path('{process}')}"
             described = described or parse_manifest(shared, step_path)
-            treedef, outputs = restore_lib.plan_outputs(described, target, False, False)
-            read_local, received = self._pass(reader, outputs, display, self._local_routes(plan), verify)
+            treedef, outputs = outputs_of(described)
+            local_verify = local_verify and described.has_checksums  # a step saved without them: nothing to check
+            read_local, received = self._pass(reader, outputs, display, self._local_routes(plan), local_verify)
         if plan.regions(tiers_plan.PERSISTENT):
-            opened = open_checkpoint(persistent_root.step_path(plan.step))
+            opened = open_checkpoint(persistent_path(plan.step))
             reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
-            ptreedef, poutputs = restore_lib.plan_outputs(opened.manifest, target, False, False)
+            ptreedef, poutputs = outputs_of(opened.manifest)
             read_persistent, got = self._pass(reader, poutputs, opened.display, self._persistent_routes(plan), verify)
             received += got
             opened.check_unchanged()
@@ -334,3 +375,10 @@ class LocalTiers:
             if reader is not None:
                 reader.close()
         return sum(p.bytes_done for name, p in progress.phases.items() if name != "verify"), received
+
+
+def _outputs(manifest, *, target, partial: bool, cast: bool, names):
+    """``restore.plan_outputs`` of ``target`` as ``Dispatcher.restore(partial=, cast=, names=)`` plans it."""
+    if names is not None:
+        manifest = dataclasses.replace(manifest, tensor_names=names)
+    return restore_lib.plan_outputs(manifest, target, partial, cast)

@@ -1,0 +1,105 @@
+"""The local tier's steps on disk: which of them belong to this manager, and what each holds.
+
+Each local step's ``info.json`` records the persistent root it was saved beside (``"root"``),
+the regions it holds (``"held"``) and its commit time (``"committed"``). A step of another root
+(a new run reusing the local path, or one written before steps recorded their root) is never
+used: :func:`read_steps` removes it. A step whose info cannot be read (a torn write on a full RAM
+disk) is treated as lost, as a wiped directory is: logged with its path, never reported as held.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import socket
+
+from absl import logging
+
+from dispatch_io.coordination import open_room
+from dispatch_io.storage import INFO, StepRoot
+
+
+def owner(root: StepRoot) -> str:
+    """What identifies the persistent root in a local step's info: its URL, or its real path."""
+    display = root.display
+    return display if "://" in display else os.path.realpath(display)
+
+
+def read_info(root: StepRoot, step: int) -> dict | None:
+    """Local ``step``'s info, or None (logged, naming the file) if it cannot be read or is not a
+    local step's: the step is then lost to this process, as a wiped one is."""
+    path = os.path.join(root.step_path(step), INFO)
+    try:
+        with open(path, "rb") as f:
+            info = json.load(f)
+    except (OSError, ValueError) as exc:
+        logging.warning("dispatch_io: the local step %s is not used (its info cannot be read: %s)", path, exc)
+        return None
+    if not isinstance(info, dict) or info.get("tier") != "local" or not isinstance(info.get("held"), dict):
+        logging.warning("dispatch_io: the local step %s is not used (its info records no held regions)", path)
+        return None
+    return info
+
+
+def read_steps(root: StepRoot, owned_by: str) -> tuple[dict[int, dict], list[str]]:
+    """({step: info} of the committed local steps saved beside the root ``owned_by``, [the info
+    files that could not be read]). Steps of another root are removed (logged)."""
+    infos, unreadable = {}, []
+    for step in root.committed_steps():
+        info = read_info(root, step)
+        if info is None:
+            unreadable.append(os.path.join(root.step_path(step), INFO))
+        elif info.get("root") != owned_by:
+            logging.warning("dispatch_io: local step %s was saved beside %s, not %s: removed",
+                            root.step_path(step), info.get("root"), owned_by)
+            root.delete(step)
+        else:
+            infos[step] = info
+    return infos, unreadable
+
+
+def check_apart(template: str, path: str, process: int, count: int, timeout: float):
+    """ValueError (in every process) if two processes of the job would save into the same local
+    directory (one host, a path without ``{process}``): they would replace each other's steps."""
+    if count < 2:
+        return
+    room = open_room("tiers-paths", template, f"the local tier {template}", timeout)
+    try:
+        room.set(f"path/{process}", [socket.gethostname(), os.path.realpath(path)])
+        places = room.gather("path")
+    finally:
+        room.close()
+    seen: dict[tuple, int] = {}
+    for p in sorted(places):
+        where = tuple(places[p])
+        if where in seen:
+            raise ValueError(f"LocalTier({template!r}): processes {seen[where]} and {p} would both save into "
+                             f"{where[1]} on host {where[0]}; put {{process}} in the path (it becomes the "
+                             "process index)")
+        seen[where] = p
+
+
+def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | None, persist: bool) -> bool:
+    """Whether a manager's save of ``step`` saves it in the local tier ``local``: ``forced`` (the
+    ``save(local=)`` argument) if given, else the tier's save policy. If either tier saves, the
+    local steps from ``step`` on are deleted first (``LocalTiers.drop_from``). ValueError for
+    ``local=True`` without a local tier."""
+    if forced is not None and not isinstance(forced, bool):
+        raise TypeError(f"save(local={forced!r}): True, False or None")
+    if local is None:
+        if forced:
+            raise ValueError("save(local=True) on a CheckpointManager without a local tier (pass local=dio.LocalTier(...))")
+        return False
+    saves = local.should_save(step) if forced is None else forced
+    if saves or persist:
+        local.drop_from(step)
+    return saves
+
+
+def check_save_keywords(dispatcher, save_kwargs: dict):
+    """TypeError for a keyword ``Dispatcher.save`` does not take, before (and whether or not) anything is saved."""
+    try:
+        inspect.signature(dispatcher.save).bind(None, None, **save_kwargs)
+    except TypeError as exc:
+        raise TypeError(f"CheckpointManager.save(): {exc} (its keywords are Dispatcher.save's)") from None
