@@ -62,14 +62,16 @@ def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futur
         progress.advance(size(batch))
 
 
-def needed_regions(outputs: list) -> list[tuple[Output, tuple]]:
-    """(output, region) for every distinct region this process needs; sets ``out.regions``."""
+def needed_regions(outputs: list, only: Callable | None = None) -> list[tuple[Output, tuple]]:
+    """(output, region) for every distinct region this process needs; sets ``out.regions``.
+    ``only(index, out)``: the regions of ``outputs[index]`` to keep (None: all)."""
     found = []
-    for out in outputs:
+    for index, out in enumerate(outputs):
         if not isinstance(out, Output) or out.saved.stored is None:
             continue
         out.regions = output_regions(out)
-        found += [(out, region) for region in out.regions]
+        kept = None if only is None else set(only(index, out))
+        found += [(out, region) for region in out.regions if kept is None or region in kept]
     return found
 
 
@@ -147,9 +149,11 @@ def read_failure(exc: BaseException, keypath: str, display: str) -> WorkerError:
                        f"{type(exc).__name__}: {brief_error(exc)}", worker=worker, keypath=keypath)
 
 
-def read_outputs(reader, outputs: list, chunk_limit: int, batch_limit: int, progress: Progress):
-    """Fill every output's ``buffers`` with every region this process holds (:func:`read_regions`)."""
-    read_regions(reader, needed_regions(outputs), chunk_limit, batch_limit, progress)
+def read_outputs(reader, outputs: list, chunk_limit: int, batch_limit: int, progress: Progress, *,
+                 only: Callable | None = None):
+    """Fill every output's ``buffers`` with every region this process holds (:func:`read_regions`;
+    ``only``: as :func:`needed_regions`)."""
+    read_regions(reader, needed_regions(outputs, only), chunk_limit, batch_limit, progress)
 
 
 def stored_cells(stored, bounds):
@@ -160,9 +164,11 @@ def stored_cells(stored, bounds):
         yield grid, tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, stored.chunk_shape, stored.shape))
 
 
-def verify_outputs(reader, outputs: list, batch_limit: int, progress: Progress, *, compare: bool = True):
-    """:func:`verify_stored` for every region of the outputs that this process holds."""
-    verify_stored(reader, [(out, out.stored_bounds(region)) for out, region in needed_regions(outputs)],
+def verify_outputs(reader, outputs: list, batch_limit: int, progress: Progress, *, compare: bool = True,
+                   only: Callable | None = None):
+    """:func:`verify_stored` for every region of the outputs that this process holds (``only``: as
+    :func:`needed_regions`)."""
+    verify_stored(reader, [(out, out.stored_bounds(region)) for out, region in needed_regions(outputs, only)],
                   batch_limit, progress, compare=compare)
 
 

@@ -362,15 +362,11 @@ class LocalTiers:
                     received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=[],
                                                      routes=routes).useful
                 else:  # one process: nothing travels, its own regions are read as a restore reads them
-                    received, wanted = 0, []
-                    for index, out in enumerate(outputs):
-                        if isinstance(out, restore_lib.Output) and out.saved.stored is not None:
-                            out.regions = restore_lib.output_regions(out)
-                            wanted += [(out, region) for region in routes(index, out)[1]]
+                    received, mine = 0, (lambda index, out: routes(index, out)[1])
                     if verify:
-                        reading.verify_stored(reader, [(o, o.stored_bounds(r)) for o, r in wanted],
-                                              options.read_batch_bytes, progress)
-                    reading.read_regions(reader, wanted, options.chunk_bytes, options.read_batch_bytes, progress)
+                        reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress, only=mine)
+                    reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress,
+                                         only=mine)
         finally:
             if reader is not None:
                 reader.close()
