@@ -199,3 +199,53 @@ def test_local_tier_arguments_are_checked():
         dio.LocalTier("/tmp/x", replicas=1)
     with pytest.raises(TypeError, match="directory path"):
         dio.LocalTier(None)
+
+
+def test_an_unreadable_newest_local_step_is_lost_not_fatal(tmp_path, mesh):
+    """The newest local step's manifest torn (a full RAM disk): that copy is lost to the restore,
+    as a wiped one is; the next source serves (here the older local step 2 or persistent 3)."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding)}
+
+    def state(step):
+        return {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sharding)}
+
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    dispatcher = dio.LocalDispatcher(checksums=True)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(5):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+        (tmp_path / "local" / "0" / "4" / "manifest.json").write_text('{"format": "dispatch_')
+        restored = mgr.restore(None, target)
+        step = mgr.last_tier_restore.step
+        assert step == 3 and np.array_equal(np.asarray(restored["w"]), np.asarray(state(3)["w"]))
+    dispatcher.close()
+
+
+def test_a_local_save_of_a_rolled_back_history_replaces_the_abandoned_local_steps(tmp_path, mesh):
+    """A restore onto another sharding changes nothing. restore(0) onto the training sharding after
+    local steps 2..6: nothing is deleted by the restore (an inspection may follow), local saves go
+    on after 0, and the new history's first save (step 1, persistent) deletes local steps 2..6."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding)}
+    other = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=NamedSharding(mesh, P()))}
+
+    def state(step):
+        return {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sharding)}
+
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        for step in range(7):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+        mgr.restore(None, other)
+        assert mgr.local.steps() == [0, 2, 4, 6] and not mgr.should_save(4)     # an eval copy: nothing changes
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        mgr.restore(0, target)
+        assert mgr.local.steps() == [0, 2, 4, 6] and mgr.should_save(2)
+        mgr.save(1, state(1), force=True)                                         # the new history's first save
+        mgr.wait()
+        assert mgr.local.steps() == [0] and mgr.should_save(2)

@@ -3,7 +3,7 @@
 Each local step's ``info.json`` records the persistent root it was saved beside (``"root"``),
 the regions it holds (``"held"``) and its commit time (``"committed"``). A step of another root
 (a new run reusing the local path, or one written before steps recorded their root) is never
-used: :func:`read_steps` removes it. A step whose info cannot be read (a torn write on a full RAM
+used, and removed when a manager opens (:func:`read_steps`). A step whose info cannot be read (a torn write on a full RAM
 disk) is treated as lost, as a wiped directory is: logged with its path, never reported as held.
 """
 
@@ -42,18 +42,20 @@ def read_info(root: StepRoot, step: int) -> dict | None:
     return info
 
 
-def read_steps(root: StepRoot, owned_by: str) -> tuple[dict[int, dict], list[str]]:
+def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dict[int, dict], list[str]]:
     """({step: info} of the committed local steps saved beside the root ``owned_by``, [the info
-    files that could not be read]). Steps of another root are removed (logged)."""
+    files that could not be read]). Steps of another root are left out; with ``remove``, deleted
+    (logged): what a manager does when it opens."""
     infos, unreadable = {}, []
     for step in root.committed_steps():
         info = read_info(root, step)
         if info is None:
             unreadable.append(os.path.join(root.step_path(step), INFO))
         elif info.get("root") != owned_by:
-            logging.warning("dispatch_io: local step %s was saved beside %s, not %s: removed",
-                            root.step_path(step), info.get("root"), owned_by)
-            root.delete(step)
+            if remove:
+                logging.warning("dispatch_io: local step %s was saved beside %s, not %s: removed",
+                                root.step_path(step), info.get("root"), owned_by)
+                root.delete(step)
         else:
             infos[step] = info
     return infos, unreadable
@@ -65,11 +67,9 @@ def check_apart(template: str, path: str, process: int, count: int, timeout: flo
     if count < 2:
         return
     room = open_room("tiers-paths", template, f"the local tier {template}", timeout)
-    try:
-        room.set(f"path/{process}", [socket.gethostname(), os.path.realpath(path)])
-        places = room.gather("path")
-    finally:
-        room.close()
+    room.set(f"path/{process}", [socket.gethostname(), os.path.realpath(path)])
+    places = room.gather("path")
+    room.close()
     seen: dict[tuple, int] = {}
     for p in sorted(places):
         where = tuple(places[p])

@@ -29,7 +29,8 @@ from dispatch_io import restore as restore_lib
 from dispatch_io import scaleout
 from dispatch_io import tiers_plan
 from dispatch_io.coordination import open_room
-from dispatch_io.errors import BarrierTimeoutError, CorruptCheckpointError
+from dispatch_io.errors import (BarrierTimeoutError, CorruptCheckpointError, IncompleteCheckpointError,
+                               WorkerError)
 from dispatch_io.formats import open_checkpoint
 from dispatch_io.manager import local_steps, policies, retention
 from dispatch_io.manifest import parse as parse_manifest
@@ -95,6 +96,7 @@ class LocalTiers:
         self._root = StepRoot.open(self.path)
         self._root.remove_leftovers()
         self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
+        local_steps.read_steps(self._root, self._owner, remove=True)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
         self._in_flight: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
@@ -169,7 +171,11 @@ class LocalTiers:
         if not infos:
             return held, None, unreadable
         newest = max(infos)
-        held[str(newest)] = self._intact(newest, infos[newest]["held"], outputs_of)
+        try:
+            held[str(newest)] = self._intact(newest, infos[newest]["held"], outputs_of)
+        except (IncompleteCheckpointError, CorruptCheckpointError, WorkerError, OSError) as exc:
+            logging.warning("dispatch_io: the local step %s is not used: %s", self._root.step_path(newest), exc)
+            del held[str(newest)]  # lost to this process, as a wiped step is: a peer's copy or the root serves
         return held, newest, unreadable
 
     def _intact(self, step: int, held: dict, outputs_of) -> dict:
@@ -240,7 +246,8 @@ class LocalTiers:
             raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_display} holds "
                                     f"every region of the target{lost}")
         local_verify = verify or plan.step != verified  # the newest local step was checked in _held
-        result = self._fill(plan, persistent_path, local_pass, shared, local_verify, verify, outputs_of)
+        own_copy = plan.step in reports[self.process]  # as reported: a copy it could not read is not its own
+        result = self._fill(plan, persistent_path, local_pass, own_copy, shared, local_verify, verify, outputs_of)
         self.resumed(plan.step, target)
         return result
 
@@ -284,8 +291,8 @@ class LocalTiers:
                                       f"{room.timeout:g} s", processes=[sharer], barrier=f"{room.prefix}/manifest")
         return manifest
 
-    def _fill(self, plan: tiers_plan.TierPlan, persistent_path, local_pass: bool, shared, local_verify: bool,
-              verify: bool, outputs_of):
+    def _fill(self, plan: tiers_plan.TierPlan, persistent_path, local_pass: bool, own_copy: bool, shared,
+              local_verify: bool, verify: bool, outputs_of):
         """The local pass (if any region is read from a local copy), then the persistent pass (if a
         region needs it); their buffers joined, the result finished. ``shared``: the step's manifest for a
         process without a copy of its own."""
@@ -294,7 +301,7 @@ class LocalTiers:
         if local_pass:
             step_path = self._root.step_path(plan.step)
             reader, described = None, None
-            if plan.step in self.steps():  # its own manifest: it has the checksums of its own chunks
+            if own_copy:  # its own manifest: it has the checksums of its own chunks
                 opened = open_checkpoint(step_path)
                 reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
                 described = opened.manifest
