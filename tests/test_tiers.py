@@ -237,15 +237,18 @@ def test_a_local_save_of_a_rolled_back_history_replaces_the_abandoned_local_step
 
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
-        for step in range(7):
-            if mgr.should_save(step):
-                mgr.save(step, state(step))
+        for step in (0, 2, 4, 6):
+            mgr.save(step, state(step), local=True)                                # 0 persisted too
         mgr.wait()
+        assert mgr.all_steps() == [0]
         mgr.restore(None, other)
         assert mgr.local.steps() == [0, 2, 4, 6] and not mgr.should_save(4)     # an eval copy: nothing changes
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
         mgr.restore(0, target)
         assert mgr.local.steps() == [0, 2, 4, 6] and mgr.should_save(2)
+        with pytest.raises(TypeError, match="bogus"):
+            mgr.save(3, state(3), bogus=1)                                        # checked, though nothing is saved
+        assert mgr.local.steps() == [0, 2, 4, 6]
         mgr.save(1, state(1), force=True)                                         # the new history's first save
         mgr.wait()
         assert mgr.local.steps() == [0] and mgr.should_save(2)

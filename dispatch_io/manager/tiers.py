@@ -43,8 +43,8 @@ from dispatch_io.storage import Location, StepRoot
 class LocalTier:
     """A fast local tier beside a manager's persistent root (``CheckpointManager(local=...)``).
 
-    ``path``: a directory on each host (a RAM disk or local SSD); ``{process}`` in it is replaced
-    by the process index (needed where processes share a host). ``save_policy``: when to save
+    ``path``: a directory on each host (a RAM disk or local SSD; not a URL); ``{process}`` in it is
+    replaced by the process index (needed where processes share a host: checked when a manager opens). ``save_policy``: when to save
     locally (None: never, unless ``save(..., local=True)``); ``keep_policy``: which local steps
     each process keeps (the latest always; None: all). ``replicas``: extra copies on peers of
     state that no other process holds (only 0 is built yet: data-parallel replicas already count)."""
