@@ -268,10 +268,11 @@ class LocalTiers:
         """Delete this process's local steps after ``step`` (and ``step``, unless it is the local
         step of this history): a save of ``step`` means the job follows a history where they never
         happened (a rollback), and a later restore must never resume them over it."""
-        stale = [s for s in self._root.committed_steps() if s > step or (s == step and s != self._last_step)]
-        if stale:
-            self.wait()
-            for s in stale:
+        def stale():
+            return [s for s in self._root.committed_steps() if s > step or (s == step and s != self._last_step)]
+        if stale():
+            self.wait()  # the local save in flight and its retention first (it may delete some of them)
+            for s in stale():
                 logging.info("dispatch_io: local step %s is deleted: the job saves step %d of another history",
                              self._root.step_path(s), step)
                 self._root.delete(s)
