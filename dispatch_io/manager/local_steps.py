@@ -3,8 +3,9 @@
 Each local step's ``info.json`` records the persistent root it was saved beside (``"root"``),
 the regions it holds (``"held"``) and its commit time (``"committed"``). A step of another root
 (a new run reusing the local path, or one written before steps recorded their root) is never
-used, and removed when a manager opens (:func:`read_steps`). A step whose info cannot be read (a torn write on a full RAM
-disk) is treated as lost, as a wiped directory is: logged with its path, never reported as held.
+used, and removed when a manager opens (:func:`read_steps`). A step whose info cannot be read (a
+torn write on a full RAM disk) is treated as lost, as a wiped directory is: logged with its path,
+never reported as held.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | Non
         raise TypeError(f"save(local={forced!r}): True, False or None")
     if local is None:
         if forced:
-            raise ValueError("save(local=True) on a CheckpointManager without a local tier (pass local=dio.LocalTier(...))")
+            raise ValueError("save(local=True) on a CheckpointManager without a local tier "
+                             "(pass local=dio.LocalTier(...))")
         return False
     saves = local.should_save(step) if forced is None else forced
     if saves or persist:

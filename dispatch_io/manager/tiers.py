@@ -28,6 +28,7 @@ from dispatch_io import reading
 from dispatch_io import restore as restore_lib
 from dispatch_io import scaleout
 from dispatch_io import tiers_plan
+from dispatch_io import tree as tree_lib
 from dispatch_io.coordination import open_room
 from dispatch_io.errors import (BarrierTimeoutError, CorruptCheckpointError, IncompleteCheckpointError,
                                WorkerError)
@@ -44,10 +45,11 @@ class LocalTier:
     """A fast local tier beside a manager's persistent root (``CheckpointManager(local=...)``).
 
     ``path``: a directory on each host (a RAM disk or local SSD; not a URL); ``{process}`` in it is
-    replaced by the process index (needed where processes share a host: checked when a manager opens). ``save_policy``: when to save
-    locally (None: never, unless ``save(..., local=True)``); ``keep_policy``: which local steps
-    each process keeps (the latest always; None: all). ``replicas``: extra copies on peers of
-    state that no other process holds (only 0 is built yet: data-parallel replicas already count)."""
+    replaced by the process index (needed where processes share a host: checked when a manager
+    opens). ``save_policy``: when to save locally (None: never, unless ``save(..., local=True)``);
+    ``keep_policy``: which local steps each process keeps (the latest always; None: all).
+    ``replicas``: extra copies on peers of state that no other process holds (only 0 is built yet:
+    data-parallel replicas already count)."""
 
     path: str
     save_policy: policies.Policy | None = None
@@ -247,7 +249,10 @@ class LocalTiers:
                                     f"every region of the target{lost}")
         local_verify = verify or plan.step != verified  # the newest local step was checked in _held
         own_copy = plan.step in reports[self.process]  # as reported: a copy it could not read is not its own
-        result = self._fill(plan, persistent_path, local_pass, own_copy, shared, local_verify, verify, outputs_of)
+        # each result leaf's routes, by its index (a leaf read under another name, names=, too)
+        by_leaf = [plan.routes.get(k, {}) for k, _ in tree_lib.flatten(target)[0]]
+        result = self._fill(plan, by_leaf, persistent_path, local_pass, own_copy, shared, local_verify, verify,
+                            outputs_of)
         self.resumed(plan.step, target)
         return result
 
@@ -292,11 +297,11 @@ class LocalTiers:
                                       f"{room.timeout:g} s", processes=[sharer], barrier=f"{room.prefix}/manifest")
         return manifest
 
-    def _fill(self, plan: tiers_plan.TierPlan, persistent_path, local_pass: bool, own_copy: bool, shared,
-              local_verify: bool, verify: bool, outputs_of):
+    def _fill(self, plan: tiers_plan.TierPlan, by_leaf: list, persistent_path, local_pass: bool, own_copy: bool,
+              shared, local_verify: bool, verify: bool, outputs_of):
         """The local pass (if any region is read from a local copy), then the persistent pass (if a
-        region needs it); their buffers joined, the result finished. ``shared``: the step's manifest for a
-        process without a copy of its own."""
+        region needs it); their buffers joined, the result finished. ``by_leaf``: the plan's routes of
+        each target leaf, in order. ``shared``: the step's manifest for a process without a copy of its own."""
         read_local = read_persistent = received = 0
         outputs = None
         if local_pass:
@@ -310,12 +315,13 @@ class LocalTiers:
             described = described or parse_manifest(shared, step_path)
             treedef, outputs = outputs_of(described)
             local_verify = local_verify and described.has_checksums  # a step saved without them: nothing to check
-            read_local, received = self._pass(reader, outputs, display, self._local_routes(plan), local_verify)
+            read_local, received = self._pass(reader, outputs, display, self._local_routes(by_leaf), local_verify)
         if plan.regions(tiers_plan.PERSISTENT):
             opened = open_checkpoint(persistent_path(plan.step))
             reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
             ptreedef, poutputs = outputs_of(opened.manifest)
-            read_persistent, got = self._pass(reader, poutputs, opened.display, self._persistent_routes(plan), verify)
+            read_persistent, got = self._pass(reader, poutputs, opened.display, self._persistent_routes(by_leaf),
+                                              verify)
             received += got
             opened.check_unchanged()
             if outputs is None:
@@ -328,13 +334,13 @@ class LocalTiers:
         return tree, TierRestoreStats(plan.step, plan.regions(tiers_plan.PEER), plan.regions(tiers_plan.PERSISTENT),
                                       read_local, read_persistent, received)
 
-    def _local_routes(self, plan: tiers_plan.TierPlan):
+    def _local_routes(self, by_leaf: list):
         """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
         own; for the others, the route's reader reads its copy and delivers it to them (a reader
         that does not hold the region receives its own piece too: one buffer it never uses)."""
         def routes(index, out):
             held, mine, may = {}, [], {}
-            for region, route in plan.routes[out.saved.keypath].items():
+            for region, route in by_leaf[index].items():
                 if route.kind == tiers_plan.PEER:  # the reader (a holder or not) delivers it to the receivers
                     held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
                     may[region] = (route.reader,)
@@ -344,11 +350,11 @@ class LocalTiers:
             return held, mine, may
         return routes
 
-    def _persistent_routes(self, plan: tiers_plan.TierPlan):
+    def _persistent_routes(self, by_leaf: list):
         """The persistent pass's: the regions no holder has locally, as a scale-out restore reads them."""
         def routes(index, out):
             held, mine = {}, []
-            for region, route in plan.routes[out.saved.keypath].items():
+            for region, route in by_leaf[index].items():
                 if route.kind != tiers_plan.PERSISTENT:
                     continue
                 if len(route.receivers) > 1:
