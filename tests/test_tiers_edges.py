@@ -1,4 +1,4 @@
-"""Review of issue 28 (first part): the local tier. Each test fails on a defect found."""
+"""The local tier (issue 28, first part): edge cases from an adversarial review (each failed before its fix)."""
 
 import json
 import os
