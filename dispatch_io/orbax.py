@@ -37,6 +37,8 @@ import tensorstore as ts
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
+from dispatch_io.storage import MAX_MANIFEST_BYTES
+from dispatch_io.storage.directory import read_regular
 from dispatch_io.validate import check_name, describes_sharding, malformed
 from workers import ArraySpec, brief_error, layout_kvstore
 
@@ -51,8 +53,12 @@ _EMPTY = {"Dict": dict, "List": list, "Tuple": tuple, "None": lambda: None}  # s
 
 
 def _json(path: str):
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+    """The JSON document in the regular file ``path``; ValueError if larger than
+    ``MAX_MANIFEST_BYTES`` (found before it is read) or not a regular file, OSError."""
+    try:
+        return json.loads(read_regular(path, MAX_MANIFEST_BYTES))
+    except ValueError as exc:
+        raise ValueError(f"{os.path.basename(path)} {exc}") from exc
 
 
 def is_item(directory: str) -> bool:

@@ -302,14 +302,16 @@ def check_stored(manifest, kvstore: dict, context: ts.Context | None, where: str
         store = ts.KvStore.open(kvstore, context=context).result()
     except Exception as exc:  # noqa: BLE001 - TensorStore's error kinds; condensed here, chained
         raise malformed(where, f"cannot open its arrays: {brief_error(exc)}") from exc
+    past = slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1)   # a byte past the bound: none for a real one
+    for name, probe in [(name, store.read(f"{name}/zarr.json", byte_range=past)) for name in arrays]:
+        if probe.exception() is None and probe.result().state == "value":
+            raise malformed(where, f"{name}/zarr.json is larger than {MAX_ZARR_JSON_BYTES} bytes", arrays[name][1])
     reads = {name: store.read(f"{name}/zarr.json") for name in arrays}
     for name, future in reads.items():
         spec, keypath = arrays[name]
         if future.exception() is not None or future.result().state != "value":
             continue  # lost, not malformed: reading the leaf fails naming it, a partial restore of others works
         result = future.result()
-        if len(result.value) > MAX_ZARR_JSON_BYTES:
-            raise malformed(where, f"{name}/zarr.json is {len(result.value)} bytes", keypath)
         try:
             metadata = json.loads(result.value)
         except (ValueError, RecursionError) as exc:
