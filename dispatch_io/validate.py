@@ -290,9 +290,15 @@ def check_stored(manifest, kvstore: dict, context: ts.Context | None, where: str
     data, left to the read of its leaf (which opens the array before it makes a buffer for it,
     ``workers.read_items``)."""
     arrays: dict[str, tuple[ArraySpec, str]] = {}
+    unpacked: set[str] = set()   # names of arrays that are one leaf's own: no other leaf may name them
     for leaf in manifest.leaves:
         if leaf.stored is not None:
-            arrays.setdefault(leaf.stored.stored.name, (leaf.stored.stored, leaf.keypath))
+            name = leaf.stored.stored.name
+            if name in arrays and (name in unpacked or leaf.stored.packed is None):
+                raise malformed(where, f"stored array {name} is also {arrays[name][1]}'s", leaf.keypath)
+            arrays.setdefault(name, (leaf.stored.stored, leaf.keypath))
+            if leaf.stored.packed is None:
+                unpacked.add(name)
     if not arrays:
         return
     if manifest.compression is not None and manifest.compression[0] not in COMPRESSIONS:
