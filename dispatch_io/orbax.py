@@ -155,11 +155,14 @@ def _parse_sharding(entry: dict | None, ndim: int):
             return None
         types = entry.get("axis_types")  # e.g. "AxisType.Explicit"
         types = None if not types else tuple(getattr(jax.sharding.AxisType, t.rpartition(".")[2]) for t in types)
-        mesh = jax.sharding.Mesh(np.vectorize(lambda i: devices[int(i)], otypes=[object])(ids),
-                                 tuple(entry["axis_names"]), axis_types=types)
         # (a PRNG key's entry is its key_data's: trailing key dimensions are dropped)
         spec = [tuple(p) if isinstance(p, list) else p for p in entry["partition_spec"]][:ndim]
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        try:
+            mesh = jax.sharding.Mesh(np.vectorize(lambda i: devices[int(i)], otypes=[object])(ids),
+                                     tuple(entry["axis_names"]), axis_types=types)
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        except Exception:  # noqa: BLE001 - jax's own kinds (DuplicateSpecError: an axis named twice): no default
+            return None
     if entry.get("sharding_type") == "SingleDeviceSharding":
         named = [d for d in devices.values() if str(d) == entry.get("device_str")]
         return jax.sharding.SingleDeviceSharding(named[0]) if named else None
