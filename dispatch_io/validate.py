@@ -65,6 +65,8 @@ def _shape(value, what: str, where: str, keypath: str, low: int = 0) -> None:
     if not (isinstance(value, list) and len(value) <= MAX_RANK and all(_is_int(n, low) for n in value)):
         raise malformed(where, f"{what} must be a list of at most {MAX_RANK} ints >= {low}, got "
                                f"{_short(value)}", keypath)
+    if math.prod(n for n in value if n) > MAX_DIM:  # (even with a 0: numpy cannot make it)
+        raise malformed(where, f"{what} {_short(value)} has more than {MAX_DIM} elements besides its zeros", keypath)
 
 
 def _short(value) -> str:
