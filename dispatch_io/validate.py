@@ -116,6 +116,15 @@ def _check_structure(structure, where: str) -> None:
         level = following
 
 
+def _is_scalar(value) -> bool:
+    """A scalar leaf's value as ``tree.encode_scalar`` writes it (numbers: finite)."""
+    if not isinstance(value, dict) or value.get("type") not in ("bool", "int", "float", "complex", "str"):
+        return False
+    parts = value.get("value")
+    parts = parts if value["type"] == "complex" and isinstance(parts, list) and len(parts) == 2 else [parts]
+    return all(isinstance(p, str) or (isinstance(p, (int, float)) and math.isfinite(p)) for p in parts)
+
+
 def describes_sharding(value) -> bool:
     """Whether ``value`` is a saved sharding as the manifest describes it for people
     (``manifest.describe_sharding``'s form, or None), which ``inspect`` prints."""
@@ -141,8 +150,9 @@ def _check_entry(entry, i: int, packs: dict, where: str) -> None:
         raise malformed(where, f"kind {_short(entry.get('kind'))} / origin {_short(entry.get('origin'))} "
                                f"(kinds {_KINDS}, origins {_ORIGINS})", keypath)
     if entry["kind"] == tree_lib.SCALAR:
-        if "value" not in entry:
-            raise malformed(where, "a scalar leaf without a value", keypath)
+        if not _is_scalar(entry.get("value")):
+            raise malformed(where, f"scalar {_short(entry.get('value'))} is not {{'type': bool | int | float | "
+                                   "complex | str, 'value': text or finite numbers}", keypath)
         return
     _shape(entry.get("shape"), "shape", where, keypath)
     if not _is_text(entry.get("dtype")) or not (entry.get("key_impl") is None or _is_text(entry["key_impl"])):
