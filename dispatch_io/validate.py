@@ -291,7 +291,30 @@ def stored_problem(metadata, spec: ArraySpec, compression) -> str | None:
         return f"zarr.json chunk_key_encoding {_short(metadata['chunk_key_encoding'])}, expected the default"
     if _codecs(metadata.get("codecs")) != _codecs(expected["codecs"]):
         return f"zarr.json codecs {_short(metadata.get('codecs'))}, the manifest says {_short(expected['codecs'])}"
+    if metadata.get("storage_transformers", []) != []:
+        return f"zarr.json storage_transformers {_short(metadata['storage_transformers'])}, none written"
+    for field, value in metadata.items():   # zarr v3: an unknown field must be understood unless marked
+        if field not in _ZARR_FIELDS and not (isinstance(value, dict) and value.get("must_understand") is False):
+            return f"zarr.json field {field!r}, which this reader does not understand"
+    fill = metadata.get("fill_value")
+    if not (_fill_number(fill, expected["fill_value"]) if not isinstance(expected["fill_value"], list) else
+            isinstance(fill, list) and len(fill) == 2 and all(_fill_number(f, 0.0) for f in fill)):
+        return f"zarr.json fill_value {_short(fill)}, not a fill value of {expected['data_type']}"
     return None
+
+
+_ZARR_FIELDS = frozenset(("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+                          "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"))
+
+
+def _fill_number(value, zero) -> bool:
+    """Whether ``value`` is a zarr v3 fill value of the kind of ``zero`` (bool, int or float)."""
+    if isinstance(zero, bool) or isinstance(value, bool):
+        return isinstance(zero, bool) and isinstance(value, bool)
+    if isinstance(zero, int):
+        return isinstance(value, int)
+    return isinstance(value, (int, float)) or (isinstance(value, str) and (
+        value in ("NaN", "Infinity", "-Infinity") or re.fullmatch(r"0x[0-9a-fA-F]{1,32}", value) is not None))
 
 
 def check_stored(manifest, kvstore: dict, context: ts.Context | None, where: str) -> None:
