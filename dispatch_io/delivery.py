@@ -74,8 +74,9 @@ class Piece:
 @dataclasses.dataclass(frozen=True)
 class Round:
     """One collective within ``groups`` (a partition of the job's processes, all groups of one
-    size S; ``group_of``: process -> its group; the collective runs over the :attr:`active` ones). ``rows[process]``: the pieces that process
-    reads (no entry: none), each at a 64-byte aligned offset after the previous one.
+    size S; ``group_of``: process -> its group; the collective runs over the :attr:`active`
+    ones). ``rows[process]``: the pieces that process reads (no entry: none), each at a 64-byte
+    aligned offset after the previous one.
 
     Gathered: each process sends a row of ``width`` bytes -- a HEADER, then its pieces -- and
     receives the rows of its group. ``summed``: each group has one row of ``width`` bytes, the

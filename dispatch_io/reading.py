@@ -200,7 +200,8 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
         stored = out.saved.stored
         count += math.prod(-(-hi // c) - lo // c for (lo, hi), c in zip(wanted_bounds, stored.chunk_shape))
         covered += np.dtype(numpy_dtype(stored.dtype)).itemsize * math.prod(
-            min(-(-hi // c) * c, n) - lo // c * c for (lo, hi), c, n in zip(wanted_bounds, stored.chunk_shape, stored.shape))
+            min(-(-hi // c) * c, n) - lo // c * c
+            for (lo, hi), c, n in zip(wanted_bounds, stored.chunk_shape, stored.shape))
     nbytes = lambda w: w[2].nbytes  # noqa: E731
     work = _shares(_cells(wanted), nbytes, *share)
     if count <= EAGER_CHUNKS:
