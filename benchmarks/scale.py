@@ -193,9 +193,10 @@ def simulate(gib: int, kind: str, count: int, options: Options, fit: bool = Fals
     for r in delivery.rounds:
         for process, row in r.rows.items():
             read[process] += sum(p.nbytes for p in row)
-        got, gave = r.traffic(0)    # whole rows: the same for every process
-        received += got
-        sent += gave
+        got, gave = r.traffic(r.active[0][0]) if r.active else (0, 0)   # whole rows: the same in every
+        for group in r.active:                                           # group in which someone reads
+            received[list(group)] += got
+            sent[list(group)] += gave
     read += local
     fair = total / count
     missing = hold - read

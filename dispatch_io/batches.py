@@ -66,19 +66,22 @@ class Batch:
 def pack(items, nbytes, limit: int, group=lambda item: None) -> list[tuple[list, int]]:
     """Greedy packing in order: (items, staging bytes) lists of at most ``limit`` aligned bytes
     (one item alone may exceed it), a new list wherever ``group(item)`` changes."""
-    packs: list[tuple[list, int]] = []
+    return list(packs(items, nbytes, limit, group))
+
+
+def packs(items, nbytes, limit: int, group=lambda item: None):
+    """:func:`pack`, one list at a time (``items`` may be an iterator: nothing is held ahead)."""
     current: list = []
     size = 0
     for item in items:
         need = aligned(nbytes(item))
         if current and (group(item) != group(current[-1]) or size + need > limit):
-            packs.append((current, size))
+            yield current, size
             current, size = [], 0
         current.append(item)
         size += need
     if current:
-        packs.append((current, size))
-    return packs
+        yield current, size
 
 
 def make_batches(plan: Plan, priorities: Sequence[Priority], limit: int, worker: int | None = None

@@ -12,7 +12,9 @@ data parallelism over 128 x 2 hosts: 128 groups of 2). Where a leaf's holder set
 and of one size S (:func:`replica_groups`), the job is partitioned into groups of S processes
 (processes holding none of the leaf fill groups of their own) and each round's rows are
 all-gathered *within* each group: a process receives the rows of the S - 1 other holders of
-its regions, nothing else. Leaves with the same groups share rounds. Where the holder sets
+its regions, nothing else; a round's collective runs over the groups in which a member reads
+(the others, agreeing from the same plan, take part in none). Leaves with the same groups
+(sorted: one partition, one key) share rounds. Where the holder sets
 overlap or differ in size, one group holds the whole job (an all-gather over every process, the
 fallback: correct for any sharding, every process receiving every row).
 
@@ -72,8 +74,9 @@ class Piece:
 @dataclasses.dataclass(frozen=True)
 class Round:
     """One collective within ``groups`` (a partition of the job's processes, all groups of one
-    size S; ``group_of``: process -> its group). ``rows[process]``: the pieces that process
-    reads (no entry: none), each at a 64-byte aligned offset after the previous one.
+    size S; ``group_of``: process -> its group; the collective runs over the :attr:`active`
+    ones). ``rows[process]``: the pieces that process reads (no entry: none), each at a 64-byte
+    aligned offset after the previous one.
 
     Gathered: each process sends a row of ``width`` bytes -- a HEADER, then its pieces -- and
     receives the rows of its group. ``summed``: each group has one row of ``width`` bytes, the
@@ -105,11 +108,21 @@ class Round:
             offset += _row_bytes(self.row(member))
         return starts
 
+    @functools.cached_property
+    def active(self) -> tuple[tuple[int, ...], ...]:
+        """The groups in which a member reads something this round: the collective runs over
+        them alone (a process of another group takes part in none, exchanges nothing)."""
+        return tuple(g for g in self.groups if any(p in self.rows for p in g))
+
+    def takes_part(self, process: int) -> bool:
+        return any(p in self.rows for p in self.group_of[process])
+
     def traffic(self, process: int) -> tuple[int, int]:
         """(bytes ``process`` receives, bytes it sends) in this round, whole rows: a gather
         sends its row to the S - 1 others of its group and receives theirs; a sum over a group
-        (a ring all-reduce) sends and receives 2 (S - 1) / S of the row."""
-        return (_moved(len(self.groups[0]), self.width, self.summed),) * 2
+        (a ring all-reduce) sends and receives 2 (S - 1) / S of the row; a group in which
+        nobody reads this round, nothing."""
+        return (_moved(len(self.groups[0]), self.width, self.summed) if self.takes_part(process) else 0,) * 2
 
 
 def _row_bytes(pieces) -> int:
@@ -143,7 +156,8 @@ def replica_groups(holder_sets: set, count: int) -> tuple[tuple[int, ...], ...]:
     rest = sorted(set(range(count)) - set(covered))
     if len(rest) % size:
         return everyone
-    return tuple(sorted(holder_sets)) + tuple(tuple(rest[i:i + size]) for i in range(0, len(rest), size))
+    # Sorted: one partition is one key, whichever leaf's holders it was built from (shared rounds).
+    return tuple(sorted([*holder_sets, *(tuple(rest[i:i + size]) for i in range(0, len(rest), size))]))
 
 
 def width(nbytes: int) -> int:

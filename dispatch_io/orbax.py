@@ -37,6 +37,8 @@ import tensorstore as ts
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
+from dispatch_io.storage import MAX_MANIFEST_BYTES
+from dispatch_io.storage.directory import read_regular
 from dispatch_io.validate import check_name, describes_sharding, malformed
 from workers import ArraySpec, brief_error, layout_kvstore
 
@@ -51,8 +53,12 @@ _EMPTY = {"Dict": dict, "List": list, "Tuple": tuple, "None": lambda: None}  # s
 
 
 def _json(path: str):
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+    """The JSON document in the regular file ``path``; ValueError if larger than
+    ``MAX_MANIFEST_BYTES`` (found before it is read) or not a regular file, OSError."""
+    try:
+        return json.loads(read_regular(path, MAX_MANIFEST_BYTES))
+    except ValueError as exc:
+        raise ValueError(f"{os.path.basename(path)} {exc}") from exc
 
 
 def is_item(directory: str) -> bool:
@@ -149,11 +155,14 @@ def _parse_sharding(entry: dict | None, ndim: int):
             return None
         types = entry.get("axis_types")  # e.g. "AxisType.Explicit"
         types = None if not types else tuple(getattr(jax.sharding.AxisType, t.rpartition(".")[2]) for t in types)
-        mesh = jax.sharding.Mesh(np.vectorize(lambda i: devices[int(i)], otypes=[object])(ids),
-                                 tuple(entry["axis_names"]), axis_types=types)
         # (a PRNG key's entry is its key_data's: trailing key dimensions are dropped)
         spec = [tuple(p) if isinstance(p, list) else p for p in entry["partition_spec"]][:ndim]
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        try:
+            mesh = jax.sharding.Mesh(np.vectorize(lambda i: devices[int(i)], otypes=[object])(ids),
+                                     tuple(entry["axis_names"]), axis_types=types)
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        except Exception:  # noqa: BLE001 - jax's own kinds (DuplicateSpecError: an axis named twice): no default
+            return None
     if entry.get("sharding_type") == "SingleDeviceSharding":
         named = [d for d in devices.values() if str(d) == entry.get("device_str")]
         return jax.sharding.SingleDeviceSharding(named[0]) if named else None

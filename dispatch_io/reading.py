@@ -25,38 +25,50 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from dispatch_io.batches import pack
+from dispatch_io.batches import pack, packs
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, WorkerError
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.progress import Progress
 from dispatch_io.restore import HOST, Output, finish, output_regions
-from workers import ReadItem, Region, brief_error
+from workers import ReadItem, Region, brief_error, numpy_dtype
+
+EAGER_CHUNKS = 1 << 16   # a verify of more chunks makes its batches as it reads (exact progress below)
 
 
 def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futures.Future],
               consume: Callable[[list, object], None], size: Callable[[list], int], progress: Progress,
-              phase: str, failure: Callable[[BaseException, list], BaseException]):
+              phase: str, failure: Callable[[BaseException, list], BaseException], totals: tuple | None = None):
     """Run ``batches`` through ``submit`` (a future per batch), at most two in flight, and hand
     each batch's result to ``consume`` in order; count each on ``progress`` (as ``phase``).
 
     Raises ``failure(exc, batch)`` (chained to ``exc``) for the first batch that fails, and
-    what ``consume`` raises as it is, once nothing submitted is still running."""
-    progress.phase(phase, len(batches), sum(map(size, batches)))
-    in_flight: collections.deque = collections.deque()
-    submitted = 0
-    for batch in batches:
-        while submitted < len(batches) and len(in_flight) < 2:  # the next one reads meanwhile
-            in_flight.append(submit(batches[submitted]))
-            submitted += 1
+    what ``consume`` raises as it is, once nothing submitted is still running. ``batches`` may
+    be an iterator (made as it is consumed) where ``totals`` gives (batches, bytes) for the
+    progress ahead."""
+    if totals is None:
+        batches = list(batches)
+        totals = len(batches), sum(map(size, batches))
+    progress.phase(phase, *totals)
+    in_flight: collections.deque = collections.deque()   # (batch, its future)
+    pending = iter(batches)
+    while True:
+        while len(in_flight) < 2:  # the next one reads meanwhile
+            batch = next(pending, None)
+            if batch is None:
+                break
+            in_flight.append((batch, submit(batch)))
+        if not in_flight:
+            return
+        batch, future = in_flight.popleft()
         try:
-            result = in_flight.popleft().result()
+            result = future.result()
         except Exception as exc:  # noqa: BLE001 - each caller says what a failed batch means
-            concurrent.futures.wait(in_flight)
+            concurrent.futures.wait([f for _, f in in_flight])
             raise failure(exc, batch) from exc
         try:
             consume(batch, result)
         except BaseException:
-            concurrent.futures.wait(in_flight)
+            concurrent.futures.wait([f for _, f in in_flight])
             raise
         del result  # what consume did not keep is freed before the next batch is submitted
         progress.advance(size(batch))
@@ -186,16 +198,23 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
     chunk, which still finds what cannot be read or decoded. Counted on ``progress`` as ``verify``;
     ``on_batch(bytes checked so far)`` is called after each batch."""
     display = progress.path
-    cells = {}
+    count = covered = 0   # chunks, and their bytes, counting a chunk of several wanted regions in each
     for out, wanted_bounds in wanted:
         if compare and out.saved.checksums is None:
             raise CheckpointError(f"{display} was saved without checksums (Options(checksums=True)): "
                                   f"cannot verify {out.saved.keypath}")
-        for grid, bounds in stored_cells(out.saved.stored, wanted_bounds):
-            cells[(out.saved.keypath, grid)] = (out, Region(out.saved.stored, bounds, out.saved.keypath))
+        stored = out.saved.stored
+        count += math.prod(-(-hi // c) - lo // c for (lo, hi), c in zip(wanted_bounds, stored.chunk_shape))
+        covered += np.dtype(numpy_dtype(stored.dtype)).itemsize * math.prod(
+            min(-(-hi // c) * c, n) - lo // c * c
+            for (lo, hi), c, n in zip(wanted_bounds, stored.chunk_shape, stored.shape))
     nbytes = lambda w: w[2].nbytes  # noqa: E731
-    work = share_of([(grid, out, region) for (_, grid), (out, region) in cells.items()], nbytes, *share)
-    batches = [batch for batch, _ in pack(work, nbytes, batch_limit)]
+    work = _shares(_cells(wanted), nbytes, *share)
+    if count <= EAGER_CHUNKS:
+        batches, totals = [batch for batch, _ in pack(work, nbytes, batch_limit)], None
+    else:  # made as they are read, in budgeted batches (progress: estimated)
+        batches = (batch for batch, _ in packs(work, nbytes, batch_limit))
+        totals = -(-covered // share[1] // max(1, batch_limit)), covered // share[1]
     bad = []
 
     done = 0
@@ -216,7 +235,7 @@ def verify_stored(reader, wanted: list[tuple[Output, tuple]], batch_limit: int, 
                                       f"{type(exc).__name__}: {brief_error(exc)}", keypath=keypath)
 
     pipelined(batches, lambda batch: reader.checksums([region for _, _, region in batch]), consume,
-              lambda batch: sum(region.nbytes for _, _, region in batch), progress, "verify", failure)
+              lambda batch: sum(region.nbytes for _, _, region in batch), progress, "verify", failure, totals)
     if bad:
         raise mismatches(display, bad)
 
@@ -230,16 +249,31 @@ def mismatches(display: str, bad: list[tuple]) -> CorruptCheckpointError:
                                   keypath=bad[0][0], chunk=bad[0][1], chunks=bad)
 
 
+def _cells(wanted: list):
+    """(grid index, output, stored region) of every stored chunk overlapping each (output,
+    stored bounds) of ``wanted``, each chunk once (where its first wanted region is), made lazily."""
+    earlier = collections.defaultdict(list)   # key path -> the chunk grid ranges of its earlier wanted bounds
+    for out, wanted_bounds in wanted:
+        stored, keypath = out.saved.stored, out.saved.keypath
+        before = list(earlier[keypath])
+        earlier[keypath].append([range(lo // c, -(-hi // c)) for (lo, hi), c in zip(wanted_bounds, stored.chunk_shape)])
+        for grid, bounds in stored_cells(stored, wanted_bounds):
+            if not any(all(g in axis for g, axis in zip(grid, axes)) for axes in before):
+                yield grid, out, Region(stored, bounds, keypath)
+
+
 def share_of(work: list, nbytes: Callable, index: int, count: int) -> list:
     """The ``index``-th of ``count`` shares of ``work``: in order, each item goes to the share
     holding the fewest bytes so far (the lowest index on ties), so the shares are even and every
     process given the same ``work`` computes the same ones."""
-    if count == 1:
-        return work
-    held, mine = [0] * count, []
+    return work if count == 1 else list(_shares(work, nbytes, index, count))
+
+
+def _shares(work, nbytes: Callable, index: int, count: int):
+    """:func:`share_of`, lazily."""
+    held = [0] * count
     for item in work:
         least = held.index(min(held))
         held[least] += nbytes(item)
         if least == index:
-            mine.append(item)
-    return mine
+            yield item

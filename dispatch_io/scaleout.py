@@ -327,10 +327,12 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
         room.set(f"ready/{k}/{process}", True)
         upcoming[0] = k + 1
         _proceed(room, k, display)
+        if not round_.takes_part(process):  # its group reads nothing this round: no collective (all agree)
+            return
         if round_.summed:
-            table = dict.fromkeys(group, group_sum(row, round_.groups, devices))
+            table = dict.fromkeys(group, group_sum(row, round_.active, devices))
         else:
-            table = dict(zip(group, gather(row, round_.groups, devices)))
+            table = dict(zip(group, gather(row, round_.active, devices)))
         if not all((r[:HEADER] == _header(room, k)).all() for r in table.values()):
             raise CheckpointError(f"round {k} of the restore of {display}: the processes' collectives crossed "
                                   "(another collective ran at the same time on some process); nothing was restored")

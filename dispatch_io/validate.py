@@ -65,6 +65,8 @@ def _shape(value, what: str, where: str, keypath: str, low: int = 0) -> None:
     if not (isinstance(value, list) and len(value) <= MAX_RANK and all(_is_int(n, low) for n in value)):
         raise malformed(where, f"{what} must be a list of at most {MAX_RANK} ints >= {low}, got "
                                f"{_short(value)}", keypath)
+    if math.prod(n for n in value if n) > MAX_DIM:  # (even with a 0: numpy cannot make it)
+        raise malformed(where, f"{what} {_short(value)} has more than {MAX_DIM} elements besides its zeros", keypath)
 
 
 def _short(value) -> str:
@@ -114,6 +116,15 @@ def _check_structure(structure, where: str) -> None:
         level = following
 
 
+def _is_scalar(value) -> bool:
+    """A scalar leaf's value as ``tree.encode_scalar`` writes it (numbers: finite)."""
+    if not isinstance(value, dict) or value.get("type") not in ("bool", "int", "float", "complex", "str"):
+        return False
+    parts = value.get("value")
+    parts = parts if value["type"] == "complex" and isinstance(parts, list) and len(parts) == 2 else [parts]
+    return all(isinstance(p, str) or (isinstance(p, (int, float)) and math.isfinite(p)) for p in parts)
+
+
 def describes_sharding(value) -> bool:
     """Whether ``value`` is a saved sharding as the manifest describes it for people
     (``manifest.describe_sharding``'s form, or None), which ``inspect`` prints."""
@@ -139,8 +150,9 @@ def _check_entry(entry, i: int, packs: dict, where: str) -> None:
         raise malformed(where, f"kind {_short(entry.get('kind'))} / origin {_short(entry.get('origin'))} "
                                f"(kinds {_KINDS}, origins {_ORIGINS})", keypath)
     if entry["kind"] == tree_lib.SCALAR:
-        if "value" not in entry:
-            raise malformed(where, "a scalar leaf without a value", keypath)
+        if not _is_scalar(entry.get("value")):
+            raise malformed(where, f"scalar {_short(entry.get('value'))} is not {{'type': bool | int | float | "
+                                   "complex | str, 'value': text or finite numbers}", keypath)
         return
     _shape(entry.get("shape"), "shape", where, keypath)
     if not _is_text(entry.get("dtype")) or not (entry.get("key_impl") is None or _is_text(entry["key_impl"])):
@@ -279,7 +291,30 @@ def stored_problem(metadata, spec: ArraySpec, compression) -> str | None:
         return f"zarr.json chunk_key_encoding {_short(metadata['chunk_key_encoding'])}, expected the default"
     if _codecs(metadata.get("codecs")) != _codecs(expected["codecs"]):
         return f"zarr.json codecs {_short(metadata.get('codecs'))}, the manifest says {_short(expected['codecs'])}"
+    if metadata.get("storage_transformers", []) != []:
+        return f"zarr.json storage_transformers {_short(metadata['storage_transformers'])}, none written"
+    for field, value in metadata.items():   # zarr v3: an unknown field must be understood unless marked
+        if field not in _ZARR_FIELDS and not (isinstance(value, dict) and value.get("must_understand") is False):
+            return f"zarr.json field {field!r}, which this reader does not understand"
+    fill = metadata.get("fill_value")
+    if not (_fill_number(fill, expected["fill_value"]) if not isinstance(expected["fill_value"], list) else
+            isinstance(fill, list) and len(fill) == 2 and all(_fill_number(f, 0.0) for f in fill)):
+        return f"zarr.json fill_value {_short(fill)}, not a fill value of {expected['data_type']}"
     return None
+
+
+_ZARR_FIELDS = frozenset(("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+                          "fill_value", "codecs", "attributes", "dimension_names", "storage_transformers"))
+
+
+def _fill_number(value, zero) -> bool:
+    """Whether ``value`` is a zarr v3 fill value of the kind of ``zero`` (bool, int or float)."""
+    if isinstance(zero, bool) or isinstance(value, bool):
+        return isinstance(zero, bool) and isinstance(value, bool)
+    if isinstance(zero, int):
+        return isinstance(value, int)
+    return isinstance(value, (int, float)) or (isinstance(value, str) and (
+        value in ("NaN", "Infinity", "-Infinity") or re.fullmatch(r"0x[0-9a-fA-F]{1,32}", value) is not None))
 
 
 def check_stored(manifest, kvstore: dict, context: ts.Context | None, where: str) -> None:
@@ -290,9 +325,15 @@ def check_stored(manifest, kvstore: dict, context: ts.Context | None, where: str
     data, left to the read of its leaf (which opens the array before it makes a buffer for it,
     ``workers.read_items``)."""
     arrays: dict[str, tuple[ArraySpec, str]] = {}
+    unpacked: set[str] = set()   # names of arrays that are one leaf's own: no other leaf may name them
     for leaf in manifest.leaves:
         if leaf.stored is not None:
-            arrays.setdefault(leaf.stored.stored.name, (leaf.stored.stored, leaf.keypath))
+            name = leaf.stored.stored.name
+            if name in arrays and (name in unpacked or leaf.stored.packed is None):
+                raise malformed(where, f"stored array {name} is also {arrays[name][1]}'s", leaf.keypath)
+            arrays.setdefault(name, (leaf.stored.stored, leaf.keypath))
+            if leaf.stored.packed is None:
+                unpacked.add(name)
     if not arrays:
         return
     if manifest.compression is not None and manifest.compression[0] not in COMPRESSIONS:
@@ -302,14 +343,16 @@ def check_stored(manifest, kvstore: dict, context: ts.Context | None, where: str
         store = ts.KvStore.open(kvstore, context=context).result()
     except Exception as exc:  # noqa: BLE001 - TensorStore's error kinds; condensed here, chained
         raise malformed(where, f"cannot open its arrays: {brief_error(exc)}") from exc
+    past = slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1)   # a byte past the bound: none for a real one
+    for name, probe in [(name, store.read(f"{name}/zarr.json", byte_range=past)) for name in arrays]:
+        if probe.exception() is None and probe.result().state == "value":
+            raise malformed(where, f"{name}/zarr.json is larger than {MAX_ZARR_JSON_BYTES} bytes", arrays[name][1])
     reads = {name: store.read(f"{name}/zarr.json") for name in arrays}
     for name, future in reads.items():
         spec, keypath = arrays[name]
         if future.exception() is not None or future.result().state != "value":
             continue  # lost, not malformed: reading the leaf fails naming it, a partial restore of others works
         result = future.result()
-        if len(result.value) > MAX_ZARR_JSON_BYTES:
-            raise malformed(where, f"{name}/zarr.json is {len(result.value)} bytes", keypath)
         try:
             metadata = json.loads(result.value)
         except (ValueError, RecursionError) as exc:

@@ -126,6 +126,9 @@ def test_a_logical_shape_that_is_not_the_stored_one(tmp_path):
     ("data_type", "int32", "zarr.json data_type 'int32'"),
     ("chunk_grid", {"name": "regular", "configuration": {"chunk_shape": [1, 1]}}, "zarr.json chunk_grid"),
     ("codecs", [{"name": "bytes", "configuration": {"endian": "big"}}], "zarr.json codecs"),
+    ("storage_transformers", [{"name": "sharding_indexed"}], "zarr.json storage_transformers"),
+    ("an_extension", {"name": "x"}, "zarr.json field 'an_extension'"),
+    ("fill_value", "a fish", "zarr.json fill_value 'a fish'"),
 ])
 def test_a_zarr_json_that_disagrees_with_the_manifest(tmp_path, field, value, match):
     path = tmp_path / "ckpt"

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from typing import Mapping
 
@@ -81,12 +82,36 @@ def links_outside(directory: str) -> list[str]:
     return sorted(found)
 
 
-def _read(path: str) -> bytes | None:
-    """The bytes of file ``path``, or None if it cannot be read."""
+MAX_MARKER_BYTES = 1 << 16   # a commit marker is a few hundred bytes
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (a link followed). OSError if it cannot be read;
+    ValueError if it is not a regular file or holds more than ``limit`` bytes, found before
+    anything is read (a FIFO is never opened blocking, ``/dev/zero`` never read)."""
+    with _open_regular(path) as f:
+        data = f.read(limit + 1) if os.fstat(f.fileno()).st_size <= limit else None
+    if data is None or len(data) > limit:
+        raise ValueError(f"is larger than {limit} bytes")
+    return data
+
+
+def _open_regular(path: str):
+    """``path`` opened for reading in binary; ValueError (nothing opened) unless a regular file."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("is not a regular file")
+    f = open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # replaced since the stat
+        f.close()
+        raise ValueError("is not a regular file")
+    return f
+
+
+def _read(path: str, limit: int = MAX_MARKER_BYTES) -> bytes | None:
+    """The bytes of the regular file ``path`` (:func:`read_regular`), or None if it cannot be read."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
+        return read_regular(path, limit)
+    except (OSError, ValueError):
         return None
 
 
@@ -123,7 +148,7 @@ class DirectoryLocation(Location):
         return _read(os.path.join(self.path, COMMITTED))
 
     def read_file(self, key: str) -> bytes | None:
-        return _read(os.path.join(self.path, key))
+        return _read(os.path.join(self.path, key), MAX_MANIFEST_BYTES)
 
     def read_manifest(self) -> dict:
         if not os.path.exists(self.path):
@@ -135,12 +160,16 @@ class DirectoryLocation(Location):
                 f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
                 "the save failed, was interrupted, is still running, or this is not a dispatch_io checkpoint")
         try:
-            with open(os.path.join(self.path, MANIFEST), "rb") as f:
-                if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
-                    raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} is larger "
-                                                 f"than {MAX_MANIFEST_BYTES} bytes", path=self.display)
-                return json.loads(f.read())
-        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+            data = read_regular(os.path.join(self.path, MANIFEST), MAX_MANIFEST_BYTES)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} {exc}",
+                                         path=self.display) from exc
+        except OSError as exc:
+            raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
+                                            f"cannot be read: {exc}") from exc
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
             raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
                                             f"cannot be read: {exc}") from exc
 
@@ -264,9 +293,9 @@ def _is_checkpoint(path: str) -> bool:
     if not (os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, COMMITTED))):
         return False
     try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
+        with _open_regular(os.path.join(path, MANIFEST)) as f:
             return _MANIFEST_MARK.match(f.read(256)) is not None
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 

@@ -159,11 +159,16 @@ class KvLocation(Location):
             raise IncompleteCheckpointError(f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
                                             "the save failed, was interrupted, is still running, or this is not a "
                                             "dispatch_io checkpoint")
-        manifest = self._get(MANIFEST)
-        self.check_commit_marker(marker)  # not a manifest an overwrite wrote meanwhile
-        if manifest is not None and len(manifest) > MAX_MANIFEST_BYTES:
+        try:  # a byte past the bound: refused before the whole of it is read
+            too_large = self.open_kv().read(MANIFEST, byte_range=slice(MAX_MANIFEST_BYTES, MAX_MANIFEST_BYTES + 1)
+                                            ).result().state == "value"
+        except ValueError:  # OUT_OF_RANGE: smaller than that (or unreadable: the read below says)
+            too_large = False
+        if too_large:
             raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} is larger than "
                                          f"{MAX_MANIFEST_BYTES} bytes", path=self.display)
+        manifest = self._get(MANIFEST)
+        self.check_commit_marker(marker)  # not a manifest an overwrite wrote meanwhile
         try:
             return json.loads(manifest)
         except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
