@@ -1,4 +1,4 @@
-"""Review of issues 26 (untrusted checkpoints) and 27 (restore traffic at scale): failing cases."""
+"""Untrusted checkpoints and restore traffic: edge cases from an adversarial review of issues 26 and 27 (each failed before its fix)."""
 
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ def test_a_zero_size_leaf_with_huge_other_dims_is_malformed(tmp_path):
 
 
 def _job(tmp_path, processes: int, only: str | None = None) -> list[dict]:
-    """Run tests/review2627_worker.py as a job of ``processes`` x 8 / processes CPU devices."""
+    """Run tests/delivery_edges_worker.py as a job of ``processes`` x 8 / processes CPU devices."""
     import os
     import socket
     import subprocess
@@ -235,7 +235,7 @@ def _job(tmp_path, processes: int, only: str | None = None) -> list[dict]:
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
            "JAX_PLATFORMS": "cpu", **({"R2627_ONLY": only} if only else {})}
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "review2627_worker.py")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delivery_edges_worker.py")
     procs = [subprocess.Popen([sys.executable, worker, str(p), str(processes), str(port), str(tmp_path / "ckpt")],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for p in range(processes)]
