@@ -45,6 +45,16 @@ def assert_trees_bit_equal(a, b):
         assert host_bytes(xa) == host_bytes(xb), f"{key}: bytes differ"
 
 
+class FakeClock:
+    """A clock for policies and managers (``clock=``) that moves only when a test sets ``now``."""
+
+    def __init__(self, now=1_000_000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
 @pytest.fixture(scope="session")
 def mesh():
     assert jax.device_count() == 8, "conftest must set XLA_FLAGS before jax is imported"

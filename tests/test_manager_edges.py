@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import dispatch_io as dio
+from conftest import FakeClock
 from dispatch_io import policies as P
 
 TIMEOUT = 120
@@ -271,20 +272,12 @@ def test_a_step_decided_again_is_not_answered_from_the_previous_decision():
         other.decide(103, lambda: None)
 
 
-class _Clock:
-    def __init__(self, now=1_000_000.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
-
-
 def test_every_n_seconds_after_a_restart_counts_from_the_last_committed_save(tmp_path):
     """EveryNSeconds(900) measures from when the manager opened, not from the last save: a job
     that crashes (OOM, a lost host: no SIGTERM, so no preemption save) more often than every
     15 minutes never saves by time again, and each restart loses everything since the last
     step-based save. The last committed step's info has its start time: count from it."""
-    clock = _Clock()
+    clock = FakeClock()
     with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(10_000) | P.EveryNSeconds(900), clock=clock) as mgr:
         mgr.save(100, tree(100), force=True).wait()
     clock.now += 1000                                  # the job died and restarts 1000 s after that save

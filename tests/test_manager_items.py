@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dispatch_io as dio
-from conftest import assert_trees_bit_equal
+from conftest import FakeClock, assert_trees_bit_equal
 from dispatch_io import policies as P
 
 TIMEOUT = 60
@@ -26,16 +26,8 @@ def tree(step):
     return {"w": np.arange(12, dtype=np.float32).reshape(3, 4) + step, "step": step}
 
 
-class Clock:
-    def __init__(self, now=1_000_000.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
-
-
 def test_items_and_step_info_commit_with_the_step(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     with dio.CheckpointManager(tmp_path, clock=clock) as mgr:
         state = b"\x00\xffiterator-state\n"
         mgr.save(10, tree(10), items={"data": dio.PerProcess(state), "config": dio.Json({"lr": 0.1, "layers": [1, 2]}),
@@ -96,7 +88,7 @@ def test_bad_items_metrics_or_metadata_fail_before_anything_is_written(tmp_path,
 
 
 def test_save_policy_decides_and_force_overrides(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(10) | P.EveryNSeconds(60), clock=clock) as mgr:
         decided = []
         for step in range(1, 31):
@@ -250,7 +242,7 @@ def test_an_orbax_composite_root_restores_items_by_name(tmp_path, with_grain):
 
 def test_inspect_of_a_root_lists_each_steps_info(tmp_path, capsys):
     from dispatch_io import cli
-    clock = Clock(1_764_000_000.0)
+    clock = FakeClock(1_764_000_000.0)
     with dio.CheckpointManager(tmp_path, clock=clock) as mgr:
         mgr.save(3, tree(3), items={"data": dio.PerProcess(b"s")}, metrics={"loss": 0.5}, metadata={"git": "x"}).wait()
         clock.now += 60
