@@ -65,11 +65,9 @@ class CheckpointManager:
     process of a multi-process job waits for the others, for the dispatcher the manager
     creates; with a ``dispatcher`` of your own, set it in its options instead (passing both is
     a ``ValueError``). ``clock``: UNIX seconds, for the policies (tests pass their own).
-
+    ``local``: a fast local tier (:class:`~dispatch_io.manager.tiers.LocalTier`; design.md "Tiers").
     Raises ``TypeError`` for a policy used in the wrong role (``LatestN`` cannot decide saves),
-    ``ValueError`` for bad numbers or a keep policy given twice. ``local``: a fast local tier
-    (:class:`~dispatch_io.manager.tiers.LocalTier`; docs/design.md "Tiers").
-    """
+    ``ValueError`` for bad numbers or a keep policy given twice."""
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: policies.Policy | None = None,
                  keep_policy: policies.Policy | None = None, max_to_keep: int | None = None,
@@ -105,21 +103,26 @@ class CheckpointManager:
         self._unreported: BaseException | None = None            # a failure not raised by save()/wait() yet
         self._closed = False
         self._infos: dict[int, info_lib.StepInfo] = {}           # step info read, per committed step
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
-        self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-retention")
-        if self._leader:
-            self._root.remove_leftovers()
-        room = None
-        if self._processes > 1 and self.save_policy is not None and self.save_policy.uses_clock:
-            room = open_room("manager", self._root.display, f"the CheckpointManager of {self.root}",
-                             dispatcher.options.barrier_timeout)
-        self._decisions = SharedDecisions(room)
+        try:  # what can fail (the store, another process, a bad local tier) before threads exist
+            if self._leader:
+                self._root.remove_leftovers()
+            room = None
+            if self._processes > 1 and self.save_policy is not None and self.save_policy.uses_clock:
+                room = open_room("manager", self._root.display, f"the CheckpointManager of {self.root}",
+                                 dispatcher.options.barrier_timeout)
+            self._decisions = SharedDecisions(room)
+            self._last_saved_step = self.latest_step()
+            self._last_save = steps.started(self.step_info, self._last_saved_step, self._clock())
+            self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
+                                                                     self._processes, self._root)
+        except BaseException:
+            if self._owns_dispatcher:
+                dispatcher.close()
+            raise
         self._preemption = PreemptionWatcher()
         self._decision: tuple[int, bool] | None = None           # should_save's last answer
-        self._last_saved_step = self.latest_step()
-        self._last_save = steps.started(self.step_info, self._last_saved_step, self._clock())
-        self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
-                                                                 self._processes, self._root)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
+        self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-retention")
         self.last_tier_restore: tiers.TierRestoreStats | None = None  # what restore() through the tiers did
 
     # ---- listing ------------------------------------------------------------------------------
