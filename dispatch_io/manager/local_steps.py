@@ -18,7 +18,8 @@ import socket
 from absl import logging
 
 from dispatch_io.coordination import open_room
-from dispatch_io.storage import INFO, StepRoot
+from dispatch_io.storage import INFO, MAX_MANIFEST_BYTES, StepRoot
+from dispatch_io.storage.directory import read_regular
 
 
 def owner(root: StepRoot) -> str:
@@ -31,10 +32,9 @@ def read_info(root: StepRoot, step: int) -> dict | None:
     """Local ``step``'s info, or None (logged, naming the file) if it cannot be read or is not a
     local step's: the step is then lost to this process, as a wiped one is."""
     path = os.path.join(root.step_path(step), INFO)
-    try:
-        with open(path, "rb") as f:
-            info = json.load(f)
-    except (OSError, ValueError) as exc:
+    try:  # through the storage's bounded read: a FIFO or /dev/zero there never hangs the restore
+        info = json.loads(read_regular(path, MAX_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError) as exc:
         logging.warning("dispatch_io: the local step %s is not used (its info cannot be read: %s)", path, exc)
         return None
     if not isinstance(info, dict) or info.get("tier") != "local" or not isinstance(info.get("held"), dict):
