@@ -52,7 +52,7 @@ _SEQUENCE, _DICT = 1, 2
 _EMPTY = {"Dict": dict, "List": list, "Tuple": tuple, "None": lambda: None}  # skip_deserialize nodes
 
 
-def _json(path: str):
+def read_json(path: str):
     """The JSON document in the regular file ``path``; ValueError if larger than
     ``MAX_MANIFEST_BYTES`` (found before it is read) or not a regular file, OSError."""
     try:
@@ -125,7 +125,7 @@ def check_committed(directory: str, display: str):
         meta = os.path.join(folder, STEP_METADATA)
         if os.path.isfile(meta) and not os.path.isfile(os.path.join(folder, COMMIT_SUCCESS)):
             try:
-                committed = _json(meta).get("commit_timestamp_nsecs") is not None
+                committed = read_json(meta).get("commit_timestamp_nsecs") is not None
             except (OSError, ValueError, AttributeError, RecursionError):
                 committed = False
             if not committed:
@@ -187,7 +187,7 @@ def _shardings(directory: str) -> dict:
     if not os.path.isfile(path):
         return {}
     out = {}
-    for encoded, text in _json(path).items():
+    for encoded, text in read_json(path).items():
         out[base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()] = json.loads(text)
     return out
 
@@ -210,7 +210,7 @@ def _key_impls(directory: str) -> dict[str, str]:
     """param name -> PRNG impl name, from every process's ``array_metadatas`` file."""
     impls = {}
     for path in sorted(glob.glob(os.path.join(directory, "array_metadatas", "process_*"))):
-        for entry in _json(path).get("array_metadatas", []):
+        for entry in read_json(path).get("array_metadatas", []):
             meta = entry.get("array_metadata", {})
             impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
             if impl:
@@ -286,13 +286,13 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
     understand or arrays that cannot be opened."""
     check_committed(directory, display)
     try:
-        meta = _json(os.path.join(directory, METADATA))
+        meta = read_json(os.path.join(directory, METADATA))
         entries = meta["tree_metadata"]
         ocdbt = bool(meta.get("use_ocdbt", True))
         driver = "zarr3" if meta.get("use_zarr3", False) else "zarr"
         missing_is_fill = not meta.get("store_array_data_equal_to_fill_value", False)
         strings_path = os.path.join(directory, "_strings.json")
-        strings = _json(strings_path) if os.path.isfile(strings_path) else {}
+        strings = read_json(strings_path) if os.path.isfile(strings_path) else {}
         shardings = _shardings(directory)
         impls = _key_impls(directory)
         tree = _tree(entries, display)

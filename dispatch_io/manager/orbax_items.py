@@ -16,14 +16,14 @@ the files present. Grain's states are returned as the bytes Orbax stored (a Grai
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
 from dispatch_io import orbax
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manager.info import StepInfo, metric
-from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
+from dispatch_io.storage import COMMITTED, MANIFEST, MAX_MANIFEST_BYTES, DirectoryLocation, Location
+from dispatch_io.storage.directory import read_regular
 
 _GRAIN_FILE = re.compile(r"process_([0-9]+)-of-([0-9]+)\.json")
 _METRICS = "metrics"   # the item Orbax's manager stores a step's metrics in (a JSON item)
@@ -51,11 +51,10 @@ def is_orbax_step(path: str) -> bool:
 
 def _step_metadata(path: str) -> dict:
     try:
-        with open(os.path.join(path, orbax.STEP_METADATA), "rb") as f:
-            found = json.loads(f.read())
+        found = orbax.read_json(os.path.join(path, orbax.STEP_METADATA))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: Orbax's {orbax.STEP_METADATA} cannot be read ({exc})") from None
     if not isinstance(found, dict):
         raise CheckpointError(f"{path}: Orbax's {orbax.STEP_METADATA} is not a JSON object (malformed checkpoint)")
@@ -104,9 +103,8 @@ def item(path: str, name: str, process: int, processes: int):
         raise KeyError(f"{path} has no item {name!r} (its items: {', '.join(kinds) or 'none'})")
     if kind == "json":
         try:
-            with open(_json_file(where), "rb") as f:
-                return json.loads(f.read())
-        except (OSError, ValueError) as exc:
+            return orbax.read_json(_json_file(where))
+        except (OSError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"{where}: the JSON item cannot be read ({exc})") from None
     if kind == "grain":
         counts = {int(m.group(2)) for m in map(_GRAIN_FILE.fullmatch, os.listdir(where)) if m}
@@ -114,9 +112,8 @@ def item(path: str, name: str, process: int, processes: int):
             raise CheckpointError(f"item {name!r} of {path} holds Grain states of {sorted(counts)} processes; this "
                                   f"job has {processes}: each process's own state cannot be told")
         try:
-            with open(os.path.join(where, f"process_{process}-of-{processes}.json"), "rb") as f:
-                return f.read()
-        except OSError as exc:
+            return read_regular(os.path.join(where, f"process_{process}-of-{processes}.json"), MAX_MANIFEST_BYTES)
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"{where}: process {process}'s Grain state cannot be read ({exc})") from None
     raise CheckpointError(f"item {name!r} of {path} is {'a PyTree item: restore(step, item=' + repr(name) + ')' if kind == 'pytree' else f'of a kind dispatch_io does not read ({kind})'}")
 
