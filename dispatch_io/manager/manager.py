@@ -43,7 +43,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.formats import check_reachable, committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import local_steps, orbax_items, policies, retention, steps, tiers
+from dispatch_io.manager import local_steps, orbax_items, policies, retention, steps, tier_restore, tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
@@ -123,7 +123,7 @@ class CheckpointManager:
         self._decision: tuple[int, bool] | None = None           # should_save's last answer
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-retention")
-        self.last_tier_restore: tiers.TierRestoreStats | None = None  # what restore() through the tiers did
+        self.last_tier_restore: tier_restore.TierRestoreStats | None = None  # what restore() through the tiers did
 
     # ---- listing ------------------------------------------------------------------------------
 

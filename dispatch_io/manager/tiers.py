@@ -7,37 +7,22 @@
 Each process saves, to ``<local>/<step>/``, the regions its own devices hold, committed by itself
 alone (``Dispatcher.save(own=True)``): no coordination-service round trip, no object store, the
 same staging budget and asynchronous copies as any save. The step's info records the regions it
-holds. :meth:`LocalTiers.restore` gathers what every process holds (one named gather), plans with
-``tiers_plan.plan_restore`` (pure) and fills the target in at most two scale-out passes: the
-local copies (each holder reads its own; the holders without one receive a peer's), then the
-persistent step for the regions no holder has. See docs/design.md "Tiers".
+holds. :meth:`LocalTiers.restore` mixes the tiers (``tier_restore``). See docs/design.md "Tiers".
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import os
 import threading
 
-import jax
 from absl import logging
 
-from dispatch_io import reading
-from dispatch_io import restore as restore_lib
-from dispatch_io import scaleout
 from dispatch_io import tiers_plan
-from dispatch_io import tree as tree_lib
-from dispatch_io.coordination import open_room
-from dispatch_io.errors import (BarrierTimeoutError, CorruptCheckpointError, IncompleteCheckpointError,
-                               WorkerError)
-from dispatch_io.formats import open_checkpoint
-from dispatch_io.manager import local_steps, policies, retention
-from dispatch_io.manifest import parse as parse_manifest
-from dispatch_io.progress import Progress
+from dispatch_io.manager import local_steps, policies, retention, tier_restore
 from dispatch_io.save import Attachments, SaveHandle
-from dispatch_io.storage import Location, StepRoot
+from dispatch_io.storage import StepRoot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,20 +57,6 @@ class LocalTier:
         return os.fspath(self.path).replace("{process}", str(process))
 
 
-@dataclasses.dataclass(frozen=True)
-class TierRestoreStats:
-    """What a restore through the tiers did, in this process: the step, how many regions came
-    from a peer / persistent storage (job-wide), and the bytes this process read from its own
-    local copy, read from persistent storage, and received from other processes."""
-
-    step: int
-    peer_regions: int
-    persistent_regions: int
-    bytes_read_local: int
-    bytes_read_persistent: int
-    bytes_received: int
-
-
 class LocalTiers:
     """The local tier of one manager, in one process (see the module doc)."""
 
@@ -95,10 +66,10 @@ class LocalTiers:
         self.path = tier.process_path(process)
         local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
                                 dispatcher.options.barrier_timeout)
-        self._root = StepRoot.open(self.path)
-        self._root.remove_leftovers()
+        self.root = StepRoot.open(self.path)
+        self.root.remove_leftovers()
         self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
-        local_steps.read_steps(self._root, self._owner, remove=True)
+        local_steps.read_steps(self.root, self._owner, remove=True)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
         self._in_flight: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
@@ -109,10 +80,11 @@ class LocalTiers:
     def steps(self) -> list[int]:
         """This process's committed local steps of this manager's root, ascending (steps whose info
         cannot be read are left out: lost, as a wiped step is)."""
-        return sorted(self._infos()[0])
+        return sorted(self.infos()[0])
 
-    def _infos(self) -> tuple[dict[int, dict], list[str]]:
-        return local_steps.read_steps(self._root, self._owner)
+    def infos(self) -> tuple[dict[int, dict], list[str]]:
+        """({step: info} of this process's committed local steps of this root, [unreadable info files])."""
+        return local_steps.read_steps(self.root, self._owner)
 
     def should_save(self, step: int, preempted: bool = False) -> bool:
         """Whether the local save policy saves ``step`` (never a step not newer than the last)."""
@@ -127,7 +99,7 @@ class LocalTiers:
         self.wait()
         info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": self._clock(),
                 "copies": tiers_plan.copies(tree, self.count), "held": tiers_plan.held_regions(tree, self.process)}
-        handle = self.dispatcher.save(self._root.step_path(step), tree, own=True, overwrite=True,
+        handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True,
                                       attachments=Attachments(info=info, clock=self._clock), **save_kwargs)
         self._last_step, self._last_save = step, info["started"]
         with self._lock:
@@ -141,10 +113,10 @@ class LocalTiers:
         if self.tier.keep_policy is None:
             return
         try:
-            infos = self._infos()[0]
+            infos = self.infos()[0]
             records = [policies.StepRecord(s, infos[s].get("committed") if s in infos else None)
-                       for s in self._root.committed_steps()]
-            retention.delete_dropped(self._root, retention.steps_to_delete(records, self.tier.keep_policy,
+                       for s in self.root.committed_steps()]
+            retention.delete_dropped(self.root, retention.steps_to_delete(records, self.tier.keep_policy,
                                                                            self._clock()), lambda step: None)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
             logging.exception("dispatch_io: retention of the local tier %s failed", self.path)
@@ -164,97 +136,11 @@ class LocalTiers:
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def _held(self, outputs_of) -> tuple[dict, int | None, list[str]]:
-        """({step: {key path: [region, ...]}} of this process's usable local steps -- the newest
-        without the regions whose chunks fail their CRC-32C --, the step so checked, [the info
-        files that could not be read])."""
-        infos, unreadable = self._infos()
-        held = {str(step): info["held"] for step, info in infos.items()}
-        if not infos:
-            return held, None, unreadable
-        newest = max(infos)
-        try:
-            held[str(newest)] = self._intact(newest, infos[newest]["held"], outputs_of)
-        except (IncompleteCheckpointError, CorruptCheckpointError, WorkerError, OSError) as exc:
-            logging.warning("dispatch_io: the local step %s is not used: %s", self._root.step_path(newest), exc)
-            del held[str(newest)]  # lost to this process, as a wiped step is: a peer's copy or the root serves
-        return held, newest, unreadable
-
-    def _intact(self, step: int, held: dict, outputs_of) -> dict:
-        """``held`` (of local ``step``) without the regions a chunk of which fails its CRC-32C
-        (logged): the restore then plans them from the next source, a peer's copy or persistent
-        storage. A step saved without checksums is returned as it is (nothing to check against)."""
-        opened = open_checkpoint(self._root.step_path(step))
-        if not opened.manifest.has_checksums:
-            return held
-        _, outputs = outputs_of(opened.manifest)
-        reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
-        progress = Progress("verify", opened.display, enabled=False)
-        intact = {}
-        try:
-            with progress:
-                for out in outputs:
-                    if not isinstance(out, restore_lib.Output) or out.saved.keypath not in held:
-                        continue
-                    intact[out.saved.keypath] = []
-                    for region in held[out.saved.keypath]:
-                        bounds = out.stored_bounds(tuple(tuple(b) for b in region))
-                        try:
-                            reading.verify_stored(reader, [(out, bounds)], self.dispatcher.options.read_batch_bytes,
-                                                  progress)
-                        except CorruptCheckpointError as exc:
-                            logging.warning("dispatch_io: the local copy is not used: %s", exc)
-                            continue
-                        intact[out.saved.keypath].append(region)
-        finally:
-            reader.close()
-        return intact
-
-    def restore(self, target, persistent_steps, persistent_path, persistent_display: str, *, partial: bool = False,
-                cast: bool = False, verify: bool = False, names=None):
-        """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
-        from the newest step the tiers hold whole; every process calls it together. Returns
-        (tree, :class:`TierRestoreStats`). ``persistent_path(step)``: where the root holds a step.
-        ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
-        are always checked (a bad one is replaced by the next source), persistent ones with ``verify``.
-        Then, if the job resumes the step (:meth:`resumed`), the newer local steps are deleted.
-        ValueError without a target; FileNotFoundError if no step has every region; BarrierTimeoutError
-        naming a process that does not report within the barrier timeout."""
-        if target is None:
-            raise ValueError("a restore through the local tier needs a target with global shardings: they say "
-                             "which process holds which region (restore(step, ...) reads the root without one)")
-        options = self.dispatcher.options
-        outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
-        held, verified, unreadable = self._held(outputs_of)  # before the room: a long verify must not time out others
-        room = None
-        if self.count > 1:
-            room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
-                             options.barrier_timeout)
-            if room.leader:  # one listing of the root for every process
-                room.set("persistent", list(persistent_steps))
-            room.set(f"held/{self.process}", held)
-        reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in steps.items()}
-                   for p, steps in (room.gather("held") if room else {self.process: held}).items()}
-        if room is not None:
-            persistent_steps = room.from_leader("persistent")
-        plan = tiers_plan.plan_restore(tiers_plan.wanted_regions(target, self.count), reports, persistent_steps)
-        local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
-                                              for regions in plan.routes.values() for r in regions.values())
-        shared = self._share_manifest(plan.step, reports, room) if local_pass and room else None
-        if room is not None:
-            room.close()
-        if plan is None:
-            lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
-            raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_display} holds "
-                                    f"every region of the target{lost}")
-        local_verify = verify or plan.step != verified  # the newest local step was checked in _held
-        own_copy = plan.step in reports[self.process]  # as reported: a copy it could not read is not its own
-        # each result leaf's routes, by its index (a leaf read under another name, names=, too)
-        by_leaf = [plan.routes.get(k, {}) for k, _ in tree_lib.flatten(target)[0]]
-        result = self._fill(plan, by_leaf, persistent_path, local_pass, own_copy, shared, local_verify, verify,
-                            outputs_of)
-        self.resumed(plan.step, target)
-        return result
+    def restore(self, target, persistent_steps, persistent_path, persistent_display: str, **kwargs):
+        """Restore ``target`` through the tiers (every process together): see
+        :meth:`~dispatch_io.manager.tier_restore.TierRestore.restore`. Returns (tree, stats)."""
+        return tier_restore.TierRestore(self).restore(target, persistent_steps, persistent_path, persistent_display,
+                                                      **kwargs)
 
     def resumed(self, step: int, target):
         """After a restore of ``step`` onto ``target`` (through the tiers or of a named step): if
@@ -263,7 +149,7 @@ class LocalTiers:
         (either tier) deletes the local steps it makes stale (``local_steps.prepare_save``). A restore onto
         another sharding (an eval copy) changes nothing."""
         mine = tiers_plan.held_regions(target, self.process) if target is not None else {}
-        infos = self._infos()[0] if mine else {}
+        infos = self.infos()[0] if mine else {}
         if not infos or any(infos[max(infos)]["held"].get(k) != v for k, v in mine.items()):
             return
         if self._last_step is not None and step < self._last_step:
@@ -274,121 +160,10 @@ class LocalTiers:
         step of this history): a save of ``step`` means the job follows a history where they never
         happened (a rollback), and a later restore must never resume them over it."""
         def stale():
-            return [s for s in self._root.committed_steps() if s > step or (s == step and s != self._last_step)]
+            return [s for s in self.root.committed_steps() if s > step or (s == step and s != self._last_step)]
         if stale():
             self.wait()  # the local save in flight and its retention first (it may delete some of them)
             for s in stale():
                 logging.info("dispatch_io: local step %s is deleted: the job saves step %d of another history",
-                             self._root.step_path(s), step)
-                self._root.delete(s)
-
-    def _share_manifest(self, step: int, reports: dict, room):
-        """The manifest of local ``step`` for a process without the step (it plans its part of
-        the restore with it: every copy's manifest describes the same arrays), from the first
-        process with it; None in the processes with their own."""
-        sharer = min(p for p, steps in reports.items() if step in steps)
-        if step in reports[self.process]:
-            if self.process == sharer:
-                room.set("manifest", Location.parse(self._root.step_path(step)).read_manifest())
-            return None
-        manifest = room.wait_for("manifest", room.timeout)
-        if manifest is None:
-            raise BarrierTimeoutError(f"process {sharer} did not share the manifest of local step {step} within "
-                                      f"{room.timeout:g} s", processes=[sharer], barrier=f"{room.prefix}/manifest")
-        return manifest
-
-    def _fill(self, plan: tiers_plan.TierPlan, by_leaf: list, persistent_path, local_pass: bool, own_copy: bool,
-              shared, local_verify: bool, verify: bool, outputs_of):
-        """The local pass (if any region is read from a local copy), then the persistent pass (if a
-        region needs it); their buffers joined, the result finished. ``by_leaf``: the plan's routes of
-        each target leaf, in order. ``shared``: the step's manifest for a process without a copy of its own."""
-        read_local = read_persistent = received = 0
-        outputs = None
-        if local_pass:
-            step_path = self._root.step_path(plan.step)
-            reader, described = None, None
-            if own_copy:  # its own manifest: it has the checksums of its own chunks
-                opened = open_checkpoint(step_path)
-                reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
-                described = opened.manifest
-            display = f"local step {plan.step} of {self.tier.process_path('{process}')}"
-            described = described or parse_manifest(shared, step_path)
-            treedef, outputs = outputs_of(described)
-            local_verify = local_verify and described.has_checksums  # a step saved without them: nothing to check
-            read_local, received = self._pass(reader, outputs, display, self._local_routes(by_leaf), local_verify)
-        if plan.regions(tiers_plan.PERSISTENT):
-            opened = open_checkpoint(persistent_path(plan.step))
-            reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
-            ptreedef, poutputs = outputs_of(opened.manifest)
-            read_persistent, got = self._pass(reader, poutputs, opened.display, self._persistent_routes(by_leaf),
-                                              verify)
-            received += got
-            opened.check_unchanged()
-            if outputs is None:
-                treedef, outputs = ptreedef, poutputs
-            else:
-                for out, pout in zip(outputs, poutputs):
-                    if isinstance(out, restore_lib.Output):
-                        out.buffers.update(pout.buffers)
-        tree = jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
-        return tree, TierRestoreStats(plan.step, plan.regions(tiers_plan.PEER), plan.regions(tiers_plan.PERSISTENT),
-                                      read_local, read_persistent, received)
-
-    def _local_routes(self, by_leaf: list):
-        """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
-        own; for the others, the route's reader reads its copy and delivers it to them (a reader
-        that does not hold the region receives its own piece too: one buffer it never uses)."""
-        def routes(index, out):
-            held, mine, may = {}, [], {}
-            for region, route in by_leaf[index].items():
-                if route.kind == tiers_plan.PEER:  # the reader (a holder or not) delivers it to the receivers
-                    held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
-                    may[region] = (route.reader,)
-                delivers = route.kind == tiers_plan.PEER and route.reader == self.process  # gets it with the others
-                if self.process in route.own and region in out.regions and not delivers:
-                    mine.append(region)
-            return held, mine, may
-        return routes
-
-    def _persistent_routes(self, by_leaf: list):
-        """The persistent pass's: the regions no holder has locally, as a scale-out restore reads them."""
-        def routes(index, out):
-            held, mine = {}, []
-            for region, route in by_leaf[index].items():
-                if route.kind != tiers_plan.PERSISTENT:
-                    continue
-                if len(route.receivers) > 1:
-                    held[region] = route.receivers
-                elif self.process in route.receivers:
-                    mine.append(region)
-            return held, mine, {}
-        return routes
-
-    def _pass(self, reader, outputs: list, display: str, routes, verify: bool) -> tuple[int, int]:
-        """Fill the regions ``routes`` give this checkpoint (every process together); returns
-        (bytes this process read into the result -- not counting a verify's reads -- bytes it
-        received from others)."""
-        options = self.dispatcher.options
-        progress = Progress("restore", display, enabled=options.progress)
-        try:
-            with progress:
-                if self.count > 1:
-                    received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=[],
-                                                     routes=routes).useful
-                else:  # one process: nothing travels, its own regions are read as a restore reads them
-                    received, mine = 0, (lambda index, out: routes(index, out)[1])
-                    if verify:
-                        reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress, only=mine)
-                    reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress,
-                                         only=mine)
-        finally:
-            if reader is not None:
-                reader.close()
-        return sum(p.bytes_done for name, p in progress.phases.items() if name != "verify"), received
-
-
-def _outputs(manifest, *, target, partial: bool, cast: bool, names):
-    """``restore.plan_outputs`` of ``target`` as ``Dispatcher.restore(partial=, cast=, names=)`` plans it."""
-    if names is not None:
-        manifest = dataclasses.replace(manifest, tensor_names=names)
-    return restore_lib.plan_outputs(manifest, target, partial, cast)
+                             self.root.step_path(s), step)
+                self.root.delete(s)
