@@ -22,7 +22,7 @@ from dispatch_io import collector
 from dispatch_io import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
-from dispatch_io import reading, scaleout, tiers_plan
+from dispatch_io import reading, replica_plan, scaleout, tiers_plan
 from dispatch_io import restore as restore_lib
 from dispatch_io import exporting, to_orbax, to_safetensors
 from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
@@ -67,7 +67,7 @@ class Dispatcher:
     def save(self, path, tree, *, priority: PriorityFn | None = None,
              on_transfer_end: Callable[[str], None] | None = None,
              on_write_end: Callable[[str], None] | None = None, overwrite: bool = False,
-             attachments: Attachments | None = None, own: bool = False) -> SaveHandle:
+             attachments: Attachments | None = None, own: bool = False, copies=None) -> SaveHandle:
         """Save ``tree`` to ``path``; returns once every SYNC leaf is off the device.
 
         ``priority(keypath, spec)`` gives each array leaf a :class:`Priority` (default SYNC).
@@ -75,7 +75,8 @@ class Dispatcher:
         no longer needed (copied, or the save failed first); ``on_write_end(keypath)`` once its
         bytes are written (not for leaves a failed save did not write). ``attachments``: small
         files committed with the arrays (what ``CheckpointManager`` stores beside a step). ``own``: a
-        local-tier save (``tiers_plan.own_plan``), committed by this process alone, unpacked.
+        local-tier save (``tiers_plan.own_plan``), committed by this process alone, unpacked; ``copies``
+        (with ``own``): key path -> other processes' regions received here (``replica_plan.Replica``), saved too.
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
         a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
         priority callback raised, chained; after ``close()``; from this dispatcher's own
@@ -87,8 +88,11 @@ class Dispatcher:
         location = Location.parse(path)
         with collector.paused():
             plan, leaves, cached = self._plans.get(tree)
+            copies = replica_plan.copies_by_leaf(plan, copies, own)
             if own:
-                plan = self._plans.derive(plan, "own", lambda: tiers_plan.own_plan(plan, jax.process_index()))
+                placed = tuple((i, tuple((r.device.id, r.region) for r in rs)) for i, rs in copies.items())
+                plan = self._plans.derive(plan, ("own", placed),
+                                          lambda: tiers_plan.own_plan(plan, jax.process_index(), copies))
             priorities = leaf_priorities(plan, priority)
             packed, batches, describe = self._layout(plan, priorities, packs=not own)
         overflow = self._snapshot_sync_overflow(packed, leaves, batches)
@@ -101,14 +105,14 @@ class Dispatcher:
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
                       describe=describe, attachments=attachments or Attachments())
-        run = self._launch(location, job, leaves, self.runner, overwrite, commit_lib.SingleProcess() if own else None)
+        single = commit_lib.SingleProcess() if own else None
+        run = self._launch(location, job, leaves, self.runner, overwrite, single, copies)
         run.wait_until_sync_copied()
         return SaveHandle(run)
 
-    def _launch(self, location: Location, job: SaveJob, leaves: list, runner, overwrite: bool,
-                coordinator=None) -> SaveRun:
-        """Take the path's lock, open the commit (every process planned the same save; the path
-        may be written) and start the save's driver; the lock goes with the run."""
+    def _launch(self, location: Location, job: SaveJob, leaves: list, runner, overwrite: bool, coordinator=None,
+                copies: dict | None = None) -> SaveRun:
+        """Take the path's lock (it goes with the run), open the commit (same plan everywhere), start the driver."""
         self._paths.acquire(location.key)  # released by the run when it is over
         commit = None
         try:
@@ -117,7 +121,7 @@ class Dispatcher:
             opened.check_same_plan(job.plan, settings.stored_as, job.attachments.agreed)
             opened.start(overwrite)
             commit = opened
-            run = SaveRun(job, leaves, runner, commit, self._ring, settings, self._finished)
+            run = SaveRun(job, leaves, runner, commit, self._ring, settings, self._finished, copies)
             self._start(run, location.key)
         except BaseException as exc:
             if commit is not None:
@@ -199,9 +203,8 @@ class Dispatcher:
         return set(indices)
 
     def _layout(self, plan: Plan, priorities: list[Priority], packs: bool = True):
-        """(``plan`` with its small leaves packed, this process's batches, a function returning
-        ``manifest.describe`` of it) for ``priorities``: a training loop saving the same state
-        packs, batches and describes it once."""
+        """(``plan`` with its small leaves packed, this process's batches, ``manifest.describe`` of it, lazily)
+        for ``priorities``: a training loop saving the same state packs, batches and describes it once."""
         options, worker = self.options, jax.process_index()
 
         def make():
@@ -234,16 +237,14 @@ class Dispatcher:
             self._ring.drop_buffer()
 
     def _check_usable(self, what: str):
-        """RuntimeError, instead of a hang or an obscure failure, for a closed dispatcher or a
-        call from one of its own IO threads."""
+        """RuntimeError for a closed dispatcher or a call from one of its own IO threads (not a hang)."""
         self.check_not_io_thread(f"{type(self).__name__}.{what}")
         if self._closed:
             raise RuntimeError(f"{type(self).__name__}.{what}() called after close()")
 
     def check_not_io_thread(self, caller: str):
-        """RuntimeError if the calling thread is one of this dispatcher's IO threads, where the
-        save callbacks run: ``caller`` (e.g. ``"CheckpointManager.wait"``) would wait there for
-        work those threads do, and deadlock."""
+        """RuntimeError if the calling thread is one of this dispatcher's IO threads (the save callbacks'):
+        ``caller`` (e.g. ``"CheckpointManager.wait"``) would wait there for their work, and deadlock."""
         if self.runner.threads.is_current():
             raise RuntimeError(f"{caller}() called from one of {type(self).__name__}'s own IO threads "
                                "(an on_transfer_end / on_write_end callback): that would deadlock; "

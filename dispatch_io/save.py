@@ -118,15 +118,15 @@ class SaveRun:
     ``leaves`` are the tree's leaves in plan order (let go of as each is copied), ``runner``
     copies and writes, ``commit`` agrees and commits, ``ring`` bounds the host bytes,
     ``settings`` are the workers' (fsync, layout), ``on_done(run)`` is called once when the run
-    is over, whatever the outcome."""
+    is over, whatever the outcome; ``copies``: leaf index -> its replicas (``Sources``)."""
 
     def __init__(self, job: SaveJob, leaves: list, runner, commit, ring: StagingRing, settings: IOSettings,
-                 on_done: Callable[["SaveRun"], None]):
+                 on_done: Callable[["SaveRun"], None], copies: dict | None = None):
         self.job, self.runner, self.commit, self.ring, self.settings = job, runner, commit, ring, settings
         self._on_done = on_done
         plan = job.plan
         # Array leaves are held by ``sources`` alone, which lets go of each as soon as it is copied.
-        self.sources = Sources(plan, leaves)
+        self.sources = Sources(plan, leaves, copies)
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.sync_done = threading.Event()
         self.sync_copied = False   # every SYNC leaf copied (sync_done is also set when the save fails)

@@ -6,18 +6,21 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.plan import Plan, index_region
+from dispatch_io.plan import Plan
 
 
 class Sources:
-    """The device (or host) data of the leaves being saved, found by (leaf, device id).
+    """The device (or host) data of the leaves being saved, found by chunk: the piece on the
+    chunk's device that holds its region -- a shard of the leaf, or a region of it another
+    process holds, received here (``copies``: a local tier's replicas, ``tiers_plan.own_plan``).
 
     References are dropped as soon as a leaf is fully copied, so the trainer's memory is
     not held longer than the copy needs."""
 
-    def __init__(self, plan: Plan, leaves: list):
+    def __init__(self, plan: Plan, leaves: list, copies: dict[int, tuple] | None = None):
         self._plan = plan
         self._leaves = list(leaves)
+        self._copies = dict(copies or {})  # leaf index -> replica_plan.Replica's received (a local tier's)
         self._shards: dict[int, dict] = {}
 
     def parts(self, chunk) -> list[tuple]:
@@ -28,21 +31,39 @@ class Sources:
         cached on the trainer's array)."""
         spec = self._plan.leaves[chunk.leaf]
         if not spec.whole:
-            start, data = self._shard(chunk.leaf, chunk.device)
+            start, data = self._shard(chunk)
             return [(data, tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(chunk.region, start)), ())]
-        value = self._leaves[chunk.leaf]
-        if spec.kind == tree_lib.KEY:
-            value = jax.random.key_data(value)
-        indices = value.sharding.addressable_devices_indices_map(value.shape)
-        parts, seen = [], set()
-        for i in range(len(indices)):
-            data = value.addressable_data(i)
-            index = indices[next(iter(data.devices()))]
-            region = index_region(index, value.shape)
-            if region not in seen:  # replicas: copied once
-                seen.add(region)
-                parts.append((data, (), index))
-        return parts
+        parts = {}
+        for pieces in self._pieces(chunk.leaf).values():
+            for start, data in pieces:  # replicas of a region on several devices: copied once
+                where = tuple(slice(s, s + n) for s, n in zip(start, data.shape))
+                parts.setdefault(start + data.shape, (data, (), where))
+        return list(parts.values())
+
+    def _pieces(self, leaf: int) -> dict:
+        """{device id: [(start offsets, data), ...]} of the leaf's shards here (stored shape: PRNG
+        keys as their key data) and of the replicas it received (``copies``)."""
+        pieces = self._shards.get(leaf)
+        if pieces is None:
+            value, spec, pieces = self._leaves[leaf], self._plan.leaves[leaf], {}
+            if spec.origin != "jax":
+                pieces[None] = [((0,) * len(spec.shape), np.asarray(value))]
+            else:
+                if spec.kind == tree_lib.KEY:
+                    value = jax.random.key_data(value)
+                for s in value.addressable_shards:
+                    pieces.setdefault(s.device.id, []).append((tuple(i.start or 0 for i in s.index), s.data))
+                key_dims = (0,) * (len(spec.shape) - len(spec.spec.shape))
+                for replica in self._copies.get(leaf, ()):
+                    start = tuple(lo for lo, _ in replica.region) + key_dims
+                    pieces.setdefault(replica.device.id, []).append((start, replica.data))
+            self._shards[leaf] = pieces
+        return pieces
+
+    def _shard(self, chunk) -> tuple:
+        """(start offsets, data) of the piece on the chunk's device that holds its region."""
+        return next((start, data) for start, data in self._pieces(chunk.leaf)[chunk.device]
+                    if all(s <= lo and hi <= s + n for (lo, hi), s, n in zip(chunk.region, start, data.shape)))
 
     def locate(self, chunk) -> tuple:
         """(data, index): an array holding ``chunk`` and the slices of it that are the chunk's
@@ -56,21 +77,7 @@ class Sources:
             whole[within] = np.asarray(data)[local]
         return whole, ()
 
-    def _shard(self, leaf: int, device: int | None):
-        """(start offsets, data) of the shard on ``device``."""
-        shards = self._shards.get(leaf)
-        if shards is None:
-            value, spec = self._leaves[leaf], self._plan.leaves[leaf]
-            if spec.origin != "jax":
-                shards = {None: ((0,) * len(spec.shape), np.asarray(value))}
-            else:
-                if spec.kind == tree_lib.KEY:
-                    value = jax.random.key_data(value)
-                shards = {s.device.id: (tuple(i.start or 0 for i in s.index), s.data)
-                          for s in value.addressable_shards}
-            self._shards[leaf] = shards
-        return shards[device]
-
     def drop(self, leaf: int):
         self._shards.pop(leaf, None)
+        self._copies.pop(leaf, None)
         self._leaves[leaf] = None

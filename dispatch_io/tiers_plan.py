@@ -16,10 +16,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from dispatch_io import tree as tree_lib
 from dispatch_io.plan import Plan, device_regions, plan_chunks
+from dispatch_io.replica_plan import Replica
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
 
@@ -29,68 +30,88 @@ def _held_by(devices, process: int) -> list:
     return [d for d in devices if d is None or d.process_index == process]
 
 
-def _own_regions(spec, process: int) -> dict:
-    """{region: [this process's devices holding it]} of a leaf being saved (regions it holds)."""
-    regions = device_regions(spec.spec.sharding, spec.spec.shape)
-    mine = {region: _held_by(devices, process) for region, devices in regions.items()}
-    return {region: devices for region, devices in mine.items() if devices}
-
-
-def own_plan(plan: Plan, process: int) -> Plan:
+def own_plan(plan: Plan, process: int, copies: Mapping[int, Sequence[Replica]] | None = None) -> Plan:
     """``plan`` (a job-wide save plan, unpacked) made a local save's: each region ``process``'s
     devices hold (and every host leaf), one chunk grid each, all written by ``process``. Leaves
-    copied whole keep one chunk (their regions are all on one process)."""
+    copied whole keep one chunk (their regions are all on one process). ``copies``: leaf index ->
+    the :class:`~dispatch_io.replica_plan.Replica` objects of other processes' regions on this
+    process's devices: those regions are saved too (from the replicas: ``sources.Sources``)."""
+    copies = copies or {}
+
     def regions_of(spec):
+        held = device_regions(spec.spec.sharding, spec.spec.shape)
         if spec.whole:
-            devices = _held_by(spec.spec.sharding.device_set, process)
+            devices = _held_by(spec.spec.sharding.device_set, process) or [r.device for r in copies.get(spec.index, ())]
             return {tuple((0, n) for n in spec.spec.shape): [min(devices, key=lambda d: d.id)]} if devices else {}
-        return _own_regions(spec, process)
+        regions = {region: _held_by(devices, process) for region, devices in held.items()}
+        regions = {region: devices for region, devices in regions.items() if devices}
+        own = set(regions)
+        for replica in copies.get(spec.index, ()):  # a region it holds itself is saved from its own shard
+            if replica.region not in own:
+                regions.setdefault(replica.region, []).append(replica.device)
+        return regions
 
     chunks = tuple(dataclasses.replace(c, worker=process) for c in plan_chunks(plan.leaves, regions_of))
     return dataclasses.replace(plan, chunks=chunks)
 
 
-def _leaf_regions(tree):
-    """(key path, {region: devices}) of every stored leaf of ``tree`` (arrays, keys, numpy data;
-    its devices None for host data), as :func:`~dispatch_io.plan.device_regions` gives them."""
+def _leaf_holders(tree, moves: Mapping[str, Sequence[tuple]] | None = None):
+    """(key path, {region: holder processes, or None for host data (every process)}) of every
+    stored leaf of ``tree`` (arrays, keys, numpy data), regions as
+    :func:`~dispatch_io.plan.device_regions` gives them -- with, for ``moves[key path]`` (the
+    replica orders the leaf was sent by: ``replica_plan.replica_orders``), the processes its
+    replicas went to."""
     flat, _ = tree_lib.flatten(tree)
     for keypath, leaf in flat:
         if not hasattr(leaf, "shape") or not math.prod(leaf.shape):  # Python scalars, empty arrays: nothing stored
             continue
-        yield keypath, device_regions(getattr(leaf, "sharding", None), leaf.shape)
+        holders = {}
+        for region, devices in device_regions(getattr(leaf, "sharding", None), leaf.shape).items():
+            if devices == [None]:
+                holders[region] = None
+                continue
+            base = {d.process_index for d in devices}
+            holders[region] = base.union(*({order[p] for p in base} for order in (moves or {}).get(keypath, ())))
+        yield keypath, holders
 
 
 def _json(region) -> list:
     return [list(bounds) for bounds in region]
 
 
-def held_regions(tree, process: int) -> dict[str, list]:
+def held_regions(tree, process: int, moves: Mapping[str, Sequence[tuple]] | None = None) -> dict[str, list]:
     """{key path: [region, ...]} of ``tree``'s stored leaves that ``process``'s devices hold
-    (host leaves: every process), regions as JSON ``[[start, stop], ...]`` over the logical shape:
-    what a local step records holding. Reads shardings only, never device data."""
+    (host leaves: every process) -- with ``moves``, or hold replicas of (:func:`_leaf_holders`) --,
+    regions as JSON ``[[start, stop], ...]`` over the logical shape: what a local step records
+    holding. Reads shardings only, never device data."""
     held = {}
-    for keypath, regions in _leaf_regions(tree):
-        mine = sorted(region for region, devices in regions.items() if _held_by(devices, process))
+    for keypath, holders in _leaf_holders(tree, moves):
+        mine = sorted(region for region, processes in holders.items() if processes is None or process in processes)
         if mine:
             held[keypath] = [_json(region) for region in mine]
     return held
 
 
-def copies(tree, count: int) -> int:
-    """The fewest processes holding any region of ``tree``'s stored leaves (host leaves: all
-    ``count``): how many local copies of every region a local step of ``tree`` has once every
-    process saved it -- its durability (2 or more: any one lost process loses nothing)."""
-    return min((count if devices == [None] else len({d.process_index for d in devices})
-                for _, regions in _leaf_regions(tree) for devices in regions.values()), default=count)
+def spread(tree, count: int, moves: Mapping[str, Sequence[tuple]] | None = None, domains=None) -> tuple[int, int]:
+    """(copies, domains): the fewest processes holding any region of ``tree``'s stored leaves
+    (with the replicas ``moves`` sent; host leaves: all ``count``), and the fewest failure domains
+    (``domains[process]``; None: one per process) -- a local step's durability once every
+    process saved it: k copies survive any k - 1 lost processes, in k domains any k - 1 lost hosts."""
+    domains = list(range(count)) if domains is None else domains
+    fewest = (count, len(set(domains)))
+    for _, holders in _leaf_holders(tree, moves):
+        for processes in holders.values():
+            if processes is not None:
+                fewest = min(fewest[0], len(processes)), min(fewest[1], len({domains[p] for p in processes}))
+    return fewest
 
 
 def wanted_regions(target, count: int) -> dict[str, dict]:
     """{key path: {region: sorted holder processes}} of a restore ``target`` (leaves with global
     shardings; host leaves: one region, wanted by all ``count`` processes)."""
-    return {keypath: {region: tuple(range(count)) if devices == [None] else
-                      tuple(sorted({d.process_index for d in devices}))
-                      for region, devices in regions.items()}
-            for keypath, regions in _leaf_regions(target)}
+    return {keypath: {region: tuple(range(count)) if processes is None else tuple(sorted(processes))
+                      for region, processes in holders.items()}
+            for keypath, holders in _leaf_holders(target)}
 
 
 def as_regions(held: Mapping[str, list]) -> dict[str, set]:

@@ -195,10 +195,21 @@ def test_one_process_saves_locally_between_persistent_steps_and_restores_from_ei
 def test_local_tier_arguments_are_checked():
     with pytest.raises(TypeError, match="cannot be part of a save_policy"):
         dio.LocalTier("/tmp/x", save_policy=policies.LatestN(2))
-    with pytest.raises(ValueError, match="replicas=0"):
-        dio.LocalTier("/tmp/x", replicas=1)
+    with pytest.raises(ValueError, match="replicas"):
+        dio.LocalTier("/tmp/x", replicas=-1)
+    with pytest.raises(TypeError, match="domains"):
+        dio.LocalTier("/tmp/x", replicas=1, domains="host-a")
     with pytest.raises(TypeError, match="directory path"):
         dio.LocalTier(None)
+
+
+def test_replicas_need_peers_and_one_domain_per_process(tmp_path, mesh):
+    """One process has no peer to keep a replica: refused when the manager opens, naming the count;
+    so are domains that are not one per process."""
+    with pytest.raises(ValueError, match="replicas=1.*2 processes.*has 1"):
+        dio.CheckpointManager(tmp_path / "root", local=dio.LocalTier(tmp_path / "local", replicas=1))
+    with pytest.raises(ValueError, match="2 failure domains for a job of 1"):
+        dio.CheckpointManager(tmp_path / "root", local=dio.LocalTier(tmp_path / "local", domains=("a", "b")))
 
 
 def test_an_unreadable_newest_local_step_is_lost_not_fatal(tmp_path, mesh):

@@ -62,11 +62,12 @@ def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dic
     return infos, unreadable
 
 
-def check_apart(template: str, path: str, process: int, count: int, timeout: float):
-    """ValueError (in every process) if two processes of the job would save into the same local
-    directory (one host, a path without ``{process}``): they would replace each other's steps."""
+def check_apart(template: str, path: str, process: int, count: int, timeout: float) -> list[str]:
+    """Each process's host name, by process index (gathered in one named room). ValueError (in
+    every process) if two processes of the job would save into the same local directory (one
+    host, a path without ``{process}``): they would replace each other's steps."""
     if count < 2:
-        return
+        return [socket.gethostname()]
     room = open_room("tiers-paths", template, f"the local tier {template}", timeout)
     room.set(f"path/{process}", [socket.gethostname(), os.path.realpath(path)])
     places = room.gather("path")
@@ -79,6 +80,7 @@ def check_apart(template: str, path: str, process: int, count: int, timeout: flo
                              f"{where[1]} on host {where[0]}; put {{process}} in the path (it becomes the "
                              "process index)")
         seen[where] = p
+    return [places[p][0] for p in range(count)]
 
 
 def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | None, persist: bool) -> bool:

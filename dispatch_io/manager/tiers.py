@@ -20,7 +20,7 @@ import threading
 from absl import logging
 
 from dispatch_io import tiers_plan
-from dispatch_io.manager import local_steps, policies, retention, tier_restore
+from dispatch_io.manager import local_steps, policies, replicas, retention, tier_restore
 from dispatch_io.save import Attachments, SaveHandle
 from dispatch_io.storage import StepRoot
 
@@ -33,13 +33,19 @@ class LocalTier:
     replaced by the process index (needed where processes share a host: checked when a manager
     opens). ``save_policy``: when to save locally (None: never, unless ``save(..., local=True)``);
     ``keep_policy``: which local steps each process keeps (the latest always; None: all).
-    ``replicas``: extra copies on peers of state that no other process holds (only 0 is built yet:
-    data-parallel replicas already count)."""
+    ``replicas``: how many processes besides its holders keep a copy of each region -- so that any
+    ``replicas`` lost processes lose nothing. Regions data parallelism already spreads over that
+    many processes are not copied; the rest (pure FSDP state, a leaf on one process) are sent to
+    peer processes at each local save (one ``jax.device_put`` per leaf onto the devices of a
+    peer: the interconnect's collectives) and saved there. ``domains``: the failure domain of
+    each process (``domains[process]``: its host, rack...); copies go to other domains first.
+    None: each process's host name."""
 
     path: str
     save_policy: policies.Policy | None = None
     keep_policy: policies.Policy | None = None
     replicas: int = 0
+    domains: tuple | None = None
 
     def __post_init__(self):
         if not isinstance(self.path, (str, os.PathLike)):
@@ -49,9 +55,11 @@ class LocalTier:
                              "disk or local SSD), not a URL; the manager's root is the persistent tier")
         policies.check(self.save_policy, "save")
         policies.check(self.keep_policy, "keep")
-        if self.replicas != 0:
-            raise ValueError(f"LocalTier(replicas={self.replicas!r}): only replicas=0 is supported yet (regions "
-                             "that data parallelism replicates survive a lost process; copies to peers are not built)")
+        policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
+        if self.domains is not None:
+            if isinstance(self.domains, (str, bytes)) or not hasattr(self.domains, "__len__"):
+                raise TypeError(f"LocalTier(domains={self.domains!r}): a sequence, the failure domain of each process")
+            object.__setattr__(self, "domains", tuple(self.domains))
 
     def process_path(self, process: int) -> str:
         return os.fspath(self.path).replace("{process}", str(process))
@@ -64,8 +72,10 @@ class LocalTiers:
         self.tier, self.dispatcher, self._clock = tier, dispatcher, clock
         self.process, self.count = process, count
         self.path = tier.process_path(process)
-        local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
-                                dispatcher.options.barrier_timeout)
+        hosts = local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
+                                        dispatcher.options.barrier_timeout)
+        self.domains, self._orders = replicas.placement(tier, hosts, count)
+        self._decisions = replicas.decisions(tier, count, dispatcher.options.barrier_timeout)
         self.root = StepRoot.open(self.path)
         self.root.remove_leftovers()
         self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
@@ -91,15 +101,20 @@ class LocalTiers:
         policy = self.tier.save_policy
         if policy is None or (self._last_step is not None and step <= self._last_step):
             return False
-        return policy.should_save(policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted))
+        return self._decisions.decide(step, lambda: policy.should_save(
+            policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted)))
 
     def save(self, step: int, tree, **save_kwargs) -> SaveHandle:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
-        flight); retention of local steps follows its commit, on the tier's thread."""
+        flight), and the regions of peers it keeps replicas of (``LocalTier.replicas``); retention
+        of local steps follows its commit, on the tier's thread."""
         self.wait()
+        moves, copies = replicas.send(tree, self._orders, self.tier.replicas)  # every process, in step order
+        spread = tiers_plan.spread(tree, self.count, moves, self.domains)
         info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": self._clock(),
-                "copies": tiers_plan.copies(tree, self.count), "held": tiers_plan.held_regions(tree, self.process)}
-        handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True,
+                "copies": spread[0], "domains": spread[1], "sharded": tiers_plan.held_regions(tree, self.process),
+                "held": tiers_plan.held_regions(tree, self.process, moves)}
+        handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
                                       attachments=Attachments(info=info, clock=self._clock), **save_kwargs)
         self._last_step, self._last_save = step, info["started"]
         with self._lock:
@@ -150,7 +165,8 @@ class LocalTiers:
         another sharding (an eval copy) changes nothing."""
         mine = tiers_plan.held_regions(target, self.process) if target is not None else {}
         infos = self.infos()[0] if mine else {}
-        if not infos or any(infos[max(infos)]["held"].get(k) != v for k, v in mine.items()):
+        saved = infos[max(infos)].get("sharded", infos[max(infos)]["held"]) if infos else None  # its own, not replicas
+        if not isinstance(saved, dict) or any(saved.get(k) != v for k, v in mine.items()):
             return
         if self._last_step is not None and step < self._last_step:
             self._last_step = step

@@ -1,0 +1,76 @@
+"""One process of a 4-process x 2-CPU-device pure-FSDP job whose local tier keeps one replica
+(run by tests/test_replicas.py).
+
+    python replicas_job.py PROCESS PORT ROOT LOCAL MODE
+
+Mesh (fsdp=8): every region of w, m and k is held by one process; s by process 0 alone; b by
+all. ``LocalTier(replicas=1, domains=(0, 0, 1, 1))``: processes 0, 1 share a host, as do 2, 3,
+so the replica of what process p holds goes to process (p + 2) % 4, on the other host.
+
+MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each waited for);
+prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores through the
+tiers and prints ``resumed STEP exact BOOL local L persistent P received R``.
+"""
+
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import dispatch_io as dio
+from dispatch_io import policies
+
+process, port, root, local, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
+mesh = jax.make_mesh((8,), ("fsdp",))
+SOLO = NamedSharding(Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("x",)), P("x"))
+SPECS = {"w": ((64, 16), np.float32, P("fsdp", None)), "m": ((16, 64), np.int32, P(None, "fsdp")),
+         "b": ((32,), np.float32, P()), "s": ((8, 4), np.float32, None), "k": ((8, 2), np.uint32, P("fsdp"))}
+
+
+def sharding(spec):
+    return SOLO if spec is None else NamedSharding(mesh, spec)
+
+
+def value(name, step):
+    shape, dtype, _ = SPECS[name]
+    return (np.arange(np.prod(shape)).reshape(shape) * 7 + step * 1000 + len(name)).astype(dtype)
+
+
+def state_at(step):
+    state = {name: jax.make_array_from_callback(shape, sharding(spec), lambda i, n=name: value(n, step)[i],
+                                                dtype=dtype) for name, (shape, dtype, spec) in SPECS.items()}
+    state["k"] = jax.random.wrap_key_data(state["k"], impl="threefry2x32")   # PRNG keys (8,), one per device
+    return state
+
+
+def stored(name, array):
+    return jax.random.key_data(array) if name == "k" else array
+
+
+target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
+          for name, (shape, dtype, spec) in SPECS.items() if name != "k"}
+target["k"] = jax.ShapeDtypeStruct((8,), jax.random.key(0, impl="threefry2x32").dtype, sharding=sharding(P("fsdp")))
+tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), replicas=1, domains=(0, 0, 1, 1))
+dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
+with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:
+    if mode == "train":
+        for step in range(10):
+            print(f"step {step}", flush=True)
+            if mgr.should_save(step):
+                mgr.save(step, state_at(step))
+                mgr.wait()
+                print(f"saved {step}", flush=True)
+        time.sleep(600)  # killed here
+    restored = mgr.restore(None, target)
+    s = mgr.last_tier_restore
+    exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
+                for name, array in restored.items() for shard in stored(name, array).addressable_shards)
+    print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
+          f"received {s.bytes_received}", flush=True)
+print("done", flush=True)
+dispatcher.close()
+jax.distributed.shutdown()

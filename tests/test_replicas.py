@@ -1,0 +1,97 @@
+"""Replicas in the local tier: a pure-FSDP job (each region on one process) survives a lost host.
+
+A real 4-process x 2-device job (tests/replicas_job.py, ``LocalTier(replicas=1, domains=(0, 0,
+1, 1))``), killed for real, every restore checked byte for byte with the bytes read per source
+counted; then the pure planners of where replicas go and which leaves need them."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dispatch_io import replica_plan, tiers_plan
+from test_manager_multiprocess import _finish
+from test_multiprocess import child_env, free_port
+from test_tiers import _kill, _wait_for
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replicas_job.py")
+SHARE = (64 * 16 * 4 + 16 * 64 * 4 + 8 * 2 * 4) // 4                      # w, m, k: a quarter each process
+B, S = 32 * 4, 8 * 4 * 4                                                      # b (everywhere), s (process 0's)
+
+
+def _start(root, local, mode):
+    env, port = child_env(2, None), free_port()
+    return [subprocess.Popen([sys.executable, JOB, str(i), str(port), str(root), str(local), mode], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+
+
+def _resumed(outs):
+    found = [re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+)$", out, re.M)
+             for out in outs]
+    assert all(found), outs
+    return [(int(m[1]), m[2] == "True", int(m[3]), int(m[4]), int(m[5])) for m in found]
+
+
+def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    procs = _start(root, local, "train")
+    try:
+        for out in _wait_for(procs, "step 9"):
+            assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
+    finally:
+        _kill(procs)
+    info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
+    assert [(i["copies"], i["domains"]) for i in info] == [(2, 2)] * 4, info
+    # Process 2 keeps process 0's regions (the replica goes to the other host), s (process 0's alone) too.
+    assert info[2]["held"]["['w']"] == [[[0, 8], [0, 16]], [[8, 16], [0, 16]], [[32, 40], [0, 16]],
+                                        [[40, 48], [0, 16]]], info[2]
+    assert "['s']" in info[2]["held"] and "['s']" not in info[2]["sharded"], info[2]
+    # Host 0 (processes 0 and 1) is gone with its disks: everything comes from the replicas on host 1.
+    for p in (0, 1):
+        shutil.rmtree(str(local).replace("{process}", str(p)))
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received):", results)
+    assert all(r[:2] == (8, True) for r in results), results                 # the newest local step, bit-exact
+    assert sum(r[3] for r in results) == 0, results                          # nothing from persistent storage
+    assert results[0][2] == results[1][2] == 0, results                      # 0 and 1 receive all they hold:
+    assert results[0][4] == SHARE + B + S and results[1][4] == SHARE + B, results
+    # 2 and 3 read their own regions and the replicas of 0's and 1's (each region once; b once for both)
+    assert results[2][2] + results[3][2] == 2 * (SHARE + B) + 2 * SHARE + S, results
+    # Process 3 lost too: process 1's regions have no copy left -> step 6 (persisted); only they are read from it.
+    shutil.rmtree(str(local).replace("{process}", "3"))
+    results = _resumed(_finish(_start(root, local, "resume")))
+    print("per process (step, exact, local, persistent, received):", results)
+    assert all(r[:2] == (6, True) for r in results), results
+    assert 0 < sum(r[3] for r in results) <= 2 * SHARE + 2 * B + S, results
+
+
+@pytest.mark.parametrize("domains, expected", [
+    ((0, 0, 1, 1), [(2, 3, 0, 1)]),                       # the other host
+    (("a", "b", "a", "b"), [(1, 0, 3, 2)]),               # domains interleaved by process index
+    ((0, 1, 2, 3), [(1, 2, 3, 0)]),                       # one process per host: the next one
+    ((7, 7, 7, 7), [(1, 2, 3, 0)]),                       # one host: another process at least
+])
+def test_replica_orders_put_each_copy_in_another_domain(domains, expected):
+    assert replica_plan.replica_orders(domains, 1) == expected
+
+
+def test_replica_orders_for_two_replicas_use_distinct_processes_and_refuse_too_few():
+    orders = replica_plan.replica_orders((0, 0, 1, 1, 2, 2), 2)
+    for p in range(6):
+        places = {p} | {order[p] for order in orders}
+        assert len(places) == 3 and len({(0, 0, 1, 1, 2, 2)[q] for q in places}) == 3, orders
+    with pytest.raises(ValueError, match="replicas=2.*3 processes.*has 2"):
+        replica_plan.replica_orders((0, 1), 2)
+
+
+def test_replicas_needed_counts_data_parallel_replicas():
+    orders = replica_plan.replica_orders((0, 0, 1, 1), 1)
+    assert replica_plan.replicas_needed([{0, 2}, {1, 3}], orders, 1) == 0      # data=2: already two holders
+    assert replica_plan.replicas_needed([{0}, {1}, {2}, {3}], orders, 1) == 1  # pure FSDP: one copy each
+    assert replica_plan.replicas_needed([{0, 1, 2, 3}], orders, 1) == 0        # replicated everywhere
+    # A region whose only holders are swapped by the order gains nothing from it: reported, not hidden.
+    assert replica_plan.replicas_needed([{0, 2}], orders, 2) == 1
