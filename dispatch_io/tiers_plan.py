@@ -23,6 +23,7 @@ from dispatch_io.plan import Plan, device_regions, plan_chunks
 from dispatch_io.replica_plan import Replica
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
+DURABILITY = ("local", "replicated", "persisted")   # what a restore may require, weakest first
 
 
 def _held_by(devices, process: int) -> list:
@@ -106,6 +107,31 @@ def spread(tree, count: int, moves: Mapping[str, Sequence[tuple]] | None = None,
     return fewest
 
 
+def durability(copies, persisted: bool) -> str:
+    """A step's durability, as its step info states it: ``"persisted"`` (committed in the
+    persistent root), ``"replicated k"`` (only local, every region held by ``k >= 2`` processes:
+    any ``k - 1`` lost processes lose nothing) or ``"local"`` (some region held by one process)."""
+    if persisted:
+        return "persisted"
+    return f"replicated {copies}" if isinstance(copies, int) and copies > 1 else "local"
+
+
+def check_durability(require) -> str:
+    """``require`` if it is one of :data:`DURABILITY`; ValueError naming them otherwise."""
+    if require not in DURABILITY:
+        raise ValueError(f"durability={require!r}: one of {', '.join(map(repr, DURABILITY))} (the weakest "
+                         "durability of a step the restore may pick)")
+    return require
+
+
+def eligible(require: str, persistent_steps, copies: Mapping[int, int]) -> set[int]:
+    """The steps a restore requiring durability ``require`` may pick: every persistent step, and
+    the local steps whose recorded ``copies`` (step -> the fewest processes holding a region)
+    meet it (``"local"``: all; ``"replicated"``: 2 or more; ``"persisted"``: none)."""
+    least = {"local": 1, "replicated": 2}.get(check_durability(require))
+    return set(persistent_steps) | {s for s, n in copies.items() if least is not None and n >= least}
+
+
 def wanted_regions(target, count: int) -> dict[str, dict]:
     """{key path: {region: sorted holder processes}} of a restore ``target`` (leaves with global
     shardings; host leaves: one region, wanted by all ``count`` processes)."""
@@ -161,7 +187,7 @@ def _route(region, holders: tuple, local: dict, persisted: bool, load: Mapping[i
 
 
 def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[int, Mapping[int, Mapping]],
-                 persistent_steps) -> TierPlan | None:
+                 persistent_steps, candidates=None) -> TierPlan | None:
     """The newest step all of whose wanted regions are available, and their routes; None if no
     step is (then nothing local or persistent can be restored onto this target).
 
@@ -169,6 +195,7 @@ def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[i
       wanted: key path -> {region: sorted holder processes} of the restore's target.
       reports: process -> {step: {key path: set of regions held locally}} (:func:`as_regions`).
       persistent_steps: the steps committed in persistent storage (every region available).
+      candidates: the steps it may pick (:func:`eligible`); None: any.
 
     A holder with its own copy reads it; the others get it from another process's copy (PEER:
     a holder's if any has one, else any process's, the least loaded reader), or, if no process
@@ -176,6 +203,7 @@ def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[i
     never by process index: process ids permuted on a restart lose nothing."""
     persistent = set(persistent_steps)
     steps = persistent | {s for held in reports.values() for s in held}
+    steps = steps if candidates is None else steps & set(candidates)
     for step in sorted(steps, reverse=True):
         routes, complete, load = {}, True, collections.Counter()
         for keypath, regions in wanted.items():

@@ -45,7 +45,7 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     finally:
         _kill(procs)
     info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
-    assert [(i["copies"], i["domains"]) for i in info] == [(2, 2)] * 4, info
+    assert [(i["copies"], i["domains"], i["durability"]) for i in info] == [(2, 2, "replicated 2")] * 4, info
     # Process 2 keeps process 0's regions (the replica goes to the other host), s (process 0's alone) too.
     assert info[2]["held"]["['w']"] == [[[0, 8], [0, 16]], [[8, 16], [0, 16]], [[32, 40], [0, 16]],
                                         [[40, 48], [0, 16]]], info[2]
@@ -95,3 +95,29 @@ def test_replicas_needed_counts_data_parallel_replicas():
     assert replica_plan.replicas_needed([{0, 1, 2, 3}], orders, 1) == 0        # replicated everywhere
     # A region whose only holders are swapped by the order gains nothing from it: reported, not hidden.
     assert replica_plan.replicas_needed([{0, 2}], orders, 2) == 1
+
+
+def test_dispatcher_save_checks_copies_before_writing(tmp_path, mesh):
+    """``Dispatcher.save(copies=)``: only with ``own=True``, only for stored array leaves, each replica
+    its region's shape and dtype -- ValueError naming the key path, nothing written."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import dispatch_io as dio
+    from dispatch_io.replica_plan import Replica
+    w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
+    device = jax.devices()[0]
+    good = Replica(device, ((0, 2), (0, 4)), jax.device_put(np.zeros((2, 4), np.float32), device))
+    with dio.LocalDispatcher() as dispatcher:
+        with pytest.raises(ValueError, match="own=True"):
+            dispatcher.save(tmp_path / "a", {"w": w}, copies={"['w']": [good]})
+        with pytest.raises(ValueError, match=r"\['v'\] is not a stored array leaf"):
+            dispatcher.save(tmp_path / "b", {"w": w}, own=True, copies={"['v']": [good]})
+        bad = Replica(device, ((0, 2), (0, 4)), jax.device_put(np.zeros((2, 4), np.int32), device))
+        with pytest.raises(ValueError, match=r"replica of \['w'\].*int32\[2, 4\], not float32\[2, 4\]"):
+            dispatcher.save(tmp_path / "c", {"w": w}, own=True, copies={"['w']": [bad]})
+        assert not any((tmp_path / name).exists() for name in "abc")
+        # a replica of a region this process holds itself is not saved twice: its own shard is
+        dispatcher.save(tmp_path / "d", {"w": w}, own=True, copies={"['w']": [good]}).wait()
+        assert np.array_equal(np.asarray(dispatcher.restore(tmp_path / "d")["w"]), np.asarray(w))

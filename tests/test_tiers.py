@@ -174,6 +174,13 @@ def test_one_process_saves_locally_between_persistent_steps_and_restores_from_ei
         stats = mgr.last_tier_restore
         assert (stats.step, stats.bytes_read_local, stats.bytes_read_persistent) == (4, 512 + 256, 0), stats
         assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state(4)[k])) for k in target)
+        # One process: one copy of each region -- "local"; a restore that requires more picks step 3.
+        assert [mgr.durability(s) for s in (0, 2, 3, 4, 5)] == ["persisted", "local", "persisted", "local", None]
+        assert mgr.step_info(3).durability == "persisted"
+        restored = mgr.restore(None, target, durability="replicated")
+        assert mgr.last_tier_restore.step == 3 and np.array_equal(np.asarray(restored["w"]), np.asarray(state(3)["w"]))
+        with pytest.raises(ValueError, match="durability='safe'"):
+            mgr.restore(None, target, durability="safe")
     shutil.rmtree(tmp_path / "local" / "0")
     with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         restored = mgr.restore(None, target)

@@ -68,3 +68,26 @@ def test_nothing_anywhere_is_none_and_a_persistent_step_alone_is_read_whole():
     assert plan_restore(WANTED, reports({p: [] for p in range(4)}), persistent_steps=[]) is None
     plan = plan_restore(WANTED, {}, persistent_steps=[3])
     assert isinstance(plan, TierPlan) and plan.step == 3 and plan.regions(PERSISTENT) == 5
+
+
+def test_a_required_durability_limits_the_steps_a_restore_may_pick():
+    """Step 8 is only local with one copy of some region, step 6 local with two, step 4 persisted:
+    each requirement picks the newest step that meets it -- still read from the local copies."""
+    from dispatch_io.tiers_plan import check_durability, durability, eligible
+    steps = reports({p: [4, 6, 8] for p in range(4)})
+    copies = {8: 1, 6: 2, 4: 2}
+    picked = {require: plan_restore(WANTED, steps, [4], eligible(require, [4], copies))
+              for require in ("local", "replicated", "persisted")}
+    assert {r: (p.step, p.persisted) for r, p in picked.items()} == {
+        "local": (8, False), "replicated": (6, False), "persisted": (4, True)}
+    assert picked["persisted"].regions(PERSISTENT) == 0                    # its local copies serve it
+    assert plan_restore(WANTED, reports({p: [8] for p in range(4)}), [], eligible("replicated", [], {8: 1})) is None
+    assert [durability(1, False), durability(2, False), durability(3, True), durability(None, False)] == [
+        "local", "replicated 2", "persisted", "local"]
+    for bad in ("durable", None, 2):
+        try:
+            check_durability(bad)
+        except ValueError as exc:
+            assert "'local', 'replicated', 'persisted'" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} accepted")

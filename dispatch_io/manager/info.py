@@ -7,7 +7,7 @@ in the commit, beside the manifest: a step has it exactly when it is committed):
      "started": 1764150000.1, "committed": 1764150003.7,        # UNIX seconds
      "metrics": {"eval_loss": 2.31}, "metadata": {...},           # JSON
      "items": {"data": {"kind": "per_process", "processes": 8}, "config": {"kind": "json"}},
-     "processes": 8, "dispatch_io": "0.1.0", "arrays": "arrays/"}
+     "processes": 8, "dispatch_io": "0.1.0", "arrays": "arrays/", "durability": "persisted"}
 
 It is small and read without the manifest or any device, so retention and ``inspect`` of a
 root read one small file per step. A step saved without a manager, or before step info
@@ -31,6 +31,7 @@ from dispatch_io.manager.items import NAME
 FORMAT, VERSION = "dispatch_io.step", 1
 _LAST_SECOND = 253402300799   # 9999-12-31 23:59:59 UTC: a time beyond is no time a step was saved
 _ARRAYS = re.compile(r"arrays/([A-Za-z0-9_-]+/)?")   # where item files may be: never outside the step
+_DURABILITY = re.compile(r"persisted|local|replicated [1-9][0-9]{0,6}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,9 @@ class StepInfo:
     unknown); ``metrics``: name -> number (None where it was NaN); ``metadata``: the JSON saved
     with it; ``items``: name -> kind (``"json"``, ``"per_process"``, or for an Orbax step its
     handler); ``processes``: how many processes saved it; ``version``: the dispatch_io that
-    wrote it. ``arrays`` is where its item files are (for the manager)."""
+    wrote it; ``durability``: ``"persisted"`` for a step of the root (a local tier's steps record
+    ``"replicated k"`` or ``"local"``: ``CheckpointManager.durability``; None: not recorded).
+    ``arrays`` is where its item files are (for the manager)."""
 
     step: int
     started: float | None = None
@@ -51,6 +54,7 @@ class StepInfo:
     version: str | None = None
     arrays: str | None = None
     item_entries: Mapping[str, Mapping] = dataclasses.field(default_factory=dict, repr=False)
+    durability: str | None = None
 
 
 def _number(name: str, value) -> float | None:
@@ -101,7 +105,8 @@ def make(step: int, started: float, metrics: Mapping, metadata, items: Mapping, 
     entries = {name: ({**entry, "processes": processes} if entry["kind"] == "per_process" else dict(entry))
                for name, entry in items.items()}
     return {"format": FORMAT, "version": VERSION, "step": step, "started": started, "metrics": dict(metrics),
-            "metadata": metadata, "items": entries, "processes": processes, "dispatch_io": version}
+            "metadata": metadata, "items": entries, "processes": processes, "dispatch_io": version,
+            "durability": "persisted"}
 
 
 def _finite(value) -> bool:
@@ -129,7 +134,9 @@ def parse(data: bytes | None, step: int, where: str) -> StepInfo:
               and all(info.get(k) is None or (_finite(info[k]) and 0 <= info[k] <= _LAST_SECOND)
                       for k in ("started", "committed"))
               and _count(info.get("processes"))
-              and isinstance(info.get("arrays"), str) and _ARRAYS.fullmatch(info["arrays"]) is not None)
+              and isinstance(info.get("arrays"), str) and _ARRAYS.fullmatch(info["arrays"]) is not None
+              and (info.get("durability") is None or (isinstance(info["durability"], str)
+                                                       and _DURABILITY.fullmatch(info["durability"]) is not None)))
     except (ValueError, TypeError, RecursionError):
         ok = False
     if not ok:
@@ -138,7 +145,7 @@ def parse(data: bytes | None, step: int, where: str) -> StepInfo:
     metrics = {k: None if v is None else float(v) for k, v in info["metrics"].items()}
     return StepInfo(step, info["started"], info["committed"], metrics, info.get("metadata"),
                     {name: e["kind"] for name, e in info["items"].items()}, info["processes"],
-                    info.get("dispatch_io"), info["arrays"], info["items"])
+                    info.get("dispatch_io"), info["arrays"], info["items"], info.get("durability"))
 
 
 def _count(value) -> bool:

@@ -37,9 +37,9 @@ import time
 import jax
 from absl import logging
 
+from dispatch_io import tiers_plan
 from dispatch_io.coordination import open_room
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.errors import CheckpointError
 from dispatch_io.formats import check_reachable, committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
@@ -138,14 +138,11 @@ class CheckpointManager:
         return committed_steps(self._root)
 
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return (self.all_steps() or [None])[-1]
 
     def step_info(self, step: int | None = None) -> info_lib.StepInfo:
-        """What is known of committed ``step`` (None: the latest): start and commit times,
-        metrics, metadata, item names, process count (see :class:`StepInfo`). Reads one small
-        file, no device. FileNotFoundError if the step is not committed; CheckpointError if
-        its info is malformed."""
+        """What is known of committed ``step`` (None: the latest): :class:`StepInfo` (one small file, no
+        device). FileNotFoundError if the step is not committed; CheckpointError if its info is malformed."""
         step = self._resolve(step)
         if step not in self._infos:
             self._infos[step] = steps.read_info(self.step_path(step), step)
@@ -155,7 +152,7 @@ class CheckpointManager:
         """The committed step with the best ``metric`` (``mode`` ``"min"`` / ``"max"``); both
         default to the keep policy's ``BestN``. None if no step has the metric. ValueError if
         no metric is given and the keep policy has no single ``BestN``."""
-        return retention.best_step([self._record(s) for s in self.all_steps()], self.keep_policy, metric, mode,
+        return retention.best_step([retention.record(s, self.step_info) for s in self.all_steps()], self.keep_policy, metric, mode,
                                    self._clock())
 
     # ---- policies ------------------------------------------------------------------------------
@@ -286,21 +283,34 @@ class CheckpointManager:
             if deleting is not None:
                 deleting.result()
 
-    def restore(self, step: int | None = None, target=None, *, item: str | None = None, **restore_kwargs):
+    def restore(self, step: int | None = None, target=None, *, item: str | None = None, durability: str = "local",
+                **restore_kwargs):
         """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore``.
         ``item``: which pytree item of an Orbax step with several (``"items"`` for MaxText's);
         None: the only one. Our steps hold one pytree (``item`` must be None). With a local tier and
-        ``step=None``: through the tiers (``tiers.LocalTiers.restore``; then see ``last_tier_restore``)."""
+        ``step=None``: through the tiers (then see ``last_tier_restore``), the newest step of at least
+        ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``: :meth:`durability`)."""
         self._check_usable("restore")
+        tiers_plan.check_durability(durability)
         if self.local is not None and step is None and item is None:
             tree, self.last_tier_restore = self.local.restore(
-                target, self.all_steps(), lambda s: self._pytree_path(s, None), self.root, **restore_kwargs)
+                target, self.all_steps(), lambda s: self._pytree_path(s, None), self.root, durability=durability,
+                **restore_kwargs)
             return tree
         step = self._resolve(step)
         tree = self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
         if self.local is not None:  # resuming an older step: the newer local steps are an abandoned history
             self.local.resumed(step, target)
         return tree
+
+    def durability(self, step: int) -> str | None:
+        """``"persisted"`` (committed in the root), else, if this process has ``step`` locally, ``"replicated k"``
+        (any ``k - 1`` lost processes lose nothing) or ``"local"``; None if neither holds it."""
+        step = _step_number(step)
+        if step in self.all_steps():
+            return "persisted"
+        info = self.local.infos()[0].get(step) if self.local is not None else None
+        return None if info is None else tiers_plan.durability(info.get("copies"), False)
 
     def metadata(self, step: int | None = None, *, item: str | None = None):
         return metadata(self._pytree_path(step, item))
@@ -329,20 +339,10 @@ class CheckpointManager:
 
     # ---- retention and clean-up ------------------------------------------------------------------
 
-    def _record(self, step: int) -> policies.StepRecord:
-        try:
-            info = self.step_info(step)
-        except FileNotFoundError:
-            return policies.StepRecord(step)
-        except CheckpointError as exc:  # one bad info.json must not stop retention of the rest
-            logging.warning("dispatch_io: %s; step %d is ranked without its info", exc, step)
-            return policies.StepRecord(step)
-        return policies.StepRecord(step, info.committed, info.metrics)
-
     def steps_to_delete(self, steps: list[int]) -> list[int]:
         """Which of the committed ``steps`` (any order) the keep policy drops, ascending; the
         newest is always kept."""
-        return retention.steps_to_delete([self._record(s) for s in steps], self.keep_policy, self._clock())
+        return retention.steps_to_delete([retention.record(s, self.step_info) for s in steps], self.keep_policy, self._clock())
 
     def _apply_retention(self):
         """Delete the dropped steps dispatch_io wrote; never one it did not (Orbax's are kept).

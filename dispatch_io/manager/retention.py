@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from absl import logging
 
+from dispatch_io.errors import CheckpointError
 from dispatch_io.manager.policies import BestN, Policy, StepRecord
 from dispatch_io.storage import StepRoot
 
@@ -25,6 +26,19 @@ def steps_to_delete(steps: Sequence[StepRecord], keep_policy: Policy | None, now
         return []
     kept = keep_policy.keep(steps, now) | {max(r.step for r in steps)}
     return sorted({r.step for r in steps} - kept)
+
+
+def record(step: int, step_info: Callable) -> StepRecord:
+    """``step``'s :class:`StepRecord` from ``step_info(step)`` -- without its info if it has none
+    or a malformed one (logged: one bad info.json must not stop retention of the rest)."""
+    try:
+        info = step_info(step)
+    except FileNotFoundError:
+        return StepRecord(step)
+    except CheckpointError as exc:
+        logging.warning("dispatch_io: %s; step %d is ranked without its info", exc, step)
+        return StepRecord(step)
+    return StepRecord(step, info.committed, info.metrics)
 
 
 def check_not_older(step: int, steps: Sequence[int], root: str, step_path: Callable[[int], str]):

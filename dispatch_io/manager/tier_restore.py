@@ -50,21 +50,22 @@ class TierRestore:
         self.process, self.count, self.path, self._root = local.process, local.count, local.path, local.root
         self._infos = local.infos
 
-    def _held(self, outputs_of) -> tuple[dict, int | None, list[str]]:
+    def _held(self, outputs_of) -> tuple[dict, dict, int | None, list[str]]:
         """({step: {key path: [region, ...]}} of this process's usable local steps -- the newest
-        without the regions whose chunks fail their CRC-32C --, the step so checked, [the info
-        files that could not be read])."""
+        without the regions whose chunks fail their CRC-32C --, {step: its recorded copies}, the
+        step so checked, [the info files that could not be read])."""
         infos, unreadable = self._infos()
         held = {str(step): info["held"] for step, info in infos.items()}
+        copies = {str(step): info["copies"] for step, info in infos.items() if isinstance(info.get("copies"), int)}
         if not infos:
-            return held, None, unreadable
+            return held, copies, None, unreadable
         newest = max(infos)
         try:
             held[str(newest)] = self._intact(newest, infos[newest]["held"], outputs_of)
         except (IncompleteCheckpointError, CorruptCheckpointError, WorkerError, OSError) as exc:
             logging.warning("dispatch_io: the local step %s is not used: %s", self._root.step_path(newest), exc)
             del held[str(newest)]  # lost to this process, as a wiped step is: a peer's copy or the root serves
-        return held, newest, unreadable
+        return held, copies, newest, unreadable
 
     def _intact(self, step: int, held: dict, outputs_of) -> dict:
         """``held`` (of local ``step``) without the regions a chunk of which fails its CRC-32C
@@ -97,33 +98,41 @@ class TierRestore:
         return intact
 
     def restore(self, target, persistent_steps, persistent_path, persistent_display: str, *, partial: bool = False,
-                cast: bool = False, verify: bool = False, names=None):
+                cast: bool = False, verify: bool = False, names=None, durability: str = "local"):
         """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
         from the newest step the tiers hold whole; every process calls it together. Returns
         (tree, :class:`TierRestoreStats`). ``persistent_path(step)``: where the root holds a step.
         ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
         are always checked (a bad one is replaced by the next source), persistent ones with ``verify``.
+        ``durability``: the weakest step it may pick (``tiers_plan.eligible``: ``"replicated"`` skips
+        local steps some region of which had one copy; ``"persisted"`` picks a persistent step, read
+        from local copies where they have it).
         Then, if the job resumes the step (:meth:`resumed`), the newer local steps are deleted.
         ValueError without a target; FileNotFoundError if no step has every region; BarrierTimeoutError
         naming a process that does not report within the barrier timeout."""
         if target is None:
             raise ValueError("a restore through the local tier needs a target with global shardings: they say "
                              "which process holds which region (restore(step, ...) reads the root without one)")
+        tiers_plan.check_durability(durability)
         options = self.dispatcher.options
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
-        held, verified, unreadable = self._held(outputs_of)  # before the room: a long verify must not time out others
+        held, copies, verified, unreadable = self._held(outputs_of)  # before the room: a long verify must not
+        report = {"held": held, "copies": copies}                    # time out the others
         room = None
         if self.count > 1:
             room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
                              options.barrier_timeout)
             if room.leader:  # one listing of the root for every process
                 room.set("persistent", list(persistent_steps))
-            room.set(f"held/{self.process}", held)
-        reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in steps.items()}
-                   for p, steps in (room.gather("held") if room else {self.process: held}).items()}
+            room.set(f"held/{self.process}", report)
+        gathered = room.gather("held") if room else {self.process: report}
+        reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         if room is not None:
             persistent_steps = room.from_leader("persistent")
-        plan = tiers_plan.plan_restore(tiers_plan.wanted_regions(target, self.count), reports, persistent_steps)
+        candidates = tiers_plan.eligible(durability, persistent_steps,
+                                         {int(s): n for r in gathered.values() for s, n in r["copies"].items()})
+        plan = tiers_plan.plan_restore(tiers_plan.wanted_regions(target, self.count), reports, persistent_steps,
+                                       candidates)
         local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
                                               for regions in plan.routes.values() for r in regions.values())
         shared = self._share_manifest(plan.step, reports, room) if local_pass and room else None
@@ -132,7 +141,8 @@ class TierRestore:
         if plan is None:
             lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
             raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_display} holds "
-                                    f"every region of the target{lost}")
+                                    f"every region of the target{lost}" + (
+                                        f" with durability {durability!r} or better" if durability != "local" else ""))
         local_verify = verify or plan.step != verified  # the newest local step was checked in _held
         own_copy = plan.step in reports[self.process]  # as reported: a copy it could not read is not its own
         # each result leaf's routes, by its index (a leaf read under another name, names=, too)

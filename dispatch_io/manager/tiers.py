@@ -112,7 +112,8 @@ class LocalTiers:
         moves, copies = replicas.send(tree, self._orders, self.tier.replicas)  # every process, in step order
         spread = tiers_plan.spread(tree, self.count, moves, self.domains)
         info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": self._clock(),
-                "copies": spread[0], "domains": spread[1], "sharded": tiers_plan.held_regions(tree, self.process),
+                "copies": spread[0], "domains": spread[1], "durability": tiers_plan.durability(spread[0], False),
+                "sharded": tiers_plan.held_regions(tree, self.process),
                 "held": tiers_plan.held_regions(tree, self.process, moves)}
         handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
                                       attachments=Attachments(info=info, clock=self._clock), **save_kwargs)
