@@ -121,3 +121,19 @@ def test_dispatcher_save_checks_copies_before_writing(tmp_path, mesh):
         # a replica of a region this process holds itself is not saved twice: its own shard is
         dispatcher.save(tmp_path / "d", {"w": w}, own=True, copies={"['w']": [good]}).wait()
         assert np.array_equal(np.asarray(dispatcher.restore(tmp_path / "d")["w"]), np.asarray(w))
+
+
+def test_leaves_travel_in_rows_of_one_dtype_within_the_row_budget():
+    """``replicas._groups``: one group per dtype while the row fits; a larger leaf travels alone."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dispatch_io.manager.replicas import _groups
+
+    def leaf(name, dtype, width):
+        return SimpleNamespace(keypath=name, data=SimpleNamespace(dtype=np.dtype(dtype)), width=width)
+
+    leaves = [leaf("a", "f4", 10), leaf("b", "i4", 10), leaf("c", "f4", 10), leaf("d", "f4", 100), leaf("e", "f4", 1)]
+    assert [[x.keypath for x in g] for g in _groups(leaves, row_bytes=80)] == [["a", "c"], ["d"], ["e"], ["b"]]
+    assert [[x.keypath for x in g] for g in _groups(leaves, row_bytes=1 << 20)] == [["a", "c", "d", "e"], ["b"]]

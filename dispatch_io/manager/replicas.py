@@ -15,21 +15,25 @@ FSDP state, a leaf on one process's devices) is lost with that process. With
   regions, the regions it received (``Dispatcher.save(own=True, copies=...)``): one local
   step per process holding both, its info listing them.
 
-The move is one collective per leaf and replica, over the interconnect (gloo on CPU, ICI /
-NVLink on accelerators), device to device: every device's shard, flattened and padded to the
-largest, is one row of an array over all the job's devices, and ``jax.device_put`` onto the
-same devices permuted delivers each row to its peer -- whatever the leaf's sharding, even on a
-subset of the devices. It is dispatched asynchronously by the thread calling ``save``, in the
-same order on every process, like the training step's own collectives, so it never races them;
-every process must therefore take the same local saves (:func:`decisions`). Its costs: the
-interconnect bandwidth of each process's unreplicated share per replica, and device memory for
-the rows until the save has staged the received regions to the host (the same staging budget
-as any save).
+The move is device to device over the interconnect (gloo on CPU, ICI / NVLink on
+accelerators), one collective per replica and group of leaves of one dtype: each device packs
+its shards of the group, flattened and padded to their leaf's largest shard, into one row (of
+at most about :data:`ROW_BYTES`) of an array over all the job's devices, and ``jax.device_put``
+onto the same devices permuted delivers each row to its peer -- whatever the leaves' shardings,
+even a leaf on a subset of the devices. Packing and unpacking are one jitted call per device.
+All of it is dispatched asynchronously by the thread calling ``save``, in the same order on
+every process, like the training step's own collectives, so it never races them; every process
+must therefore take the same local saves (:func:`decisions`). Its costs: the interconnect
+bandwidth of each process's unreplicated share per replica, and device memory for the rows in
+flight (about three rows) and the received regions until the save has staged them to the host
+(the same staging budget as any save).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import math
 
 import jax
@@ -74,57 +78,118 @@ def decisions(tier, count: int, timeout: float) -> SharedDecisions:
     return SharedDecisions(None)
 
 
-def send(tree, orders: list[tuple[int, ...]], replicas: int) -> tuple[dict[str, tuple], dict[str, tuple]]:
+ROW_BYTES = 64 << 20   # the most one device sends in one collective: bounds the transient device memory
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """A leaf to send: its values as stored (PRNG keys as key data), each device's region of it
+    (stored shape), its largest shard in elements, how many of the orders it needs."""
+
+    keypath: str
+    data: jax.Array
+    places: dict
+    width: int
+    needed: int
+    ndim: int       # the leaf's (logical) dimensions: a PRNG key's data has more
+
+
+def send(tree, orders: list[tuple[int, ...]], replicas: int,
+         row_bytes: int = ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(moves, copies) of the array leaves of ``tree`` whose regions fewer than ``replicas + 1``
     processes hold: ``moves`` {key path: the orders each was sent by}, ``copies`` {key path:
     (:class:`~dispatch_io.replica_plan.Replica`, ...)}: the regions of other processes this
-    process received (see the module doc). Every process calls it, in the same order."""
-    moves, copies = {}, {}
-    if not orders:
-        return moves, copies
-    devices = sorted(jax.devices(), key=lambda d: d.id)
-    for keypath, leaf in tree_lib.flatten(tree)[0]:
+    process received (see the module doc). Leaves of one dtype travel together, each device's
+    shards packed in one row of at most about ``row_bytes``: one collective per group and order.
+    Every process calls it, in the same order."""
+    moves, leaves = {}, []
+    for keypath, leaf in tree_lib.flatten(tree)[0] if orders else ():
         if not isinstance(leaf, jax.Array) or not leaf.size:
             continue
         holders = [{d.process_index for d in held} for held in device_regions(leaf.sharding, leaf.shape).values()]
         needed = replica_plan.replicas_needed(holders, orders, replicas)
         if needed:
             moves[keypath] = tuple(orders[:needed])
-            received = [r for order in orders[:needed] for r in _send(leaf, order, devices)]
-            if received:
-                copies[keypath] = tuple(received)
-    return moves, copies
+            data = jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+            places = {d: index_region(i, data.shape) for d, i in data.sharding.devices_indices_map(data.shape).items()}
+            width = max(math.prod(hi - lo for lo, hi in region) for region in places.values())
+            leaves.append(_Leaf(keypath, data, places, width, needed, leaf.ndim))
+    copies = collections.defaultdict(list)
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    for j, order in enumerate(orders):
+        for group in _groups([leaf for leaf in leaves if leaf.needed > j], row_bytes):
+            for keypath, replica in _exchange(group, order, devices):
+                copies[keypath].append(replica)
+    return moves, {keypath: tuple(received) for keypath, received in copies.items()}
 
 
-def _send(leaf: jax.Array, order: tuple[int, ...], devices: list) -> list[Replica]:
-    """Send each shard of ``leaf`` from its device to the device in the same place on process
-    ``order[p]`` (one collective: every device's shard, flattened and padded to the largest, as one
-    row of an array over all ``devices``, ``device_put`` onto those devices permuted); returns the
-    regions received here that this process does not hold itself, one per region."""
-    data = jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
-    places = {d: index_region(index, data.shape) for d, index in data.sharding.devices_indices_map(data.shape).items()}
-    width = max(math.prod(hi - lo for lo, hi in region) for region in places.values())
+def _groups(leaves: list[_Leaf], row_bytes: int) -> list[list[_Leaf]]:
+    """``leaves`` in runs of one dtype whose rows (their widths together) fit ``row_bytes`` (a
+    larger leaf travels alone)."""
+    groups: list[list[_Leaf]] = []
+    for dtype in dict.fromkeys(leaf.data.dtype for leaf in leaves):
+        size = row_bytes
+        for leaf in (leaf for leaf in leaves if leaf.data.dtype == dtype):
+            nbytes = leaf.width * dtype.itemsize
+            if size + nbytes > row_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(leaf)
+            size += nbytes
+    return groups
+
+
+def _exchange(group: list[_Leaf], order: tuple[int, ...], devices: list) -> list[tuple[str, Replica]]:
+    """Send each shard of the ``group``'s leaves from its device to the device in the same place
+    on process ``order[p]``: each device's shards, flattened, padded to their leaf's width and
+    packed in one row of an array over all ``devices``, ``device_put`` onto those devices permuted
+    (one collective). Returns the (key path, replica) of each region received here that this
+    process does not hold itself, once per region."""
     by_process = collections.defaultdict(list)
     for d in devices:
         by_process[d.process_index].append(d)
-    here = jax.process_index()
-    shards = {s.device: s.data for s in data.addressable_shards}
-    rows = [jnp.pad(shards[d].reshape(-1), (0, width - shards[d].size))[None] if d in shards else
-            jax.device_put(np.zeros((1, width), data.dtype), d) for d in by_process[here]]
-    flat = jax.make_array_from_single_device_arrays((len(devices), width), _rows(devices), rows)
-    moved = jax.device_put(flat, _rows([by_process[order[d.process_index]][by_process[d.process_index].index(d)]
-                                        for d in devices]))
-    own = {places[d] for d in shards}
-    received = {}
+    widths, dtype = tuple(leaf.width for leaf in group), group[0].data.dtype
+    shards = [{s.device: s.data for s in leaf.data.addressable_shards} for leaf in group]
+    rows = []
+    for d in by_process[jax.process_index()]:
+        present = tuple(d in held for held in shards)
+        rows.append(_pack([held[d] for held in shards if d in held], widths=widths, present=present, dtype=dtype)
+                    if any(present) else jax.device_put(np.zeros((1, sum(widths)), dtype), d))
+    packed = jax.make_array_from_single_device_arrays((len(devices), sum(widths)), _rows(devices), rows)
+    moved = jax.device_put(packed, _rows([by_process[order[d.process_index]][by_process[d.process_index].index(d)]
+                                          for d in devices]))
+    own = [{leaf.places[d] for d in held} for leaf, held in zip(group, shards)]
+    offsets = np.cumsum((0,) + widths)
+    received, seen = [], set()
     for shard in moved.addressable_shards:
         source = devices[shard.index[0].start]
-        if source not in places:
-            continue
-        region = places[source]
-        if region not in own and region not in received:
-            shape = tuple(hi - lo for lo, hi in region)
-            received[region] = Replica(shard.device, region[:leaf.ndim], shard.data[0, :math.prod(shape)].reshape(shape))
-    return list(received.values())
+        wanted = [(i, leaf.places[source]) for i, leaf in enumerate(group)
+                  if source in leaf.places and leaf.places[source] not in own[i] and (i, leaf.places[source]) not in seen]
+        seen.update(wanted)
+        spans = tuple((int(offsets[i]), tuple(hi - lo for lo, hi in region)) for i, region in wanted)
+        for (i, region), data in zip(wanted, _unpack(shard.data, spans=spans) if spans else ()):
+            received.append((group[i].keypath, Replica(shard.device, region[:group[i].ndim], data)))
+    return received
+
+
+@functools.partial(jax.jit, static_argnames=("widths", "present", "dtype"))
+def _pack(shards, *, widths, present, dtype):
+    """One device's row: its shards flattened, each padded to its leaf's width (zeros for leaves
+    it holds no shard of)."""
+    shards, parts = iter(shards), []
+    for width, held in zip(widths, present):
+        if held:
+            flat = next(shards).reshape(-1)
+            parts.append(jnp.pad(flat, (0, width - flat.size)))
+        else:
+            parts.append(jnp.zeros(width, dtype))
+    return jnp.concatenate(parts)[None]
+
+
+@functools.partial(jax.jit, static_argnames=("spans",))
+def _unpack(row, *, spans):
+    """The regions ``spans`` ((offset, shape), ...) cut out of one received row."""
+    return tuple(row[0, offset:offset + math.prod(shape)].reshape(shape) for offset, shape in spans)
 
 
 def _rows(devices: list) -> NamedSharding:
