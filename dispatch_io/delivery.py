@@ -178,7 +178,9 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
         it are one piece each.
       batch_limit: bytes of one round's gathered rows per process (``Options.read_batch_bytes``).
       readers: (output index, region) -> the holders that may read it (default: any holder): the
-        local tier's, whose copies are on some holders only (``tiers_plan``).
+        local tier's, whose copies are on some holders only (``tiers_plan``); or {part of the
+        region: the processes that may read it}, the parts making up the region (copies of
+        another mesh's regions), each piece cut within one part.
 
     Returns the same :class:`Delivery` in every process given the same arguments."""
     load = [0] * count
@@ -193,9 +195,10 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
         name, itemsize = np.dtype(out.dtype).name, np.dtype(out.dtype).itemsize
         for region, procs in holders.items():
             may = (readers or {}).get((index, region), procs)
-            for stored, bounds in read_pieces(out, region, chunk_limit):
-                todo.append((lists, index, region, bounds, stored, procs, may,
-                             math.prod(hi - lo for lo, hi in bounds) * itemsize, name))
+            for part, part_may in may.items() if isinstance(may, dict) else [(None, may)]:
+                for stored, bounds in read_pieces(out, region, chunk_limit, part):
+                    todo.append((lists, index, region, bounds, stored, procs, part_may,
+                                 math.prod(hi - lo for lo, hi in bounds) * itemsize, name))
     # Readers: the largest pieces first, each to the least loaded of its holders, so that the
     # loads end within a small piece of each other (in plan order, a large one).
     chosen = [0] * len(todo)

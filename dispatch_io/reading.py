@@ -87,25 +87,26 @@ def needed_regions(outputs: list, only: Callable | None = None) -> list[tuple[Ou
     return found
 
 
-def read_pieces(out: Output, region, chunk_limit: int) -> list[tuple[Region, tuple]]:
-    """The stored pieces filling ``region`` of the result ``out``: (stored region, bounds in the
-    region's buffer) pairs, each at most ``chunk_limit`` bytes, cut from the leading axes --
-    or one per stored chunk where those are larger."""
+def read_pieces(out: Output, region, chunk_limit: int, part=None) -> list[tuple[Region, tuple]]:
+    """The stored pieces filling ``region`` of the result ``out`` (or only its sub-region
+    ``part``): (stored region, bounds in the region's buffer) pairs, each at most ``chunk_limit``
+    bytes, cut from the leading axes -- or one per stored chunk where those are larger."""
     saved = out.saved
     full = out.stored_bounds(region)
-    shape = tuple(hi - lo for lo, hi in full)
+    span = full if part is None else out.stored_bounds(part)
     itemsize = np.dtype(out.dtype).itemsize
     pieces = []
     if math.prod(saved.stored.chunk_shape) * itemsize > chunk_limit:
         # Stored chunks over the limit (other writers' checkpoints) are decoded whole whatever
         # is read of them: one piece per stored chunk, so each is decoded once, not per piece.
-        for _, cell in stored_cells(saved.stored, full):
-            bounds = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(cell, full))
+        for _, cell in stored_cells(saved.stored, span):
+            bounds = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(cell, span))
             local = tuple((a - lo, b - lo) for (a, b), (lo, _) in zip(bounds, full))
             pieces.append((Region(saved.stored, bounds, saved.keypath), local))
         return pieces
-    for local in _cuts(shape, itemsize, chunk_limit):
-        bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(full, local))
+    for cut in _cuts(tuple(hi - lo for lo, hi in span), itemsize, chunk_limit):
+        bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(span, cut))
+        local = tuple((a - lo, b - lo) for (a, b), (lo, _) in zip(bounds, full))
         pieces.append((Region(saved.stored, bounds, saved.keypath), local))
     return pieces
 

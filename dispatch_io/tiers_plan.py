@@ -156,6 +156,9 @@ class Route:
     kind: str | None = None
     receivers: tuple[int, ...] = ()
     reader: int | None = None          # PEER: whose copy is read (a holder's if any has one)
+    # PEER from copies of other regions (a restore onto another mesh): ((part, its holders), ...)
+    # whose parts make up the region; each piece is read by a holder of its part.
+    parts: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +186,33 @@ def _route(region, holders: tuple, local: dict, persisted: bool, load: Mapping[i
     copies = own or tuple(sorted(p for p, regions in local.items() if region in regions))
     if copies:
         return Route(own, PEER, missing, min(copies, key=lambda p: (load[p], p)))
+    parts = _cover(region, local)   # copies saved on another mesh: the region cut from several
+    if parts:  # a holder with every part reads it itself; the others receive it, part by part
+        whole = tuple(p for p in holders if all(p in procs for _, procs in parts))
+        rest = tuple(p for p in holders if p not in whole)
+        return Route(whole, PEER, rest, parts=parts) if rest else Route(whole)
     return Route((), PERSISTENT, holders) if persisted else None
+
+
+def _cover(region, local: dict) -> tuple | None:
+    """((part, sorted processes holding it), ...): ``region`` cut into its intersections with the
+    regions processes hold locally (``local``: process -> regions), if they make it up whole; else
+    None. Held regions of one step come from one sharding: disjoint or equal (an overlap is skipped)."""
+    held = collections.defaultdict(set)
+    for p, regions in local.items():
+        for r in regions:
+            held[r].add(p)
+    parts, volume = [], 0
+    for r in sorted(held):
+        part = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(r, region))
+        if all(lo < hi for lo, hi in part) and not any(_overlap(part, q) for q, _ in parts):
+            parts.append((part, tuple(sorted(held[r]))))
+            volume += math.prod(hi - lo for lo, hi in part)
+    return tuple(parts) if parts and volume == math.prod(hi - lo for lo, hi in region) else None
+
+
+def _overlap(a, b) -> bool:
+    return all(max(lo, x) < min(hi, y) for (lo, hi), (x, y) in zip(a, b))
 
 
 def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[int, Mapping[int, Mapping]],
@@ -198,7 +227,8 @@ def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[i
       candidates: the steps it may pick (:func:`eligible`); None: any.
 
     A holder with its own copy reads it; the others get it from another process's copy (PEER:
-    a holder's if any has one, else any process's, the least loaded reader), or, if no process
+    a holder's if any has one, else any process's, the least loaded reader; for a target on
+    another mesh, from the copies whose regions make it up: ``Route.parts``), or, if no process
     has one, from persistent storage (PERSISTENT). Copies are matched by the regions they hold,
     never by process index: process ids permuted on a restart lose nothing."""
     persistent = set(persistent_steps)

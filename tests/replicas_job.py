@@ -9,7 +9,8 @@ so the replica of what process p holds goes to process (p + 2) % 4, on the other
 
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each waited for);
 prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores through the
-tiers and prints ``resumed STEP exact BOOL local L persistent P received R``.
+tiers and prints ``resumed STEP exact BOOL local L persistent P received R``; MODE ``reshard``
+likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions.
 """
 
 import os
@@ -51,9 +52,13 @@ def stored(name, array):
     return jax.random.key_data(array) if name == "k" else array
 
 
+if mode == "reshard":
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
 target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
           for name, (shape, dtype, spec) in SPECS.items() if name != "k"}
 target["k"] = jax.ShapeDtypeStruct((8,), jax.random.key(0, impl="threefry2x32").dtype, sharding=sharding(P("fsdp")))
+if mode == "reshard":
+    mesh = jax.make_mesh((8,), ("fsdp",))   # the state saved is on the training mesh
 tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), replicas=1, domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:

@@ -50,6 +50,10 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     assert info[2]["held"]["['w']"] == [[[0, 8], [0, 16]], [[8, 16], [0, 16]], [[32, 40], [0, 16]],
                                         [[40, 48], [0, 16]]], info[2]
     assert "['s']" in info[2]["held"] and "['s']" not in info[2]["sharded"], info[2]
+    # A restart onto another mesh, (data=2, fsdp=4): each region is cut from two saved ones, all local.
+    results = _resumed(_finish(_start(root, local, "reshard")))
+    print("onto (data=2, fsdp=4), per process (step, exact, local, persistent, received):", results)
+    assert all(r[:2] == (8, True) and r[3] == 0 for r in results), results
     # Host 0 (processes 0 and 1) is gone with its disks: everything comes from the replicas on host 1.
     for p in (0, 1):
         shutil.rmtree(str(local).replace("{process}", str(p)))

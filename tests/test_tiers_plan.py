@@ -91,3 +91,19 @@ def test_a_required_durability_limits_the_steps_a_restore_may_pick():
             assert "'local', 'replicated', 'persisted'" in str(exc)
         else:
             raise AssertionError(f"{bad!r} accepted")
+
+
+def test_a_target_on_another_mesh_is_cut_from_the_copies_that_make_it_up():
+    """Saved as 4 row blocks (held by {0, 2} / {1, 3}), restored as 2 blocks wanted by everyone: a
+    process with both parts reads its block itself, the others receive it, each part read by one
+    of its holders; a block with a part nobody kept needs the persistent step."""
+    W = [((0, 32), (0, 16)), ((32, 64), (0, 16))]
+    wanted = {"['w']": {W[0]: (0, 1, 2, 3), W[1]: (0, 1, 2, 3)}}
+    steps = {p: {8: {"['w']": {r for r, holders in WANTED["['w']"].items() if p in holders}}} for p in range(4)}
+    plan = plan_restore(wanted, steps, persistent_steps=[6])
+    assert plan.step == 8 and plan.regions(PERSISTENT) == 0
+    assert plan.routes["['w']"][W[0]] == Route((0, 2), PEER, (1, 3), parts=((R[0], (0, 2)), (R[1], (0, 2))))
+    assert plan.routes["['w']"][W[1]] == Route((1, 3), PEER, (0, 2), parts=((R[2], (1, 3)), (R[3], (1, 3))))
+    one = {p: {8: {"['w']": {R[0]} if p == 0 else set()}} for p in range(4)}
+    assert plan_restore({"['w']": {W[0]: (0,)}}, one, []) is None          # R[1] kept nowhere
+    assert plan_restore({"['w']": {W[0]: (0,)}}, one, [6]).routes["['w']"][W[0]].kind == PERSISTENT

@@ -207,15 +207,20 @@ class TierRestore:
     def _local_routes(self, by_leaf: list):
         """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
         own; for the others, the route's reader reads its copy and delivers it to them (a reader
-        that does not hold the region receives its own piece too: one buffer it never uses)."""
+        that does not hold the region receives its own piece too: one buffer it never uses), or,
+        for a region cut from copies of other regions (``Route.parts``), a holder of each part
+        reads that part's pieces."""
         def routes(index, out):
             held, mine, may = {}, [], {}
             for region, route in by_leaf[index].items():
-                if route.kind == tiers_plan.PEER:  # the reader (a holder or not) delivers it to the receivers
+                if route.parts:
+                    held[region] = tuple(sorted(set(route.receivers).union(*(procs for _, procs in route.parts))))
+                    may[region] = dict(route.parts)
+                elif route.kind == tiers_plan.PEER:  # the reader (a holder or not) delivers it to the receivers
                     held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
                     may[region] = (route.reader,)
-                delivers = route.kind == tiers_plan.PEER and route.reader == self.process  # gets it with the others
-                if self.process in route.own and region in out.regions and not delivers:
+                travels = self.process in held.get(region, ())  # a reader gets it with the others
+                if self.process in route.own and region in out.regions and not travels:
                     mine.append(region)
             return held, mine, may
         return routes
