@@ -53,13 +53,18 @@ from dispatch_io.replica_plan import Replica
 def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple[int, ...]]]:
     """(the failure domain of each process, the replica permutations) of ``tier`` in a job of
     ``count`` processes whose host names are ``hosts``. No permutations for ``replicas=0``.
-    ValueError for domains not one per process, or too few processes for the replicas."""
+    ValueError for domains not one per process, too few processes for the replicas, or
+    processes with different numbers of devices."""
     domains = list(tier.domains) if tier.domains is not None else list(hosts)
     if len(domains) != count:
         raise ValueError(f"LocalTier(domains=...) names {len(domains)} failure domains for a job of {count} "
                          "processes: give one per process (domains[process])")
     if not tier.replicas:
         return domains, []
+    counts = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(counts.values())) > 1:  # a shard goes to the device in the same place on the peer
+        raise ValueError(f"LocalTier(replicas={tier.replicas}) needs the same number of devices in every "
+                         f"process; this job has {dict(sorted(counts.items()))} (process: devices)")
     orders = replica_plan.replica_orders(domains, tier.replicas)
     if len(set(domains)) == 1:
         logging.warning("dispatch_io: every process of the job is in one failure domain (%s): the local tier's "
