@@ -32,8 +32,9 @@ HELD = 64 * 16 * 4 // 2 + 16 * 64 * 4 // 2 + 32 * 4   # bytes each process holds
 SOLO = 8 * 4 * 4                                        # and s, process 0's alone (2 regions)
 
 
-def _start(root, local, mode, barrier_timeout=None):
-    env, port = child_env(2, barrier_timeout), free_port()
+def _start(root, local, mode, barrier_timeout=None, shared=False):
+    """The 4 processes of tiers_job.py (``shared``: a state without process 0's own leaf ``s``)."""
+    env, port = child_env(2, barrier_timeout, {"DIO_TEST_TIERS_SHARED": "1"} if shared else None), free_port()
     return [subprocess.Popen([sys.executable, JOB, str(i), str(port), str(root), str(local), mode], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
 
@@ -146,6 +147,30 @@ def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_pa
     assert all(r[:2] == (10, True) and r[3] == 0 for r in results), results
     assert results[1][2] == 0 and results[1][4] == HELD, results
     assert sorted(os.listdir(tmp_path / "local" / "1")) == ["4", "6", "8"], "leftovers of the killed save remain"
+
+
+def test_the_coordinator_killed_with_its_disk_resumes_from_its_peers_with_nothing_from_persistent(tmp_path):
+    """Process 0 -- the jax.distributed coordinator, and the leader of the restore's rooms (it lists
+    the root for everyone) -- is SIGKILLed at step 9, the others stopped, its local directory lost.
+    Restarted, the job resumes step 8 bit-exact (twice in a row) with no byte read from the root:
+    process 0's regions come from process 2, the other process of its data replica group."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    procs = _start(root, local, "train", shared=True)
+    try:
+        for out in _wait_for(procs, "step 9"):
+            assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
+        procs[0].send_signal(signal.SIGKILL)
+        assert procs[0].wait(timeout=LIMIT) == -signal.SIGKILL
+    finally:
+        _kill(procs)
+    shutil.rmtree(str(local).replace("{process}", "0"))
+    results = _resumed(_finish(_start(root, local, "resume", shared=True)))
+    print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[:2] == (8, True) for r in results), results
+    assert sum(r[3] for r in results) == 0, results                            # nothing from persistent storage
+    assert [r[2] for r in results] == [0, HELD, HELD, HELD], results           # each survivor its own, once
+    assert [r[4] for r in results] == [HELD, 0, 0, 0], results                 # process 0: all from a peer
+    assert all(r[5:] == (5, 0) for r in results), results    # w's and m's regions 0, 1 and b came from peers
 
 
 def test_one_process_saves_locally_between_persistent_steps_and_restores_from_either(tmp_path, mesh):

@@ -1,0 +1,273 @@
+"""Multi-tier benchmark: a real multi-process job with a local tier beside a persistent root.
+
+    python benchmarks/tiers.py --mib 1024 --reps 3 [--mesh 2,4] [--replicas 0] [--priority sync]
+
+A ``jax.distributed`` job of ``--processes`` processes x 2 CPU devices on this machine, mesh
+(data, fsdp) (``--mesh``; default 2,4: each region is held by the 2 processes of its data
+replica group), a deterministic state of ``--mib`` MiB (4 large float32 matrices, 2 sharded by
+rows, 2 by columns, plus small sharded and replicated leaves and a step). Per repetition,
+interleaved (the first of each pair alternates), every process lined up on the coordination
+service before each timed call (after one untimed save of each kind):
+
+1. **save**: ``mgr.save(step, state, local=True)`` (the local tier only: each process writes the
+   regions its devices hold and commits alone) against ``mgr.save(step, state, local=False,
+   force=True)`` (the persistent root only: every region once, one job-wide commit). "blocked"
+   is the time inside ``save()``, "wall" until ``mgr.wait()`` returns (committed).
+2. **restore**: a step saved in both tiers; every process opens a new manager and restores
+   ``mgr.restore(None, target)`` through the tiers (own copies, peers' copies, the root only for
+   regions no process kept) with every local copy there, then with process 1's local directory
+   gone (moved away, put back after), against the same call with an empty local tier
+   (everything from the root); the order rotates per repetition. Saved with checksums (unless
+   ``--no-checksums``), so a restore through the tiers first checks each process's newest local
+   step against its CRC-32Cs (a read of the copy), as it always does. Page cache dropped before
+   each (cold; needs root), every restored shard compared with the saved state, the bytes per
+   source of ``mgr.last_tier_restore`` summed over the processes.
+3. **storage**: ``du`` of each process's local step and of the persistent step.
+
+``--replicas N`` passes ``replicas=N`` and ``domains=`` (``--domains``; default: hosts of 2
+processes, 0,0,1,1, so process 1's copies go to the other host) to ``LocalTier``, only when N > 0;
+a build that refuses them is reported and nothing is run. The processes share this machine's
+disk and cores, so the local tier's advantage of independent disks per host does not show here:
+the bytes per source are what carries over to a cluster, the seconds are this machine's. Raw per-process results go to stdout as JSON lines, medians
+[min-max] over the repetitions (wall: the slowest process's) as Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MiB = 1 << 20
+COLS = 4096  # columns of the large matrices
+
+
+def leaf_specs(mib: int) -> dict:
+    """{name: (shape, dtype, partition spec as a tuple)} of a state of about ``mib`` MiB."""
+    small = {f"norm{i}": ((COLS,), "float32", ()) for i in range(8)}                     # replicated, 16 KiB
+    small |= {f"emb{i}": ((512, 256), "float32", ("fsdp", None)) for i in range(8)}      # sharded, 512 KiB
+    small["step"] = ((), "int32", ())
+    rows = max(64, (mib * MiB - 8 * 512 * 1024) // 4 // (COLS * 4) // 64 * 64)
+    large = {f"layer{i}/w": (((rows, COLS), "float32", ("fsdp", None)) if i % 2 == 0 else
+                             ((COLS, rows), "float32", (None, "fsdp"))) for i in range(4)}
+    return large | small
+
+
+def value(seed: int, shape, index, dtype):
+    """The deterministic value of a leaf's region ``index``: exact small integers, distinct per leaf."""
+    import numpy as np
+    if not shape:
+        return np.asarray(seed, dtype)
+    grids = np.ix_(*[np.arange(n)[i] for n, i in zip(shape, index)])
+    flat = grids[0].astype(np.int64) * (shape[1] if len(shape) > 1 else 1) + (grids[1] if len(shape) > 1 else 0)
+    return ((flat * 7 + seed * 1009) % 1000003).astype(dtype)
+
+
+def child(args):
+    """One process: the save pairs of every repetition, the storage, the restore pairs."""
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes, process_id=args.pid)
+    import numpy as np
+    from jax._src.distributed import global_state
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import dispatch_io as dio
+    from dispatch_io import policies
+
+    def sync(name, drop=False):
+        """Line every process up; with ``drop``, process 0 drops the page cache first (root only)."""
+        if drop and args.pid == 0:
+            subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False,
+                           stderr=subprocess.DEVNULL)
+        global_state.client.wait_at_barrier(f"bench/{name}", 600_000)
+
+    def emit(**result):
+        print("RESULT " + json.dumps({"process": args.pid, **result}), flush=True)
+
+    data, fsdp = args.mesh
+    mesh = jax.make_mesh((data, fsdp), ("data", "fsdp"))
+    specs = leaf_specs(args.mib)
+    shardings = {name: NamedSharding(mesh, P(*spec)) for name, (_, _, spec) in specs.items()}
+    state = {name: jax.make_array_from_callback(shape, shardings[name],
+                                                lambda i, s=seed, sh=shape, d=dtype: value(s, sh, i, d))
+             for seed, (name, (shape, dtype, _)) in enumerate(specs.items())}
+    target = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for name, a in state.items()}
+    dispatcher = dio.LocalDispatcher(checksums=args.checksums, host_memory_budget=args.budget_mib * MiB,
+                                     barrier_timeout=600, progress=False)
+    local_path = os.path.join(args.local_dir, "{process}")
+    extra = {"replicas": args.replicas, "domains": args.domains} if args.replicas > 0 else {}
+    persist_never = policies.EveryNSteps(10 ** 9)   # steps 1..: only force=True saves persistently
+
+    def manager(local):
+        tier = dio.LocalTier(local, keep_policy=policies.LatestN(2), **extra)
+        return dio.CheckpointManager(os.path.join(args.dir, "root"), dispatcher, save_policy=persist_never,
+                                     local=tier)
+
+    priority = (lambda keypath, spec: dio.Priority.LOW) if args.priority == "low" else None
+    mgr = manager(local_path)
+    step = 0
+    for kind in ("local", "persistent"):   # warm-up, not timed: first-use costs
+        step += 1
+        mgr.save(step, state, local=kind == "local", force=kind == "persistent", priority=priority)
+        mgr.wait()
+    for rep in range(args.reps):
+        for kind in (("local", "persistent") if rep % 2 == 0 else ("persistent", "local")):
+            step += 1
+            sync(f"save/{step}", drop=False)
+            start = time.perf_counter()
+            mgr.save(step, state, local=kind == "local", force=kind == "persistent", priority=priority)
+            blocked = time.perf_counter() - start
+            mgr.wait()
+            emit(phase="save", kind=kind, rep=rep, blocked=blocked, wall=time.perf_counter() - start)
+    step += 1   # the step the restores read: in both tiers
+    mgr.save(step, state, local=True, force=True, priority=priority)
+    mgr.wait()
+    mgr.close()
+    sync("saved")
+    du = lambda path: int(subprocess.run(["du", "-sb", path], capture_output=True, text=True, check=True)  # noqa: E731
+                          .stdout.split()[0])
+    emit(phase="storage", local=du(os.path.join(local_path.replace("{process}", str(args.pid)), str(step))),
+         persistent=du(os.path.join(args.dir, "root", str(step))) if args.pid == 0 else 0)
+    sync("measured")
+    mine = local_path.replace("{process}", str(args.pid))
+    for rep in range(args.reps):
+        kinds = ("tiers_whole", "tiers", "persistent")
+        for kind in kinds[rep % 3:] + kinds[:rep % 3]:
+            local = local_path if kind != "persistent" else os.path.join(args.local_dir, f"empty{rep}", "{process}")
+            lost = kind == "tiers" and args.pid == 1
+            if lost:   # its host is gone with its disk (its copy is put back after this restore)
+                os.rename(mine, mine + ".gone")
+            with manager(local) as restoring:
+                sync(f"restore/{rep}/{kind}", drop=True)
+                start = time.perf_counter()
+                restored = restoring.restore(None, target)
+                jax.block_until_ready(restored)
+                wall = time.perf_counter() - start
+                s = restoring.last_tier_restore
+                exact = all(np.array_equal(np.asarray(got.data), np.asarray(want.data))
+                            for name in state for got, want in zip(restored[name].addressable_shards,
+                                                                    state[name].addressable_shards))
+                del restored
+            if lost:
+                shutil.rmtree(mine)
+                os.rename(mine + ".gone", mine)
+            emit(phase="restore", kind=kind, rep=rep, wall=wall, step=s.step, exact=exact,
+                 local=s.bytes_read_local, persistent=s.bytes_read_persistent, received=s.bytes_received,
+                 peer_regions=s.peer_regions, persistent_regions=s.persistent_regions)
+            sync(f"restored/{rep}/{kind}")
+    dispatcher.close()
+    jax.distributed.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
+    parser.add_argument("--mesh", default="2,4", help="data,fsdp (their product: processes x devices)")
+    parser.add_argument("--replicas", type=int, default=0, help="LocalTier(replicas=N), passed only when N > 0")
+    parser.add_argument("--domains", default="", help="with --replicas: the failure domain of each process, "
+                        "comma-separated (default: hosts of 2 processes, 0,0,1,1)")
+    parser.add_argument("--mib", type=int, default=1024, help="state size (logical, every region once)")
+    parser.add_argument("--budget-mib", type=int, default=256, help="host memory budget of each process")
+    parser.add_argument("--priority", choices=("sync", "low"), default="sync",
+                        help="every leaf's save priority: sync (copied before save() returns) or low (async)")
+    parser.add_argument("--checksums", action=argparse.BooleanOptionalAction, default=True,
+                        help="Options(checksums=): a restore through the tiers checks the newest local step first")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default="/tmp/dio_tiers_bench", help="scratch: root/, local/<process>/")
+    parser.add_argument("--local-dir", default="", help="the local tier's directory (default: <dir>/local; "
+                        "/dev/shm/...: a RAM disk)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.mesh = tuple(int(n) for n in args.mesh.split(","))
+    args.local_dir = args.local_dir or os.path.join(args.dir, "local")
+    args.domains = tuple(args.domains.split(",")) if args.domains else tuple(str(p // 2) for p in range(args.processes))
+    if args.child:
+        return child(args)
+    if len(args.mesh) != 2 or args.mesh[0] * args.mesh[1] != args.processes * args.devices:
+        parser.error(f"--mesh {args.mesh}: data x fsdp must be processes x devices = {args.processes * args.devices}")
+    if args.replicas > 0:
+        sys.path.insert(0, ROOT)
+        import dispatch_io as dio
+        try:
+            dio.LocalTier(os.path.join(args.dir, "local", "{process}"), replicas=args.replicas, domains=args.domains)
+        except (TypeError, ValueError) as exc:
+            print(f"replicas={args.replicas}: skipped, this build refuses it: {exc}")
+            return
+    for scratch in (args.dir, args.local_dir):
+        shutil.rmtree(scratch, ignore_errors=True)
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    command = [sys.executable, __file__, "--child", "--port", str(free_port()),
+               "--checksums" if args.checksums else "--no-checksums"] + [
+        a for name in ("processes", "devices", "replicas", "mib", "budget_mib", "priority", "reps", "dir",
+                                  "local_dir")
+        for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))] + [
+        "--mesh", ",".join(map(str, args.mesh)), "--domains", ",".join(args.domains)]
+    started = time.monotonic()
+    procs = [subprocess.Popen(command + ["--pid", str(pid)], env=env, stdout=subprocess.PIPE, text=True)
+             for pid in range(args.processes)]
+    results = []
+    for proc in procs:
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                results.append(json.loads(line[7:]))
+                print(line.strip(), flush=True)
+        if proc.wait() != 0:
+            raise SystemExit(f"a process of the job failed (exit {proc.returncode})")
+    report(results, args, time.monotonic() - started)
+
+
+LABELS = {"tiers_whole": "through the tiers, no copy lost", "tiers": "through the tiers, process 1's copy lost",
+          "persistent": "all from the root (empty local tier)"}
+
+
+def _median(values, fmt="{:.2f}"):
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def report(results, args, seconds):
+    data, fsdp = args.mesh
+    print(f"\n{args.processes} processes x {args.devices} CPU devices, mesh (data={data}, fsdp={fsdp}), "
+          f"{args.mib} MiB state, replicas={args.replicas}"
+          f"{' domains ' + ','.join(args.domains) if args.replicas else ''}, budget {args.budget_mib} MiB/process, "
+          f"priority {args.priority}, checksums {args.checksums}, {args.reps} reps, {seconds:.0f} s in all")
+    print("\n| save | blocked s (slowest process) | wall s to committed (slowest process) |\n|---|---|---|")
+    for kind in ("local", "persistent"):
+        rows = [r for r in results if r["phase"] == "save" and r["kind"] == kind]
+        per_rep = lambda key: [max(r[key] for r in rows if r["rep"] == rep) for rep in range(args.reps)]  # noqa: E731
+        print(f"| {kind} | {_median(per_rep('blocked'), '{:.3f}')} | {_median(per_rep('wall'))} |")
+    print("\n| restore, cold | wall s (slowest process) | local MiB | persistent MiB "
+          "| received MiB | regions from peers / root | bit-exact |\n|---|---|---|---|---|---|---|")
+    for kind in ("tiers_whole", "tiers", "persistent"):
+        rows = [r for r in results if r["phase"] == "restore" and r["kind"] == kind]
+        walls = [max(r["wall"] for r in rows if r["rep"] == rep) for rep in range(args.reps)]
+        total = lambda key: sum(r[key] for r in rows if r["rep"] == 0) / MiB  # noqa: E731
+        print(f"| {LABELS[kind]} | {_median(walls)} | {total('local'):.0f} | {total('persistent'):.0f} "
+              f"| {total('received'):.0f} | {rows[0]['peer_regions']} / {rows[0]['persistent_regions']} "
+              f"| {all(r['exact'] for r in rows)} |")
+    storage = sorted((r for r in results if r["phase"] == "storage"), key=lambda r: r["process"])
+    print("\nlocal step on disk per process (du -sb): "
+          + ", ".join(f"{r['process']}: {r['local'] / MiB:.1f} MiB" for r in storage)
+          + f"; the persistent step: {sum(r['persistent'] for r in storage) / MiB:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
