@@ -142,11 +142,26 @@ def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_pa
     out = procs[1].stdout.read()
     assert "saved 8" in out and "saved 10" not in out, out
     assert 10 not in [int(n) for n in os.listdir(tmp_path / "local" / "1") if n.isdigit()]
-    results = _resumed(_finish(_start(root, local, "resume")))
+    for step in (0, 6):   # LocalTier(promote=True): the persistent steps were promoted from the local ones
+        assert json.loads((root / str(step) / "info.json").read_text())["promoted"] == "local"
+    assert sh.chunks(root / "6", "['w']")[(0, 0)].read() == sh.chunks(tmp_path / "local" / "0" / "6", "['w']")[(0, 0)].read()
+    outs = _finish(_start(root, local, "promote"))
+    results = _resumed(outs)
     print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
     assert all(r[:2] == (10, True) and r[3] == 0 for r in results), results
     assert results[1][2] == 0 and results[1][4] == HELD, results
     assert sorted(os.listdir(tmp_path / "local" / "1")) == ["4", "6", "8"], "leftovers of the killed save remain"
+    # Promoted from the copies of 0, 2 and 3 (1 has none): every chunk written once job-wide, by a
+    # holder, its bytes those of the local copies; the root's step 10 restores exactly, with its item.
+    promoted = [re.search(r"^promoted 10 exact True written (\d+) cfg 10$", out, re.M) for out in outs]
+    assert all(promoted), outs
+    assert int(promoted[1][1]) == 0 and sum(int(m[1]) for m in promoted) == 2 * 4096 + 2 * 128, outs
+    for keypath in ("['w']", "['m']", "['b']", "['s']"):
+        stored = sh.chunks(root / "10", keypath)
+        copies = [sh.chunks(tmp_path / "local" / str(p) / "10", keypath) for p in (0, 2, 3)]
+        assert stored and set(stored) == set().union(*copies), keypath
+        for grid, value in stored.items():
+            assert all(c[grid].read() == value.read() for c in copies if grid in c), (keypath, grid)
 
 
 def test_the_coordinator_killed_with_its_disk_resumes_from_its_peers_with_nothing_from_persistent(tmp_path):

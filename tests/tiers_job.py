@@ -7,10 +7,13 @@ Mesh (data=2, fsdp=4): process p holds fsdp regions 2(p % 2), 2(p % 2) + 1, so p
 
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each save waited
 for, so a step printed ``saved N`` is committed); prints ``step 9`` and waits to be killed.
-MODE ``die``: as ``train`` to step 10, where process 1 is killed during its local save.
+MODE ``die``: as ``train`` to step 10, where process 1 is killed during its local save; its persistent
+steps (0, 6) are promotions of the local ones (``LocalTier(promote=True)``).
 MODE ``stall``: process 3 sleeps; the others print ``timed out waiting for [3]``.
 MODE ``resume``: restores through the tiers (verifying checksums; twice) and prints ``resumed STEP exact BOOL local L
-persistent P received R peer_regions A persistent_regions B``.
+persistent P received R peer_regions A persistent_regions B``. MODE ``promote``: as ``resume``, then promotes that
+step to the root and restores it from there: ``promoted STEP exact BOOL written W cfg STEP``.
+Saves carry a Json item ``cfg`` ({"step": STEP}).
 With ``DIO_TEST_TIERS_SHARED=1`` the state has no leaf ``s`` (process 0's alone): every region has two holders.
 """
 
@@ -54,7 +57,7 @@ def state_at(step):
 
 target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
           for name, (shape, dtype, spec) in SPECS.items()}
-tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3))
+tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3), promote=mode == "die")
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:
     if mode in ("train", "die"):
@@ -63,7 +66,8 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
             if mgr.should_save(step):
                 dies = mode == "die" and step == 10 and process == 1
                 # SIGKILL from the IO thread, once the first leaf is copied: mid-save, before its commit
-                mgr.save(step, state_at(step), on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None)
+                mgr.save(step, state_at(step), on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None,
+                         items={"cfg": dio.Json({"step": step})})
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
@@ -86,6 +90,12 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
           f"received {s.bytes_received} peer_regions {s.peer_regions} persistent_regions {s.persistent_regions}",
           flush=True)
+    if mode == "promote":  # the step from the local copies to the root, each chunk by one holder
+        written = mgr.promote(s.step).wait().bytes_written
+        restored = mgr.restore(s.step, target)
+        exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
+                    for name, array in restored.items() for shard in array.addressable_shards)
+        print(f"promoted {s.step} exact {exact} written {written} cfg {mgr.item(s.step, 'cfg')['step']}", flush=True)
 print("done", flush=True)
 dispatcher.close()
 jax.distributed.shutdown()

@@ -67,10 +67,12 @@ def _decode(data: bytes, where: str):
     raise CheckpointError(f"{where} is not an item file dispatch_io wrote (malformed checkpoint)")
 
 
-def files(items: Mapping[str, Json | PerProcess] | None, process: int) -> tuple[dict[str, bytes], dict]:
+def files(items: Mapping[str, Json | PerProcess] | None, process: int, own_step: bool = False
+          ) -> tuple[dict[str, bytes], dict]:
     """This process's item files (key under the arrays folder -> bytes) and the items' entry of
-    the step info (name -> ``{"kind": ...}``). ``TypeError`` / ``ValueError`` naming the item
-    for a bad name or value, before anything is written."""
+    the step info (name -> ``{"kind": ...}``). ``own_step``: the files of a step this process
+    saves alone (a local-tier step), which holds the Json items too (else process 0 writes them).
+    ``TypeError`` / ``ValueError`` naming the item for a bad name or value, before anything is written."""
     if items is None:
         return {}, {}
     if not isinstance(items, Mapping):
@@ -82,7 +84,7 @@ def files(items: Mapping[str, Json | PerProcess] | None, process: int) -> tuple[
                              "not starting with '.' or '-')")
         if isinstance(item, Json):
             encoded = _encode(name, item.value)
-            if process == 0:
+            if process == 0 or own_step:
                 out[f"{ITEMS}{name}/value.json"] = encoded
             index[name] = {"kind": "json"}
         elif isinstance(item, PerProcess):

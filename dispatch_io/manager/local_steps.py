@@ -17,8 +17,11 @@ import socket
 
 from absl import logging
 
+from dispatch_io import tiers_plan
 from dispatch_io.coordination import open_room
-from dispatch_io.storage import INFO, MAX_MANIFEST_BYTES, StepRoot
+from dispatch_io.manager import items as items_lib
+from dispatch_io.manifest import ARRAYS
+from dispatch_io.storage import INFO, MAX_MANIFEST_BYTES, Location, StepRoot
 from dispatch_io.storage.directory import read_regular
 
 
@@ -101,9 +104,50 @@ def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | Non
     return saves
 
 
+def save(local: "tiers.LocalTiers | None", step: int, tree, forced: bool | None, persist: bool, items, info: dict,
+         save_kwargs: dict):
+    """The local tier's part of a manager's ``save()`` of ``step`` (its handle; None if the tier does
+    not save it: :func:`prepare_save`): this process's regions of ``tree``, its item files (its own
+    PerProcess values and every Json item: ``items.files(own_step=True)``), and the step info's
+    items, metrics and metadata (``info``, as ``info.make`` gives it)."""
+    if not prepare_save(local, step, forced, persist):
+        return None
+    return local.save(step, tree, items_lib.files(items, local.process, own_step=True)[0],
+                      {k: info[k] for k in ("items", "metrics", "metadata")}, **save_kwargs)
+
+
 def check_save_keywords(dispatcher, save_kwargs: dict):
     """TypeError for a keyword ``Dispatcher.save`` does not take, before (and whether or not) anything is saved."""
     try:
         inspect.signature(dispatcher.save).bind(None, None, **save_kwargs)
     except TypeError as exc:
         raise TypeError(f"CheckpointManager.save(): {exc} (its keywords are Dispatcher.save's)") from None
+
+
+def durability(local: "tiers.LocalTiers | None", step: int, persistent_steps) -> str | None:
+    """``"persisted"`` if ``step`` is among ``persistent_steps``, else, if this process's local tier
+    ``local`` has it, ``"replicated k"`` or ``"local"`` (``tiers_plan.durability`` of its copies); None."""
+    if step in persistent_steps:
+        return "persisted"
+    info = local.infos()[0].get(step) if local is not None else None
+    return None if info is None else tiers_plan.durability(info.get("copies"), False)
+
+
+def read_item(local: "tiers.LocalTiers", step: int, name: str, persistent: str):
+    """Item ``name`` of ``step`` for this process, from its local copy of the step (a step the
+    persistent root ``persistent`` does not hold). FileNotFoundError naming the step and process
+    if this process has no copy (lost with its local directory: a PerProcess value was only
+    there); KeyError listing the copy's items; CheckpointError for a malformed item."""
+    info = local.infos()[0].get(step)
+    path = local.root.step_path(step)
+    if info is None:
+        raise FileNotFoundError(f"step {step} is not committed in {persistent}, and process {local.process} has no "
+                                f"local copy of it at {path} (lost with its local directory?): its items are gone with "
+                                "that copy; resume from a step whose items survive (a persistent one: restore(step, "
+                                "target)), or start the items afresh")
+    entry = info.get("items", {}).get(name)
+    if entry is None:
+        raise KeyError(f"local step {step} at {path} has no item {name!r} "
+                       f"(it has: {', '.join(sorted(info.get('items', {}))) or 'none'})")
+    key = items_lib.key(name, entry, local.process, local.count, path)
+    return items_lib.decode(Location.parse(path).read_file(ARRAYS + key), name, path)

@@ -9,23 +9,22 @@
         if mgr.reached_preemption(step):
             mgr.wait(); break
 
-Layout: ``<root>/<step>/`` is an ordinary dispatch_io checkpoint (so ``dio.metadata`` and
-``dispatcher.restore`` read it directly, and a copy of it elsewhere restores as well), plus
-what the manager attaches to its save: the step's ``info.json`` (``info.py``) and its items'
-files (``items.py``), committed with the state or not at all. The root is a directory or an
-object-store prefix (``s3://bucket/run1``, ``gs://...``; see dispatch_io.storage).
+Layout: ``<root>/<step>/`` is an ordinary dispatch_io checkpoint (so ``dio.metadata`` and ``dispatcher.restore``
+read it directly, and a copy of it elsewhere restores as well), plus what the manager attaches to its save: the
+step's ``info.json`` (``info.py``) and its items' files (``items.py``), committed with the state or not at all.
+The root is a directory or an object-store prefix (``s3://bucket/run1``, ``gs://...``; see dispatch_io.storage).
 
 What the manager guarantees, built only on the dispatcher's atomic commit:
 
-* A step is listed (``all_steps``, ``latest_step``, ``restore``) only once committed, with all
-  its items; a save that failed or was killed never is, and its leftovers are removed when a
-  manager opens the root, where markers prove them ours and dead.
-* Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises
-  from its own handle and, once, from the next ``save()`` / ``wait()``.
-* ``policies`` decide when to save and what to keep (one answer on every process:
-  ``decisions``); ``preemption`` says where a preempted job stops; ``retention`` deletes what
-  the keep policy drops, off the save path, never a step it did not write. Steps Orbax wrote
-  are listed and restored beside ours (``orbax_items``). See docs/manager.md.
+* A step is listed (``all_steps``, ``latest_step``, ``restore``) only once committed, with all its items; a save
+  that failed or was killed never is, and its leftovers are removed when a manager opens the root, where markers
+  prove them ours and dead.
+* Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises from its own handle
+  and, once, from the next ``save()`` / ``wait()``.
+* ``policies`` decide when to save and what to keep (one answer on every process: ``decisions``); ``preemption``
+  says where a preempted job stops; ``retention`` deletes what the keep policy drops, off the save path, never a
+  step it did not write. Steps Orbax wrote are listed and restored beside ours (``orbax_items``). A local tier
+  (``tiers``) saves, restores and promotes (``promotion``) beside the root. See docs/manager.md.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
 from dispatch_io.formats import check_reachable, committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import local_steps, orbax_items, policies, retention, steps, tier_restore, tiers
+from dispatch_io.manager import local_steps, orbax_items, policies, promotion, retention, steps, tier_restore, tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
@@ -58,16 +57,14 @@ class CheckpointManager:
     """Numbered steps under ``root`` (a directory or kvstore URL), saved through ``dispatcher`` (a
     :class:`LocalDispatcher` with default options if None; the manager then owns and closes it).
 
-    ``save_policy``: when :meth:`should_save` (and :meth:`save` without ``force``) says yes;
-    None: always (you decide). ``keep_policy``: which committed steps retention keeps (the
-    latest always); None: all. ``max_to_keep`` / ``keep_every_n_steps``: shorthands for
-    ``LatestN(max_to_keep) | EveryNSteps(keep_every_n_steps)``. ``barrier_timeout``: seconds a
-    process of a multi-process job waits for the others, for the dispatcher the manager
-    creates; with a ``dispatcher`` of your own, set it in its options instead (passing both is
-    a ``ValueError``). ``clock``: UNIX seconds, for the policies (tests pass their own).
-    ``local``: a fast local tier (:class:`~dispatch_io.manager.tiers.LocalTier`; design.md "Tiers").
-    Raises ``TypeError`` for a policy used in the wrong role (``LatestN`` cannot decide saves),
-    ``ValueError`` for bad numbers or a keep policy given twice."""
+    ``save_policy``: when :meth:`should_save` (and :meth:`save` without ``force``) says yes; None: always (you
+    decide). ``keep_policy``: which committed steps retention keeps (the latest always); None: all. ``max_to_keep``
+    / ``keep_every_n_steps``: shorthands for ``LatestN(max_to_keep) | EveryNSteps(keep_every_n_steps)``.
+    ``barrier_timeout``: seconds a process of a multi-process job waits for the others, for the dispatcher the
+    manager creates; with a ``dispatcher`` of your own, set it in its options instead (passing both is a
+    ``ValueError``). ``clock``: UNIX seconds, for the policies (tests pass their own). ``local``: a fast local tier
+    (:class:`~dispatch_io.manager.tiers.LocalTier`; design.md "Tiers"). Raises ``TypeError`` for a policy used in
+    the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad numbers or a keep policy given twice."""
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: policies.Policy | None = None,
                  keep_policy: policies.Policy | None = None, max_to_keep: int | None = None,
@@ -76,12 +73,7 @@ class CheckpointManager:
         self.save_policy = policies.check(save_policy, "save")
         self.keep_policy, self.max_to_keep, self.keep_every_n_steps = policies.keep_policy(
             keep_policy, max_to_keep, keep_every_n_steps)
-        if dispatcher is not None and barrier_timeout is not None:
-            raise ValueError(
-                f"barrier_timeout={barrier_timeout!r} would not apply to the dispatcher you passed (its "
-                f"Options.barrier_timeout is {dispatcher.options.barrier_timeout:g} s): create the dispatcher with "
-                f"barrier_timeout={barrier_timeout!r} (e.g. LocalDispatcher(..., barrier_timeout={barrier_timeout!r})) "
-                "and leave it out here")
+        policies.check_barrier_timeout(dispatcher, barrier_timeout)
         if not callable(clock):
             raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
         self._root = StepRoot.open(root)
@@ -195,36 +187,46 @@ class CheckpointManager:
 
     def save(self, step: int, tree, *, items=None, metrics=None, metadata=None, force: bool = False,
              overwrite: bool = False, local: bool | None = None, **save_kwargs) -> SaveHandle | None:
-        """Save ``tree`` as ``step`` (after the save in flight, if any, has finished), with
-        ``items`` (name -> ``dio.Json`` / ``dio.PerProcess``), ``metrics`` (name -> number, for
-        ``BestN``) and ``metadata`` (JSON), all committed together. Without ``force``, a step
-        the save policy does not save is skipped (returns None). Same keyword arguments as
-        ``Dispatcher.save``. ``local``: True saves the step in the local tier too, False not; None:
-        as its save policy says.
+        """Save ``tree`` as ``step`` (after the save in flight, if any, has finished), with ``items`` (name ->
+        ``dio.Json`` / ``dio.PerProcess``), ``metrics`` (name -> number, for ``BestN``) and ``metadata`` (JSON), all
+        committed together. Without ``force``, a step the save policy does not save is skipped (returns None). Same
+        keyword arguments as ``Dispatcher.save``. ``local``: True saves the step in the local tier too, False not;
+        None: as its save policy says.
 
-        Raises, before anything is written: ``TypeError`` / ``ValueError`` for a bad item,
-        metric or metadata (naming it); ``ValueError`` if ``step`` is older than the latest
-        committed step; ``FileExistsError`` if the step exists and not ``overwrite``, or Orbax
-        wrote it; ``CheckpointError`` if several directories hold it; ``RuntimeError`` after
-        ``close()`` or from a save callback. An earlier save's failure, not yet raised, is
+        Raises, before anything is written: ``TypeError`` / ``ValueError`` for a bad item, metric or metadata
+        (naming it); ``ValueError`` if ``step`` is older than the latest committed step; ``FileExistsError`` if the
+        step exists and not ``overwrite``, or Orbax wrote it; ``CheckpointError`` if several directories hold it;
+        ``RuntimeError`` after ``close()`` or from a save callback. An earlier save's failure, not yet raised, is
         raised here (once)."""
         step = _step_number(step)
         self._check_usable("save")
-        if self._saving_thread == threading.get_ident():
-            raise RuntimeError("CheckpointManager.save() called by the thread inside its save() (from a signal "
-                               "handler or a priority callback?): it would wait for itself; set a flag there and "
-                               "save after save() returned")
+        self._check_not_inside_save("save")
         local_steps.check_save_keywords(self.dispatcher, save_kwargs)
         files, index = items_lib.files(items, self._process)
-        info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes,
-                             _version())
+        info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes, _version())
         persist = force or self.save_policy is None or self._should_persist(step)
-        local = local_steps.prepare_save(self.local, step, local, persist)
-        handle = self.local.save(step, tree, **save_kwargs) if local else None  # the fast tier first: ms
+        handle = local_steps.save(self.local, step, tree, local, persist, items, info, save_kwargs)  # fast: first
         if not persist:
             return handle
+        if handle is not None and self.local.tier.promote:  # the root's copy from the local one: one device copy
+            return self._persist("save", step, info["started"],
+                                 promotion.after(handle, self.local, step, _version(), self._clock, overwrite))
+        return self._persist("save", step, info["started"], lambda path: self.dispatcher.save(
+            path, tree, overwrite=overwrite, attachments=Attachments(files, info, self._clock, agreed=index),
+            **save_kwargs))
+
+    def promote(self, step: int, *, overwrite: bool = False) -> SaveHandle:
+        """Persist local ``step`` from the local copies, byte for byte, with its items and info, touching no device
+        (every process; ``promotion.promote``). Returns its handle; raises as ``save`` and ``promotion.promote``."""
+        step = _step_number(step)
+        self._check_not_inside_save("promote")
+        return self._persist("promote", step, self._clock(), lambda path: promotion.promote(
+            self.local, step, path, _version(), self._clock, overwrite=overwrite))
+
+    def _persist(self, what: str, step: int, started: float, launch) -> SaveHandle:
+        """``launch(path)``, a save of ``step`` to the root, after the save in flight; then its retention."""
         with self._save_lock:  # saves from several threads run one after the other; close() waits here
-            self._check_usable("save")  # again: close() may have run while this waited for the lock
+            self._check_usable(what)  # again: close() may have run while this waited for the lock
             self._saving_thread = threading.get_ident()
             try:
                 self._wait_for_save()
@@ -233,10 +235,8 @@ class CheckpointManager:
                     raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save "
                                           "never replaces one, even with overwrite=True (remove it first if it may go)")
                 retention.check_not_older(step, self.all_steps(), self.root, self.step_path)
-                handle = self.dispatcher.save(path, tree, overwrite=overwrite,
-                                              attachments=Attachments(files, info, self._clock, agreed=index),
-                                              **save_kwargs)
-                self._last_save, self._last_saved_step = info["started"], step
+                handle = launch(path)
+                self._last_save, self._last_saved_step = started, step
                 self._infos.pop(step, None)
                 with self._lock:
                     self._in_flight = self._thread.submit(self._finish_save, handle, step)
@@ -306,23 +306,21 @@ class CheckpointManager:
     def durability(self, step: int) -> str | None:
         """``"persisted"`` (committed in the root), else, if this process has ``step`` locally, ``"replicated k"``
         (any ``k - 1`` lost processes lose nothing) or ``"local"``; None if neither holds it."""
-        step = _step_number(step)
-        if step in self.all_steps():
-            return "persisted"
-        info = self.local.infos()[0].get(step) if self.local is not None else None
-        return None if info is None else tiers_plan.durability(info.get("copies"), False)
+        return local_steps.durability(self.local, _step_number(step), self.all_steps())
 
     def metadata(self, step: int | None = None, *, item: str | None = None):
         return metadata(self._pytree_path(step, item))
 
     def item(self, step: int | None, name: str):
-        """Item ``name`` of ``step`` (None: the latest): a ``Json`` item's value, or this
-        process's ``PerProcess`` value (bytes or JSON, as saved). In an Orbax step: a JSON
-        item's value, or this process's Grain iterator state. KeyError (listing the step's
-        items) if it has none of that name; CheckpointError if it was saved by another number
-        of processes (naming both counts) or is malformed."""
+        """Item ``name`` of ``step`` (None: the latest; a step only the local tier holds: from this process's
+        copy, else FileNotFoundError): a ``Json`` item's value, or this process's ``PerProcess`` value (bytes
+        or JSON, as saved). In an Orbax step: a JSON item's value, or this process's Grain iterator state.
+        KeyError (listing the step's items) if it has none of that name; CheckpointError if it was saved by
+        another number of processes (naming both counts) or is malformed."""
         step = self._resolve(step)
         path = self.step_path(step)
+        if self.local is not None and step not in self.all_steps():  # a step the local tier alone holds
+            return local_steps.read_item(self.local, step, name, self.root)
         info = None if orbax_items.is_orbax_step(path) else self.step_info(step)
         return steps.read_item(path, info, name, self._process, self._processes)
 
@@ -340,8 +338,7 @@ class CheckpointManager:
     # ---- retention and clean-up ------------------------------------------------------------------
 
     def steps_to_delete(self, steps: list[int]) -> list[int]:
-        """Which of the committed ``steps`` (any order) the keep policy drops, ascending; the
-        newest is always kept."""
+        """Which of the committed ``steps`` (any order) the keep policy drops, ascending; the newest is always kept."""
         return retention.steps_to_delete([retention.record(s, self.step_info) for s in steps], self.keep_policy, self._clock())
 
     def _apply_retention(self):
@@ -361,17 +358,21 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError(f"CheckpointManager.{what}() called after close()")
 
-    def close(self):
-        """Wait for a ``save()`` another thread has begun to start its save, then for the save in
-        flight and its retention (raising its failure, if not raised yet); then release the
-        manager's threads, its SIGTERM handler and, if the manager made it, the dispatcher. A ``save()`` that begins
-        later raises ``RuntimeError``. ``RuntimeError`` from a save callback, or from the thread
-        inside ``save()`` (e.g. its signal handler): either would deadlock."""
-        self.dispatcher.check_not_io_thread("CheckpointManager.close")
+    def _check_not_inside_save(self, what: str):
+        """RuntimeError if called by the thread inside ``save()`` (its signal handler, a priority callback)."""
         if self._saving_thread == threading.get_ident():
-            raise RuntimeError("CheckpointManager.close() called by the thread inside its save() (from a signal "
-                               "handler or a priority callback?): it cannot wait for that save; close after "
-                               "save() returned, e.g. set a flag in the handler")
+            raise RuntimeError(f"CheckpointManager.{what}() called by the thread inside its save() (from a signal "
+                               f"handler or a priority callback?): it would wait for that save, so for itself; set a "
+                               f"flag there and call {what}() after save() returned")
+
+    def close(self):
+        """Wait for a ``save()`` another thread has begun to start its save, then for the save in flight and its
+        retention (raising its failure, if not raised yet); then release the manager's threads, its SIGTERM handler
+        and, if the manager made it, the dispatcher. A ``save()`` that begins later raises ``RuntimeError``.
+        ``RuntimeError`` from a save callback, or from the thread inside ``save()`` (e.g. its signal handler):
+        either would deadlock."""
+        self.dispatcher.check_not_io_thread("CheckpointManager.close")
+        self._check_not_inside_save("close")
         with self._save_lock:
             if self._closed:
                 return

@@ -282,3 +282,14 @@ def check(policy: Policy | None, role: str) -> Policy | None:
         raise TypeError(f"{', '.join(map(repr, wrong))} cannot be part of a {role}_policy "
                         f"({'it only decides what is kept' if role == 'save' else 'it only decides when to save'})")
     return policy
+
+
+def check_barrier_timeout(dispatcher, barrier_timeout: float | None):
+    """ValueError for a manager given both a ``dispatcher`` and a ``barrier_timeout``: the
+    timeout would not apply to a dispatcher made elsewhere (it is one of its options)."""
+    if dispatcher is not None and barrier_timeout is not None:
+        raise ValueError(
+            f"barrier_timeout={barrier_timeout!r} would not apply to the dispatcher you passed (its "
+            f"Options.barrier_timeout is {dispatcher.options.barrier_timeout:g} s): create the dispatcher with "
+            f"barrier_timeout={barrier_timeout!r} (e.g. LocalDispatcher(..., barrier_timeout={barrier_timeout!r})) "
+            "and leave it out here")

@@ -28,6 +28,8 @@ from dispatch_io.storage import StepRoot
 @dataclasses.dataclass(frozen=True)
 class LocalTier:
     """A fast local tier beside a manager's persistent root (``CheckpointManager(local=...)``).
+    ``promote``: a ``save()`` that saves a step in both tiers persists it by promotion of its local
+    copies (``promotion.after``: the device is copied once, for the local save).
 
     ``path``: a directory on each host (a RAM disk or local SSD; not a URL); ``{process}`` in it is
     replaced by the process index (needed where processes share a host: checked when a manager
@@ -44,6 +46,7 @@ class LocalTier:
     path: str
     save_policy: policies.Policy | None = None
     keep_policy: policies.Policy | None = None
+    promote: bool = False
     replicas: int = 0
     domains: tuple | None = None
 
@@ -83,6 +86,7 @@ class LocalTiers:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
         self._in_flight: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
+        self.promoting: set[int] = set()  # steps a promotion reads (promotion.py): local retention keeps them
         steps = self.steps()
         self._last_step = steps[-1] if steps else None
         self._last_save = clock()
@@ -104,19 +108,20 @@ class LocalTiers:
         return self._decisions.decide(step, lambda: policy.should_save(
             policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted)))
 
-    def save(self, step: int, tree, **save_kwargs) -> SaveHandle:
+    def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
-        flight), and the regions of peers it keeps replicas of (``LocalTier.replicas``); retention
-        of local steps follows its commit, on the tier's thread."""
+        flight), and the regions of peers it keeps replicas of (``LocalTier.replicas``), with ``files``
+        (its item files, ``items.files(own_step=True)``) and ``described`` (the step info's items,
+        metrics and metadata); retention of local steps follows its commit, on the tier's thread."""
         self.wait()
         moves, copies = replicas.send(tree, self._orders, self.tier.replicas)  # every process, in step order
         spread = tiers_plan.spread(tree, self.count, moves, self.domains)
         info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": self._clock(),
                 "copies": spread[0], "domains": spread[1], "durability": tiers_plan.durability(spread[0], False),
                 "sharded": tiers_plan.held_regions(tree, self.process),
-                "held": tiers_plan.held_regions(tree, self.process, moves)}
+                "held": tiers_plan.held_regions(tree, self.process, moves), **(described or {})}
         handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
-                                      attachments=Attachments(info=info, clock=self._clock), **save_kwargs)
+                                      attachments=Attachments(files or {}, info=info, clock=self._clock), **save_kwargs)
         self._last_step, self._last_save = step, info["started"]
         with self._lock:
             self._in_flight = self._thread.submit(self._finish, handle)
@@ -132,8 +137,8 @@ class LocalTiers:
             infos = self.infos()[0]
             records = [policies.StepRecord(s, infos[s].get("committed") if s in infos else None)
                        for s in self.root.committed_steps()]
-            retention.delete_dropped(self.root, retention.steps_to_delete(records, self.tier.keep_policy,
-                                                                           self._clock()), lambda step: None)
+            dropped = retention.steps_to_delete(records, self.tier.keep_policy, self._clock())
+            retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting], lambda step: None)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
             logging.exception("dispatch_io: retention of the local tier %s failed", self.path)
 

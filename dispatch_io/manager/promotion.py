@@ -1,0 +1,297 @@
+"""Promotion: a persistent step made from the local tier's copies of a step, byte for byte.
+
+    mgr.save(step, state, local=True)          # every N steps: fast, this process's regions only
+    ...
+    mgr.promote(step)                          # later, every process: the step in the root, no device touched
+
+A promotion is an ordinary save of the root (the save driver, its staging budget and batches, the
+job's commit protocol, the step's info and items attached) whose "copy to host" reads stored
+chunks from the local copies and whose writer writes them unchanged: each chunk's encoded bytes
+are read through a TensorStore kvstore and written under the same key in the persistent step's
+arrays (zarr3 arrays of the same metadata), so no chunk is decoded or re-encoded and no device is
+used. Which process copies which chunk (once job-wide, by a process whose copy holds it) is the
+pure ``promote_plan``; the processes agree on it from one gather of what their copies hold.
+Checksums: each chunk's CRC-32C is carried over from its local copy's manifest, and checked on the
+way where the stored bytes are the raw chunk (uncompressed steps); a bad local chunk fails the
+promotion (nothing is committed), naming its key path. The promoted step keeps the local steps'
+unpacked layout (docs/format.md). See docs/manager.md "Local tier".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from dispatch_io import manifest as manifest_lib
+from dispatch_io import promote_plan
+from dispatch_io.batches import Priority, make_batches
+from dispatch_io.coordination import open_room
+from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError
+from dispatch_io.formats import open_checkpoint
+from dispatch_io.manager import info as info_lib
+from dispatch_io.manager import items as items_lib
+from dispatch_io.save import Attachments, SaveHandle, SaveJob
+from dispatch_io.storage import Location
+from workers import ChunkError, Session, crc32c
+from workers.raw_chunks import chunk_key, read_values, write_values
+
+
+def _grid(region, chunk_shape) -> tuple[int, ...]:
+    return tuple(lo // step for (lo, _), step in zip(region, chunk_shape))
+
+
+class _Copies:
+    """The runner of a promotion's save (``SaveRun`` calls it as it calls a dispatcher's):
+    ``copy_to_host`` reads the batch's chunks as stored in this process's local copy (``opened``;
+    None: it has none, and the plan gives it nothing to copy); its writer writes them unchanged.
+    The staging ring only counts their bytes (``host_staging = False``)."""
+
+    host_staging = False
+
+    def __init__(self, threads, settings, opened, display: str):
+        self.threads, self.settings, self.display = threads, settings, display
+        self._session = None if opened is None else Session(opened.arrays, settings, opened.context)
+        # (stored array, chunk grid index) -> CRC-32C of the raw chunk, as this copy recorded it
+        self.checksums = {} if opened is None else {
+            (leaf.stored.name, grid): crc for leaf in opened.manifest.leaves if leaf.checksums
+            for grid, crc in leaf.checksums.items()}
+
+    def open_writer(self, target) -> "_Writer":
+        return _Writer(self, target)
+
+    def copy_to_host(self, plan, chunks, sources, staging) -> list[bytes]:
+        specs = [plan.leaves[c.leaf] for c in chunks]
+        keys = [chunk_key(s.storage, _grid(c.region, s.chunk_shape)) for c, s in zip(chunks, specs)]
+        values = read_values(self._session.open_kvstore().result(), keys)
+        for value, key, chunk, spec in zip(values, keys, chunks, specs):
+            if value is None:
+                raise ChunkError(spec.keypath, chunk.region, FileNotFoundError(
+                    f"chunk {key} is missing from {self.display} (its info says it holds it)"))
+        return values
+
+    def close(self):
+        if self._session is not None:
+            self._session.close()
+
+
+class _Writer:
+    """Writes a batch's chunk values under their keys in this process's writer database of the
+    persistent step (one transaction per batch with OCDBT); resolves to their CRC-32Cs."""
+
+    def __init__(self, copies: _Copies, target):
+        self._copies = copies
+        self._session = Session.writer(target.kvstore, f"p{jax.process_index()}", copies.settings, target.context)
+
+    def write(self, regions, values):
+        return self._copies.threads.submit(self._write, regions, values)
+
+    def _write(self, regions, values) -> list[int | None]:
+        raw = self._copies.settings.compression is None  # the stored bytes are the raw chunk: checkable
+        sums, out = [], {}
+        for region, value in zip(regions, values):
+            grid = _grid(region.bounds, region.array.chunk_shape)
+            crc = self._copies.checksums.get((region.array.name, grid))
+            if raw and (crc is not None or self._copies.settings.checksums):
+                found = crc32c(np.frombuffer(value, np.uint8))
+                if crc is not None and found != crc:
+                    raise ChunkError(region.keypath, region.bounds, CorruptCheckpointError(
+                        f"{self._copies.display}: chunk {grid} of {region.keypath} does not match its CRC-32C "
+                        f"({found:08x}, saved {crc:08x}): the local copy is damaged", keypath=region.keypath))
+                crc = found
+            sums.append(crc)
+            out[chunk_key(region.array.name, grid)] = value
+        write_values(self._session.open_kvstore().result(), out, self._session.transactional)
+        return sums
+
+    def close(self):
+        self._session.close()
+
+
+def _report(local, step: int) -> tuple[dict, dict | None]:
+    """(What this process's local copy of ``step`` holds, as the others need it (JSON), its manifest
+    JSON). A copy whose info or manifest cannot be read is no copy (logged), as a wiped one."""
+    info = local.infos()[0].get(step)
+    try:
+        doc = None if info is None else Location.parse(local.root.step_path(step)).read_manifest()
+    except (CheckpointError, OSError) as exc:
+        logging.warning("dispatch_io: local step %s is not promoted from: %s", local.root.step_path(step), exc)
+        info = doc = None
+    if info is None:
+        return {"has": False, "held": {}, "items": {}, "info": None}, None
+    return {"has": True, "held": info["held"], "items": info.get("items", {}),
+            "info": {"started": info.get("started"), "metrics": info.get("metrics", {}),
+                     "metadata": info.get("metadata")}}, doc
+
+
+def _gather(local, step: int, path: str, report: dict, doc: dict | None) -> tuple[dict, dict | None]:
+    """({process: report}, the step's manifest JSON) of every process's local copy (``report``,
+    ``doc``: this process's, :func:`_report`): one gather, then the manifest from the first process
+    with a copy to those without (None if none has one)."""
+    if local.count == 1:
+        return {0: report}, doc
+    room = open_room("promote", path, f"the promotion of step {step} to {path}", local.dispatcher.options.barrier_timeout)
+    try:
+        room.set(f"report/{local.process}", report)
+        reports = room.gather("report")
+        having = sorted(p for p, r in reports.items() if r["has"])
+        if report["has"] and local.process == having[0]:
+            room.set("manifest", doc)
+        elif not report["has"] and having:
+            doc = room.wait_for("manifest", room.timeout)
+            if doc is None:
+                raise BarrierTimeoutError(f"process {having[0]} did not share the manifest of local step {step} "
+                                          f"within {room.timeout:g} s", processes=[having[0]],
+                                          barrier=f"{room.prefix}/manifest")
+    finally:
+        room.close()
+    return reports, doc
+
+
+# A chunk value in flight is held about this many times over: as read (TensorStore's buffer, then its
+# bytes), and as written (in the transaction, then in the data file being written; freed at commit).
+COPIES = 4
+
+
+def _batches(plan, options, process: int) -> tuple:
+    """This process's batches of ``plan``, each counting ``COPIES`` times its chunks' bytes in the
+    staging ring (which only counts: ``_Copies.host_staging``), so the values in flight stay within
+    the budget as a save's staged chunks do."""
+    batches = make_batches(plan, [Priority.LOW] * len(plan.leaves), max(1, options.batch_bytes // COPIES),
+                           worker=process)
+    return tuple(dataclasses.replace(b, nbytes=min(b.nbytes * COPIES, options.staging_bytes)) for b in batches)
+
+
+def _described(doc: dict) -> tuple:
+    """``manifest.describe``'s (structure, entries, packs) of the local step's manifest, without
+    its checksums (the promotion's are added by ``manifest.build``)."""
+    entries = [{**e, "stored": {k: v for k, v in e["stored"].items() if k != "crc32c"}} if e.get("stored") else e
+               for e in doc["leaves"]]
+    return doc["structure"], entries, {}
+
+
+def _item_files(local, step: int, items: dict, json_writer: bool) -> dict[str, bytes]:
+    """This process's item files of the promoted step, read from its local copy: its own value of
+    each PerProcess item, and the Json items where it is the one writing them."""
+    location, files = Location.parse(local.root.step_path(step)), {}
+    for name, entry in items.items():
+        if entry["kind"] == "json" and not json_writer:
+            continue
+        key = items_lib.key(name, entry, local.process, local.count, location.display)
+        data = location.read_file(manifest_lib.ARRAYS + key)
+        items_lib.decode(data, name, location.display)  # a missing or damaged file fails here, named
+        files[key] = data
+    return files
+
+
+class Deferred:
+    """The handle of a promotion that starts once the local save ``first`` is over: on the first
+    thread that waits for it (the manager's, which waits for every persistent save). A failed local
+    save is no copy (logged; ``LocalTiers.wait`` raises it): the promotion goes on from the peers'
+    copies, or fails in every process alike. The step is kept from local retention meanwhile."""
+
+    def __init__(self, first: SaveHandle, local, step: int, launch):
+        self._first, self._local, self._step, self._launch = first, local, step, launch
+        self._lock = threading.Lock()
+        self._started: SaveHandle | BaseException | None = None   # the promotion's handle, or why it did not start
+        local.promoting.add(step)
+
+    def wait(self, timeout: float | None = None):
+        """Start the promotion if no thread did (waiting for the local save first, ``timeout`` aside),
+        then wait for it as ``SaveHandle.wait`` does. A promotion that could not start raises the same
+        error to every caller (it is never started twice: it is a collective call)."""
+        with self._lock:
+            if self._started is None:
+                try:
+                    self._first.wait()
+                except CheckpointError as exc:
+                    logging.warning("dispatch_io: the local save of step %d failed (%s); promoting it from the "
+                                    "other processes' copies, if they hold it whole", self._step, exc)
+                try:
+                    self._started = self._launch()
+                except BaseException as exc:  # noqa: BLE001 - kept for every caller, raised below
+                    self._started = exc
+                finally:
+                    self._local.promoting.discard(self._step)
+        if isinstance(self._started, BaseException):
+            raise self._started
+        return self._started.wait(timeout)
+
+    def done(self) -> bool:
+        return isinstance(self._started, BaseException) or (self._started is not None and self._started.done())
+
+    @property
+    def path(self) -> str:
+        return self._first.path
+
+
+def after(first: SaveHandle, local, step: int, version: str, clock, overwrite: bool):
+    """``launch(path)`` for the manager's persistent save of ``step`` by promotion of the local
+    save ``first`` (``LocalTier(promote=True)``): returns a :class:`Deferred` handle."""
+    return lambda path: Deferred(first, local, step, lambda: promote(local, step, path, version, clock,
+                                                                     overwrite=overwrite, wait_local=False))
+
+
+def promote(local, step: int, path: str, version: str, clock, *, overwrite: bool = False,
+            wait_local: bool = True) -> SaveHandle:
+    """Save local ``step`` as the persistent step at ``path`` from the local copies of every
+    process (every process calls it together; see the module doc). Returns the save's handle.
+    ``local``: this process's ``tiers.LocalTiers``; ``version``: dispatch_io's, for the step info;
+    ``clock``: UNIX seconds, its commit time. ``wait_local``: wait for the local save in flight first
+    (the step's own, maybe; False: the caller did). Local retention keeps the step until the save is over.
+
+    Raises (every process alike, before anything is written): FileNotFoundError naming the step if
+    no process has a local copy of it, or naming a key path no copy holds whole; ValueError if a
+    process without a copy would lose its PerProcess items; and as ``Dispatcher.save`` does for
+    ``path``. ``wait()`` raises ``WorkerError`` (naming the key path) for a chunk that cannot be
+    read or fails its CRC-32C; nothing is committed then. ValueError without a local tier (``local`` None)."""
+    if local is None:
+        raise ValueError("promote() needs a local tier: CheckpointManager(..., local=dio.LocalTier(...))")
+    if wait_local:
+        local.wait()  # raising its failure
+    local.promoting.add(step)  # from the first look at the step: a local save meanwhile must not delete it
+    copies = None
+
+    def over(_=None):
+        if copies is not None:
+            copies.close()
+        local.promoting.discard(step)
+    try:
+        job, copies = _job(local, step, path, version, clock)
+        # the dispatcher's save launch: its path lock, commit protocol, staging ring and driver
+        run = local.dispatcher._launch(Location.parse(path), job, [None] * len(job.plan.leaves), copies, overwrite)
+    except BaseException:
+        over()
+        raise
+    run.future.add_done_callback(over)
+    return SaveHandle(run)
+
+
+def _job(local, step: int, path: str, version: str, clock) -> tuple[SaveJob, _Copies]:
+    """The promotion's save job (plan, batches, manifest entries, items and info) and its runner."""
+    started = time.perf_counter()
+    dispatcher = local.dispatcher
+    report, own = _report(local, step)
+    reports, doc = _gather(local, step, path, report, own)
+    where = f"local step {step} of {local.tier.process_path('{process}')}"
+    if doc is None:
+        raise FileNotFoundError(f"{where}: no process has a local copy of step {step}: it cannot be promoted")
+    manifest = manifest_lib.parse(doc, where)
+    plan = promote_plan.plan_promotion(manifest, {p: r["held"] for p, r in reports.items() if r["has"]}, where)
+    index, json_writer = promote_plan.items_of(step, reports, local.count)
+    files = _item_files(local, step, report["items"], json_writer == local.process) if report["has"] else {}
+    meta = reports[json_writer]["info"]
+    info = {**info_lib.make(step, meta["started"], meta["metrics"] or {}, meta["metadata"], index, local.count,
+                            version), "promoted": "local"}
+    settings = dataclasses.replace(dispatcher.runner.settings, compression=manifest.compression)
+    opened = open_checkpoint(local.root.step_path(step)) if report["has"] else None
+    described = _described(doc)
+    job = SaveJob(plan, tuple(e.get("value") for e in doc["leaves"]), _batches(plan, dispatcher.options, local.process),
+                  Location.parse(path).display, started=started, plan_seconds=time.perf_counter() - started,
+                  progress=dispatcher.options.progress, describe=lambda: described,
+                  attachments=Attachments(files, info, clock, agreed=index))
+    return job, _Copies(dispatcher.runner.threads, settings, opened, where)
