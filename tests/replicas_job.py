@@ -10,7 +10,8 @@ so the replica of what process p holds goes to process (p + 2) % 4, on the other
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each waited for);
 prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores through the
 tiers and prints ``resumed STEP exact BOOL local L persistent P received R``; MODE ``reshard``
-likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions.
+likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions. MODE ``promote``: as
+``resume``, then promotes that step to the root and restores it from there: ``promoted STEP exact BOOL written W``.
 """
 
 import os
@@ -76,6 +77,12 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 for name, array in restored.items() for shard in stored(name, array).addressable_shards)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
           f"received {s.bytes_received}", flush=True)
+    if mode == "promote":  # from the copies that survive (replicas included), each chunk by one of them
+        written = mgr.promote(s.step).wait().bytes_written
+        restored = mgr.restore(s.step, target)
+        exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
+                    for name, array in restored.items() for shard in stored(name, array).addressable_shards)
+        print(f"promoted {s.step} exact {exact} written {written}", flush=True)
 print("done", flush=True)
 dispatcher.close()
 jax.distributed.shutdown()

@@ -57,7 +57,8 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     # Host 0 (processes 0 and 1) is gone with its disks: everything comes from the replicas on host 1.
     for p in (0, 1):
         shutil.rmtree(str(local).replace("{process}", str(p)))
-    results = _resumed(_finish(_start(root, local, "resume")))
+    outs = _finish(_start(root, local, "promote"))
+    results = _resumed(outs)
     print("per process (step, exact, local, persistent, received):", results)
     assert all(r[:2] == (8, True) for r in results), results                 # the newest local step, bit-exact
     assert sum(r[3] for r in results) == 0, results                          # nothing from persistent storage
@@ -65,11 +66,18 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     assert results[0][4] == SHARE + B + S and results[1][4] == SHARE + B, results
     # 2 and 3 read their own regions and the replicas of 0's and 1's (each region once; b once for both)
     assert results[2][2] + results[3][2] == 2 * (SHARE + B) + 2 * SHARE + S, results
-    # Process 3 lost too: process 1's regions have no copy left -> step 6 (persisted); only they are read from it.
+    # ... and step 8 is then promoted to the root from 2's and 3's copies alone (theirs and the replicas),
+    # each chunk written once: 0 and 1 write nothing; the root's step 8 restores exactly.
+    promoted = [re.search(r"^promoted 8 exact True written (\d+)$", out, re.M) for out in outs]
+    assert all(promoted), outs
+    assert [int(m[1]) > 0 for m in promoted] == [False, False, True, True], outs
+    assert sum(int(m[1]) for m in promoted) == 4 * SHARE + B + S, outs   # every stored byte, once
+    # Process 3 lost too: process 1's regions have no local copy left -> step 8 (now persisted); only they
+    # are read from the root.
     shutil.rmtree(str(local).replace("{process}", "3"))
     results = _resumed(_finish(_start(root, local, "resume")))
     print("per process (step, exact, local, persistent, received):", results)
-    assert all(r[:2] == (6, True) for r in results), results
+    assert all(r[:2] == (8, True) for r in results), results
     assert 0 < sum(r[3] for r in results) <= 2 * SHARE + 2 * B + S, results
 
 
