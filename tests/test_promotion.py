@@ -231,12 +231,14 @@ def test_local_retention_keeps_a_step_while_it_is_promoted(tmp_path, mesh, monke
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2),
                          keep_policy=policies.LatestN(1))
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
-        mgr.save(2, _state(mesh, 2))
-        handle = mgr.promote(2)
-        mgr.save(4, _state(mesh, 4))
-        mgr.local.wait()                      # step 4 committed, its retention done: step 2 still there
-        assert mgr.local.steps() == [2, 4]
-        release.set()
+        try:
+            mgr.save(2, _state(mesh, 2))
+            handle = mgr.promote(2)
+            mgr.save(4, _state(mesh, 4))
+            mgr.local.wait()                  # step 4 committed, its retention done: step 2 still there
+            assert mgr.local.steps() == [2, 4]
+        finally:
+            release.set()
         handle.wait()
         _same(mgr.restore(2, _state(mesh, 0)), _state(mesh, 2))
         mgr.save(6, _state(mesh, 6))
@@ -310,3 +312,30 @@ def test_save_with_promote_persists_from_the_local_copy(tmp_path, mesh):
         assert json.loads((tmp_path / "root" / str(step) / "info.json").read_text())["promoted"] == "local"
         assert _raw_chunks(tmp_path / "root" / str(step)) == _raw_chunks(tmp_path / "local" / "0" / str(step))
     dispatcher.close()
+
+
+def test_local_retention_keeps_a_step_while_save_promotes_it(tmp_path, mesh, monkeypatch):
+    """LocalTier(promote=True, keep_policy=LatestN(1)): the next local save commits while step 2's
+    promotion still reads it (held in its first write); step 2 stays until the promotion is over."""
+    from dispatch_io.manager import promotion
+    entered, release, real = threading.Event(), threading.Event(), promotion.write_values
+
+    def write_values(*args):
+        entered.set()
+        assert release.wait(60)
+        return real(*args)
+    monkeypatch.setattr(promotion, "write_values", write_values)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1),
+                         keep_policy=policies.LatestN(1), promote=True)
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(2), local=tier) as mgr:
+        try:
+            mgr.save(2, _state(mesh, 2))            # local, then its promotion on the manager's thread
+            assert entered.wait(60)
+            mgr.save(3, _state(mesh, 3))            # local only: its retention would drop step 2
+            mgr.local.wait()
+            assert mgr.local.steps() == [2, 3]
+        finally:
+            release.set()
+        mgr.wait()
+        assert mgr.all_steps() == [2]
+        _same(mgr.restore(2, _state(mesh, 0)), _state(mesh, 2))

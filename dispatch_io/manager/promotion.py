@@ -212,10 +212,9 @@ class Deferred:
                     logging.warning("dispatch_io: the local save of step %d failed (%s); promoting it from the "
                                     "other processes' copies, if they hold it whole", self._step, exc)
                 try:
-                    self._started = self._launch()
+                    self._started = self._launch()  # pins the step itself until its save is over
                 except BaseException as exc:  # noqa: BLE001 - kept for every caller, raised below
                     self._started = exc
-                finally:
                     self._local.promoting.discard(self._step)
         if isinstance(self._started, BaseException):
             raise self._started
