@@ -46,8 +46,7 @@ NO_SNAPSHOT_PLATFORMS = ("cpu",)
 
 
 class Dispatcher:
-    """Save / restore through a memory-budgeted pipeline; ``runner`` says where the worker code
-    runs (see the module doc). Prefer :class:`LocalDispatcher` / ``ColocatedDispatcher``."""
+    """Save / restore through a memory-budgeted pipeline, worker code run by ``runner`` (module doc)."""
 
     def __init__(self, options: Options, runner: Runner):
         self.options = options
@@ -106,13 +105,14 @@ class Dispatcher:
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
                       describe=describe, attachments=attachments or Attachments())
         single = commit_lib.SingleProcess() if own else None
-        run = self._launch(location, job, leaves, self.runner, overwrite, single, copies)
+        run = self.launch(location, job, leaves, self.runner, overwrite, single, copies)
         run.wait_until_sync_copied()
         return SaveHandle(run)
 
-    def _launch(self, location: Location, job: SaveJob, leaves: list, runner, overwrite: bool, coordinator=None,
+    def launch(self, location: Location, job: SaveJob, leaves: list, runner, overwrite: bool, coordinator=None,
                 copies: dict | None = None) -> SaveRun:
-        """Take the path's lock (it goes with the run), open the commit (same plan everywhere), start the driver."""
+        """Start ``job`` (a planned save: ``save``, ``convert``, a promotion), its bytes from ``runner``: take the
+        path's lock (it goes with the run), open the commit (same plan everywhere), start the driver."""
         self._paths.acquire(location.key)  # released by the run when it is over
         commit = None
         try:
@@ -172,7 +172,7 @@ class Dispatcher:
                                                                                       self.runner.threads)
         reader = StoredSource(local, session, [s.stored for s in source.manifest.leaves], source.check_unchanged)
         try:
-            return SaveHandle(self._launch(location, job, [None] * len(plan.leaves), reader, overwrite)).wait()
+            return SaveHandle(self.launch(location, job, [None] * len(plan.leaves), reader, overwrite)).wait()
         finally:
             reader.close()
 

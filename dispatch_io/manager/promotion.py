@@ -262,7 +262,7 @@ def promote(local, step: int, path: str, version: str, clock, *, overwrite: bool
     try:
         job, copies = _job(local, step, path, version, clock)
         # the dispatcher's save launch: its path lock, commit protocol, staging ring and driver
-        run = local.dispatcher._launch(Location.parse(path), job, [None] * len(job.plan.leaves), copies, overwrite)
+        run = local.dispatcher.launch(Location.parse(path), job, [None] * len(job.plan.leaves), copies, overwrite)
     except BaseException:
         over()
         raise
