@@ -117,3 +117,24 @@ def test_data_parallel_copies_within_one_host_do_not_survive_that_host(tmp_path)
     outs = _run_job(root, local, "resume")
     assert all(re.search(r"^resumed 2 exact True$", out, re.M) for out in outs), outs
     assert [int(m[2]) for m in saved] == [2] * 4, outs   # every region in both hosts
+
+
+def test_a_restore_through_the_tiers_with_names_ignores_the_local_steps(tmp_path, mesh):
+    """restore(None, target, names=...) (Dispatcher.restore's keyword: the target read under other
+    names, e.g. a train state's params restored into {"params": {...}}) plans by the *target's* key
+    paths (tiers_plan.wanted_regions) against the regions local steps record under the *saved* key
+    paths, so no local step ever matches: the restore silently resumes the older persistent step 3
+    (or, with none, raises FileNotFoundError) although local step 4 holds every region. tier_restore
+    claims the case ("a leaf read under another name, names=, too"); mgr.restore(3, target, names=)
+    of the root works. Fix: map each target leaf to its saved key path (manifest.saved_leaf with
+    tensor_names) before planning, or plan wanted regions under the saved names."""
+    _, state = _setup(mesh)
+    tier = _train(tmp_path, state)
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"params": {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}}
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
+        from_root = mgr.restore(3, target, names=lambda path: "w")
+        assert np.asarray(from_root["params"]["w"]).tobytes() == np.asarray(state(3)["w"]).tobytes()
+        restored = mgr.restore(None, target, names=lambda path: "w")
+        assert mgr.last_tier_restore.step == 4, mgr.last_tier_restore      # is 3: the local steps are unused
+        assert np.asarray(restored["params"]["w"]).tobytes() == np.asarray(state(4)["w"]).tobytes()
