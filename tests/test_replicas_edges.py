@@ -138,3 +138,33 @@ def test_a_restore_through_the_tiers_with_names_ignores_the_local_steps(tmp_path
         restored = mgr.restore(None, target, names=lambda path: "w")
         assert mgr.last_tier_restore.step == 4, mgr.last_tier_restore      # is 3: the local steps are unused
         assert np.asarray(restored["params"]["w"]).tobytes() == np.asarray(state(4)["w"]).tobytes()
+
+
+def test_should_save_of_the_restored_step_depends_on_whether_this_host_kept_its_local_dir(tmp_path, mesh):
+    """After restore(None, target) resumes step 8, should_save(8) ("a resumed loop asks again about the
+    step it restored": the persistent policy answers False) is False on a process that kept its local
+    steps but True on a process whose local directory was wiped (a replaced host: LocalTiers._last_step
+    is None there, and resumed() only ever lowers it). should_save promises "Identical on every process
+    of a job": in the job replicas are for (host 0 replaced, hosts 1.. keep local step 8, restored
+    from the replicas), the new host's processes take a local save of step 8 and enter
+    replicas.send's collective alone -- mismatched collectives, a hang -- while the others skip it.
+    Fix: a resume of step S sets the local tier's last step to S on every process (whether or not it
+    had local steps), so the local policy's answer depends on the step only."""
+    _, state = _setup(mesh)
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        for step in range(9):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+    answers = {}
+    for wiped in (False, True):
+        if wiped:
+            shutil.rmtree(tmp_path / "local" / "0")     # this host was replaced
+        with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+            mgr.restore(None, target)
+            assert mgr.last_tier_restore.step == 8
+            answers[wiped] = mgr.should_save(8)
+    assert answers == {False: False, True: False}, answers   # {False: False, True: True}
