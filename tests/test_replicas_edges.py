@@ -168,3 +168,27 @@ def test_should_save_of_the_restored_step_depends_on_whether_this_host_kept_its_
             assert mgr.last_tier_restore.step == 8
             answers[wiped] = mgr.should_save(8)
     assert answers == {False: False, True: False}, answers   # {False: False, True: True}
+
+
+@pytest.mark.parametrize("region", [((1, 3), (0, 4)), ((0, 8), (0, 8))], ids=["straddles-two-shards", "whole-leaf"])
+def test_a_replica_overlapping_own_regions_silently_overwrites_them(tmp_path, mesh, region):
+    """Dispatcher.save(own=True, copies=...) checks each Replica's shape and dtype (copies_by_leaf:
+    "checks them against the plan") but not that its region is one of the leaf's shard regions. A
+    replica whose region overlaps this process's own shards without being one of them (rows 1..3 of
+    a leaf sharded in 2-row shards, or the whole leaf) is planned as one more region (own_plan only
+    skips an *equal* region), its chunks overlap the own ones, and the saved step returns the
+    replica's values (-1 here) in place of the process's real data: silent corruption, no error.
+    Fix: ValueError (naming the key path and region) for a replica region that is not a region of the
+    leaf's sharding, or that overlaps a region this process holds without being equal to it."""
+    from dispatch_io.replica_plan import Replica
+    w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
+    device = jax.devices()[0]
+    shape = tuple(hi - lo for lo, hi in region)
+    replica = Replica(device, region, jax.device_put(np.full(shape, -1, np.float32), device))
+    with dio.LocalDispatcher() as dispatcher:
+        try:
+            dispatcher.save(tmp_path / "s", {"w": w}, own=True, copies={"['w']": [replica]}).wait()
+        except ValueError:
+            return                                                   # refused: fine
+        restored = np.asarray(dispatcher.restore(tmp_path / "s")["w"])
+    assert np.array_equal(restored, np.asarray(w)), f"{int((restored == -1).sum())} values replaced by the replica's"
