@@ -192,3 +192,33 @@ def test_a_replica_overlapping_own_regions_silently_overwrites_them(tmp_path, me
             return                                                   # refused: fine
         restored = np.asarray(dispatcher.restore(tmp_path / "s")["w"])
     assert np.array_equal(restored, np.asarray(w)), f"{int((restored == -1).sum())} values replaced by the replica's"
+
+
+def test_local_tier_domains_given_as_a_mapping_become_one_domain_per_process():
+    """LocalTier(domains=...) is documented as "domains[process]: its host" -- which a mapping
+    {process: host} satisfies literally. LocalTier keeps tuple(domains): a dict's *keys*, (0, 1, 2,
+    3), so every process is its own failure domain and the replica of process 0's regions goes to
+    process 1 -- on the same host -- with no error or warning (a lost host then loses them). Fix:
+    take a mapping's values by process (domains[p] for p in range(len)) or refuse it (TypeError)."""
+    hosts = {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
+    try:
+        tier = dio.LocalTier("/tmp/unused/{process}", replicas=1, domains=hosts)
+    except (TypeError, ValueError):
+        return                                                          # refused: fine
+    assert tier.domains == ("host-a", "host-a", "host-b", "host-b"), tier.domains   # is (0, 1, 2, 3)
+
+
+def test_local_tier_domains_as_lists_pass_validation_then_crash_when_the_job_opens():
+    """LocalTier(domains=[["rack-0", "host-0"], ...]) (a (rack, host) pair per process, e.g. read from a
+    JSON config) is accepted by LocalTier's validation, then the manager's open in a multi-process job
+    fails with a bare "TypeError: unhashable type: 'list'" from replica_orders' Counter (after the
+    processes already met in the tiers-paths room). Fix: convert each domain to a hashable value
+    (lists to tuples) or refuse unhashable domains in LocalTier itself, naming domains."""
+    from dispatch_io import replica_plan
+    domains = [["rack-0", "host-0"], ["rack-0", "host-0"], ["rack-1", "host-1"], ["rack-1", "host-1"]]
+    try:
+        tier = dio.LocalTier("/tmp/unused/{process}", replicas=1, domains=domains)
+    except (TypeError, ValueError) as exc:
+        assert "domains" in str(exc), exc                               # refused up front, naming domains
+        return
+    assert replica_plan.replica_orders(list(tier.domains), 1) == [(2, 3, 0, 1)]
