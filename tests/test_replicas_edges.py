@@ -148,6 +148,9 @@ def test_should_save_of_the_restored_step_depends_on_whether_this_host_kept_its_
     of a job": in the job replicas are for (host 0 replaced, hosts 1.. keep local step 8, restored
     from the replicas), the new host's processes take a local save of step 8 and enter
     replicas.send's collective alone -- mismatched collectives, a hang -- while the others skip it.
+    (The loop in docs/manager.md starts at step + 1, so it meets this only when it asks about a step at
+    or before a kept local step: here the restored one; after a resume onto another mesh, which
+    resumed() leaves alone, any step up to the newest kept local step.)
     Fix: a resume of step S sets the local tier's last step to S on every process (whether or not it
     had local steps), so the local policy's answer depends on the step only."""
     _, state = _setup(mesh)
