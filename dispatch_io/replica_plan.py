@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
+from dispatch_io.plan import device_regions
+
 
 @dataclasses.dataclass(frozen=True)
 class Replica:
@@ -55,15 +57,20 @@ def replica_orders(domains: Sequence, replicas: int) -> list[tuple[int, ...]]:
     return orders
 
 
-def replicas_needed(holders: Sequence[set], orders: Sequence[tuple[int, ...]], replicas: int) -> int:
+def replicas_needed(holders: Sequence[set], orders: Sequence[tuple[int, ...]], replicas: int,
+                    domains: Sequence | None = None) -> int:
     """How many of ``orders`` (:func:`replica_orders`), taken in turn, a leaf whose regions are
     held by the process sets ``holders`` needs for every region to be held by ``replicas + 1``
-    processes (all of them if that is never reached): data-parallel replicas already count."""
+    processes in ``replicas + 1`` failure domains (``domains[process]``; as many as there are,
+    if fewer; None: one per process) -- all of them if that is never reached. Data-parallel
+    replicas count, in as many domains as they span (two processes of one host are one)."""
+    domains = range(max((p for h in holders for p in h), default=0) + 1) if domains is None else domains
+    spread = min(replicas + 1, len(set(domains)))
     held = [set(h) for h in holders]
     for k, perm in enumerate([None, *orders]):
         if perm is not None:
             held = [h | {perm[p] for p in base} for h, base in zip(held, holders)]
-        if all(len(h) > replicas for h in held):
+        if all(len(h) > replicas and len({domains[p] for p in h}) >= spread for h in held):
             return k
     return len(orders)
 
@@ -71,8 +78,8 @@ def replicas_needed(holders: Sequence[set], orders: Sequence[tuple[int, ...]], r
 def copies_by_leaf(plan, copies: Mapping[str, Sequence[Replica]] | None, own: bool) -> dict[int, tuple]:
     """``Dispatcher.save``'s ``copies`` (key path -> :class:`Replica` objects received) by leaf index.
     ValueError without ``own`` (a job-wide save writes each region once anyway), for a key path
-    that is not an array leaf of ``plan``, or for a replica whose data is not its region's shape
-    and the stored dtype."""
+    that is not an array leaf of ``plan``, a replica whose region is not one of the leaf's
+    sharding, or whose data is not its region's shape and the stored dtype."""
     if not copies:
         return {}
     if not own:
@@ -84,7 +91,11 @@ def copies_by_leaf(plan, copies: Mapping[str, Sequence[Replica]] | None, own: bo
             raise ValueError(f"copies: {keypath} is not a stored array leaf of the tree being saved")
         spec = leaves[keypath]
         key_dims = spec.shape[len(spec.spec.shape):]
+        regions = device_regions(spec.spec.sharding, spec.spec.shape)
         for r in replicas:
+            if r.region not in regions:  # another region would be written over the leaf's own
+                raise ValueError(f"copies: a replica of {keypath} holds {list(r.region)}, not a region of the "
+                                 f"leaf's sharding")
             shape = tuple(hi - lo for lo, hi in r.region) + tuple(key_dims)
             if tuple(r.data.shape) != shape or r.data.dtype != spec.dtype or not math.prod(shape):
                 raise ValueError(f"copies: a replica of {keypath} {list(r.region)} is {r.data.dtype}"

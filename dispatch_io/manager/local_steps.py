@@ -40,10 +40,22 @@ def read_info(root: StepRoot, step: int) -> dict | None:
     except (OSError, ValueError, RecursionError) as exc:
         logging.warning("dispatch_io: the local step %s is not used (its info cannot be read: %s)", path, exc)
         return None
-    if not isinstance(info, dict) or info.get("tier") != "local" or not isinstance(info.get("held"), dict):
+    if not isinstance(info, dict) or info.get("tier") != "local" or not _regions(info.get("held")):
         logging.warning("dispatch_io: the local step %s is not used (its info records no held regions)", path)
         return None
     return info
+
+
+def _regions(held) -> bool:
+    """Whether ``held`` is what a local step records: {key path: [region, ...]}, each region a list
+    of [start, stop] integer pairs (anything else, e.g. a bit flip on a RAM disk, loses the step)."""
+    def bounds(pair):
+        return (isinstance(pair, list) and len(pair) == 2 and all(type(b) is int for b in pair)
+                and 0 <= pair[0] <= pair[1])
+    return isinstance(held, dict) and all(
+        isinstance(k, str) and isinstance(regions, list) and all(
+            isinstance(region, list) and all(bounds(pair) for pair in region) for region in regions)
+        for k, regions in held.items())
 
 
 def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dict[int, dict], list[str]]:
@@ -65,25 +77,30 @@ def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dic
     return infos, unreadable
 
 
-def check_apart(template: str, path: str, process: int, count: int, timeout: float) -> list[str]:
-    """Each process's host name, by process index (gathered in one named room). ValueError (in
-    every process) if two processes of the job would save into the same local directory (one
-    host, a path without ``{process}``): they would replace each other's steps."""
+def check_apart(template: str, path: str, process: int, count: int, timeout: float,
+                newest: int | None) -> tuple[list[str], int | None]:
+    """(each process's host name by process index, the newest of the processes' ``newest`` local
+    steps), gathered in one named room: the last local step every process starts from (a process
+    whose local directory was lost takes the others', so the local policy answers alike
+    everywhere). ValueError (in every process) if two processes of the job would save into the
+    same local directory (one host, a path without ``{process}``): they would replace each
+    other's steps."""
     if count < 2:
-        return [socket.gethostname()]
+        return [socket.gethostname()], newest
     room = open_room("tiers-paths", template, f"the local tier {template}", timeout)
-    room.set(f"path/{process}", [socket.gethostname(), os.path.realpath(path)])
+    room.set(f"path/{process}", [socket.gethostname(), os.path.realpath(path), newest])
     places = room.gather("path")
     room.close()
     seen: dict[tuple, int] = {}
     for p in sorted(places):
-        where = tuple(places[p])
+        where = tuple(places[p][:2])
         if where in seen:
             raise ValueError(f"LocalTier({template!r}): processes {seen[where]} and {p} would both save into "
                              f"{where[1]} on host {where[0]}; put {{process}} in the path (it becomes the "
                              "process index)")
         seen[where] = p
-    return [places[p][0] for p in range(count)]
+    steps = [places[p][2] for p in range(count) if isinstance(places[p][2], int)]
+    return [places[p][0] for p in range(count)], max(steps, default=None)
 
 
 def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | None, persist: bool) -> bool:

@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import functools
 import math
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,25 @@ from dispatch_io.coordination import open_room
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.plan import device_regions, index_region
 from dispatch_io.replica_plan import Replica
+
+
+def domains_of(domains) -> tuple:
+    """``LocalTier(domains=...)`` as a tuple indexed by process: a sequence as it is, a mapping
+    {process: domain} by its keys 0..n-1; each domain hashable (lists, e.g. a (rack, host) pair
+    from a JSON config, become tuples). TypeError / ValueError naming ``domains`` otherwise."""
+    if isinstance(domains, Mapping):
+        if sorted(domains) != list(range(len(domains))):
+            raise ValueError(f"LocalTier(domains={domains!r}): a mapping must have the keys 0..n-1 (process indices)")
+        domains = [domains[p] for p in range(len(domains))]
+    elif isinstance(domains, (str, bytes)) or not hasattr(domains, "__len__"):
+        raise TypeError(f"LocalTier(domains={domains!r}): a sequence (or mapping), the failure domain of each process")
+    domains = tuple(tuple(d) if isinstance(d, list) else d for d in domains)
+    try:
+        hash(domains)
+    except TypeError:
+        raise TypeError(f"LocalTier(domains={domains!r}): each failure domain must be hashable (a name, a number, "
+                        "a tuple)") from None
+    return domains
 
 
 def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple[int, ...]]]:
@@ -99,12 +119,12 @@ class _Leaf:
     ndim: int       # the leaf's (logical) dimensions: a PRNG key's data has more
 
 
-def send(tree, orders: list[tuple[int, ...]], replicas: int,
+def send(tree, orders: list[tuple[int, ...]], replicas: int, domains,
          row_bytes: int = ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(moves, copies) of the array leaves of ``tree`` whose regions fewer than ``replicas + 1``
     processes hold: ``moves`` {key path: the orders each was sent by}, ``copies`` {key path:
     (:class:`~dispatch_io.replica_plan.Replica`, ...)}: the regions of other processes this
-    process received (see the module doc). Leaves of one dtype travel together, each device's
+    process received (see the module doc; ``domains[process]``: its failure domain). Leaves of one dtype travel together, each device's
     shards packed in one row of at most about ``row_bytes``: one collective per group and order.
     Every process calls it, in the same order."""
     moves, leaves = {}, []
@@ -112,7 +132,7 @@ def send(tree, orders: list[tuple[int, ...]], replicas: int,
         if not isinstance(leaf, jax.Array) or not leaf.size:
             continue
         holders = [{d.process_index for d in held} for held in device_regions(leaf.sharding, leaf.shape).values()]
-        needed = replica_plan.replicas_needed(holders, orders, replicas)
+        needed = replica_plan.replicas_needed(holders, orders, replicas, domains)
         if needed:
             moves[keypath] = tuple(orders[:needed])
             data = jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf

@@ -56,7 +56,9 @@ class TierRestore:
         step so checked, [the info files that could not be read])."""
         infos, unreadable = self._infos()
         held = {str(step): info["held"] for step, info in infos.items()}
-        copies = {str(step): info["copies"] for step, info in infos.items() if isinstance(info.get("copies"), int)}
+        # the copies each step recorded (one where it recorded none or nonsense: the weakest durability)
+        copies = {str(step): info["copies"] if type(info.get("copies")) is int and info["copies"] >= 1 else 1
+                  for step, info in infos.items()}
         if not infos:
             return held, copies, None, unreadable
         newest = max(infos)
@@ -107,7 +109,8 @@ class TierRestore:
         ``durability``: the weakest step it may pick (``tiers_plan.eligible``: ``"replicated"`` skips
         local steps some region of which had one copy; ``"persisted"`` picks a persistent step, read
         from local copies where they have it).
-        Then, if the job resumes the step (:meth:`resumed`), the newer local steps are deleted.
+        Then, if the target has the step's layout (the job resumes it), local saves go on after it on
+        every process, and the first save deletes the newer local steps (``LocalTiers.resume``).
         ValueError without a target; FileNotFoundError if no step has every region; BarrierTimeoutError
         naming a process that does not report within the barrier timeout."""
         if target is None:
@@ -129,10 +132,14 @@ class TierRestore:
         reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         if room is not None:
             persistent_steps = room.from_leader("persistent")
-        candidates = tiers_plan.eligible(durability, persistent_steps,
-                                         {int(s): n for r in gathered.values() for s, n in r["copies"].items()})
-        plan = tiers_plan.plan_restore(tiers_plan.wanted_regions(target, self.count), reports, persistent_steps,
-                                       candidates)
+        recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
+        for r in gathered.values():
+            for s, n in r["copies"].items():
+                recorded[int(s)] = min(n, recorded.get(int(s), n))
+        candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
+        saved_as = self._saved_keypaths(target, names, verified, persistent_steps, persistent_path)
+        wanted = {saved_as.get(k, k): regions for k, regions in tiers_plan.wanted_regions(target, self.count).items()}
+        plan = tiers_plan.plan_restore(wanted, reports, persistent_steps, candidates)
         local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
                                               for regions in plan.routes.values() for r in regions.values())
         shared = self._share_manifest(plan.step, reports, room) if local_pass and room else None
@@ -146,11 +153,33 @@ class TierRestore:
         local_verify = verify or plan.step != verified  # the newest local step was checked in _held
         own_copy = plan.step in reports[self.process]  # as reported: a copy it could not read is not its own
         # each result leaf's routes, by its index (a leaf read under another name, names=, too)
-        by_leaf = [plan.routes.get(k, {}) for k, _ in tree_lib.flatten(target)[0]]
+        by_leaf = [plan.routes.get(saved_as.get(k, k), {}) for k, _ in tree_lib.flatten(target)[0]]
         result = self._fill(plan, by_leaf, persistent_path, local_pass, own_copy, shared, local_verify, verify,
                             outputs_of)
-        self.local.resumed(plan.step, target)
+        if tiers_plan.same_layout(wanted, reports, plan.step):  # the job resumes it (not an eval copy)
+            self.local.resume(plan.step)
         return result
+
+    def _saved_keypaths(self, target, names, newest: int | None, persistent_steps, persistent_path) -> dict:
+        """{target key path: the saved key path it reads} under ``names`` (``restore(names=...)``;
+        {} without): steps record their regions by saved key path. Read from the manifest of this
+        process's newest local step, else of the newest persistent step (one tree, alike in
+        every process)."""
+        paths = (([self._root.step_path(newest)] if newest is not None else []) +
+                 ([persistent_path(max(persistent_steps))] if persistent_steps else []))
+        if names is None or not paths:
+            return {}
+        try:
+            manifest = open_checkpoint(paths[0]).manifest
+        except (IncompleteCheckpointError, CorruptCheckpointError, OSError):  # a lost copy: the root's
+            manifest = open_checkpoint(paths[-1]).manifest
+        manifest = dataclasses.replace(manifest, tensor_names=names)
+        found = {}
+        for path, _ in jax.tree_util.tree_flatten_with_path(target)[0]:
+            saved = manifest.saved_leaf(path, jax.tree_util.keystr(path))
+            if saved is not None:
+                found[jax.tree_util.keystr(path)] = saved.keypath
+        return found
 
     def _share_manifest(self, step: int, reports: dict, room):
         """The manifest of local ``step`` for a process without the step (it plans its part of

@@ -60,9 +60,7 @@ class LocalTier:
         policies.check(self.keep_policy, "keep")
         policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
         if self.domains is not None:
-            if isinstance(self.domains, (str, bytes)) or not hasattr(self.domains, "__len__"):
-                raise TypeError(f"LocalTier(domains={self.domains!r}): a sequence, the failure domain of each process")
-            object.__setattr__(self, "domains", tuple(self.domains))
+            object.__setattr__(self, "domains", replicas.domains_of(self.domains))
 
     def process_path(self, process: int) -> str:
         return os.fspath(self.path).replace("{process}", str(process))
@@ -75,20 +73,19 @@ class LocalTiers:
         self.tier, self.dispatcher, self._clock = tier, dispatcher, clock
         self.process, self.count = process, count
         self.path = tier.process_path(process)
-        hosts = local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
-                                        dispatcher.options.barrier_timeout)
+        self.root = StepRoot.open(self.path)
+        self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
+        newest = max(local_steps.read_steps(self.root, self._owner)[0], default=None)
+        hosts, self._last_step = local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
+                                                         dispatcher.options.barrier_timeout, newest)
         self.domains, self._orders = replicas.placement(tier, hosts, count)
         self._decisions = replicas.decisions(tier, count, dispatcher.options.barrier_timeout)
-        self.root = StepRoot.open(self.path)
         self.root.remove_leftovers()
-        self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
         local_steps.read_steps(self.root, self._owner, remove=True)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
         self._in_flight: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
         self.promoting: set[int] = set()  # steps a promotion reads (promotion.py): local retention keeps them
-        steps = self.steps()
-        self._last_step = steps[-1] if steps else None
         self._last_save = clock()
 
     def steps(self) -> list[int]:
@@ -114,7 +111,7 @@ class LocalTiers:
         (its item files, ``items.files(own_step=True)``) and ``described`` (the step info's items,
         metrics and metadata); retention of local steps follows its commit, on the tier's thread."""
         self.wait()
-        moves, copies = replicas.send(tree, self._orders, self.tier.replicas)  # every process, in step order
+        moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
         spread = tiers_plan.spread(tree, self.count, moves, self.domains)
         info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": self._clock(),
                 "copies": spread[0], "domains": spread[1], "durability": tiers_plan.durability(spread[0], False),
@@ -171,10 +168,13 @@ class LocalTiers:
         another sharding (an eval copy) changes nothing."""
         mine = tiers_plan.held_regions(target, self.process) if target is not None else {}
         infos = self.infos()[0] if mine else {}
-        saved = infos[max(infos)].get("sharded", infos[max(infos)]["held"]) if infos else None  # its own, not replicas
-        if not isinstance(saved, dict) or any(saved.get(k) != v for k, v in mine.items()):
-            return
-        if self._last_step is not None and step < self._last_step:
+        saved = infos[max(infos)].get("sharded", infos[max(infos)]["held"]) if infos else {}  # its own, not replicas
+        if mine and not infos or isinstance(saved, dict) and all(saved.get(k) == v for k, v in mine.items()):
+            self.resume(step)  # (a process that lost its local steps cannot tell: it follows the job)
+
+    def resume(self, step: int):
+        """Local saves go on after ``step`` (the job resumes it): the same on every process."""
+        if self._last_step is None or step < self._last_step:
             self._last_step = step
 
     def drop_from(self, step: int):
