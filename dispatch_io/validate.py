@@ -174,8 +174,7 @@ def _check_entry(entry, i: int, packs: dict, where: str) -> None:
         raise malformed(where, "dtype and key_impl must be text", keypath)
     if (kind == tree_lib.KEY) != (key_impl is not None):
         raise malformed(where, "a key_impl is for key leaves, and every key leaf has one", keypath)
-    sharding = entry.get("sharding")
-    if sharding is not None and not describes_sharding(sharding):
+    if not describes_sharding(sharding := entry.get("sharding")):
         raise malformed(where, f"sharding {_short(sharding)} is not a described sharding", keypath)
     stored = entry.get("stored")
     if stored is None:
@@ -240,8 +239,7 @@ def check_manifest(manifest, where: str, names: re.Pattern | None = NAME) -> Non
         if pair not in dtypes_agree:
             _check_dtype(spec.dtype, leaf, where)
             dtypes_agree.add(pair)
-        array = spec.stored
-        if id(array) not in arrays_checked:
+        if id(array := spec.stored) not in arrays_checked:
             _check_tiling(array, names, where, keypath)
             arrays_checked.add(id(array))
         nbytes = spec.nbytes
@@ -254,8 +252,7 @@ def check_manifest(manifest, where: str, names: re.Pattern | None = NAME) -> Non
             grid = [-(-n // c) for n, c in zip(spec.shape, spec.chunk_shape)]
             for index in leaf.checksums:
                 if len(index) != len(grid) or not all(0 <= i < n for i, n in zip(index, grid)):
-                    raise malformed(where, f"a checksum of chunk {list(index)}, outside its chunk grid {grid}",
-                                    keypath)
+                    raise malformed(where, f"a checksum of chunk {list(index)}, outside its chunk grid {grid}", keypath)
         total += nbytes
     if manifest.total_bytes and manifest.total_bytes != total:
         raise malformed(where, f"manifest.json: total_bytes {manifest.total_bytes} is not the {total} bytes "
@@ -327,7 +324,8 @@ def stored_problem(metadata, spec: ArraySpec, compression) -> str | None:
             return f"zarr.json {field} {_short(metadata.get(field))}, the manifest says {_short(expected[field])}"
     if metadata.get("chunk_key_encoding", expected["chunk_key_encoding"]) != expected["chunk_key_encoding"]:
         return f"zarr.json chunk_key_encoding {_short(metadata['chunk_key_encoding'])}, expected the default"
-    if _codecs(metadata.get("codecs")) != _codecs(expected["codecs"]):
+    codecs = metadata.get("codecs")   # as written (equal: equal as compared), else as compared
+    if codecs != expected["codecs"] and _codecs(codecs) != _codecs(expected["codecs"]):
         return f"zarr.json codecs {_short(metadata.get('codecs'))}, the manifest says {_short(expected['codecs'])}"
     if metadata.get("storage_transformers", []) != []:
         return f"zarr.json storage_transformers {_short(metadata['storage_transformers'])}, none written"
@@ -382,17 +380,19 @@ def check_stored(manifest, kvstore: dict, context: ts.Context | None, where: str
     except Exception as exc:  # noqa: BLE001 - TensorStore's error kinds; condensed here, chained
         raise malformed(where, f"cannot open its arrays: {brief_error(exc)}") from exc
     past = slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1)   # a byte past the bound: none for a real one
-    for name, probe in [(name, store.read(f"{name}/zarr.json", byte_range=past)) for name in arrays]:
+    with ts.Batch() as batch:   # each batch submitted at once (OCDBT: its tree nodes read once for all)
+        probes = {name: store.read(f"{name}/zarr.json", byte_range=past, batch=batch) for name in arrays}
+    for name, probe in probes.items():
         if probe.exception() is None and probe.result().state == "value":
             raise malformed(where, f"{name}/zarr.json is larger than {MAX_ZARR_JSON_BYTES} bytes", arrays[name][1])
-    reads = {name: store.read(f"{name}/zarr.json") for name in arrays}
+    with ts.Batch() as batch:
+        reads = {name: store.read(f"{name}/zarr.json", batch=batch) for name in arrays}
     for name, future in reads.items():
         spec, keypath = arrays[name]
         if future.exception() is not None or future.result().state != "value":
             continue  # lost, not malformed: reading the leaf fails naming it, a partial restore of others works
-        result = future.result()
         try:
-            metadata = json.loads(result.value)
+            metadata = json.loads(future.result().value)
         except (ValueError, RecursionError) as exc:
             raise malformed(where, f"{name}/zarr.json is not JSON ({exc})", keypath) from exc
         problem = stored_problem(metadata, spec, manifest.compression)
