@@ -15,7 +15,9 @@ that nothing replaced the checkpoint while it was read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 from typing import Callable
 
@@ -122,6 +124,26 @@ def _check_links(directory: str, display: str):
                                           f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''})")
 
 
+@contextlib.contextmanager
+def _collection_paused():
+    """No cyclic garbage collection while the manifest is decoded and parsed.
+
+    Decoding a manifest allocates hundreds of thousands of objects (10 000 leaves: ~4 MB of
+    JSON) and keeps them all; each allocation counts towards the collector's next pass, so
+    it walks the growing heap over and over, finding nothing (JSON and the parsed description
+    hold no cycles): half the time of opening such a checkpoint. Paused here, it resumes as
+    it was once the manifest is parsed, raising or not (another thread that switches the
+    collector off meanwhile would find it on again: this pauses a process-wide switch)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def open_checkpoint(path) -> Opened:
     """Open the committed checkpoint at ``path`` (dispatch_io or Orbax) for reading.
 
@@ -150,7 +172,8 @@ def open_checkpoint(path) -> Opened:
         return _open_safetensors(os.fspath(path), *found)
     location = Location.parse(path)
     marker = location.commit_marker()  # a save that replaces the checkpoint changes it
-    manifest = manifest_lib.parse(location.read_manifest(), location.display)
+    with _collection_paused():
+        manifest = manifest_lib.parse(location.read_manifest(), location.display)
     if isinstance(location, DirectoryLocation):
         _check_links(location.path, location.display)
     arrays = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)

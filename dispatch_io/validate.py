@@ -62,11 +62,19 @@ def _is_text(value) -> bool:
 
 
 def _shape(value, what: str, where: str, keypath: str, low: int = 0) -> None:
-    if not (isinstance(value, list) and len(value) <= MAX_RANK and all(_is_int(n, low) for n in value)):
-        raise malformed(where, f"{what} must be a list of at most {MAX_RANK} ints >= {low}, got "
-                               f"{_short(value)}", keypath)
-    if math.prod(n for n in value if n) > MAX_DIM:  # (even with a 0: numpy cannot make it)
-        raise malformed(where, f"{what} {_short(value)} has more than {MAX_DIM} elements besides its zeros", keypath)
+    """Raise unless ``value`` is a list of at most :data:`MAX_RANK` ints in ``[low, MAX_DIM]``
+    whose non-zero ones multiply to at most :data:`MAX_DIM` (a loop: it runs thrice per leaf)."""
+    if isinstance(value, list) and len(value) <= MAX_RANK:
+        for n in value:
+            if type(n) is not int or n < low or n > MAX_DIM:
+                break
+        else:
+            if len(value) > 1 and math.prod(value if 0 not in value else [n for n in value if n]) > MAX_DIM:
+                raise malformed(where, f"{what} {_short(value)} has more than {MAX_DIM} elements besides "
+                                       "its zeros", keypath)  # (even with a 0: numpy cannot make it)
+            return
+    raise malformed(where, f"{what} must be a list of at most {MAX_RANK} ints >= {low}, got {_short(value)}",
+                    keypath)
 
 
 def _short(value) -> str:
@@ -134,53 +142,61 @@ def describes_sharding(value) -> bool:
         return False
     if value["type"] == "NamedSharding":
         mesh, spec = value.get("mesh"), value.get("spec")
-        return isinstance(mesh, dict) and all(_is_text(k) and _is_int(v) for k, v in mesh.items()) \
-            and isinstance(spec, list) and all(
-                p is None or _is_text(p) or (isinstance(p, list) and all(map(_is_text, p))) for p in spec)
+        if not isinstance(mesh, dict) or not isinstance(spec, list):
+            return False
+        if not all(_is_text(axis) and _is_int(size) for axis, size in mesh.items()):
+            return False
+        return all(p is None or _is_text(p) or (isinstance(p, list) and all(map(_is_text, p))) for p in spec)
     if value["type"] == "SingleDeviceSharding":
         return "device" in value and (value["device"] is None or _is_int(value["device"]) or _is_text(value["device"]))
     return True
 
 
+_CHUNK_INDEX = re.compile(r"[0-9]{1,19}(?:,[0-9]{1,19})*|")
+
+
 def _check_entry(entry, i: int, packs: dict, where: str) -> None:
+    """Raise unless the ``i``-th leaf entry is as :func:`check_document` says (each field read once)."""
     if not isinstance(entry, dict) or not _is_text(entry.get("keypath")):
         raise malformed(where, f"manifest.json: leaf {i} must be an object with a text keypath")
-    keypath = entry["keypath"]
-    if entry.get("kind") not in _KINDS or entry.get("origin") not in _ORIGINS:
-        raise malformed(where, f"kind {_short(entry.get('kind'))} / origin {_short(entry.get('origin'))} "
+    keypath, kind = entry["keypath"], entry.get("kind")
+    if kind not in _KINDS or entry.get("origin") not in _ORIGINS:
+        raise malformed(where, f"kind {_short(kind)} / origin {_short(entry.get('origin'))} "
                                f"(kinds {_KINDS}, origins {_ORIGINS})", keypath)
-    if entry["kind"] == tree_lib.SCALAR:
+    if kind == tree_lib.SCALAR:
         if not _is_scalar(entry.get("value")):
             raise malformed(where, f"scalar {_short(entry.get('value'))} is not {{'type': bool | int | float | "
                                    "complex | str, 'value': text or finite numbers}", keypath)
         return
-    _shape(entry.get("shape"), "shape", where, keypath)
-    if not _is_text(entry.get("dtype")) or not (entry.get("key_impl") is None or _is_text(entry["key_impl"])):
+    shape, key_impl = entry.get("shape"), entry.get("key_impl")
+    _shape(shape, "shape", where, keypath)
+    if not _is_text(entry.get("dtype")) or not (key_impl is None or _is_text(key_impl)):
         raise malformed(where, "dtype and key_impl must be text", keypath)
-    if (entry["kind"] == tree_lib.KEY) != (entry.get("key_impl") is not None):
+    if (kind == tree_lib.KEY) != (key_impl is not None):
         raise malformed(where, "a key_impl is for key leaves, and every key leaf has one", keypath)
-    if not describes_sharding(entry.get("sharding")):
-        raise malformed(where, f"sharding {_short(entry.get('sharding'))} is not a described sharding", keypath)
+    if not describes_sharding(sharding := entry.get("sharding")):
+        raise malformed(where, f"sharding {_short(sharding)} is not a described sharding", keypath)
     stored = entry.get("stored")
     if stored is None:
-        if math.prod(entry["shape"]):
-            raise malformed(where, f"a leaf of shape {entry['shape']} has nothing stored", keypath)
+        if math.prod(shape):
+            raise malformed(where, f"a leaf of shape {shape} has nothing stored", keypath)
         return
     if not isinstance(stored, dict) or not _is_text(stored.get("dtype")):
         raise malformed(where, f"stored must be an object with a text dtype, got {_short(stored)}", keypath)
     _shape(stored.get("shape"), "stored shape", where, keypath)
     _shape(stored.get("chunk_shape"), "chunk_shape", where, keypath, low=1)
     if "pack" in stored:
-        if not isinstance(stored["pack"], str) or stored["pack"] not in packs or not _is_int(stored.get("offset")):
-            raise malformed(where, f"stored in pack {_short(stored['pack'])} at offset "
+        pack = stored["pack"]
+        if not isinstance(pack, str) or pack not in packs or not _is_int(stored.get("offset")):
+            raise malformed(where, f"stored in pack {_short(pack)} at offset "
                                    f"{_short(stored.get('offset'))}, which the manifest's packs do not list", keypath)
     elif not (isinstance(stored.get("name"), str) and NAME.fullmatch(stored["name"])):
         raise malformed(where, f"stored array name {_short(stored.get('name'))} is not '<index>.<hint>' "
                                f"({NAME.pattern})", keypath)
     crc = stored.get("crc32c")
     if crc is not None and not (isinstance(crc, dict) and all(
-            isinstance(k, str) and re.fullmatch(r"[0-9]{1,19}(?:,[0-9]{1,19})*|", k) and isinstance(v, str)
-            and _CRC.fullmatch(v) for k, v in crc.items())):
+            isinstance(k, str) and _CHUNK_INDEX.fullmatch(k) and isinstance(v, str) and _CRC.fullmatch(v)
+            for k, v in crc.items())):
         raise malformed(where, "crc32c must map chunk indices 'i,j,...' to 8 hex digits", keypath)
 
 
@@ -206,44 +222,63 @@ def check_manifest(manifest, where: str, names: re.Pattern | None = NAME) -> Non
     chunk shape has its rank and tiles it in at most :data:`MAX_CHUNKS` chunks, its checksums
     name chunks of that grid, a packed leaf lies inside its pack, stored names match ``names``
     (None: names only need to be safe relative paths: Orbax's) and the stored bytes add up to
-    ``total_bytes`` (when it is known, non-zero)."""
+    ``total_bytes`` (when it is known, non-zero). A pair of stored and leaf dtype, and a
+    stored array (a pack that thousands of leaves share), are checked once, not once per leaf."""
     total = 0
+    dtypes_agree, arrays_checked = set(), set()   # (stored dtype, leaf dtype or key impl); id(stored array)
     for leaf in manifest.leaves:
         spec = leaf.stored
         if spec is None:
             continue
-        keypath = leaf.keypath
-        expected, dtype = tuple(leaf.shape), getattr(leaf.dtype, "name", None)
+        keypath, expected = leaf.keypath, tuple(leaf.shape)
         if leaf.key_impl is not None:
-            dims, dtype = _key_data(leaf.key_impl)
-            expected += dims
+            expected += _key_data(leaf.key_impl)[0]
         if spec.shape != expected:
             raise malformed(where, f"stored shape {list(spec.shape)} is not the leaf's {list(expected)}", keypath)
-        if numpy_dtype(spec.dtype).name != dtype:
-            raise malformed(where, f"stored dtype {spec.dtype} is not the leaf's {dtype}", keypath)
-        if numpy_dtype(spec.dtype).hasobject:  # bytes read into Python object pointers
-            raise malformed(where, f"dtype {spec.dtype} holds Python objects, never stored", keypath)
-        array = spec.stored
-        if len(array.chunk_shape) != len(array.shape) or min(array.chunk_shape, default=1) < 1:
-            raise malformed(where, f"chunk shape {list(array.chunk_shape)} does not tile stored shape "
-                                   f"{list(array.shape)}", keypath)
-        if chunk_count(array) > MAX_CHUNKS:
-            raise malformed(where, f"stored shape {list(array.shape)} in chunks of {list(array.chunk_shape)} is "
-                                   f"{chunk_count(array)} chunks, more than {MAX_CHUNKS}", keypath)
+        pair = (spec.dtype, leaf.dtype if leaf.key_impl is None else leaf.key_impl)
+        if pair not in dtypes_agree:
+            _check_dtype(spec.dtype, leaf, where)
+            dtypes_agree.add(pair)
+        if id(array := spec.stored) not in arrays_checked:
+            _check_tiling(array, names, where, keypath)
+            arrays_checked.add(id(array))
+        nbytes = spec.nbytes
         if spec.packed is not None:
             pack, offset = spec.packed
-            if offset + spec.nbytes > pack.shape[0]:
-                raise malformed(where, f"bytes [{offset}, {offset + spec.nbytes}) are not inside pack "
+            if offset + nbytes > pack.shape[0]:
+                raise malformed(where, f"bytes [{offset}, {offset + nbytes}) are not inside pack "
                                        f"{pack.name} of {pack.shape[0]} bytes", keypath)
-        check_name(array.name, names, where, keypath)
-        grid = [-(-n // c) for n, c in zip(spec.shape, spec.chunk_shape)]
-        for index in (leaf.checksums or {}):
-            if len(index) != len(grid) or not all(0 <= i < n for i, n in zip(index, grid)):
-                raise malformed(where, f"a checksum of chunk {list(index)}, outside its chunk grid {grid}", keypath)
-        total += spec.nbytes
+        if leaf.checksums:
+            grid = [-(-n // c) for n, c in zip(spec.shape, spec.chunk_shape)]
+            for index in leaf.checksums:
+                if len(index) != len(grid) or not all(0 <= i < n for i, n in zip(index, grid)):
+                    raise malformed(where, f"a checksum of chunk {list(index)}, outside its chunk grid {grid}", keypath)
+        total += nbytes
     if manifest.total_bytes and manifest.total_bytes != total:
         raise malformed(where, f"manifest.json: total_bytes {manifest.total_bytes} is not the {total} bytes "
                                "its leaves store")
+
+
+def _check_dtype(stored: str, leaf, where: str) -> None:
+    """Raise unless the stored dtype name ``stored`` is ``leaf``'s dtype (keys: its impl's key
+    data dtype) and holds no Python objects."""
+    dtype = getattr(leaf.dtype, "name", None) if leaf.key_impl is None else _key_data(leaf.key_impl)[1]
+    if numpy_dtype(stored).name != dtype:
+        raise malformed(where, f"stored dtype {stored} is not the leaf's {dtype}", leaf.keypath)
+    if numpy_dtype(stored).hasobject:  # bytes read into Python object pointers
+        raise malformed(where, f"dtype {stored} holds Python objects, never stored", leaf.keypath)
+
+
+def _check_tiling(array: ArraySpec, names: re.Pattern | None, where: str, keypath: str) -> None:
+    """Raise unless the stored ``array``'s chunk shape has its rank and tiles it in at most
+    :data:`MAX_CHUNKS` chunks, and its name matches ``names`` (:func:`check_name`)."""
+    if len(array.chunk_shape) != len(array.shape) or min(array.chunk_shape, default=1) < 1:
+        raise malformed(where, f"chunk shape {list(array.chunk_shape)} does not tile stored shape "
+                               f"{list(array.shape)}", keypath)
+    if (count := chunk_count(array)) > MAX_CHUNKS:
+        raise malformed(where, f"stored shape {list(array.shape)} in chunks of {list(array.chunk_shape)} is "
+                               f"{count} chunks, more than {MAX_CHUNKS}", keypath)
+    check_name(array.name, names, where, keypath)
 
 
 def check_name(name: str, pattern: re.Pattern | None, where: str, keypath: str) -> None:
@@ -289,7 +324,8 @@ def stored_problem(metadata, spec: ArraySpec, compression) -> str | None:
             return f"zarr.json {field} {_short(metadata.get(field))}, the manifest says {_short(expected[field])}"
     if metadata.get("chunk_key_encoding", expected["chunk_key_encoding"]) != expected["chunk_key_encoding"]:
         return f"zarr.json chunk_key_encoding {_short(metadata['chunk_key_encoding'])}, expected the default"
-    if _codecs(metadata.get("codecs")) != _codecs(expected["codecs"]):
+    codecs = metadata.get("codecs")   # as written (equal: equal as compared), else as compared
+    if codecs != expected["codecs"] and _codecs(codecs) != _codecs(expected["codecs"]):
         return f"zarr.json codecs {_short(metadata.get('codecs'))}, the manifest says {_short(expected['codecs'])}"
     if metadata.get("storage_transformers", []) != []:
         return f"zarr.json storage_transformers {_short(metadata['storage_transformers'])}, none written"
@@ -344,17 +380,19 @@ def check_stored(manifest, kvstore: dict, context: ts.Context | None, where: str
     except Exception as exc:  # noqa: BLE001 - TensorStore's error kinds; condensed here, chained
         raise malformed(where, f"cannot open its arrays: {brief_error(exc)}") from exc
     past = slice(MAX_ZARR_JSON_BYTES, MAX_ZARR_JSON_BYTES + 1)   # a byte past the bound: none for a real one
-    for name, probe in [(name, store.read(f"{name}/zarr.json", byte_range=past)) for name in arrays]:
+    with ts.Batch() as batch:   # each batch submitted at once (OCDBT: its tree nodes read once for all)
+        probes = {name: store.read(f"{name}/zarr.json", byte_range=past, batch=batch) for name in arrays}
+    for name, probe in probes.items():
         if probe.exception() is None and probe.result().state == "value":
             raise malformed(where, f"{name}/zarr.json is larger than {MAX_ZARR_JSON_BYTES} bytes", arrays[name][1])
-    reads = {name: store.read(f"{name}/zarr.json") for name in arrays}
+    with ts.Batch() as batch:
+        reads = {name: store.read(f"{name}/zarr.json", batch=batch) for name in arrays}
     for name, future in reads.items():
         spec, keypath = arrays[name]
         if future.exception() is not None or future.result().state != "value":
             continue  # lost, not malformed: reading the leaf fails naming it, a partial restore of others works
-        result = future.result()
         try:
-            metadata = json.loads(result.value)
+            metadata = json.loads(future.result().value)
         except (ValueError, RecursionError) as exc:
             raise malformed(where, f"{name}/zarr.json is not JSON ({exc})", keypath) from exc
         problem = stored_problem(metadata, spec, manifest.compression)

@@ -278,6 +278,38 @@ def test_a_marker_nested_too_deep_is_no_marker():
     assert not Marker.parse(b'{"host": [], "pid": "x", "id": 1}').ours
 
 
+def test_what_is_checked_once_per_value_still_names_each_leaf(tmp_path):
+    """check_manifest checks a (stored, leaf) dtype pair once, not per leaf: ['b'] (int32 in
+    int32) passes, ['c'] (float64 stored as int32) in the same pack is still refused, by name."""
+    path = tmp_path / "ckpt"
+    save(path)
+    edit_manifest(path, lambda doc: leaf(doc, "['c']")["stored"].update(dtype="int32"))
+    with pytest.raises(dio.CorruptCheckpointError, match="stored dtype int32 is not the leaf's float64") as info:
+        dio.metadata(path)
+    assert info.value.keypath == "['c']"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_opening_leaves_the_garbage_collector_as_it_was(tmp_path, enabled):
+    """open_checkpoint pauses cyclic garbage collection while it parses the manifest: on again
+    after an open and after a refusal, and never switched on by it when it was off."""
+    import gc
+
+    path = tmp_path / "ckpt"
+    save(path)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        dio.metadata(path)
+        assert gc.isenabled() == enabled
+        edit_manifest(path, lambda doc: leaf(doc, "['w']").update(kind="pickle"))
+        with pytest.raises(dio.CorruptCheckpointError, match="kind 'pickle'"):
+            dio.metadata(path)
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 @pytest.fixture(scope="module")
 def orbax_checkpoint(tmp_path_factory):
     ocp = pytest.importorskip("orbax.checkpoint")
