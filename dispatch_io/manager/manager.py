@@ -248,9 +248,9 @@ class CheckpointManager:
         """On the manager's thread: wait for the save, then hand retention to its own thread."""
         try:
             handle.wait()
-        except BaseException as exc:  # noqa: BLE001 - raised by the next save()/wait()
+        except BaseException as exc:  # noqa: BLE001 - raised by the next save()/wait() (once: promotion.to_report)
             with self._lock:
-                self._unreported = exc
+                self._unreported = promotion.to_report(handle, exc)
             return
         finally:  # info read while it was being saved (an overwrite) is the replaced step's
             self._infos.pop(step, None)

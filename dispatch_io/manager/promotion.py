@@ -222,50 +222,81 @@ def _item_files(local, step: int, items: dict, json_writer: bool) -> dict[str, b
 
 
 class Deferred:
-    """The handle of a promotion that starts once the local save ``first`` is over: on the first
-    thread that waits for it (the manager's, which waits for every persistent save). A failed local
-    save is no copy (logged; ``LocalTiers.wait`` raises it): the promotion goes on from the peers'
-    copies, or fails in every process alike. The step is kept from local retention meanwhile."""
+    """The handle of the persistent save of ``step`` (at ``path``) by promotion of its local save
+    ``first``: the promotion starts once the local save is over, on the first thread that waits
+    for it then (the manager's, which waits for every persistent save). The step is kept from
+    local retention until the promotion is over, or could not start.
 
-    def __init__(self, first: SaveHandle, local, step: int, launch):
+    A failed local save (whatever its error) is no copy: the promotion still goes on, from the
+    peers' copies, or fails in every process alike (it is collective: the other processes wait
+    for this one's report). That failure is the step's report in this process (``LocalTiers.wait``
+    raises it, once); a promotion failing after it is raised by this handle, never again by the
+    manager (:func:`to_report`)."""
+
+    def __init__(self, first: SaveHandle, local, step: int, path: str, launch):
         self._first, self._local, self._step, self._launch = first, local, step, launch
+        self.path = Location.parse(path).display  # the persistent step's, as a save's handle names it
         self._lock = threading.Lock()
         self._started: SaveHandle | BaseException | None = None   # the promotion's handle, or why it did not start
+        self.local_failure: BaseException | None = None           # why the local save failed, if it did
         local.promoting.add(step)
 
     def wait(self, timeout: float | None = None):
-        """Start the promotion if no thread did (waiting for the local save first, ``timeout`` aside),
-        then wait for it as ``SaveHandle.wait`` does. A promotion that could not start raises the same
-        error to every caller (it is never started twice: it is a collective call)."""
-        with self._lock:
+        """Wait for the local save, start the promotion if no thread did, then wait for it, as
+        ``SaveHandle.wait`` does: TimeoutError once ``timeout`` seconds are over, wherever it is (the
+        promotion goes on). A promotion that could not start raises the same error to every caller
+        (it is never started twice: it is a collective call)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
+        failure = None
+        try:
+            self._first.wait(left())
+        except BaseException as exc:
+            if not self._first.done():  # the timeout (or an interrupt of this thread): nothing is decided
+                raise
+            failure = exc               # the local save's own failure
+        if not self._lock.acquire(timeout=-1 if deadline is None else left()):  # another thread is starting it
+            raise TimeoutError(f"the promotion of step {self._step} to {self.path} not started after {timeout} s")
+        try:
             if self._started is None:
-                try:
-                    self._first.wait()
-                except CheckpointError as exc:
-                    logging.warning("dispatch_io: the local save of step %d failed (%s); promoting it from the "
-                                    "other processes' copies, if they hold it whole", self._step, exc)
-                try:
-                    self._started = self._launch()  # pins the step itself until its save is over
-                except BaseException as exc:  # noqa: BLE001 - kept for every caller, raised below
-                    self._started = exc
-                    self._local.promoting.discard(self._step)
+                self._start(failure)
+        finally:
+            self._lock.release()
         if isinstance(self._started, BaseException):
             raise self._started
-        return self._started.wait(timeout)
+        return self._started.wait(left())
+
+    def _start(self, failure: BaseException | None):
+        """Start the promotion (the local save is over; ``failure``: why it failed, or None)."""
+        if failure is not None:
+            self.local_failure = failure
+            logging.warning("dispatch_io: the local save of step %d failed (%s); promoting it from the other "
+                            "processes' copies, if they hold it whole", self._step, failure)
+        try:
+            self._started = self._launch()  # pins the step itself until its save is over
+        except BaseException as exc:  # noqa: BLE001 - kept for every caller, raised by wait()
+            if exc.__cause__ is None and failure is not None:
+                exc.__cause__ = failure
+            self._started = exc
+            self._local.promoting.discard(self._step)
 
     def done(self) -> bool:
         return isinstance(self._started, BaseException) or (self._started is not None and self._started.done())
 
-    @property
-    def path(self) -> str:
-        return self._first.path
+
+def to_report(handle, error: BaseException) -> BaseException | None:
+    """What the manager raises (once, from the next ``save()`` / ``wait()``) for its persistent save
+    ``handle`` that failed with ``error``: ``error``, or None for a promotion after a failed local
+    save of the step in this process (:class:`Deferred`): that failure, which ``LocalTiers.wait``
+    raises, is the step's report; the promotion's (most likely "no copy") is its consequence."""
+    return None if isinstance(handle, Deferred) and handle.local_failure is not None else error
 
 
 def after(first: SaveHandle, local, step: int, version: str, clock, overwrite: bool):
     """``launch(path)`` for the manager's persistent save of ``step`` by promotion of the local
     save ``first`` (``LocalTier(promote=True)``): returns a :class:`Deferred` handle."""
-    return lambda path: Deferred(first, local, step, lambda: promote(local, step, path, version, clock,
-                                                                     overwrite=overwrite, wait_local=False))
+    return lambda path: Deferred(first, local, step, path, lambda: promote(
+        local, step, path, version, clock, overwrite=overwrite, wait_local=False))
 
 
 def promote(local, step: int, path: str, version: str, clock, *, overwrite: bool = False,
