@@ -339,3 +339,37 @@ def test_local_retention_keeps_a_step_while_save_promotes_it(tmp_path, mesh, mon
         mgr.wait()
         assert mgr.all_steps() == [2]
         _same(mgr.restore(2, _state(mesh, 0)), _state(mesh, 2))
+
+
+def test_a_deferred_promotion_after_any_local_failure_unpins_the_step_and_is_reported_once():
+    """promotion.Deferred (LocalTier(promote=True)): a local save failing with an error that is not a
+    CheckpointError is still a failed local save: the promotion starts without a copy, and, failing,
+    releases the step's pin against local retention; its error is the handle's (chained to the local
+    failure), which the manager does not raise again (the local tier reports the local failure)."""
+    from dispatch_io.manager import promotion
+
+    class Failed:
+        path = "/local/0/3"
+
+        def wait(self, timeout=None):
+            raise RuntimeError("a callback of the local save raised")
+
+        def done(self):
+            return True
+
+    class Local:
+        def __init__(self):
+            self.promoting = set()
+
+    def launch():
+        raise FileNotFoundError("no process has a local copy of step 3")
+    local = Local()
+    handle = promotion.Deferred(Failed(), local, 3, "/root/3", launch)
+    assert local.promoting == {3} and handle.path == "/root/3"
+    with pytest.raises(FileNotFoundError, match="no process has a local copy") as raised:
+        handle.wait()
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert local.promoting == set() and handle.done()
+    assert promotion.to_report(handle, raised.value) is None
+    with pytest.raises(FileNotFoundError):   # the same error to every caller; never started twice
+        handle.wait(timeout=1)

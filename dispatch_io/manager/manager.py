@@ -205,13 +205,15 @@ class CheckpointManager:
         files, index = items_lib.files(items, self._process)
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes, _version())
         persist = force or self.save_policy is None or self._should_persist(step)
+        if persist and self.local is not None:  # the root's refusal first: the local save would write before it
+            steps.check_new(self._root, step, overwrite, self.step_path, self.all_steps(), self.root)
         handle = local_steps.save(self.local, step, tree, local, persist, items, info, save_kwargs)  # fast: first
         if not persist:
             return handle
         if handle is not None and self.local.tier.promote:  # the root's copy from the local one: one device copy
-            return self._persist("save", step, info["started"],
+            return self._persist("save", step, info["started"], overwrite,
                                  promotion.after(handle, self.local, step, _version(), self._clock, overwrite))
-        return self._persist("save", step, info["started"], lambda path: self.dispatcher.save(
+        return self._persist("save", step, info["started"], overwrite, lambda path: self.dispatcher.save(
             path, tree, overwrite=overwrite, attachments=Attachments(files, info, self._clock, agreed=index),
             **save_kwargs))
 
@@ -220,21 +222,18 @@ class CheckpointManager:
         (every process; ``promotion.promote``). Returns its handle; raises as ``save`` and ``promotion.promote``."""
         step = _step_number(step)
         self._check_not_inside_save("promote")
-        return self._persist("promote", step, self._clock(), lambda path: promotion.promote(
+        return self._persist("promote", step, self._clock(), overwrite, lambda path: promotion.promote(
             self.local, step, path, _version(), self._clock, overwrite=overwrite))
 
-    def _persist(self, what: str, step: int, started: float, launch) -> SaveHandle:
-        """``launch(path)``, a save of ``step`` to the root, after the save in flight; then its retention."""
+    def _persist(self, what: str, step: int, started: float, overwrite: bool, launch) -> SaveHandle:
+        """``launch(path)``, a save of ``step`` to the root (checked first: ``steps.check_new``), after the save
+        in flight; then its retention."""
         with self._save_lock:  # saves from several threads run one after the other; close() waits here
             self._check_usable(what)  # again: close() may have run while this waited for the lock
             self._saving_thread = threading.get_ident()
             try:
                 self._wait_for_save()
-                path = self.step_path(step)
-                if path != self._root.step_path(step):
-                    raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save "
-                                          "never replaces one, even with overwrite=True (remove it first if it may go)")
-                retention.check_not_older(step, self.all_steps(), self.root, self.step_path)
+                path = steps.check_new(self._root, step, overwrite, self.step_path, self.all_steps(), self.root)
                 handle = launch(path)
                 self._last_save, self._last_saved_step = started, step
                 self._infos.pop(step, None)
@@ -248,9 +247,9 @@ class CheckpointManager:
         """On the manager's thread: wait for the save, then hand retention to its own thread."""
         try:
             handle.wait()
-        except BaseException as exc:  # noqa: BLE001 - raised by the next save()/wait()
+        except BaseException as exc:  # noqa: BLE001 - raised by the next save()/wait() (once: promotion.to_report)
             with self._lock:
-                self._unreported = exc
+                self._unreported = promotion.to_report(handle, exc)
             return
         finally:  # info read while it was being saved (an overwrite) is the replaced step's
             self._infos.pop(step, None)

@@ -8,18 +8,20 @@ A promotion is an ordinary save of the root (the save driver, its staging budget
 job's commit protocol, the step's info and items attached) whose "copy to host" reads stored
 chunks from the local copies and whose writer writes them unchanged: each chunk's encoded bytes
 are read through a TensorStore kvstore and written under the same key in the persistent step's
-arrays (zarr3 arrays of the same metadata), so no chunk is decoded or re-encoded and no device is
-used. Which process copies which chunk (once job-wide, by a process whose copy holds it) is the
-pure ``promote_plan``; the processes agree on it from one gather of what their copies hold.
-Checksums: each chunk's CRC-32C is carried over from its local copy's manifest, and checked on the
-way where the stored bytes are the raw chunk (uncompressed steps); a bad local chunk fails the
-promotion (nothing is committed), naming its key path. The promoted step keeps the local steps'
-unpacked layout (docs/format.md). See docs/manager.md "Local tier".
+arrays (zarr3 arrays of the same metadata), so no chunk is re-encoded and no device is used.
+Which process copies which chunk (once job-wide, by a process whose copy holds it) is the pure
+``promote_plan``; the processes agree on it from one gather of what their copies hold.
+Checks: every chunk is checked before it is written (``_Copies.checked``): an uncompressed one's
+length and CRC-32C as stored, a compressed one decoded from the local copy; a bad local chunk fails
+the promotion (nothing is committed), naming its key path. Each chunk's CRC-32C (of its decoded
+data, as a save records it) is carried over into the promoted step's manifest. The promoted step
+keeps the local steps' unpacked layout (docs/format.md). See docs/manager.md "Local tier".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 
@@ -37,7 +39,7 @@ from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.save import Attachments, SaveHandle, SaveJob
 from dispatch_io.storage import Location
-from workers import ChunkError, Session, crc32c
+from workers import ChunkError, Session, checksum_regions, crc32c, numpy_dtype
 from workers.raw_chunks import chunk_key, read_values, write_values
 
 
@@ -48,15 +50,16 @@ def _grid(region, chunk_shape) -> tuple[int, ...]:
 class _Copies:
     """The runner of a promotion's save (``SaveRun`` calls it as it calls a dispatcher's):
     ``copy_to_host`` reads the batch's chunks as stored in this process's local copy (``opened``;
-    None: it has none, and the plan gives it nothing to copy); its writer writes them unchanged.
-    The staging ring only counts their bytes (``host_staging = False``)."""
+    None: it has none, and the plan gives it nothing to copy); its writer checks them
+    (:meth:`checked`) and writes them unchanged. The staging ring only counts their bytes
+    (``host_staging = False``)."""
 
     host_staging = False
 
     def __init__(self, threads, settings, opened, display: str):
         self.threads, self.settings, self.display = threads, settings, display
         self._session = None if opened is None else Session(opened.arrays, settings, opened.context)
-        # (stored array, chunk grid index) -> CRC-32C of the raw chunk, as this copy recorded it
+        # (stored array, chunk grid index) -> CRC-32C of the chunk's decoded data, as this copy's save recorded it
         self.checksums = {} if opened is None else {
             (leaf.stored.name, grid): crc for leaf in opened.manifest.leaves if leaf.checksums
             for grid, crc in leaf.checksums.items()}
@@ -74,14 +77,54 @@ class _Copies:
                     f"chunk {key} is missing from {self.display} (its info says it holds it)"))
         return values
 
+    def checked(self, regions, values) -> list[int | None]:
+        """The CRC-32C of each chunk (``values[i]``: the stored bytes of the chunk ``regions[i]``,
+        a whole chunk of its array), once checked against the local copy's manifest, or None
+        (no CRC-32C saved, and the promotion saves none). A damaged chunk raises ChunkError (its
+        cause a CorruptCheckpointError) naming its key path: nothing of the promotion is committed.
+
+        * Uncompressed: the stored bytes are the chunk's data, always the whole chunk shape (zarr
+          pads edge chunks), so a value of another length (a torn write) is damaged even where no
+          CRC-32C was saved; the bytes' CRC-32C is the data's (a local step's chunks tile its arrays
+          exactly, as JAX's shards do: no chunk holds padding).
+        * Compressed: the bytes cannot be checked as they are; TensorStore decodes the chunk from the
+          local copy (``workers.checksum_regions``: what ``Dispatcher.verify`` reads), which fails for a
+          damaged frame or a chunk of the wrong size, and gives the data's CRC-32C."""
+        saved = [self.checksums.get((r.array.name, _grid(r.bounds, r.array.chunk_shape))) for r in regions]
+        if self.settings.compression is not None:
+            found = checksum_regions(self._session, regions)  # ChunkError naming the key path if it cannot decode
+        else:
+            found = [self._raw_checksum(region, value, crc is not None)
+                     for region, value, crc in zip(regions, values, saved)]
+        for region, crc, got in zip(regions, saved, found):
+            if crc is not None and got != crc:
+                grid = list(_grid(region.bounds, region.array.chunk_shape))
+                raise ChunkError(region.keypath, region.bounds, CorruptCheckpointError(
+                    f"{self.display}: chunk {grid} of {region.keypath} does not match its CRC-32C ({got:08x}, "
+                    f"saved {crc:08x}): the local copy is damaged", keypath=region.keypath, chunk=grid))
+        return [crc if crc is not None else got if self.settings.checksums else None for crc, got in zip(saved, found)]
+
+    def _raw_checksum(self, region, value: bytes, saved: bool) -> int | None:
+        """The CRC-32C of an uncompressed chunk's stored bytes (None if there is none to compare
+        or to save), once its length is checked."""
+        expected = math.prod(region.array.chunk_shape) * numpy_dtype(region.array.storage_dtype).itemsize
+        if len(value) != expected:
+            grid = _grid(region.bounds, region.array.chunk_shape)
+            raise ChunkError(region.keypath, region.bounds, CorruptCheckpointError(
+                f"{self.display}: chunk {list(grid)} of {region.keypath} is {len(value)} bytes, not the {expected} of "
+                f"its {list(region.array.chunk_shape)} {region.array.storage_dtype} chunk shape: the local copy is "
+                "damaged (cut short?)", keypath=region.keypath))
+        return crc32c(np.frombuffer(value, np.uint8)) if saved or self.settings.checksums else None
+
     def close(self):
         if self._session is not None:
             self._session.close()
 
 
 class _Writer:
-    """Writes a batch's chunk values under their keys in this process's writer database of the
-    persistent step (one transaction per batch with OCDBT); resolves to their CRC-32Cs."""
+    """Writes a batch's chunk values, once checked (:meth:`_Copies.checked`), under their keys in
+    this process's writer database of the persistent step (one transaction per batch with OCDBT);
+    resolves to their CRC-32Cs."""
 
     def __init__(self, copies: _Copies, target):
         self._copies = copies
@@ -91,20 +134,8 @@ class _Writer:
         return self._copies.threads.submit(self._write, regions, values)
 
     def _write(self, regions, values) -> list[int | None]:
-        raw = self._copies.settings.compression is None  # the stored bytes are the raw chunk: checkable
-        sums, out = [], {}
-        for region, value in zip(regions, values):
-            grid = _grid(region.bounds, region.array.chunk_shape)
-            crc = self._copies.checksums.get((region.array.name, grid))
-            if raw and (crc is not None or self._copies.settings.checksums):
-                found = crc32c(np.frombuffer(value, np.uint8))
-                if crc is not None and found != crc:
-                    raise ChunkError(region.keypath, region.bounds, CorruptCheckpointError(
-                        f"{self._copies.display}: chunk {grid} of {region.keypath} does not match its CRC-32C "
-                        f"({found:08x}, saved {crc:08x}): the local copy is damaged", keypath=region.keypath))
-                crc = found
-            sums.append(crc)
-            out[chunk_key(region.array.name, grid)] = value
+        sums = self._copies.checked(regions, values)
+        out = {chunk_key(r.array.name, _grid(r.bounds, r.array.chunk_shape)): v for r, v in zip(regions, values)}
         write_values(self._session.open_kvstore().result(), out, self._session.transactional)
         return sums
 
@@ -154,16 +185,18 @@ def _gather(local, step: int, path: str, report: dict, doc: dict | None) -> tupl
 
 # A chunk value in flight is held about this many times over: as read (TensorStore's buffer, then its
 # bytes), and as written (in the transaction, then in the data file being written; freed at commit).
+# A compressed chunk is decoded too, to check it (``_Copies.checked``): once more, at its decoded size.
 COPIES = 4
 
 
-def _batches(plan, options, process: int) -> tuple:
-    """This process's batches of ``plan``, each counting ``COPIES`` times its chunks' bytes in the
-    staging ring (which only counts: ``_Copies.host_staging``), so the values in flight stay within
-    the budget as a save's staged chunks do."""
-    batches = make_batches(plan, [Priority.LOW] * len(plan.leaves), max(1, options.batch_bytes // COPIES),
+def _batches(plan, options, process: int, compressed: bool) -> tuple:
+    """This process's batches of ``plan``, each counting ``COPIES`` (``compressed``: one more)
+    times its chunks' bytes in the staging ring (which only counts: ``_Copies.host_staging``), so
+    the values in flight stay within the budget as a save's staged chunks do."""
+    copies = COPIES + compressed
+    batches = make_batches(plan, [Priority.LOW] * len(plan.leaves), max(1, options.batch_bytes // copies),
                            worker=process)
-    return tuple(dataclasses.replace(b, nbytes=min(b.nbytes * COPIES, options.staging_bytes)) for b in batches)
+    return tuple(dataclasses.replace(b, nbytes=min(b.nbytes * copies, options.staging_bytes)) for b in batches)
 
 
 def _described(doc: dict) -> tuple:
@@ -189,50 +222,81 @@ def _item_files(local, step: int, items: dict, json_writer: bool) -> dict[str, b
 
 
 class Deferred:
-    """The handle of a promotion that starts once the local save ``first`` is over: on the first
-    thread that waits for it (the manager's, which waits for every persistent save). A failed local
-    save is no copy (logged; ``LocalTiers.wait`` raises it): the promotion goes on from the peers'
-    copies, or fails in every process alike. The step is kept from local retention meanwhile."""
+    """The handle of the persistent save of ``step`` (at ``path``) by promotion of its local save
+    ``first``: the promotion starts once the local save is over, on the first thread that waits
+    for it then (the manager's, which waits for every persistent save). The step is kept from
+    local retention until the promotion is over, or could not start.
 
-    def __init__(self, first: SaveHandle, local, step: int, launch):
+    A failed local save (whatever its error) is no copy: the promotion still goes on, from the
+    peers' copies, or fails in every process alike (it is collective: the other processes wait
+    for this one's report). That failure is the step's report in this process (``LocalTiers.wait``
+    raises it, once); a promotion failing after it is raised by this handle, never again by the
+    manager (:func:`to_report`)."""
+
+    def __init__(self, first: SaveHandle, local, step: int, path: str, launch):
         self._first, self._local, self._step, self._launch = first, local, step, launch
+        self.path = Location.parse(path).display  # the persistent step's, as a save's handle names it
         self._lock = threading.Lock()
         self._started: SaveHandle | BaseException | None = None   # the promotion's handle, or why it did not start
+        self.local_failure: BaseException | None = None           # why the local save failed, if it did
         local.promoting.add(step)
 
     def wait(self, timeout: float | None = None):
-        """Start the promotion if no thread did (waiting for the local save first, ``timeout`` aside),
-        then wait for it as ``SaveHandle.wait`` does. A promotion that could not start raises the same
-        error to every caller (it is never started twice: it is a collective call)."""
-        with self._lock:
+        """Wait for the local save, start the promotion if no thread did, then wait for it, as
+        ``SaveHandle.wait`` does: TimeoutError once ``timeout`` seconds are over, wherever it is (the
+        promotion goes on). A promotion that could not start raises the same error to every caller
+        (it is never started twice: it is a collective call)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
+        failure = None
+        try:
+            self._first.wait(left())
+        except BaseException as exc:
+            if not self._first.done():  # the timeout (or an interrupt of this thread): nothing is decided
+                raise
+            failure = exc               # the local save's own failure
+        if not self._lock.acquire(timeout=-1 if deadline is None else left()):  # another thread is starting it
+            raise TimeoutError(f"the promotion of step {self._step} to {self.path} not started after {timeout} s")
+        try:
             if self._started is None:
-                try:
-                    self._first.wait()
-                except CheckpointError as exc:
-                    logging.warning("dispatch_io: the local save of step %d failed (%s); promoting it from the "
-                                    "other processes' copies, if they hold it whole", self._step, exc)
-                try:
-                    self._started = self._launch()  # pins the step itself until its save is over
-                except BaseException as exc:  # noqa: BLE001 - kept for every caller, raised below
-                    self._started = exc
-                    self._local.promoting.discard(self._step)
+                self._start(failure)
+        finally:
+            self._lock.release()
         if isinstance(self._started, BaseException):
             raise self._started
-        return self._started.wait(timeout)
+        return self._started.wait(left())
+
+    def _start(self, failure: BaseException | None):
+        """Start the promotion (the local save is over; ``failure``: why it failed, or None)."""
+        if failure is not None:
+            self.local_failure = failure
+            logging.warning("dispatch_io: the local save of step %d failed (%s); promoting it from the other "
+                            "processes' copies, if they hold it whole", self._step, failure)
+        try:
+            self._started = self._launch()  # pins the step itself until its save is over
+        except BaseException as exc:  # noqa: BLE001 - kept for every caller, raised by wait()
+            if exc.__cause__ is None and failure is not None:
+                exc.__cause__ = failure
+            self._started = exc
+            self._local.promoting.discard(self._step)
 
     def done(self) -> bool:
         return isinstance(self._started, BaseException) or (self._started is not None and self._started.done())
 
-    @property
-    def path(self) -> str:
-        return self._first.path
+
+def to_report(handle, error: BaseException) -> BaseException | None:
+    """What the manager raises (once, from the next ``save()`` / ``wait()``) for its persistent save
+    ``handle`` that failed with ``error``: ``error``, or None for a promotion after a failed local
+    save of the step in this process (:class:`Deferred`): that failure, which ``LocalTiers.wait``
+    raises, is the step's report; the promotion's (most likely "no copy") is its consequence."""
+    return None if isinstance(handle, Deferred) and handle.local_failure is not None else error
 
 
 def after(first: SaveHandle, local, step: int, version: str, clock, overwrite: bool):
     """``launch(path)`` for the manager's persistent save of ``step`` by promotion of the local
     save ``first`` (``LocalTier(promote=True)``): returns a :class:`Deferred` handle."""
-    return lambda path: Deferred(first, local, step, lambda: promote(local, step, path, version, clock,
-                                                                     overwrite=overwrite, wait_local=False))
+    return lambda path: Deferred(first, local, step, path, lambda: promote(
+        local, step, path, version, clock, overwrite=overwrite, wait_local=False))
 
 
 def promote(local, step: int, path: str, version: str, clock, *, overwrite: bool = False,
@@ -289,7 +353,8 @@ def _job(local, step: int, path: str, version: str, clock) -> tuple[SaveJob, _Co
     settings = dataclasses.replace(dispatcher.runner.settings, compression=manifest.compression)
     opened = open_checkpoint(local.root.step_path(step)) if report["has"] else None
     described = _described(doc)
-    job = SaveJob(plan, tuple(e.get("value") for e in doc["leaves"]), _batches(plan, dispatcher.options, local.process),
+    batches = _batches(plan, dispatcher.options, local.process, manifest.compression is not None)
+    job = SaveJob(plan, tuple(e.get("value") for e in doc["leaves"]), batches,
                   Location.parse(path).display, started=started, plan_seconds=time.perf_counter() - started,
                   progress=dispatcher.options.progress, describe=lambda: described,
                   attachments=Attachments(files, info, clock, agreed=index))

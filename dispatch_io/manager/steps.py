@@ -10,8 +10,8 @@ from __future__ import annotations
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import orbax_items
-from dispatch_io.storage import INFO, Location
+from dispatch_io.manager import orbax_items, retention
+from dispatch_io.storage import INFO, Location, StepRoot
 
 
 def started(step_info, step: int | None, now: float) -> float:
@@ -24,6 +24,24 @@ def started(step_info, step: int | None, now: float) -> float:
     except (CheckpointError, OSError):
         return now
     return now if begun is None or begun > now else begun
+
+
+def check_new(root: StepRoot, step: int, overwrite: bool, step_path, committed: list[int], display: str) -> str:
+    """The path a manager's save of ``step`` writes (``step_path(step)``), once checked against
+    the ``committed`` steps of ``root`` (named ``display``), before anything is written:
+    FileExistsError if an Orbax step holds it (never replaced, even with ``overwrite``) or, without
+    ``overwrite``, a committed step does; ValueError if a newer step is committed
+    (``retention.check_not_older``). The save's own start checks the path again (as
+    ``Dispatcher.save`` does): a save still in flight may commit meanwhile."""
+    path = step_path(step)
+    if path != root.step_path(step):
+        raise FileExistsError(f"step {step} is already held by the Orbax checkpoint {path}; a save never replaces "
+                              "one, even with overwrite=True (remove it first if it may go)")
+    retention.check_not_older(step, committed, display, step_path)
+    if step in committed and not overwrite:
+        raise FileExistsError(f"a checkpoint is already committed at {Location.parse(path).display}; pass "
+                              "overwrite=True to replace it")
+    return path
 
 
 def read_info(path: str, step: int) -> info_lib.StepInfo:
