@@ -56,3 +56,78 @@ def test_explicit_rollback_with_names_resumes_like_without(tmp_path, mesh):
         expected = np.arange(256 * 64, dtype=np.float32).reshape(256, 64) + step + 100
         assert np.asarray(restored["w"]).tobytes() == expected.tobytes(), \
             f"step {step} restored from the abandoned history ({info})"
+
+
+def test_a_job_resumed_on_another_mesh_never_mixes_in_the_abandoned_local_step(tmp_path, mesh):
+    """Finding: a restore through the tiers onto another mesh is taken for an eval copy
+    (``same_layout`` False: no ``LocalTiers.resume``), even when the job resumes training there --
+    the restart on another mesh that docs/design.md "Onto another mesh" supports. Train on mesh A
+    (local steps 0..8, persistent 0, 4, 8; the persistent save of 8 killed before its commit);
+    restart on mesh B with ``restore(None, target_b, durability="persisted")``: step 4. The new
+    history then: the local policy refuses 6 and 8 (not newer than the abandoned 8), and the
+    persistent save of 8 keeps the abandoned local step 8 (``drop_from`` spares "the local step
+    of this history"). The next restart's restore through the tiers picks step 8 and reads it from
+    the abandoned local copy, not from the new history's persistent step 8: silently the wrong
+    history. Fix: a restore that picks a step older than the local tier's last step must make
+    the newer local steps unusable whatever the target's layout (or resume on every layout and
+    let an eval copy say so explicitly)."""
+    target, state = _setup(mesh)
+    mesh_b = jax.make_mesh((2, 4), ("data", "model"))
+    sharding_b = NamedSharding(mesh_b, P("data", "model"))
+    target_b = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding_b)}
+    base = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        for step in range(9):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+    shutil.rmtree(tmp_path / "root" / "8")   # its persistent save killed before its commit
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        mgr.restore(None, target_b, durability="persisted")
+        assert mgr.last_tier_restore.step == 4
+        saved = []
+        for step in range(5, 10):      # the new history, on mesh B: + 100
+            if mgr.should_save(step):
+                mgr.save(step, {"w": jax.device_put(base + step + 100, sharding_b)})
+                saved.append(step)
+        mgr.wait()
+        info = f"saves of the new history: {saved}, local steps {mgr.local.steps()}"
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        restored = mgr.restore(None, target_b)
+        step = mgr.last_tier_restore.step
+        assert np.asarray(restored["w"]).tobytes() == (base + step + 100).tobytes(), \
+            f"step {step} restored from the abandoned history ({info})"
+
+
+def test_an_eval_copy_changes_nothing_in_a_process_that_lost_its_local_directory(tmp_path, mesh):
+    """Finding: ``LocalTiers.resumed`` after ``restore(step, target)`` of an older step onto
+    *another* sharding (an eval copy: "changes nothing", docs/manager.md) resumes that step anyway
+    in a process whose local directory is gone (``mine and not infos``: "it follows the job"),
+    while its peers, which still have their steps, compare layouts and do not. In a job, the
+    process that lost its disk opened with the others' last local step (8, agreed in
+    ``check_apart``); here one process opens with steps up to 8 and then loses its directory,
+    the same state. After the eval copy of step 4 it answers ``should_save(6)`` True where every
+    peer answers False: different local saves on different processes -- with replicas a collective
+    only some processes enter (a hang), without them a local step 6 on one process only. Fix: the
+    decision must be the job's, not each process's (e.g. compare the target with the layout the
+    peers report, or gather the answer), as ``tier_restore`` does with ``same_layout``."""
+    target, state = _setup(mesh)
+    eval_sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
+    eval_target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=eval_sharding)}
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        for step in range(9):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+    answers = {}
+    for lost in (False, True):
+        with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+            if lost:   # the disk of this process is gone (its peers keep theirs)
+                for entry in (tmp_path / "local" / "0").iterdir():
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            mgr.restore(4, eval_target)   # an eval copy on another mesh
+            answers[lost] = [step for step in range(5, 10) if mgr.local.should_save(step)]
+    assert answers[True] == answers[False], f"local saves after an eval copy: with its steps {answers[False]}, " \
+                                            f"without them {answers[True]}"
