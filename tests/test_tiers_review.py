@@ -100,18 +100,19 @@ def test_a_job_resumed_on_another_mesh_never_mixes_in_the_abandoned_local_step(t
             f"step {step} restored from the abandoned history ({info})"
 
 
-def test_an_eval_copy_changes_nothing_in_a_process_that_lost_its_local_directory(tmp_path, mesh):
-    """Finding: ``LocalTiers.resumed`` after ``restore(step, target)`` of an older step onto
-    *another* sharding (an eval copy: "changes nothing", docs/manager.md) resumes that step anyway
-    in a process whose local directory is gone (``mine and not infos``: "it follows the job"),
-    while its peers, which still have their steps, compare layouts and do not. In a job, the
-    process that lost its disk opened with the others' last local step (8, agreed in
-    ``check_apart``); here one process opens with steps up to 8 and then loses its directory,
-    the same state. After the eval copy of step 4 it answers ``should_save(6)`` True where every
-    peer answers False: different local saves on different processes -- with replicas a collective
-    only some processes enter (a hang), without them a local step 6 on one process only. Fix: the
-    decision must be the job's, not each process's (e.g. compare the target with the layout the
-    peers report, or gather the answer), as ``tier_restore`` does with ``same_layout``."""
+def test_restore_of_a_named_step_onto_another_mesh_resumes_alike_in_every_process(tmp_path, mesh):
+    """Finding: ``LocalTiers.resumed`` (after ``restore(step, target)`` of a named step) decides
+    per process, so processes disagree. Onto another sharding (the job restarted on another mesh
+    and resumes step 4 there; or an eval copy) a process whose local directory is gone resumes
+    step 4 (``mine and not infos``: "it follows the job"), while its peers, which still have their
+    steps, compare layouts and do not. In a job the process that lost its disk opened with the
+    others' last local step (8, agreed in ``check_apart``); here one process opens with steps up to
+    8 and then loses its directory, the same state. It then answers ``should_save(6)`` True where
+    every peer answers False: different local saves on different processes -- with replicas a
+    ``replicas.send`` collective (and a ``SharedDecisions`` round) only some processes enter (a
+    hang), without them a local step 6 on one process only. Fix: the decision must be the job's,
+    not each process's (compare the target with the layout the peers report, or share process
+    0's answer), as ``tier_restore`` does with ``same_layout`` over the gathered reports."""
     target, state = _setup(mesh)
     eval_sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
     eval_target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=eval_sharding)}
@@ -127,7 +128,7 @@ def test_an_eval_copy_changes_nothing_in_a_process_that_lost_its_local_directory
             if lost:   # the disk of this process is gone (its peers keep theirs)
                 for entry in (tmp_path / "local" / "0").iterdir():
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-            mgr.restore(4, eval_target)   # an eval copy on another mesh
+            mgr.restore(4, eval_target)   # step 4 onto another mesh
             answers[lost] = [step for step in range(5, 10) if mgr.local.should_save(step)]
     assert answers[True] == answers[False], f"local saves after an eval copy: with its steps {answers[False]}, " \
                                             f"without them {answers[True]}"
