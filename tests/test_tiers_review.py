@@ -132,3 +132,36 @@ def test_restore_of_a_named_step_onto_another_mesh_resumes_alike_in_every_proces
             answers[lost] = [step for step in range(5, 10) if mgr.local.should_save(step)]
     assert answers[True] == answers[False], f"local saves after an eval copy: with its steps {answers[False]}, " \
                                             f"without them {answers[True]}"
+
+
+# The planner's fixture of tests/test_tiers_plan.py: a leaf of 4 regions over (data=2, fsdp=4) on
+# 4 processes (regions 0, 1 held by {0, 2}; 2, 3 by {1, 3}) and a replicated leaf.
+R = [((i * 16, i * 16 + 16), (0, 16)) for i in range(4)]
+WANTED = {"['w']": {R[0]: (0, 2), R[1]: (0, 2), R[2]: (1, 3), R[3]: (1, 3)},
+          "['b']": {((0, 32),): (0, 1, 2, 3)}}
+
+
+def _held(process):
+    own = [list(map(list, r)) for r, holders in WANTED["['w']"].items() if process in holders]
+    return tiers_plan.as_regions({"['w']": own, "['b']": [[[0, 32]]]})
+
+
+def test_resuming_a_step_partly_read_from_persistent_storage_counts_as_resuming_it():
+    """Finding: ``tiers_plan.same_layout`` compares the target with the *union of the regions the
+    surviving copies report*, not with the layout the step was saved with. When both holders of
+    some regions lost their disks (processes 0 and 2), the restore through the tiers goes back to
+    persistent step 6 (processes 1 and 3 keep local steps 6 and 8; 8 lacks regions 0, 1) and reads
+    regions 0, 1 from the root -- on the very layout it was saved with -- yet ``same_layout`` says
+    False (the copies report only regions 2, 3), so ``LocalTiers.resume(6)`` is skipped: the local
+    policy keeps refusing step 8 (the agreed last local step) and the first save of step 8 keeps
+    processes 1 and 3's abandoned local step 8 (``drop_from`` spares "the local step of this
+    history"). Once step 8 is persisted by the resumed history, a later restore picks 8 and reads
+    regions 2, 3 from the abandoned copies, 0, 1 from the root: two histories mixed in one state,
+    what docs/design.md "Failure model" says never happens. Fix: compare the target with the
+    step's layout as saved (e.g. each process's ``"sharded"``, or check only that every reported
+    region is a wanted one and every wanted region lies within the leaf's saved grid)."""
+    reports = {0: {}, 1: {6: _held(1), 8: _held(1)}, 2: {}, 3: {6: _held(3), 8: _held(3)}}
+    plan = tiers_plan.plan_restore(WANTED, reports, persistent_steps=[0, 6])
+    assert plan.step == 6 and plan.regions(tiers_plan.PERSISTENT) == 2
+    assert tiers_plan.same_layout(WANTED, reports, plan.step), \
+        "the job resumes step 6 on its saved layout, but the restore does not count it as resumed"
