@@ -140,18 +140,6 @@ def wanted_regions(target, count: int) -> dict[str, dict]:
             for keypath, holders in _leaf_holders(target)}
 
 
-def same_layout(wanted: Mapping[str, Mapping], reports: Mapping[int, Mapping[int, Mapping]], step: int) -> bool:
-    """Whether a target (``wanted``: :func:`wanted_regions`) has the regions local ``step`` was saved
-    with (``reports``: as :func:`plan_restore` takes them) -- the job resumes it, rather than
-    reading an eval copy onto another mesh; True where no process has the step locally (nothing
-    to compare: every process answers alike either way)."""
-    saved: dict[str, set] = collections.defaultdict(set)
-    for held in reports.values():
-        for keypath, regions in held.get(step, {}).items():
-            saved[keypath] |= set(regions)
-    return not saved or all(set(regions) == saved.get(keypath, set()) for keypath, regions in wanted.items())
-
-
 def as_regions(held: Mapping[str, list]) -> dict[str, set]:
     """:func:`held_regions`' JSON back as {key path: {region tuple}}."""
     return {keypath: {tuple(tuple(b) for b in region) for region in regions} for keypath, regions in held.items()}

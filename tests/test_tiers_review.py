@@ -137,22 +137,29 @@ def _held(process):
     return tiers_plan.as_regions({"['w']": own, "['b']": [[[0, 32]]]})
 
 
-def test_resuming_a_step_partly_read_from_persistent_storage_counts_as_resuming_it():
-    """Finding: ``tiers_plan.same_layout`` compares the target with the *union of the regions the
-    surviving copies report*, not with the layout the step was saved with. When both holders of
-    some regions lost their disks (processes 0 and 2), the restore through the tiers goes back to
-    persistent step 6 (processes 1 and 3 keep local steps 6 and 8; 8 lacks regions 0, 1) and reads
-    regions 0, 1 from the root -- on the very layout it was saved with -- yet ``same_layout`` says
-    False (the copies report only regions 2, 3), so ``LocalTiers.resume(6)`` is skipped: the local
-    policy keeps refusing step 8 (the agreed last local step) and the first save of step 8 keeps
-    processes 1 and 3's abandoned local step 8 (``drop_from`` spares "the local step of this
-    history"). Once step 8 is persisted by the resumed history, a later restore picks 8 and reads
-    regions 2, 3 from the abandoned copies, 0, 1 from the root: two histories mixed in one state,
-    what docs/design.md "Failure model" says never happens. Fix: compare the target with the
-    step's layout as saved (e.g. each process's ``"sharded"``, or check only that every reported
-    region is a wanted one and every wanted region lies within the leaf's saved grid)."""
-    reports = {0: {}, 1: {6: _held(1), 8: _held(1)}, 2: {}, 3: {6: _held(3), 8: _held(3)}}
-    plan = tiers_plan.plan_restore(WANTED, reports, persistent_steps=[0, 6])
-    assert plan.step == 6 and plan.regions(tiers_plan.PERSISTENT) == 2
-    assert tiers_plan.same_layout(WANTED, reports, plan.step), \
-        "the job resumes step 6 on its saved layout, but the restore does not count it as resumed"
+def test_resuming_a_step_partly_read_from_persistent_storage_counts_as_resuming_it(tmp_path, mesh):
+    """Finding: a restore that resumed a step partly from the root (both holders of some regions
+    lost their disks) was not counted as resuming it when the layout check compared the target with
+    the surviving copies only: the abandoned local step 8 survived the next save of 8 and a later
+    restore mixed two histories. Now every restore resumes its step: here step 4 is restored with
+    local step 8 present, and the first save of step 6 (either tier) drops local step 8 -- whatever
+    the copies report."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding)}
+
+    def state(step):
+        return {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sharding)}
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        for step in range(9):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        mgr.restore(None, target, durability="persisted")      # step 8 is persisted: resumed
+        assert mgr.last_tier_restore.step == 8
+        mgr.restore(4, target)                                 # a rollback to 4
+        assert mgr.should_save(6) and not mgr.should_save(4)
+        mgr.save(6, state(6 + 1000))
+        mgr.wait()
+        assert 8 not in mgr.local.steps(), mgr.local.steps()

@@ -299,7 +299,7 @@ class CheckpointManager:
         step = self._resolve(step)
         tree = self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
         if self.local is not None:  # resuming an older step: the newer local steps are an abandoned history
-            self.local.resumed(step, target)
+            self.local.resume(step)
         return tree
 
     def durability(self, step: int) -> str | None:

@@ -109,8 +109,8 @@ class TierRestore:
         ``durability``: the weakest step it may pick (``tiers_plan.eligible``: ``"replicated"`` skips
         local steps some region of which had one copy; ``"persisted"`` picks a persistent step, read
         from local copies where they have it).
-        Then, if the target has the step's layout (the job resumes it), local saves go on after it on
-        every process, and the first save deletes the newer local steps (``LocalTiers.resume``).
+        Then local saves go on after the step on every process, and the first save deletes the newer
+        local steps (``LocalTiers.resume``).
         ValueError without a target; FileNotFoundError if no step has every region; BarrierTimeoutError
         naming a process that does not report within the barrier timeout."""
         if target is None:
@@ -121,23 +121,25 @@ class TierRestore:
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
         held, copies, verified, unreadable = self._held(outputs_of)  # before the room: a long verify must not
         report = {"held": held, "copies": copies}                    # time out the others
-        room = None
+        room = saved_as = None
         if self.count > 1:
             room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
                              options.barrier_timeout)
-            if room.leader:  # one listing of the root for every process
+            if room.leader:  # one listing of the root, one reading of names=, for every process
                 room.set("persistent", list(persistent_steps))
+                room.set("saved_as", self._saved_keypaths(target, names, verified, persistent_steps, persistent_path))
             room.set(f"held/{self.process}", report)
         gathered = room.gather("held") if room else {self.process: report}
         reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         if room is not None:
-            persistent_steps = room.from_leader("persistent")
+            persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
         recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
         for r in gathered.values():
             for s, n in r["copies"].items():
                 recorded[int(s)] = min(n, recorded.get(int(s), n))
         candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
-        saved_as = self._saved_keypaths(target, names, verified, persistent_steps, persistent_path)
+        if saved_as is None:
+            saved_as = self._saved_keypaths(target, names, verified, persistent_steps, persistent_path)
         wanted = {saved_as.get(k, k): regions for k, regions in tiers_plan.wanted_regions(target, self.count).items()}
         plan = tiers_plan.plan_restore(wanted, reports, persistent_steps, candidates)
         local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
@@ -156,8 +158,7 @@ class TierRestore:
         by_leaf = [plan.routes.get(saved_as.get(k, k), {}) for k, _ in tree_lib.flatten(target)[0]]
         result = self._fill(plan, by_leaf, persistent_path, local_pass, own_copy, shared, local_verify, verify,
                             outputs_of)
-        if tiers_plan.same_layout(wanted, reports, plan.step):  # the job resumes it (not an eval copy)
-            self.local.resume(plan.step)
+        self.local.resume(plan.step)
         return result
 
     def _saved_keypaths(self, target, names, newest: int | None, persistent_steps, persistent_path) -> dict:

@@ -160,22 +160,13 @@ class LocalTiers:
         return tier_restore.TierRestore(self).restore(target, persistent_steps, persistent_path, persistent_display,
                                                       **kwargs)
 
-    def resumed(self, step: int, target):
-        """After a restore of ``step`` onto ``target`` (through the tiers or of a named step): if
-        ``target`` is sharded as this process's newest local step was saved (the job resumes
-        ``step``), local saves go on after ``step`` -- and the first save of the resumed history
-        (either tier) deletes the local steps it makes stale (``local_steps.prepare_save``). A restore onto
-        another sharding (an eval copy) changes nothing."""
-        mine = tiers_plan.held_regions(target, self.process) if target is not None else {}
-        infos = self.infos()[0] if mine else {}
-        saved = infos[max(infos)].get("sharded", infos[max(infos)]["held"]) if infos else {}  # its own, not replicas
-        if mine and not infos or isinstance(saved, dict) and all(saved.get(k) == v for k, v in mine.items()):
-            self.resume(step)  # (a process that lost its local steps cannot tell: it follows the job)
-
     def resume(self, step: int):
-        """Local saves go on after ``step`` (the job resumes it): the same on every process."""
-        if self._last_step is None or step < self._last_step:
-            self._last_step = step
+        """After a restore of ``step`` (through the tiers or of a named step, onto any mesh): local
+        saves go on after ``step`` -- and the first save of the resumed history (either tier)
+        deletes the local steps it makes stale (``local_steps.prepare_save``); until then a restore
+        deletes nothing. The same on every process, whatever each one's local directory holds (a
+        per-process answer would make ``should_save`` differ: with replicas, a hang)."""
+        self._last_step = step
 
     def drop_from(self, step: int):
         """Delete this process's local steps after ``step`` (and ``step``, unless it is the local
