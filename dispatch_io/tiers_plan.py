@@ -2,13 +2,16 @@
 
 A **local save** (:func:`own_plan`) writes, into this process's own directory, every distinct
 region of every leaf that this process's devices hold -- once per process, however many of its
-devices hold a replica -- and host (numpy) leaves whole, all by this process. :func:`held_regions`
-is what it records holding (in its step info), so that a restore maps copies by what they hold.
+devices hold a replica -- and host (numpy) leaves whole, all by this process, plus the regions of
+peers it received (``replica_plan``). :func:`held_regions` is what it records holding (in its step
+info), so that a restore maps copies by what they hold; :func:`spread` / :func:`durability` how
+safe the step is.
 
 A **restore** (:func:`plan_restore`) takes plain data: what every process reports holding
-(``{process: {step: {key path: [region, ...]}}}``), the persistent steps, and what the target
-wants (``{key path: {region: holder processes}}``); every process computes the same
-:class:`TierPlan` from it. See docs/design.md "Tiers".
+(``{process: {step: {key path: [region, ...]}}}``), the persistent steps, the steps a required
+durability allows (:func:`eligible`), and what the target wants (``{key path: {region: holder
+processes}}``, any mesh); every process computes the same :class:`TierPlan` from it. See
+docs/design.md "Tiers".
 """
 
 from __future__ import annotations

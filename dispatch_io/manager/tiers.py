@@ -4,10 +4,12 @@
                                 local=dio.LocalTier("/dev/shm/run1/{process}", save_policy=P.EveryNSteps(50),
                                                     keep_policy=P.LatestN(2)))
 
-Each process saves, to ``<local>/<step>/``, the regions its own devices hold, committed by itself
-alone (``Dispatcher.save(own=True)``): no coordination-service round trip, no object store, the
-same staging budget and asynchronous copies as any save. The step's info records the regions it
-holds. :meth:`LocalTiers.restore` mixes the tiers (``tier_restore``). See docs/design.md "Tiers".
+Each process saves, to ``<local>/<step>/``, the regions its own devices hold -- and, with
+``replicas``, the regions of peers sent to it (``replicas.py``) -- committed by itself alone
+(``Dispatcher.save(own=True, copies=)``): no coordination-service round trip, no object store,
+the same staging budget and asynchronous copies as any save. The step's info records the regions
+it holds and its durability; ``local_steps`` reads them back. :meth:`LocalTiers.restore` mixes the
+tiers (``tier_restore``); ``promotion`` persists a local step. See docs/design.md "Tiers".
 """
 
 from __future__ import annotations
