@@ -10,7 +10,9 @@ so the replica of what process p holds goes to process (p + 2) % 4, on the other
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each waited for);
 prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores through the
 tiers and prints ``resumed STEP exact BOOL local L persistent P received R``; MODE ``reshard``
-likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions. MODE ``promote``: as
+likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions. MODE
+``clock``: local saves by ``EveryNSeconds(25)`` with clocks that disagree (process 1's twice as
+fast); prints ``local steps [...]``. MODE ``promote``: as
 ``resume``, then promotes that step to the root and restores it from there: ``promoted STEP exact BOOL written W``.
 """
 
@@ -60,9 +62,20 @@ target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
 target["k"] = jax.ShapeDtypeStruct((8,), jax.random.key(0, impl="threefry2x32").dtype, sharding=sharding(P("fsdp")))
 if mode == "reshard":
     mesh = jax.make_mesh((8,), ("fsdp",))   # the state saved is on the training mesh
-tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), replicas=1, domains=(0, 0, 1, 1))
+now = [0.0]   # MODE clock: each process's clock, at 10 s a step -- process 1's runs twice as fast
+local_policy = policies.EveryNSeconds(25) if mode == "clock" else policies.EveryNSteps(2)
+tier = dio.LocalTier(local, save_policy=local_policy, replicas=1, domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
-with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:
+with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier,
+                           clock=lambda: now[0]) as mgr:
+    if mode == "clock":   # a clock-reading local policy with replicas: process 0 decides for every process
+        for step in range(12):
+            now[0] = 1e9 + step * (20 if process == 1 else 10)
+            if mgr.should_save(step):
+                mgr.save(step, state_at(step))
+        mgr.wait()
+        print(f"local steps {mgr.local.steps()}", flush=True)
+        time.sleep(600)  # killed here (replicas_job's clock mode ends here)
     if mode == "train":
         for step in range(10):
             print(f"step {step}", flush=True)

@@ -81,6 +81,19 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     assert 0 < sum(r[3] for r in results) <= 2 * SHARE + 2 * B + S, results
 
 
+def test_a_clock_policy_with_replicas_takes_the_same_local_saves_everywhere(tmp_path):
+    """Local saves by EveryNSeconds with clocks that disagree (process 1's runs twice as fast): each
+    save sends replicas (a collective), so every process must take the same ones -- process 0
+    decides for all. Every process ends with the same local steps; nothing hangs."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    procs = _start(root, local, "clock")
+    try:
+        outs = _wait_for(procs, "local steps " + "[0, 3, 6, 9]")   # process 0's clock: 10 s a step
+    finally:
+        _kill(procs)
+    assert all("Traceback" not in out for out in outs), outs
+
+
 @pytest.mark.parametrize("domains, expected", [
     ((0, 0, 1, 1), [(2, 3, 0, 1)]),                       # the other host
     (("a", "b", "a", "b"), [(1, 0, 3, 2)]),               # domains interleaved by process index
