@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+import storage_helpers as sh
 from dispatch_io import policies
 
 
@@ -65,3 +66,57 @@ def test_a_local_save_of_a_step_the_root_holds_from_another_history_is_not_passe
         assert (step, _value(restored), item["history"]) == (4, persisted, "old"), (
             f"restore(durability='persisted') gave step {step} = {_value(restored)} (the root's step {step} is "
             f"{persisted}) with the item of the {item['history']!r} history")
+
+
+def test_a_fresh_start_after_no_step_is_whole_takes_its_local_saves(tmp_path, mesh):
+    """Finding: a manager starts its local save policy after the newest local step any process's
+    directory holds (``check_apart``'s ``newest``), and only a *successful* restore moves that on
+    (``LocalTiers.resume``). When the documented resume pattern (docs/manager.md "Local tier":
+    ``restore(None, target)``, and on FileNotFoundError a fresh start at step 0) finds no step
+    whole -- here the only local step, 8, has a chunk failing its CRC-32C (a RAM-disk bit flip;
+    equally a process whose directory was lost, without replicas) -- the fresh run's local saves
+    are silently skipped up to step 8: ``should_save`` answers False at 2, 4 and 6. Worse, the
+    persistent save of step 0 deletes the stale local step 8 (``drop_from``), so the local tier is
+    left empty, and a preemption at step 7 loses the whole run again (restore raises
+    FileNotFoundError once more).
+
+    Why it matters: the local tier exists to bound the work lost to a preemption; here it
+    silently saves nothing for as many steps as the lost run had reached.
+
+    A fix should start the local save policy afresh once the job does not resume the abandoned
+    local steps: e.g. a restore through the tiers that finds nothing whole resets the last local
+    step (the first save then deletes the stale ones, as after a rollback), or ``drop_from`` moves
+    the last local step back to before the step it drops from."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
+
+    def state(step):
+        return {"w": jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64) + step, sharding)}
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2),
+                         keep_policy=policies.LatestN(1))
+    dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        for step in range(1, 9):  # a first run, never persisted (its step 0 is not in this range)
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+        assert mgr.all_steps() == [] and mgr.local.steps() == [8]
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "8", "['w']")[(0, 0)], 0)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        with pytest.raises(FileNotFoundError):
+            mgr.restore(None, target)            # nothing whole: the documented fresh start at step 0
+        saved = []
+        for step in range(0, 8):                 # preempted at step 7
+            if mgr.should_save(step):
+                mgr.save(step, state(100 + step))
+                saved.append(step)
+        mgr.wait()
+        assert saved == [0, 2, 4, 6], f"the fresh run saved only steps {saved} (local steps {mgr.local.steps()})"
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        restored = mgr.restore(None, target)    # the restart resumes the fresh run's step 6
+        assert mgr.last_tier_restore.step == 6
+        assert np.asarray(restored["w"]).tobytes() == np.asarray(state(106)["w"]).tobytes()
+    dispatcher.close()
