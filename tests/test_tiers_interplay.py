@@ -120,3 +120,38 @@ def test_a_fresh_start_after_no_step_is_whole_takes_its_local_saves(tmp_path, me
         assert mgr.last_tier_restore.step == 6
         assert np.asarray(restored["w"]).tobytes() == np.asarray(state(106)["w"]).tobytes()
     dispatcher.close()
+
+
+def test_promote_after_a_rollback_does_not_persist_the_abandoned_history(tmp_path, mesh):
+    """Finding: after a rollback (``restore(0, target)`` with local steps 2 and 4 of the history
+    being abandoned), ``promote(4)`` persists the abandoned local step 4 into the root without a
+    word, though docs/manager.md "Local tier" promises the abandoned local steps "are never
+    restored over the new one". The job goes on from step 0 (its local save of step 2 deletes the
+    abandoned local steps, as documented), yet after a crash ``restore(None, target)`` resumes the
+    root's step 4 -- the abandoned history -- over the new history's step 2; and the new
+    history's own persistent save of step 4 is then refused (FileExistsError).
+
+    Why it matters: a promotion is how a job persists "the local step it has"; after a rollback
+    (a loss spike, a bad batch) the step it would promote by habit is the one the rollback was
+    meant to discard, and the mistake only shows after the next crash.
+
+    A fix should refuse to promote a local step newer than the step the job resumed (the local
+    tier's last step after ``resume``) with a ValueError naming the rollback (the steps belong to
+    an abandoned history), or else treat the promotion as the first save of the resumed history."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        mgr.save(0, _state(mesh, 0), force=True)
+        mgr.save(2, _state(mesh, 2), local=True)
+        mgr.save(4, _state(mesh, 4), local=True)
+        mgr.wait()
+        mgr.restore(0, _target(mesh))           # the rollback: steps 2 and 4 are abandoned
+        try:
+            mgr.promote(4).wait()
+        except ValueError:
+            return                              # refused: the step is of the abandoned history
+        mgr.save(2, _state(mesh, 20), local=True)   # the new history (its first save drops the old local steps)
+        mgr.wait()
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        restored = mgr.restore(None, _target(mesh))
+        assert (mgr.last_tier_restore.step, _value(restored)) == (2, 20.0), (
+            f"the restart resumed step {mgr.last_tier_restore.step} = {_value(restored)}: the abandoned history")
