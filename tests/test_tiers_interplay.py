@@ -155,3 +155,45 @@ def test_promote_after_a_rollback_does_not_persist_the_abandoned_history(tmp_pat
         restored = mgr.restore(None, _target(mesh))
         assert (mgr.last_tier_restore.step, _value(restored)) == (2, 20.0), (
             f"the restart resumed step {mgr.last_tier_restore.step} = {_value(restored)}: the abandoned history")
+
+
+def test_abandoned_local_steps_older_than_the_first_save_after_a_rollback_are_never_resumed(tmp_path, mesh):
+    """Finding: ``drop_from`` deletes the abandoned local steps *from* the first save of the
+    resumed history on, but not those between the step the job rolled back to and that save.
+    Local steps 2 and 4 (history A), rollback to the root's step 0, first save of the new history
+    B at step 3: A's step 4 goes, A's step 2 stays -- and is still a candidate of every restore
+    through the tiers. When B's step 3 is unusable (a chunk failing its CRC-32C: a RAM-disk bit
+    flip, or a lost directory), the restore resumes A's step 2 instead of B's own step 0 from the
+    root: the rollback is silently undone. (The same with ``durability="replicated"`` skipping a
+    step 3 of one copy.)
+
+    Why it matters: docs/manager.md "Local tier" promises the abandoned history's local steps
+    "are never restored over the new one".
+
+    A fix should delete, at the first save of the resumed history, every local step newer than the
+    step resumed (not only those from the saved step on), or remember the resumed step so that a
+    restore never picks a local step of the abandoned history."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
+
+    def state(value):
+        return {"w": jax.device_put(np.full((64, 16), value, np.float32), sharding)}
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        mgr.save(0, state(0), force=True)
+        mgr.save(2, state(2), local=True)       # history A
+        mgr.save(4, state(4), local=True)
+        mgr.wait()
+        mgr.restore(0, target)                  # the rollback
+        mgr.save(3, state(30), local=True)      # history B's first save
+        mgr.wait()
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "3", "['w']")[(0, 0)], 0)   # B's step 3 is lost
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        restored = mgr.restore(None, target)
+        assert (mgr.last_tier_restore.step, float(np.asarray(restored["w"]).max())) == (0, 0.0), (
+            f"resumed step {mgr.last_tier_restore.step} = {float(np.asarray(restored['w']).max())} of the "
+            "abandoned history (local steps before the rollback's first save survive it)")
+    dispatcher.close()
