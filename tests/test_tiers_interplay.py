@@ -197,3 +197,42 @@ def test_abandoned_local_steps_older_than_the_first_save_after_a_rollback_are_ne
             f"resumed step {mgr.last_tier_restore.step} = {float(np.asarray(restored['w']).max())} of the "
             "abandoned history (local steps before the rollback's first save survive it)")
     dispatcher.close()
+
+
+def test_a_bad_chunk_in_an_older_local_step_is_replaced_by_the_next_source(tmp_path, mesh):
+    """Finding: before planning, a restore through the tiers checks only the *newest* local step
+    against its CRC-32Cs (``TierRestore._held`` / ``_intact``); the others are checked as they are
+    read (``local_verify``), and a bad chunk there raises CorruptCheckpointError out of the restore.
+    So when the newest local step is unusable (here a bit flip; equally: not whole after a lost
+    process) and the step the plan falls back to has a bad chunk too, the restore fails -- though
+    the root holds that very step (step 2, persisted) and an older one (step 0). docs/manager.md
+    "Local tier": "Local copies saved with checksums are always checked: a bad one is replaced by
+    the next source"; README: "every local chunk is CRC-checked on the way back".
+
+    Why it matters: RAM-disk damage tends to hit several steps at once (a bad DIMM, a filled
+    tmpfs); a job that could resume from persistent storage cannot restart at all.
+
+    A fix should check the regions of the step the plan picks before reading it (dropping bad
+    ones and planning again, as for the newest), or fall back to the next source when the local
+    pass finds a bad chunk."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
+
+    def state(value):
+        return {"w": jax.device_put(np.full((64, 16), value, np.float32), sharding)}
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        mgr.save(0, state(0), force=True)
+        mgr.save(2, state(2), local=True, force=True)   # in both tiers
+        mgr.save(4, state(4), local=True)               # local only
+        mgr.wait()
+    for step in (2, 4):
+        sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / str(step), "['w']")[(0, 0)], 0)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        restored = mgr.restore(None, target)           # CorruptCheckpointError: local step 2's bad chunk
+        step = mgr.last_tier_restore.step
+        assert step in (0, 2) and np.array_equal(np.asarray(restored["w"]), np.full((64, 16), step, np.float32))
+    dispatcher.close()
