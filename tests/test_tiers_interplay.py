@@ -207,7 +207,9 @@ def test_a_bad_chunk_in_an_older_local_step_is_replaced_by_the_next_source(tmp_p
     process) and the step the plan falls back to has a bad chunk too, the restore fails -- though
     the root holds that very step (step 2, persisted) and an older one (step 0). docs/manager.md
     "Local tier": "Local copies saved with checksums are always checked: a bad one is replaced by
-    the next source"; README: "every local chunk is CRC-checked on the way back".
+    the next source"; README: "every local chunk is CRC-checked on the way back". (docs/design.md
+    "Tiers" does state the raise for an older step: the docs disagree, and the user-facing ones
+    promise the fallback.)
 
     Why it matters: RAM-disk damage tends to hit several steps at once (a bad DIMM, a filled
     tmpfs); a job that could resume from persistent storage cannot restart at all.
