@@ -238,3 +238,27 @@ def test_a_bad_chunk_in_an_older_local_step_is_replaced_by_the_next_source(tmp_p
         step = mgr.last_tier_restore.step
         assert step in (0, 2) and np.array_equal(np.asarray(restored["w"]), np.full((64, 16), step, np.float32))
     dispatcher.close()
+
+
+@pytest.mark.parametrize("keep_without_metric", [True, False])
+def test_a_local_best_n_keep_policy_sees_the_metrics_local_steps_carry(tmp_path, mesh, keep_without_metric):
+    """Finding: local steps carry the step's metrics (``save(..., metrics=)``, in each local step's
+    info: docs/manager.md "Items in local steps"), and ``LocalTier(keep_policy=...)`` takes any keep
+    policy, ``BestN`` included -- but the local retention (``LocalTiers._finish``) builds its
+    ``StepRecord``s without the metrics. So ``BestN(1, metric="loss")`` on the local tier sees no
+    step scored: with ``keep_without_metric=True`` (the default) it never deletes anything (the RAM
+    disk fills up), with ``False`` it deletes the best step at once, keeping only the latest.
+
+    Why it matters: a local keep policy bounds RAM-disk use; BestN is accepted silently and does
+    the opposite of what it says.
+
+    A fix should pass each local step's recorded metrics to the keep policy (as the persistent
+    retention does from the step info), or refuse a metric-reading keep policy for the local tier."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}",
+                         keep_policy=policies.BestN(1, metric="loss", keep_without_metric=keep_without_metric))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        for step, loss in ((2, 0.1), (4, 0.9), (6, 0.5)):
+            mgr.save(step, _state(mesh, step), metrics={"loss": loss}, local=True)
+        mgr.wait()
+        assert mgr.local.infos()[0][6]["metrics"] == {"loss": 0.5}   # the metrics are recorded...
+        assert mgr.local.steps() == [2, 6]                          # ...the best and the latest kept
