@@ -1,6 +1,12 @@
 """Adversarial review (round 4) of how the local tier's features combine: rollbacks, durability,
-promotion and items. One process, 8 CPU devices. Each test fails on the code it was written
-against and passes once the finding its docstring names is fixed."""
+promotion, items and local retention. One process, 8 CPU devices (one test: a real 2-process job,
+tests/tiers_interplay_job.py). Each test fails on the code it was written against and passes once the
+finding its docstring names is fixed."""
+
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -10,6 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
 import storage_helpers as sh
 from dispatch_io import policies
+from test_manager_multiprocess import _finish
+from test_multiprocess import child_env, free_port
 
 
 def _state(mesh, value):
@@ -262,3 +270,30 @@ def test_a_local_best_n_keep_policy_sees_the_metrics_local_steps_carry(tmp_path,
         mgr.wait()
         assert mgr.local.infos()[0][6]["metrics"] == {"loss": 0.5}   # the metrics are recorded...
         assert mgr.local.steps() == [2, 6]                          # ...the best and the latest kept
+
+
+def test_local_retention_keeps_the_same_steps_on_every_process(tmp_path):
+    """Finding: each process applies the local keep policy to its own local steps' commit times
+    (``LocalTiers._finish``: ``StepRecord(step, info["committed"])`` of its own info), with no
+    agreement. A time-reading keep policy (``EveryNSeconds``: the first step committed in each
+    window) then keeps different steps on different processes wherever one step's commits straddle
+    a window boundary -- here commit times 2 s apart (one process's save a little slower, or clocks
+    a little off): process 0 keeps steps [0, 2, 12], process 1 [0, 10, 12]. Steps 2 and 10 are not
+    whole in the job any more (each process deleted its part of the other's), so the older restore
+    points the policy was meant to keep are lost, while each process still spends RAM disk on a step
+    nobody can restore. (Local *save* decisions are agreed -- process 0 decides for a clock-reading
+    policy with replicas --; local retention is not.)
+
+    Why it matters: a local step is only useful whole; the keep policy's promise ("one step per
+    window") holds per process, not per job.
+
+    A fix should make local retention decide alike on every process: e.g. use one commit time per
+    step for the whole job (process 0's, shared as save decisions are, or the step's ``started``
+    time, identical everywhere), or let process 0 decide which local steps everyone keeps."""
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiers_interplay_job.py")
+    env, port = child_env(1, None), free_port()
+    procs = [subprocess.Popen([sys.executable, job, str(i), str(port), str(tmp_path / "root"),
+                               str(tmp_path / "local" / "{process}")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    kept = [re.search(r"^local steps (\[.*\])$", out, re.M)[1] for out in _finish(procs)]
+    assert kept[0] == kept[1], f"local steps kept by process 0: {kept[0]}, by process 1: {kept[1]}"
