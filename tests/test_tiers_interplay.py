@@ -297,3 +297,38 @@ def test_local_retention_keeps_the_same_steps_on_every_process(tmp_path):
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     kept = [re.search(r"^local steps (\[.*\])$", out, re.M)[1] for out in _finish(procs)]
     assert kept[0] == kept[1], f"local steps kept by process 0: {kept[0]}, by process 1: {kept[1]}"
+
+
+def test_one_restored_array_never_mixes_two_histories_of_a_step(tmp_path, mesh):
+    """Finding (the first one's worst case): with the root's step 4 from the abandoned history and
+    a local step 4 of the new one (a local-only save after a rollback, accepted), one local chunk
+    failing its CRC-32C makes the restore through the tiers read that region from the root's step 4
+    and the rest from the local copy: a single array comes back with values of both histories
+    (here 4.0 and 40.0), silently -- the CRC-32C check that was meant to protect it does the mixing.
+
+    A fix: as for the first finding (refuse the local save, or never serve a local step as the
+    persistent step of the same number when they are not one save)."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
+
+    def state(value):
+        return {"w": jax.device_put(np.full((64, 16), value, np.float32), sharding)}
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        mgr.save(0, state(0), force=True)
+        mgr.save(4, state(4), force=True)
+        mgr.wait()
+        mgr.restore(0, target)                  # the rollback
+        try:
+            mgr.save(4, state(40), local=True)
+            mgr.wait()
+        except FileExistsError:
+            return                              # refused: the tiers cannot disagree on step 4
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")[(0, 0)], 0)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
+                               local=tier) as mgr:
+        values = np.unique(np.asarray(mgr.restore(None, target)["w"]))
+        assert values.size == 1, f"step {mgr.last_tier_restore.step} restored as a mix of {values.tolist()}"
+    dispatcher.close()
