@@ -158,7 +158,8 @@ def test_resuming_a_step_partly_read_from_persistent_storage_counts_as_resuming_
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
         mgr.restore(None, target, durability="persisted")      # step 8 is persisted: resumed
         assert mgr.last_tier_restore.step == 8
-        mgr.restore(4, target)                                 # a rollback to 4
+        shutil.rmtree(tmp_path / "root" / "8")                 # a rollback to 4: the root's newer step goes
+        mgr.restore(4, target)
         assert mgr.should_save(6) and not mgr.should_save(4)
         mgr.save(6, state(6 + 1000))
         mgr.wait()

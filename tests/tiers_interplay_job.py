@@ -4,7 +4,8 @@ apart (process 0's clock 1 s behind, process 1's 1 s ahead: one save a little sl
 
     python tiers_interplay_job.py PROCESS PORT ROOT LOCAL
 
-Prints ``local steps [...]`` once steps 0..13 are saved."""
+Prints ``local steps [...]`` once steps 0..13 are saved -- or ``refused: ...`` where the manager
+refuses a clock-reading local keep policy in a multi-process job."""
 
 import sys
 
@@ -21,14 +22,19 @@ mesh = jax.make_mesh((2,), ("x",))
 now = [0.0]
 tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.EveryNSeconds(100))
 dispatcher = dio.LocalDispatcher(barrier_timeout=30)
-with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(1000), local=tier,
-                           clock=lambda: now[0]) as mgr:
-    for step in range(14):
-        now[0] = 1000 + 10 * step + (1 if process == 1 else -1)
-        if mgr.should_save(step):
-            mgr.save(step, {"w": jax.make_array_from_callback(
-                (8, 4), NamedSharding(mesh, P("x")), lambda i, s=step: (np.arange(32.0).reshape(8, 4) + s)[i])})
-            mgr.wait()
-    print(f"local steps {mgr.local.steps()}", flush=True)
+try:
+    mgr = dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(1000), local=tier,
+                                clock=lambda: now[0])
+except ValueError as exc:   # a clock-reading local keep policy in a multi-process job: refused alike everywhere
+    print(f"refused: {exc}", flush=True)
+else:
+    with mgr:
+        for step in range(14):
+            now[0] = 1000 + 10 * step + (1 if process == 1 else -1)
+            if mgr.should_save(step):
+                mgr.save(step, {"w": jax.make_array_from_callback(
+                    (8, 4), NamedSharding(mesh, P("x")), lambda i, s=step: (np.arange(32.0).reshape(8, 4) + s)[i])})
+                mgr.wait()
+        print(f"local steps {mgr.local.steps()}", flush=True)
 dispatcher.close()
 jax.distributed.shutdown()

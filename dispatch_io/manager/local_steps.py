@@ -20,6 +20,7 @@ from absl import logging
 from dispatch_io import tiers_plan
 from dispatch_io.coordination import open_room
 from dispatch_io.manager import items as items_lib
+from dispatch_io.manager import policies
 from dispatch_io.manifest import ARRAYS
 from dispatch_io.storage import INFO, MAX_MANIFEST_BYTES, Location, StepRoot
 from dispatch_io.storage.directory import read_regular
@@ -77,6 +78,17 @@ def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dic
     return infos, unreadable
 
 
+def record(step: int, info: dict | None) -> policies.StepRecord:
+    """``step``'s :class:`~dispatch_io.manager.policies.StepRecord` from its local info (None: no
+    readable info): its commit time and the metrics the local save recorded (numbers only)."""
+    if info is None:
+        return policies.StepRecord(step)
+    metrics = info.get("metrics") if isinstance(info.get("metrics"), dict) else {}
+    committed = info.get("committed")
+    return policies.StepRecord(step, committed if type(committed) in (int, float) else None, {
+        k: float(v) for k, v in metrics.items() if isinstance(k, str) and type(v) in (int, float)})
+
+
 def check_apart(template: str, path: str, process: int, count: int, timeout: float,
                 newest: int | None) -> tuple[list[str], int | None]:
     """(each process's host name by process index, the newest of the processes' ``newest`` local
@@ -103,11 +115,14 @@ def check_apart(template: str, path: str, process: int, count: int, timeout: flo
     return [places[p][0] for p in range(count)], max(steps, default=None)
 
 
-def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | None, persist: bool) -> bool:
+def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | None, persist: bool,
+                 root_latest=None) -> bool:
     """Whether a manager's save of ``step`` saves it in the local tier ``local``: ``forced`` (the
     ``save(local=)`` argument) if given, else the tier's save policy. If either tier saves, the
     local steps from ``step`` on are deleted first (``LocalTiers.drop_from``). ValueError for
-    ``local=True`` without a local tier."""
+    ``local=True`` without a local tier, and for a local save alone of a step the root holds one as
+    new as (``root_latest``: (the newest step the manager saw persisted, a call listing the root's
+    newest)): the root's would be of the history before a rollback, and a restore could mix them."""
     if forced is not None and not isinstance(forced, bool):
         raise TypeError(f"save(local={forced!r}): True, False or None")
     if local is None:
@@ -116,18 +131,24 @@ def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | Non
                              "(pass local=dio.LocalTier(...))")
         return False
     saves = local.should_save(step) if forced is None else forced
+    if saves and not persist and root_latest and root_latest[0] is not None and step <= root_latest[0]:
+        newest = root_latest[1]()   # listed only then: the manager's view may be stale
+        if newest is not None and step <= newest:
+            raise ValueError(f"cannot save step {step} in the local tier alone: the root holds step {newest}, of "
+                             f"the history before a rollback, which a restore could mix with it; remove the root's "
+                             f"steps from {step} on first, or save the step to both tiers")
     if saves or persist:
         local.drop_from(step)
     return saves
 
 
 def save(local: "tiers.LocalTiers | None", step: int, tree, forced: bool | None, persist: bool, items, info: dict,
-         save_kwargs: dict):
+         save_kwargs: dict, root_latest=None):
     """The local tier's part of a manager's ``save()`` of ``step`` (its handle; None if the tier does
     not save it: :func:`prepare_save`): this process's regions of ``tree``, its item files (its own
     PerProcess values and every Json item: ``items.files(own_step=True)``), and the step info's
     items, metrics and metadata (``info``, as ``info.make`` gives it)."""
-    if not prepare_save(local, step, forced, persist):
+    if not prepare_save(local, step, forced, persist, root_latest):
         return None
     return local.save(step, tree, items_lib.files(items, local.process, own_step=True)[0],
                       {k: info[k] for k in ("items", "metrics", "metadata")}, **save_kwargs)

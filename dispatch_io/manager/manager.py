@@ -207,7 +207,8 @@ class CheckpointManager:
         persist = force or self.save_policy is None or self._should_persist(step)
         if persist and self.local is not None:  # the root's refusal first: the local save would write before it
             steps.check_new(self._root, step, overwrite, self.step_path, self.all_steps(), self.root)
-        handle = local_steps.save(self.local, step, tree, local, persist, items, info, save_kwargs)  # fast: first
+        handle = local_steps.save(self.local, step, tree, local, persist, items, info, save_kwargs,  # fast: first
+                                  (self._last_saved_step, self.latest_step))
         if not persist:
             return handle
         if handle is not None and self.local.tier.promote:  # the root's copy from the local one: one device copy

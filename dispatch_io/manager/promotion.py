@@ -309,11 +309,15 @@ def promote(local, step: int, path: str, version: str, clock, *, overwrite: bool
 
     Raises (every process alike, before anything is written): FileNotFoundError naming the step if
     no process has a local copy of it, or naming a key path no copy holds whole; ValueError if a
-    process without a copy would lose its PerProcess items; and as ``Dispatcher.save`` does for
+    process without a copy would lose its PerProcess items, or if the step is of a history the job
+    left (``LocalTiers.abandoned``); and as ``Dispatcher.save`` does for
     ``path``. ``wait()`` raises ``WorkerError`` (naming the key path) for a chunk that cannot be
     read or fails its CRC-32C; nothing is committed then. ValueError without a local tier (``local`` None)."""
     if local is None:
         raise ValueError("promote() needs a local tier: CheckpointManager(..., local=dio.LocalTier(...))")
+    if local.abandoned(step):
+        raise ValueError(f"local step {step} is of a history the job left (it restored an older step since, or "
+                         "started afresh): it is never persisted")
     if wait_local:
         local.wait()  # raising its failure
     local.promoting.add(step)  # from the first look at the step: a local save meanwhile must not delete it

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 from absl import logging
@@ -61,13 +62,18 @@ class TierRestore:
                   for step, info in infos.items()}
         if not infos:
             return held, copies, None, unreadable
-        newest = max(infos)
+        self._check(max(infos), held, outputs_of)
+        return held, copies, max(infos), unreadable
+
+    def _check(self, step: int, held: dict, outputs_of):
+        """Check local ``step``'s copy (in ``held``, {step: its regions}) against its CRC-32Cs: keep
+        only its intact regions, or drop it if it cannot be read (logged) -- lost to this process,
+        as a wiped step is: a peer's copy or the root serves."""
         try:
-            held[str(newest)] = self._intact(newest, infos[newest]["held"], outputs_of)
+            held[str(step)] = self._intact(step, held[str(step)], outputs_of)
         except (IncompleteCheckpointError, CorruptCheckpointError, WorkerError, OSError) as exc:
-            logging.warning("dispatch_io: the local step %s is not used: %s", self._root.step_path(newest), exc)
-            del held[str(newest)]  # lost to this process, as a wiped step is: a peer's copy or the root serves
-        return held, copies, newest, unreadable
+            logging.warning("dispatch_io: the local step %s is not used: %s", self._root.step_path(step), exc)
+            del held[str(step)]
 
     def _intact(self, step: int, held: dict, outputs_of) -> dict:
         """``held`` (of local ``step``) without the regions a chunk of which fails its CRC-32C
@@ -120,7 +126,7 @@ class TierRestore:
         options = self.dispatcher.options
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
         held, copies, verified, unreadable = self._held(outputs_of)  # before the room: a long verify must not
-        report = {"held": held, "copies": copies}                    # time out the others
+        checked = set() if verified is None else {verified}          # time out the others
         room = saved_as = None
         if self.count > 1:
             room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
@@ -128,31 +134,41 @@ class TierRestore:
             if room.leader:  # one listing of the root, one reading of names=, for every process
                 room.set("persistent", list(persistent_steps))
                 room.set("saved_as", self._saved_keypaths(target, names, verified, persistent_steps, persistent_path))
-            room.set(f"held/{self.process}", report)
-        gathered = room.gather("held") if room else {self.process: report}
-        reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
-        if room is not None:
-            persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
-        recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
-        for r in gathered.values():
-            for s, n in r["copies"].items():
-                recorded[int(s)] = min(n, recorded.get(int(s), n))
-        candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
-        if saved_as is None:
-            saved_as = self._saved_keypaths(target, names, verified, persistent_steps, persistent_path)
-        wanted = {saved_as.get(k, k): regions for k, regions in tiers_plan.wanted_regions(target, self.count).items()}
-        plan = tiers_plan.plan_restore(wanted, reports, persistent_steps, candidates)
+        for attempt in itertools.count():  # again while the plan picks a step some holder has not checked
+            report = {"held": held, "copies": copies, "checked": sorted(checked)}
+            if room is not None:
+                room.set(f"held{attempt}/{self.process}", report)
+            gathered = room.gather(f"held{attempt}") if room else {self.process: report}
+            reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
+            if room is not None and attempt == 0:
+                persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
+            if saved_as is None:
+                saved_as = self._saved_keypaths(target, names, verified, persistent_steps, persistent_path)
+            recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
+            for r in gathered.values():
+                for s, n in r["copies"].items():
+                    recorded[int(s)] = min(n, recorded.get(int(s), n))
+            wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
+            plan = tiers_plan.plan_restore(wanted, reports, persistent_steps,
+                                           tiers_plan.eligible(durability, persistent_steps, recorded))
+            if plan is None or not any(str(plan.step) in r["held"] and plan.step not in r["checked"]
+                                       for r in gathered.values()):
+                break
+            if str(plan.step) in held and plan.step not in checked:  # an older local step: checked as the newest was
+                self._check(plan.step, held, outputs_of)
+            checked.add(plan.step)
         local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
                                               for regions in plan.routes.values() for r in regions.values())
         shared = self._share_manifest(plan.step, reports, room) if local_pass and room else None
         if room is not None:
             room.close()
-        if plan is None:
+        if plan is None:  # the job starts afresh: local saves from step 0 on, on every process alike
+            self.local.resume(None)
             lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
             raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_display} holds "
                                     f"every region of the target{lost}" + (
                                         f" with durability {durability!r} or better" if durability != "local" else ""))
-        local_verify = verify or plan.step != verified  # the newest local step was checked in _held
+        local_verify = verify  # every local copy of the step was checked against its CRC-32Cs above
         own_copy = plan.step in reports[self.process]  # as reported: a copy it could not read is not its own
         # each result leaf's routes, by its index (a leaf read under another name, names=, too)
         by_leaf = [plan.routes.get(saved_as.get(k, k), {}) for k, _ in tree_lib.flatten(target)[0]]

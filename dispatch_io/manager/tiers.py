@@ -74,6 +74,10 @@ class LocalTiers:
     def __init__(self, tier: LocalTier, dispatcher, clock, process: int, count: int, root: StepRoot):
         self.tier, self.dispatcher, self._clock = tier, dispatcher, clock
         self.process, self.count = process, count
+        if count > 1 and tier.keep_policy is not None and tier.keep_policy.uses_clock:
+            raise ValueError(f"LocalTier(keep_policy={tier.keep_policy!r}) reads the clock: in a job of {count} "
+                             "processes each would keep the steps its own commit times say, and a step one "
+                             "process dropped is whole nowhere; keep local steps by step (LatestN, EveryNSteps)")
         self.path = tier.process_path(process)
         self.root = StepRoot.open(self.path)
         self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
@@ -88,6 +92,8 @@ class LocalTiers:
         self._in_flight: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
         self.promoting: set[int] = set()  # steps a promotion reads (promotion.py): local retention keeps them
+        self._afresh = False               # no step was whole: the job started over (resume(None))
+        self._resumed_at: int | None = None  # the step a restore resumed, until the next save
         self._last_save = clock()
 
     def steps(self) -> list[int]:
@@ -121,7 +127,7 @@ class LocalTiers:
                 "held": tiers_plan.held_regions(tree, self.process, moves), **(described or {})}
         handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
                                       attachments=Attachments(files or {}, info=info, clock=self._clock), **save_kwargs)
-        self._last_step, self._last_save = step, info["started"]
+        self._last_step, self._last_save, self._afresh = step, info["started"], False
         with self._lock:
             self._in_flight = self._thread.submit(self._finish, handle)
         return handle
@@ -134,8 +140,7 @@ class LocalTiers:
             return
         try:
             infos = self.infos()[0]
-            records = [policies.StepRecord(s, infos[s].get("committed") if s in infos else None)
-                       for s in self.root.committed_steps()]
+            records = [local_steps.record(s, infos.get(s)) for s in self.root.committed_steps()]
             dropped = retention.steps_to_delete(records, self.tier.keep_policy, self._clock())
             retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting], lambda step: None)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
@@ -162,20 +167,32 @@ class LocalTiers:
         return tier_restore.TierRestore(self).restore(target, persistent_steps, persistent_path, persistent_display,
                                                       **kwargs)
 
-    def resume(self, step: int):
+    def abandoned(self, step: int) -> bool:
+        """Whether local ``step`` is newer than the step the job goes on from (after a rollback, or
+        a fresh start): of a history the job left, never to be persisted or resumed."""
+        return step > self._last_step if self._last_step is not None else self._afresh
+
+    def resume(self, step: int | None):
         """After a restore of ``step`` (through the tiers or of a named step, onto any mesh): local
         saves go on after ``step`` -- and the first save of the resumed history (either tier)
         deletes the local steps it makes stale (``local_steps.prepare_save``); until then a restore
         deletes nothing. The same on every process, whatever each one's local directory holds (a
-        per-process answer would make ``should_save`` differ: with replicas, a hang)."""
-        self._last_step = step
+        per-process answer would make ``should_save`` differ: with replicas, a hang). None: no step
+        was whole anywhere, the job starts afresh."""
+        self._last_step, self._afresh = step, step is None
+        self._resumed_at = -1 if step is None else step   # the first save then drops the local steps after it
 
     def drop_from(self, step: int):
         """Delete this process's local steps after ``step`` (and ``step``, unless it is the local
-        step of this history): a save of ``step`` means the job follows a history where they never
-        happened (a rollback), and a later restore must never resume them over it."""
+        step of this history) -- and, at the first save after a restore, every local step after the
+        restored one: a save of ``step`` means the job follows a history where they never happened
+        (a rollback), and a later restore must never resume them over it."""
+        after = self._resumed_at
+
         def stale():
-            return [s for s in self.root.committed_steps() if s > step or (s == step and s != self._last_step)]
+            return [s for s in self.root.committed_steps()
+                    if s > step or (s == step and s != self._last_step) or (after is not None and s > after)]
+        self._resumed_at = None
         if stale():
             self.wait()  # the local save in flight and its retention first (it may delete some of them)
             for s in stale():
