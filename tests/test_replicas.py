@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import storage_helpers as sh
 from dispatch_io import replica_plan, tiers_plan
 from test_manager_multiprocess import _finish
 from test_multiprocess import child_env, free_port
@@ -75,10 +76,14 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     # Process 3 lost too: process 1's regions have no local copy left -> step 8 (now persisted); only they
     # are read from the root.
     shutil.rmtree(str(local).replace("{process}", "3"))
+    # and a flipped byte in process 2's replica of one of process 0's w regions (rows 0..8): a restore
+    # with every own copy intact leaves replicas unchecked, but one that reads them checks them first
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "2" / "8", "['w']")[(0, 0)])
     results = _resumed(_finish(_start(root, local, "resume")))
     print("per process (step, exact, local, persistent, received):", results)
     assert all(r[:2] == (8, True) for r in results), results
-    assert 0 < sum(r[3] for r in results) <= 2 * SHARE + 2 * B + S, results
+    # from the root: processes 1's and 3's shares (no copy left), and the one bad replica region (8 x 16 x 4 B)
+    assert [r[3] for r in results] == [8 * 16 * 4, SHARE, 0, SHARE], results
 
 
 def test_a_clock_policy_with_replicas_takes_the_same_local_saves_everywhere(tmp_path):

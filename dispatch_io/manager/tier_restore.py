@@ -62,18 +62,26 @@ class TierRestore:
                   for step, info in infos.items()}
         if not infos:
             return held, copies, None, unreadable
-        self._check(max(infos), held, outputs_of)
-        return held, copies, max(infos), unreadable
+        newest = max(infos)
+        own = infos[newest].get("sharded")   # its own regions: the replicas it keeps are checked if read
+        self._check(newest, held, outputs_of, own if isinstance(own, dict) else None)
+        return held, copies, newest, unreadable
 
-    def _check(self, step: int, held: dict, outputs_of):
-        """Check local ``step``'s copy (in ``held``, {step: its regions}) against its CRC-32Cs: keep
-        only its intact regions, or drop it if it cannot be read (logged) -- lost to this process,
-        as a wiped step is: a peer's copy or the root serves."""
+    def _check(self, step: int, held: dict, outputs_of, only: dict | None = None):
+        """Check local ``step``'s copy (in ``held``, {step: its regions}) against its CRC-32Cs --
+        ``only`` those regions, if given (the others stay reported, unchecked) --: keep only its
+        intact regions, or drop it if it cannot be read (logged) -- lost to this process, as a
+        wiped step is: a peer's copy or the root serves."""
+        regions = held[str(step)]
+        checked = regions if only is None else {k: [r for r in v if r in only.get(k, ())] for k, v in regions.items()}
         try:
-            held[str(step)] = self._intact(step, held[str(step)], outputs_of)
+            intact = self._intact(step, checked, outputs_of)
         except (IncompleteCheckpointError, CorruptCheckpointError, WorkerError, OSError) as exc:
             logging.warning("dispatch_io: the local step %s is not used: %s", self._root.step_path(step), exc)
             del held[str(step)]
+            return
+        held[str(step)] = {k: intact.get(k, []) + [r for r in v if r not in checked.get(k, ())]
+                           for k, v in regions.items()}
 
     def _intact(self, step: int, held: dict, outputs_of) -> dict:
         """``held`` (of local ``step``) without the regions a chunk of which fails its CRC-32C
@@ -126,7 +134,7 @@ class TierRestore:
         options = self.dispatcher.options
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
         held, copies, verified, unreadable = self._held(outputs_of)  # before the room: a long verify must not
-        checked = set() if verified is None else {verified}          # time out the others
+        checked: set[int] = set()  # steps whose regions this process checked, all (its own: the newest)
         room = saved_as = None
         if self.count > 1:
             room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
@@ -135,7 +143,7 @@ class TierRestore:
                 room.set("persistent", list(persistent_steps))
                 room.set("saved_as", self._saved_keypaths(target, names, verified, persistent_steps, persistent_path))
         for attempt in itertools.count():  # again while the plan picks a step some holder has not checked
-            report = {"held": held, "copies": copies, "checked": sorted(checked)}
+            report = {"held": held, "copies": copies, "checked": sorted(checked), "own": verified}
             if room is not None:
                 room.set(f"held{attempt}/{self.process}", report)
             gathered = room.gather(f"held{attempt}") if room else {self.process: report}
@@ -151,8 +159,10 @@ class TierRestore:
             wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
             plan = tiers_plan.plan_restore(wanted, reports, persistent_steps,
                                            tiers_plan.eligible(durability, persistent_steps, recorded))
+            # with every region read by its own holders, the newest step's own regions were checked
+            own_only = plan is not None and all(r.kind is None for rs in plan.routes.values() for r in rs.values())
             if plan is None or not any(str(plan.step) in r["held"] and plan.step not in r["checked"]
-                                       for r in gathered.values()):
+                                       and not (own_only and plan.step == r["own"]) for r in gathered.values()):
                 break
             if str(plan.step) in held and plan.step not in checked:  # an older local step: checked as the newest was
                 self._check(plan.step, held, outputs_of)
