@@ -50,6 +50,7 @@ class TierRestore:
         self.local, self.tier, self.dispatcher = local, local.tier, local.dispatcher
         self.process, self.count, self.path, self._root = local.process, local.count, local.path, local.root
         self._infos = local.infos
+        self._own = None   # the newest local step's own regions, checked first (``_held``)
 
     def _held(self, outputs_of) -> tuple[dict, dict, int | None, list[str]]:
         """({step: {key path: [region, ...]}} of this process's usable local steps -- the newest
@@ -64,7 +65,8 @@ class TierRestore:
             return held, copies, None, unreadable
         newest = max(infos)
         own = infos[newest].get("sharded")   # its own regions: the replicas it keeps are checked if read
-        self._check(newest, held, outputs_of, own if isinstance(own, dict) else None)
+        self._own = own if isinstance(own, dict) else None
+        self._check(newest, held, outputs_of, self._own)
         return held, copies, newest, unreadable
 
     def _check(self, step: int, held: dict, outputs_of, only: dict | None = None):
@@ -164,8 +166,10 @@ class TierRestore:
             if plan is None or not any(str(plan.step) in r["held"] and plan.step not in r["checked"]
                                        and not (own_only and plan.step == r["own"]) for r in gathered.values()):
                 break
-            if str(plan.step) in held and plan.step not in checked:  # an older local step: checked as the newest was
-                self._check(plan.step, held, outputs_of)
+            if str(plan.step) in held and plan.step not in checked:  # what is still unchecked of the step
+                done = self._own if plan.step == verified and self._own is not None else {}
+                self._check(plan.step, held, outputs_of, {k: [r for r in v if r not in done.get(k, ())]
+                                                          for k, v in held[str(plan.step)].items()})
             checked.add(plan.step)
         local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
                                               for regions in plan.routes.values() for r in regions.values())
