@@ -3,9 +3,8 @@
 A **local save** (:func:`own_plan`) writes, into this process's own directory, every distinct
 region of every leaf that this process's devices hold -- once per process, however many of its
 devices hold a replica -- and host (numpy) leaves whole, all by this process, plus the regions of
-peers it received (``replica_plan``). :func:`held_regions` is what it records holding (in its step
-info), so that a restore maps copies by what they hold; :func:`spread` / :func:`durability` how
-safe the step is.
+peers it received (``replica_plan``). :func:`local_record` is what it records holding (in its step
+info), so that a restore maps copies by what they hold, and how safe the step is.
 
 A **restore** (:func:`plan_restore`) takes plain data: what every process reports holding
 (``{process: {step: {key path: [region, ...]}}}``), the persistent steps, the steps a required
@@ -59,55 +58,49 @@ def own_plan(plan: Plan, process: int, copies: Mapping[int, Sequence[Replica]] |
     return dataclasses.replace(plan, chunks=chunks)
 
 
-def _leaf_holders(tree, moves: Mapping[str, Sequence[tuple]] | None = None):
+def _leaf_holders(tree):
     """(key path, {region: holder processes, or None for host data (every process)}) of every
     stored leaf of ``tree`` (arrays, keys, numpy data), regions as
-    :func:`~dispatch_io.plan.device_regions` gives them -- with, for ``moves[key path]`` (the
-    replica orders the leaf was sent by: ``replica_plan.replica_orders``), the processes its
-    replicas went to."""
+    :func:`~dispatch_io.plan.device_regions` gives them."""
     flat, _ = tree_lib.flatten(tree)
     for keypath, leaf in flat:
         if not hasattr(leaf, "shape") or not math.prod(leaf.shape):  # Python scalars, empty arrays: nothing stored
             continue
-        holders = {}
-        for region, devices in device_regions(getattr(leaf, "sharding", None), leaf.shape).items():
-            if devices == [None]:
-                holders[region] = None
-                continue
-            base = {d.process_index for d in devices}
-            holders[region] = base.union(*({order[p] for p in base} for order in (moves or {}).get(keypath, ())))
-        yield keypath, holders
+        yield keypath, {region: None if devices == [None] else {d.process_index for d in devices}
+                        for region, devices in device_regions(getattr(leaf, "sharding", None), leaf.shape).items()}
 
 
 def _json(region) -> list:
     return [list(bounds) for bounds in region]
 
 
-def held_regions(tree, process: int, moves: Mapping[str, Sequence[tuple]] | None = None) -> dict[str, list]:
-    """{key path: [region, ...]} of ``tree``'s stored leaves that ``process``'s devices hold
-    (host leaves: every process) -- with ``moves``, or hold replicas of (:func:`_leaf_holders`) --,
-    regions as JSON ``[[start, stop], ...]`` over the logical shape: what a local step records
-    holding. Reads shardings only, never device data."""
-    held = {}
-    for keypath, holders in _leaf_holders(tree, moves):
-        mine = sorted(region for region, processes in holders.items() if processes is None or process in processes)
-        if mine:
-            held[keypath] = [_json(region) for region in mine]
-    return held
-
-
-def spread(tree, count: int, moves: Mapping[str, Sequence[tuple]] | None = None, domains=None) -> tuple[int, int]:
-    """(copies, domains): the fewest processes holding any region of ``tree``'s stored leaves
-    (with the replicas ``moves`` sent; host leaves: all ``count``), and the fewest failure domains
-    (``domains[process]``; None: one per process) -- a local step's durability once every
-    process saved it: k copies survive any k - 1 lost processes, in k domains any k - 1 lost hosts."""
+def local_record(tree, process: int, count: int, moves: Mapping[str, Sequence[tuple]] | None = None,
+                 domains=None) -> dict:
+    """What a local step of ``tree`` saved by ``process`` (of ``count``) records in its info, from
+    the shardings alone (one pass over the leaves, no device data): ``"sharded"`` {key path:
+    [region, ...]} its devices hold (host leaves: every process), ``"held"`` the same with the
+    replicas it keeps (``moves[key path]``: the replica orders the leaf was sent by,
+    ``replica_plan.replica_orders``), regions as JSON ``[[start, stop], ...]`` over the logical
+    shape, so a restore maps copies by what they hold; ``"copies"`` / ``"domains"`` the fewest
+    processes / failure domains (``domains[process]``; None: one per process) holding any region
+    once every process saved it -- k copies survive any k - 1 lost processes, in k domains any
+    k - 1 lost hosts -- and ``"durability"`` (:func:`durability`)."""
     domains = list(range(count)) if domains is None else domains
-    fewest = (count, len(set(domains)))
-    for _, holders in _leaf_holders(tree, moves):
-        for processes in holders.values():
-            if processes is not None:
-                fewest = min(fewest[0], len(processes)), min(fewest[1], len({domains[p] for p in processes}))
-    return fewest
+    sharded: dict[str, list] = {}
+    held: dict[str, list] = {}
+    copies, spread = count, len(set(domains))
+    for keypath, holders in _leaf_holders(tree):
+        orders = (moves or {}).get(keypath, ())
+        for region, base in sorted(holders.items()):
+            every = None if base is None else base.union(*({order[p] for p in base} for order in orders))
+            if base is None or process in base:
+                sharded.setdefault(keypath, []).append(_json(region))
+            if every is None or process in every:
+                held.setdefault(keypath, []).append(_json(region))
+            if every is not None:
+                copies, spread = min(copies, len(every)), min(spread, len({domains[p] for p in every}))
+    return {"copies": copies, "domains": spread, "durability": durability(copies, False), "sharded": sharded,
+            "held": held}
 
 
 def durability(copies, persisted: bool) -> str:
@@ -144,7 +137,7 @@ def wanted_regions(target, count: int) -> dict[str, dict]:
 
 
 def as_regions(held: Mapping[str, list]) -> dict[str, set]:
-    """:func:`held_regions`' JSON back as {key path: {region tuple}}."""
+    """:func:`local_record`'s held regions (JSON) back as {key path: {region tuple}}."""
     return {keypath: {tuple(tuple(b) for b in region) for region in regions} for keypath, regions in held.items()}
 
 

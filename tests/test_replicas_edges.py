@@ -18,17 +18,9 @@ import dispatch_io as dio
 from dispatch_io import policies
 from test_manager_multiprocess import _finish
 from test_multiprocess import child_env, free_port
+from test_tiers_edges import _setup
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replicas_edges_job.py")
-
-
-def _setup(mesh):
-    sharding = NamedSharding(mesh, P("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
-
-    def state(step):
-        return {"w": jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64) + step, sharding)}
-    return target, state
 
 
 def _train(tmp_path, state):

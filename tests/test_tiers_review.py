@@ -8,15 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io import policies, tiers_plan
-
-
-def _setup(mesh):
-    sharding = NamedSharding(mesh, P("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
-
-    def state(step):
-        return {"w": jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64) + step, sharding)}
-    return target, state
+from test_tiers_edges import _setup
 
 
 def test_explicit_rollback_with_names_resumes_like_without(tmp_path, mesh):

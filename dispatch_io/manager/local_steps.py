@@ -19,6 +19,7 @@ from absl import logging
 
 from dispatch_io import tiers_plan
 from dispatch_io.coordination import open_room
+from dispatch_io.errors import BarrierTimeoutError
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager import policies
 from dispatch_io.manifest import ARRAYS
@@ -87,6 +88,25 @@ def record(step: int, info: dict | None) -> policies.StepRecord:
     committed = info.get("committed")
     return policies.StepRecord(step, committed if type(committed) in (int, float) else None, {
         k: float(v) for k, v in metrics.items() if isinstance(k, str) and type(v) in (int, float)})
+
+
+def share_manifest(room, step: int, having: list[int], process: int, read) -> dict | None:
+    """The manifest of local ``step`` (JSON) for a process without a copy of it -- every copy's
+    manifest describes the same stored arrays, so it plans its part with a peer's --, shared by the
+    first of ``having`` (the processes with a copy, ascending; ``read()`` gives it there) through
+    ``room``; None in the processes with a copy of their own, and where none has one.
+    BarrierTimeoutError naming the sharer if it does not share it within the room's timeout."""
+    if process in having:
+        if process == having[0]:
+            room.set("manifest", read())
+        return None
+    if not having:
+        return None
+    doc = room.wait_for("manifest", room.timeout)
+    if doc is None:
+        raise BarrierTimeoutError(f"process {having[0]} did not share the manifest of local step {step} within "
+                                  f"{room.timeout:g} s", processes=[having[0]], barrier=f"{room.prefix}/manifest")
+    return doc
 
 
 def check_apart(template: str, path: str, process: int, count: int, timeout: float,

@@ -33,10 +33,11 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io import promote_plan
 from dispatch_io.batches import Priority, make_batches
 from dispatch_io.coordination import open_room
-from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError
 from dispatch_io.formats import open_checkpoint
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
+from dispatch_io.manager import local_steps
 from dispatch_io.save import Attachments, SaveHandle, SaveJob
 from dispatch_io.storage import Location
 from workers import ChunkError, Session, checksum_regions, crc32c, numpy_dtype
@@ -170,14 +171,7 @@ def _gather(local, step: int, path: str, report: dict, doc: dict | None) -> tupl
         room.set(f"report/{local.process}", report)
         reports = room.gather("report")
         having = sorted(p for p, r in reports.items() if r["has"])
-        if report["has"] and local.process == having[0]:
-            room.set("manifest", doc)
-        elif not report["has"] and having:
-            doc = room.wait_for("manifest", room.timeout)
-            if doc is None:
-                raise BarrierTimeoutError(f"process {having[0]} did not share the manifest of local step {step} "
-                                          f"within {room.timeout:g} s", processes=[having[0]],
-                                          barrier=f"{room.prefix}/manifest")
+        doc = local_steps.share_manifest(room, step, having, local.process, lambda: doc) or doc
     finally:
         room.close()
     return reports, doc

@@ -124,9 +124,9 @@ def send(tree, orders: list[tuple[int, ...]], replicas: int, domains,
     """(moves, copies) of the array leaves of ``tree`` whose regions fewer than ``replicas + 1``
     processes hold: ``moves`` {key path: the orders each was sent by}, ``copies`` {key path:
     (:class:`~dispatch_io.replica_plan.Replica`, ...)}: the regions of other processes this
-    process received (see the module doc; ``domains[process]``: its failure domain). Leaves of one dtype travel together, each device's
-    shards packed in one row of at most about ``row_bytes``: one collective per group and order.
-    Every process calls it, in the same order."""
+    process received (see the module doc; ``domains[process]``: its failure domain). Leaves of
+    one dtype travel together, each device's shards packed in one row of at most about
+    ``row_bytes``: one collective per group and order. Every process calls it, in the same order."""
     moves, leaves = {}, []
     for keypath, leaf in tree_lib.flatten(tree)[0] if orders else ():
         if not isinstance(leaf, jax.Array) or not leaf.size:

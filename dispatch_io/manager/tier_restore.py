@@ -22,8 +22,9 @@ from dispatch_io import scaleout
 from dispatch_io import tiers_plan
 from dispatch_io import tree as tree_lib
 from dispatch_io.coordination import open_room
-from dispatch_io.errors import BarrierTimeoutError, CorruptCheckpointError, IncompleteCheckpointError, WorkerError
+from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError, WorkerError
 from dispatch_io.formats import open_checkpoint
+from dispatch_io.manager import local_steps
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.progress import Progress
 from dispatch_io.storage import Location
@@ -145,22 +146,24 @@ class TierRestore:
                 room.set("persistent", list(persistent_steps))
                 room.set("saved_as", self._saved_keypaths(target, names, verified, persistent_steps, persistent_path))
         for attempt in itertools.count():  # again while the plan picks a step some holder has not checked
-            report = {"held": held, "copies": copies, "checked": sorted(checked), "own": verified}
+            report = {"held": held, "copies": copies if attempt == 0 else {}, "checked": sorted(checked),
+                      "own": verified}
             if room is not None:
                 room.set(f"held{attempt}/{self.process}", report)
             gathered = room.gather(f"held{attempt}") if room else {self.process: report}
             reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
-            if room is not None and attempt == 0:
-                persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
-            if saved_as is None:
-                saved_as = self._saved_keypaths(target, names, verified, persistent_steps, persistent_path)
-            recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
-            for r in gathered.values():
-                for s, n in r["copies"].items():
-                    recorded[int(s)] = min(n, recorded.get(int(s), n))
-            wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
-            plan = tiers_plan.plan_restore(wanted, reports, persistent_steps,
-                                           tiers_plan.eligible(durability, persistent_steps, recorded))
+            if attempt == 0:  # what does not change between attempts
+                if room is not None:
+                    persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
+                if saved_as is None:
+                    saved_as = self._saved_keypaths(target, names, verified, persistent_steps, persistent_path)
+                recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
+                for r in gathered.values():
+                    for s, n in r["copies"].items():
+                        recorded[int(s)] = min(n, recorded.get(int(s), n))
+                candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
+                wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
+            plan = tiers_plan.plan_restore(wanted, reports, persistent_steps, candidates)
             # with every region read by its own holders, the newest step's own regions were checked
             own_only = plan is not None and all(r.kind is None for rs in plan.routes.values() for r in rs.values())
             if plan is None or not any(str(plan.step) in r["held"] and plan.step not in r["checked"]
@@ -173,7 +176,9 @@ class TierRestore:
             checked.add(plan.step)
         local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
                                               for regions in plan.routes.values() for r in regions.values())
-        shared = self._share_manifest(plan.step, reports, room) if local_pass and room else None
+        shared = local_steps.share_manifest(  # for a process without the step: it plans with a peer's manifest
+            room, plan.step, sorted(p for p, steps in reports.items() if plan.step in steps), self.process,
+            lambda: Location.parse(self._root.step_path(plan.step)).read_manifest()) if local_pass and room else None
         if room is not None:
             room.close()
         if plan is None:  # the job starts afresh: local saves from step 0 on, on every process alike
@@ -211,21 +216,6 @@ class TierRestore:
             if saved is not None:
                 found[jax.tree_util.keystr(path)] = saved.keypath
         return found
-
-    def _share_manifest(self, step: int, reports: dict, room):
-        """The manifest of local ``step`` for a process without the step (it plans its part of
-        the restore with it: every copy's manifest describes the same arrays), from the first
-        process with it; None in the processes with their own."""
-        sharer = min(p for p, steps in reports.items() if step in steps)
-        if step in reports[self.process]:
-            if self.process == sharer:
-                room.set("manifest", Location.parse(self._root.step_path(step)).read_manifest())
-            return None
-        manifest = room.wait_for("manifest", room.timeout)
-        if manifest is None:
-            raise BarrierTimeoutError(f"process {sharer} did not share the manifest of local step {step} within "
-                                      f"{room.timeout:g} s", processes=[sharer], barrier=f"{room.prefix}/manifest")
-        return manifest
 
     def _fill(self, plan: tiers_plan.TierPlan, by_leaf: list, persistent_path, local_pass: bool, own_copy: bool,
               shared, local_verify: bool, verify: bool, outputs_of):

@@ -120,11 +120,8 @@ class LocalTiers:
         metrics and metadata); retention of local steps follows its commit, on the tier's thread."""
         self.wait()
         moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
-        spread = tiers_plan.spread(tree, self.count, moves, self.domains)
         info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": self._clock(),
-                "copies": spread[0], "domains": spread[1], "durability": tiers_plan.durability(spread[0], False),
-                "sharded": tiers_plan.held_regions(tree, self.process),
-                "held": tiers_plan.held_regions(tree, self.process, moves), **(described or {})}
+                **tiers_plan.local_record(tree, self.process, self.count, moves, self.domains), **(described or {})}
         handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
                                       attachments=Attachments(files or {}, info=info, clock=self._clock), **save_kwargs)
         self._last_step, self._last_save, self._afresh = step, info["started"], False
