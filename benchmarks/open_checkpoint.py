@@ -24,7 +24,7 @@ import statistics
 import time
 
 import dispatch_io as dio
-from dispatch_io import formats
+from dispatch_io.formats import detect as formats
 
 
 def main():

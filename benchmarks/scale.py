@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dispatch_io import collector, manifest, tree  # noqa: E402
-from dispatch_io.delivery import plan_delivery  # noqa: E402
+from dispatch_io.multihost.delivery import plan_delivery  # noqa: E402
 from dispatch_io.manifest import SavedLeaf  # noqa: E402
 from dispatch_io.options import Options  # noqa: E402
 from dispatch_io.plan import LeafSpec, Plan, plan_chunks, storage_chunk_shape  # noqa: E402

@@ -11,8 +11,8 @@ from dispatch_io import sharding, tree
 from dispatch_io.batches import Priority
 from dispatch_io.colocated import ColocatedDispatcher, ColocatedRunner
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.exporting import ExportStats
-from dispatch_io.formats import metadata
+from dispatch_io.formats.exporting import ExportStats
+from dispatch_io.formats.detect import metadata
 from dispatch_io import policies
 from dispatch_io.manager import CheckpointManager, Json, LocalTier, PerProcess, StepInfo
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, TreeMismatchError, WorkerError

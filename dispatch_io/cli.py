@@ -68,7 +68,7 @@ def _rows(manifest) -> list[dict]:
 
 def _open(path: str):
     """The checkpoint at ``path``, opened (either format); one this version cannot read fails here."""
-    from dispatch_io.formats import open_checkpoint
+    from dispatch_io.formats.detect import open_checkpoint
 
     return open_checkpoint(path)
 
@@ -78,7 +78,7 @@ def _manager_steps(path: str) -> list[tuple[int, str]] | None:
     not itself a checkpoint), else None."""
     import os
 
-    from dispatch_io.formats import committed_steps, orbax_item, step_path
+    from dispatch_io.formats.detect import committed_steps, orbax_item, step_path
     from dispatch_io.storage import Location, StepRoot
 
     location = Location.parse(path)
@@ -158,8 +158,8 @@ def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", ov
     ``dst`` in the format ``to`` (``overwrite``: replacing one there), holding at most the budget
     of it in memory."""
     import dispatch_io as dio
-    from dispatch_io import exporting
-    from dispatch_io.convert import check_apart
+    from dispatch_io.formats import exporting
+    from dispatch_io.formats.convert import check_apart
     from dispatch_io.storage import Location
 
     destination = Location.parse(dst)
@@ -306,7 +306,7 @@ def _steps_hint(path: str) -> str:
     import os
 
     from dispatch_io.errors import CheckpointError
-    from dispatch_io.formats import committed_steps, step_path
+    from dispatch_io.formats.detect import committed_steps, step_path
     from dispatch_io.storage import StepRoot
 
     try:

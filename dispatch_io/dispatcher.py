@@ -19,24 +19,28 @@ from typing import Callable
 import jax
 
 from dispatch_io import collector
-from dispatch_io import commit as commit_lib
+from dispatch_io.multihost import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
-from dispatch_io import reading, replica_plan, scaleout, tiers_plan
+from dispatch_io import reading
+from dispatch_io import held
+from dispatch_io.multihost import scaleout
 from dispatch_io import restore as restore_lib
-from dispatch_io import exporting, to_orbax, to_safetensors
+from dispatch_io.formats import exporting
+from dispatch_io.formats import to_orbax
+from dispatch_io.formats import to_safetensors
 from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
-from dispatch_io.convert import StoredSource, check_apart, plan_stored, source_session
+from dispatch_io.formats.convert import StoredSource, check_apart, plan_stored, source_session
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache, with_packs
-from dispatch_io.progress import Progress, RestoreStats, SaveStats
+from dispatch_io.progress import Progress, RestoreStats
 from dispatch_io.runner import LocalRunner, Runner, platform
 from dispatch_io.save import Attachments, SaveHandle, SaveJob, SaveRun, check_callbacks
 from dispatch_io.locks import PathLocks
-from dispatch_io.shared_verify import verify_shared
+from dispatch_io.multihost.shared_verify import verify_shared
 from dispatch_io.staging import StagingRing
-from dispatch_io.formats import open_checkpoint
+from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.storage import Location
 
 PriorityFn = Callable[[str, jax.ShapeDtypeStruct], Priority]
@@ -74,8 +78,8 @@ class Dispatcher:
         no longer needed (copied, or the save failed first); ``on_write_end(keypath)`` once its
         bytes are written (not for leaves a failed save did not write). ``attachments``: small
         files committed with the arrays (what ``CheckpointManager`` stores beside a step). ``own``: a
-        local-tier save (``tiers_plan.own_plan``), committed by this process alone, unpacked; ``copies``
-        (with ``own``): key path -> other processes' regions received here (``replica_plan.Replica``), saved too.
+        local-tier save (``held.own_plan``), committed by this process alone, unpacked; ``copies``
+        (with ``own``): key path -> other processes' regions received here (``held.Replica``), saved too.
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
         a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
         priority callback raised, chained; after ``close()``; from this dispatcher's own
@@ -87,11 +91,11 @@ class Dispatcher:
         location = Location.parse(path)
         with collector.paused():
             plan, leaves, cached = self._plans.get(tree)
-            copies = replica_plan.copies_by_leaf(plan, copies, own)
+            copies = held.copies_by_leaf(plan, copies, own)
             if own:
                 placed = tuple((i, tuple((r.device.id, r.region) for r in rs)) for i, rs in copies.items())
                 plan = self._plans.derive(plan, ("own", placed),
-                                          lambda: tiers_plan.own_plan(plan, jax.process_index(), copies))
+                                          lambda: held.own_plan(plan, jax.process_index(), copies))
             priorities = leaf_priorities(plan, priority)
             packed, batches, describe = self._layout(plan, priorities, packs=not own)
         overflow = self._snapshot_sync_overflow(packed, leaves, batches)
@@ -135,7 +139,7 @@ class Dispatcher:
         """Copy the checkpoint at ``src`` (dispatch_io, Orbax's or safetensors) into a new checkpoint
         at ``dst``: ``to="dispatch_io"`` (keeping key paths, dtypes, PRNG key impls and saved
         shardings; returns the save's :class:`SaveStats`), ``"safetensors"`` or ``"orbax"`` (local
-        paths; return an :class:`~dispatch_io.exporting.ExportStats`). See docs/format.md.
+        paths; return an :class:`~dispatch_io.formats.exporting.ExportStats`). See docs/format.md.
 
         Streams: at most the host memory budget of stored bytes is held at once, however large
         the checkpoint; no device memory is used. Exports name leaves by their key names joined

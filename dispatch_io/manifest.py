@@ -41,9 +41,9 @@ from dispatch_io import tree as tree_lib
 from dispatch_io import validate
 from dispatch_io.errors import CheckpointError, TreeMismatchError
 from dispatch_io.plan import Plan, native_order
+from dispatch_io.storage import ARRAYS, FORMAT
 from workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
 
-FORMAT = "dispatch_io"
 FORMAT_VERSION = 2            # written when the checkpoint has packs; 1 otherwise
 READS_VERSIONS = (1, 2)
 
@@ -59,7 +59,6 @@ def describe_sharding(sharding) -> dict | None:
     return {"type": type(sharding).__name__, "repr": repr(sharding)}
 
 
-ARRAYS = "arrays/"
 _ARRAYS_PATH = re.compile(r"^arrays/([0-9a-f]+/)?\Z")
 
 
@@ -172,7 +171,7 @@ class Manifest:
     layout: str = "files"
     arrays: str = ARRAYS   # where the arrays are, relative to the checkpoint
     compression: tuple[str, int] | None = None  # (codec, level) of our arrays; None: raw (or not ours)
-    format: str = FORMAT   # who wrote it: "dispatch_io", or "orbax" (read by dispatch_io.orbax)
+    format: str = FORMAT   # who wrote it: "dispatch_io", or "orbax" (read by dispatch_io.formats.orbax)
     keys_by_name: bool = False  # targets match leaves by key names (:meth:`saved_leaf`)
     # Targets match the leaf whose key names joined by "." are tensor_names(target key path)
     # (safetensors; restore(names=...) for any checkpoint).

@@ -12,7 +12,7 @@ at every moment. A failure anywhere stops new copies, waits for writes already h
 (their buffers are still being read), removes the partial data and surfaces from ``wait()``.
 
 The driver is given what it works with -- a :class:`SaveJob` (what to save), a runner (where
-worker code runs), a commit object (``dispatch_io.commit``), the staging ring and a completion
+worker code runs), a commit object (``dispatch_io.multihost.commit``), the staging ring and a completion
 callback -- and never calls back into a dispatcher.
 """
 

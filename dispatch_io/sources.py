@@ -12,7 +12,7 @@ from dispatch_io.plan import Plan
 class Sources:
     """The device (or host) data of the leaves being saved, found by chunk: the piece on the
     chunk's device that holds its region -- a shard of the leaf, or a region of it another
-    process holds, received here (``copies``: a local tier's replicas, ``tiers_plan.own_plan``).
+    process holds, received here (``copies``: a local tier's replicas, ``held.own_plan``).
 
     References are dropped as soon as a leaf is fully copied, so the trainer's memory is
     not held longer than the copy needs."""
@@ -20,7 +20,7 @@ class Sources:
     def __init__(self, plan: Plan, leaves: list, copies: dict[int, tuple] | None = None):
         self._plan = plan
         self._leaves = list(leaves)
-        self._copies = dict(copies or {})  # leaf index -> replica_plan.Replica's received (a local tier's)
+        self._copies = dict(copies or {})  # leaf index -> held.Replica's received (a local tier's)
         self._shards: dict[int, dict] = {}
 
     def parts(self, chunk) -> list[tuple]:

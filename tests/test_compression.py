@@ -20,7 +20,7 @@ import dispatch_io as dio
 from conftest import assert_trees_bit_equal
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.errors import CheckpointError
-from dispatch_io.formats import open_checkpoint
+from dispatch_io.formats.detect import open_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

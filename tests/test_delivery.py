@@ -1,4 +1,4 @@
-"""The scale-out restore's delivery plan (``dispatch_io.delivery``): pure, from plain data
+"""The scale-out restore's delivery plan (``dispatch_io.multihost.delivery``): pure, from plain data
 (``{region: holder processes}``), so jobs of several processes are planned here in one process,
 without devices -- the code ``benchmarks/scale.py`` runs for 1,024 processes."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dispatch_io import delivery, tree
-from dispatch_io.delivery import HEADER, plan_delivery, replica_groups
+from dispatch_io import tree
+from dispatch_io.multihost import delivery
+from dispatch_io.multihost.delivery import HEADER, plan_delivery, replica_groups
 from dispatch_io.manifest import SavedLeaf
 from dispatch_io.restore import DEVICE, Output
 from workers import ArraySpec

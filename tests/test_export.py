@@ -17,7 +17,8 @@ from safetensors.numpy import load_file
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal, host_bytes
-from dispatch_io import cli, exporting
+from dispatch_io import cli
+from dispatch_io.formats import exporting
 
 MiB = 1 << 20
 CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "I8", "uint8": "U8", "bool": "BOOL",

@@ -9,8 +9,9 @@ import pytest
 from safetensors.numpy import load_file
 
 import dispatch_io as dio
-from dispatch_io import cli, exporting
-from dispatch_io import safetensors as st_lib
+from dispatch_io import cli
+from dispatch_io.formats import exporting
+from dispatch_io.formats import safetensors as st_lib
 from dispatch_io.errors import CheckpointError
 
 MiB = 1 << 20

@@ -254,7 +254,7 @@ def test_a_step_decided_again_is_not_answered_from_the_previous_decision():
     0's *old* answer on the other processes, while process 0 decided afresh: with
     EveryNSeconds the processes disagreed and the save waited for the ones that skipped it."""
     import threading
-    from dispatch_io.coordination import Room
+    from dispatch_io.multihost.coordination import Room
     from dispatch_io.manager.decisions import SharedDecisions
     client = _FakeCoordination()
     leader, other = (SharedDecisions(Room(client, p, 2, 5.0, "manager", "s3://b/run", "the manager")) for p in (0, 1))

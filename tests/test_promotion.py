@@ -21,8 +21,8 @@ import dispatch_io as dio
 import storage_helpers as sh
 from dispatch_io import policies
 from dispatch_io import tree as tree_lib
-from dispatch_io.formats import open_checkpoint
-from dispatch_io.promote_plan import plan_promotion, items_of
+from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.manager.tiers.promote_plan import plan_promotion, items_of
 from dispatch_io.manifest import parse as parse_manifest
 from workers.layouts import NODE_CACHE
 
@@ -183,7 +183,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
-from dispatch_io.manager import promotion
+from dispatch_io.manager.tiers import promotion
 tmp = sys.argv[1]
 mesh = jax.make_mesh((4, 2), ("data", "model"))
 w = jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64), NamedSharding(mesh, P("data", "model")))
@@ -221,7 +221,7 @@ def test_a_promotion_killed_midway_leaves_no_step_and_can_be_done_again(tmp_path
 def test_local_retention_keeps_a_step_while_it_is_promoted(tmp_path, mesh, monkeypatch):
     """A local save during a promotion (keep LatestN(1)) would delete the step being read: kept until
     the promotion is over, then dropped by the next local retention."""
-    from dispatch_io.manager import promotion
+    from dispatch_io.manager.tiers import promotion
     release, real = threading.Event(), promotion.write_values
 
     def write_values(*args):
@@ -317,7 +317,7 @@ def test_save_with_promote_persists_from_the_local_copy(tmp_path, mesh):
 def test_local_retention_keeps_a_step_while_save_promotes_it(tmp_path, mesh, monkeypatch):
     """LocalTier(promote=True, keep_policy=LatestN(1)): the next local save commits while step 2's
     promotion still reads it (held in its first write); step 2 stays until the promotion is over."""
-    from dispatch_io.manager import promotion
+    from dispatch_io.manager.tiers import promotion
     entered, release, real = threading.Event(), threading.Event(), promotion.write_values
 
     def write_values(*args):
@@ -346,7 +346,7 @@ def test_a_deferred_promotion_after_any_local_failure_unpins_the_step_and_is_rep
     CheckpointError is still a failed local save: the promotion starts without a copy, and, failing,
     releases the step's pin against local retention; its error is the handle's (chained to the local
     failure), which the manager does not raise again (the local tier reports the local failure)."""
-    from dispatch_io.manager import promotion
+    from dispatch_io.manager.tiers import promotion
 
     class Failed:
         path = "/local/0/3"

@@ -14,7 +14,8 @@ import sys
 import pytest
 
 import storage_helpers as sh
-from dispatch_io import replica_plan, tiers_plan
+from dispatch_io.manager.tiers import replica_plan
+from dispatch_io.manager.tiers import plan as tiers_plan
 from test_manager_multiprocess import _finish
 from test_multiprocess import child_env, free_port
 from test_tiers import _kill, _wait_for
@@ -135,7 +136,7 @@ def test_dispatcher_save_checks_copies_before_writing(tmp_path, mesh):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import dispatch_io as dio
-    from dispatch_io.replica_plan import Replica
+    from dispatch_io.held import Replica
     w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
     device = jax.devices()[0]
     good = Replica(device, ((0, 2), (0, 4)), jax.device_put(np.zeros((2, 4), np.float32), device))
@@ -159,7 +160,7 @@ def test_leaves_travel_in_rows_of_one_dtype_within_the_row_budget():
 
     import numpy as np
 
-    from dispatch_io.manager.replicas import _groups
+    from dispatch_io.manager.tiers.replicas import _groups
 
     def leaf(name, dtype, width):
         return SimpleNamespace(keypath=name, data=SimpleNamespace(dtype=np.dtype(dtype)), width=width)

@@ -175,7 +175,7 @@ def test_a_replica_overlapping_own_regions_silently_overwrites_them(tmp_path, me
     replica's values (-1 here) in place of the process's real data: silent corruption, no error.
     Fix: ValueError (naming the key path and region) for a replica region that is not a region of the
     leaf's sharding, or that overlaps a region this process holds without being equal to it."""
-    from dispatch_io.replica_plan import Replica
+    from dispatch_io.held import Replica
     w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
     device = jax.devices()[0]
     shape = tuple(hi - lo for lo, hi in region)
@@ -209,7 +209,7 @@ def test_local_tier_domains_as_lists_pass_validation_then_crash_when_the_job_ope
     fails with a bare "TypeError: unhashable type: 'list'" from replica_orders' Counter (after the
     processes already met in the tiers-paths room). Fix: convert each domain to a hashable value
     (lists to tuples) or refuse unhashable domains in LocalTier itself, naming domains."""
-    from dispatch_io import replica_plan
+    from dispatch_io.manager.tiers import replica_plan
     domains = [["rack-0", "host-0"], ["rack-0", "host-0"], ["rack-1", "host-1"], ["rack-1", "host-1"]]
     try:
         tier = dio.LocalTier("/tmp/unused/{process}", replicas=1, domains=domains)

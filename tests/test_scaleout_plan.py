@@ -1,4 +1,4 @@
-"""The scale-out restore's split (``dispatch_io.scaleout.plan_split``): pure, so checked here in
+"""The scale-out restore's split (``dispatch_io.multihost.scaleout.plan_split``): pure, so checked here in
 one process for a job of several (host results are wanted by every process of the job). The
 restore itself runs in tests/test_multiprocess.py."""
 
@@ -9,10 +9,11 @@ import itertools
 import numpy as np
 
 import dispatch_io as dio
-from dispatch_io import formats, restore
+from dispatch_io import restore
+from dispatch_io.formats import detect as formats
 from dispatch_io.staging import aligned
-from dispatch_io.delivery import width
-from dispatch_io.scaleout import plan_split
+from dispatch_io.multihost.delivery import width
+from dispatch_io.multihost.scaleout import plan_split
 
 KiB = 1 << 10
 

@@ -1,7 +1,7 @@
 """The local tier's restore planner on plain data (no devices, no IO): which step, and where each
 region of it comes from."""
 
-from dispatch_io.tiers_plan import PEER, PERSISTENT, Route, TierPlan, as_regions, plan_restore
+from dispatch_io.manager.tiers.plan import PEER, PERSISTENT, Route, TierPlan, as_regions, plan_restore
 
 # A leaf of 4 regions over (data=2, fsdp=4) on 4 processes: regions 0, 1 held by {0, 2}; 2, 3 by {1, 3}.
 R = [((i * 16, i * 16 + 16), (0, 16)) for i in range(4)]
@@ -73,7 +73,7 @@ def test_nothing_anywhere_is_none_and_a_persistent_step_alone_is_read_whole():
 def test_a_required_durability_limits_the_steps_a_restore_may_pick():
     """Step 8 is only local with one copy of some region, step 6 local with two, step 4 persisted:
     each requirement picks the newest step that meets it -- still read from the local copies."""
-    from dispatch_io.tiers_plan import check_durability, durability, eligible
+    from dispatch_io.manager.tiers.plan import check_durability, durability, eligible
     steps = reports({p: [4, 6, 8] for p in range(4)})
     copies = {8: 1, 6: 2, 4: 2}
     picked = {require: plan_restore(WANTED, steps, [4], eligible(require, [4], copies))

@@ -7,7 +7,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-from dispatch_io import policies, tiers_plan
+from dispatch_io import policies
+from dispatch_io.manager.tiers import plan as tiers_plan
 from test_tiers_edges import _setup
 
 

@@ -86,7 +86,7 @@ def test_pipeline_stages_x_data_parallel_receive_only_what_they_hold():
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from test_delivery import _check, leaf
 
-    from dispatch_io.delivery import plan_delivery
+    from dispatch_io.multihost.delivery import plan_delivery
     shared = [(0, leaf("a", (1024, 64), (16, 64)), {((0, 1024), (0, 64)): (0, 1)}),
               (1, leaf("b", (1024, 64), (16, 64)), {((0, 1024), (0, 64)): (2, 3)})]
     plan = plan_delivery(shared, 4, 4 << 10, 64 << 10)

@@ -1,6 +1,6 @@
 """Stored chunks as they are: read and write a zarr3 array's encoded chunk values by key.
 
-A promotion (``dispatch_io.manager.promotion``) copies a local step's chunks into a persistent
+A promotion (``dispatch_io.manager.tiers.promotion``) copies a local step's chunks into a persistent
 step without decoding them: the bytes written are the bytes read, whatever codec made them.
 Keys follow zarr3's default chunk key encoding: ``<array>/c/<i>/<j>/...`` (``<array>/c`` for a
 0-d array), under the checkpoint's arrays kvstore (``layouts.layout_kvstore``).

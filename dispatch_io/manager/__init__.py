@@ -8,8 +8,7 @@
 * ``retention``: which committed steps go (pure), and deleting them;
 * ``orbax_items``: the items of steps Orbax's CheckpointManager wrote;
 * ``steps``: what a committed step holds (ours or Orbax's), read from its files;
-* ``tiers``: the local tier (:class:`LocalTier`): its saves and steps; ``local_steps``: what they hold on disk;
-* ``tier_restore``: a restore mixing the tiers (own copy, a peer's, persistent storage);
+* ``tiers/``: the local tier (:class:`LocalTier`): its plans, saves, steps, restores and promotions;
 * ``manager``: :class:`CheckpointManager`, which puts them to work.
 """
 

@@ -10,7 +10,7 @@ by construction and cost nothing.
 Every process asks in the same order (``should_save`` at every step), so the k-th decision of
 a manager is the same question everywhere: it is published as ``decision/<k>`` with its step,
 and a process that asked about another step raises, naming both. The keys live in a
-:class:`~dispatch_io.coordination.Room` of the manager's root, cleared when the managers of a
+:class:`~dispatch_io.multihost.coordination.Room` of the manager's root, cleared when the managers of a
 job open it together (a manager made again on the same root never reads an old answer), and
 process 0 removes the decision :data:`WINDOW` decisions back, so the service holds a bounded
 number of keys however long the run.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from dispatch_io.coordination import Room
+from dispatch_io.multihost.coordination import Room
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError
 
 WINDOW = 64

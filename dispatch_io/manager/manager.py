@@ -36,13 +36,17 @@ import time
 import jax
 from absl import logging
 
-from dispatch_io import tiers_plan
-from dispatch_io.coordination import open_room
+from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.multihost.coordination import open_room
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.formats import check_reachable, committed_steps, metadata, step_path
+from dispatch_io.formats.detect import check_reachable, committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import local_steps, orbax_items, policies, promotion, retention, steps, tier_restore, tiers
+from dispatch_io.manager import orbax_items, policies, retention, steps
+from dispatch_io.manager.tiers import local_steps
+from dispatch_io.manager.tiers import promotion
+from dispatch_io.manager.tiers import restore as tier_restore
+from dispatch_io.manager.tiers import tier as tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
@@ -63,7 +67,7 @@ class CheckpointManager:
     ``barrier_timeout``: seconds a process of a multi-process job waits for the others, for the dispatcher the
     manager creates; with a ``dispatcher`` of your own, set it in its options instead (passing both is a
     ``ValueError``). ``clock``: UNIX seconds, for the policies (tests pass their own). ``local``: a fast local tier
-    (:class:`~dispatch_io.manager.tiers.LocalTier`; design.md "Tiers"). Raises ``TypeError`` for a policy used in
+    (:class:`~dispatch_io.manager.tiers.tier.LocalTier`; design.md "Tiers"). Raises ``TypeError`` for a policy used in
     the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad numbers or a keep policy given twice."""
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: policies.Policy | None = None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 
-from dispatch_io import orbax
+from dispatch_io.formats import orbax
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manager.info import StepInfo, metric
 from dispatch_io.storage import COMMITTED, MANIFEST, MAX_MANIFEST_BYTES, DirectoryLocation, Location

@@ -34,11 +34,12 @@ from typing import Mapping
 import tensorstore as ts
 
 from dispatch_io.errors import CheckpointError
-from dispatch_io.manifest import ARRAYS
 
-# The keys of a checkpoint (relative to its path). ARRAYS, the default folder of the arrays, is
-# the manifest's (a manifest names another one when a save wrote its arrays elsewhere).
+# The keys of a checkpoint (relative to its path). ARRAYS is the default folder of the arrays (a
+# manifest names another one when a save wrote its arrays elsewhere).
+FORMAT = "dispatch_io"     # the "format" a manifest.json of ours starts with
 MANIFEST = "manifest.json"
+ARRAYS = "arrays/"
 MAX_MANIFEST_BYTES = 256 << 20   # a larger manifest.json is refused unread (a 10k-leaf one is ~2 MiB)
 COMMITTED = "COMMITTED"    # written last: the checkpoint is complete (a Marker: who, and a unique id)
 WRITING = "WRITING"        # a save under way claims its directory / prefix (a Marker)
@@ -207,7 +208,7 @@ from dispatch_io.storage.objectstore import KvLocation, KvRoot, KvWrite, kvstore
 
 # (OBJECT_STORE_RETRIES is not re-exported: set it where kvstore_spec reads it, in objectstore.)
 __all__ = [
-    "ARRAYS", "COMMITTED", "DELETING", "INFO", "MANIFEST", "STEP", "WRITING",
+    "ARRAYS", "COMMITTED", "DELETING", "FORMAT", "INFO", "MANIFEST", "STEP", "WRITING",
     "DirectoryLocation", "DirectoryRoot", "DirectoryWrite", "JoinedWrite", "KvLocation", "KvRoot", "KvWrite",
     "Location", "Marker", "StepRoot", "WriteTarget", "kvstore_spec",
 ]

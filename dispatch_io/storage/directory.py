@@ -22,9 +22,8 @@ from typing import Mapping
 
 from absl import logging
 
-from dispatch_io import manifest as manifest_lib
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from dispatch_io.storage import (ARRAYS, COMMITTED, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING, JoinedWrite,
+from dispatch_io.storage import (ARRAYS, COMMITTED, FORMAT, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING, JoinedWrite,
                                  Location, StepRoot, WriteTarget)
 from dispatch_io.storage.markers import Marker
 
@@ -58,7 +57,7 @@ REPLACED = SiblingName("old", hidden=False, id_chars=8)       # a checkpoint an 
 DELETED = SiblingName("deleting", hidden=True, id_chars=8)    # a manager's step being deleted
 
 # The manifest's first key, however it is spaced (manifests are written compact; older ones indented).
-_MANIFEST_MARK = re.compile(rb'^\{\s*"format"\s*:\s*"' + manifest_lib.FORMAT.encode() + rb'"')
+_MANIFEST_MARK = re.compile(rb'^\{\s*"format"\s*:\s*"' + FORMAT.encode() + rb'"')
 
 
 def _arrays_kvstore(directory: str, arrays: str = ARRAYS) -> dict:

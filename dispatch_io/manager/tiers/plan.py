@@ -21,41 +21,10 @@ import math
 from typing import Mapping, Sequence
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.plan import Plan, device_regions, plan_chunks
-from dispatch_io.replica_plan import Replica
+from dispatch_io.plan import device_regions
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
 DURABILITY = ("local", "replicated", "persisted")   # what a restore may require, weakest first
-
-
-def _held_by(devices, process: int) -> list:
-    """The devices of ``devices`` that are ``process``'s (host data, device None: every process's)."""
-    return [d for d in devices if d is None or d.process_index == process]
-
-
-def own_plan(plan: Plan, process: int, copies: Mapping[int, Sequence[Replica]] | None = None) -> Plan:
-    """``plan`` (a job-wide save plan, unpacked) made a local save's: each region ``process``'s
-    devices hold (and every host leaf), one chunk grid each, all written by ``process``. Leaves
-    copied whole keep one chunk (their regions are all on one process). ``copies``: leaf index ->
-    the :class:`~dispatch_io.replica_plan.Replica` objects of other processes' regions on this
-    process's devices: those regions are saved too (from the replicas: ``sources.Sources``)."""
-    copies = copies or {}
-
-    def regions_of(spec):
-        held = device_regions(spec.spec.sharding, spec.spec.shape)
-        if spec.whole:
-            devices = _held_by(spec.spec.sharding.device_set, process) or [r.device for r in copies.get(spec.index, ())]
-            return {tuple((0, n) for n in spec.spec.shape): [min(devices, key=lambda d: d.id)]} if devices else {}
-        regions = {region: _held_by(devices, process) for region, devices in held.items()}
-        regions = {region: devices for region, devices in regions.items() if devices}
-        own = set(regions)
-        for replica in copies.get(spec.index, ()):  # a region it holds itself is saved from its own shard
-            if replica.region not in own:
-                regions.setdefault(replica.region, []).append(replica.device)
-        return regions
-
-    chunks = tuple(dataclasses.replace(c, worker=process) for c in plan_chunks(plan.leaves, regions_of))
-    return dataclasses.replace(plan, chunks=chunks)
 
 
 def _leaf_holders(tree):

@@ -4,7 +4,7 @@ Detection looks at the files present, never tries and fails: a dispatch_io check
 ``manifest.json`` / ``COMMITTED``; an Orbax PyTree item has ``_METADATA``; an Orbax step
 directory holds exactly one such item (``default``, ``state``, ...). Anything else is read as a
 dispatch_io path, whose errors say what is missing. Orbax checkpoints are read from local
-directories (``file://`` too). Hugging Face safetensors (``dispatch_io.safetensors``) are a
+directories (``file://`` too). Hugging Face safetensors (``dispatch_io.formats.safetensors``) are a
 ``.safetensors`` file, or a directory / URL prefix holding such files and no dispatch_io
 checkpoint (local or ``s3://`` / ``gs://``).
 
@@ -24,7 +24,9 @@ from typing import Callable
 import tensorstore as ts
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import orbax, safetensors, validate
+from dispatch_io import validate
+from dispatch_io.formats import orbax
+from dispatch_io.formats import safetensors
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manifest import Manifest
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, DirectoryRoot, Location, StepRoot

@@ -21,8 +21,11 @@ import threading
 
 from absl import logging
 
-from dispatch_io import tiers_plan
-from dispatch_io.manager import local_steps, policies, replicas, retention, tier_restore
+from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager import policies, retention
+from dispatch_io.manager.tiers import local_steps
+from dispatch_io.manager.tiers import replicas
+from dispatch_io.manager.tiers import restore as tier_restore
 from dispatch_io.save import Attachments, SaveHandle
 from dispatch_io.storage import StepRoot
 
@@ -160,7 +163,7 @@ class LocalTiers:
 
     def restore(self, target, persistent_steps, persistent_path, persistent_display: str, **kwargs):
         """Restore ``target`` through the tiers (every process together): see
-        :meth:`~dispatch_io.manager.tier_restore.TierRestore.restore`. Returns (tree, stats)."""
+        :meth:`~dispatch_io.manager.tiers.restore.TierRestore.restore`. Returns (tree, stats)."""
         return tier_restore.TierRestore(self).restore(target, persistent_steps, persistent_path, persistent_display,
                                                       **kwargs)
 

@@ -1,6 +1,6 @@
 """Exporting a checkpoint (ours, Orbax's, safetensors) as an Orbax PyTree checkpoint.
 
-What Orbax 0.12's ``StandardCheckpointer`` writes (see ``dispatch_io.orbax`` for the layout):
+What Orbax 0.12's ``StandardCheckpointer`` writes (see ``dispatch_io.formats.orbax`` for the layout):
 one zarr3 array per leaf, named by its key names joined by ``.``, in an OCDBT database at the
 item directory (written as ``ocdbt.process_0/`` and merged into the root by reference),
 ``_METADATA`` (the tree: key_metadata, value types), ``_sharding`` (each leaf's sharding, where
@@ -26,9 +26,10 @@ import time
 import jax
 import numpy as np
 
-from dispatch_io import exporting, orbax
+from dispatch_io.formats import exporting
+from dispatch_io.formats import orbax
 from dispatch_io import tree as tree_lib
-from dispatch_io.exporting import ExportStats, LocalOutput
+from dispatch_io.formats.exporting import ExportStats, LocalOutput
 from dispatch_io.manifest import SavedLeaf
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.storage import DirectoryLocation, Location

@@ -18,13 +18,13 @@ from absl import logging
 
 from dispatch_io import reading
 from dispatch_io import restore as restore_lib
-from dispatch_io import scaleout
-from dispatch_io import tiers_plan
+from dispatch_io.multihost import scaleout
+from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io import tree as tree_lib
-from dispatch_io.coordination import open_room
+from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError, WorkerError
-from dispatch_io.formats import open_checkpoint
-from dispatch_io.manager import local_steps
+from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.manager.tiers import local_steps
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.progress import Progress
 from dispatch_io.storage import Location
@@ -45,7 +45,7 @@ class TierRestoreStats:
 
 
 class TierRestore:
-    """One restore through the tiers of a :class:`~dispatch_io.manager.tiers.LocalTiers` (this process's)."""
+    """One restore through the tiers of a :class:`~dispatch_io.manager.tiers.tier.LocalTiers` (this process's)."""
 
     def __init__(self, local):
         self.local, self.tier, self.dispatcher = local, local.tier, local.dispatcher

@@ -1,7 +1,7 @@
 """A promotion's plan (pure): which process copies each stored chunk of a local step to the root.
 
 Every process's local copy of a step describes the same stored arrays (unpacked, one chunk grid
-per leaf: ``tiers_plan.own_plan``) and holds the chunks of the regions its devices held. A
+per leaf: ``held.own_plan``) and holds the chunks of the regions its devices held. A
 promotion writes each stored chunk once, job-wide: by the least loaded (in bytes) of the processes
 whose local copy holds it, as a save spreads replicated chunks over their holders. From plain data
 (the step's manifest and what each process reports holding) every process computes the same

@@ -47,8 +47,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dispatch_io.coordination import Room, open_room
-from dispatch_io.delivery import HEADER, Round, plan_delivery
+from dispatch_io.multihost.coordination import Room, open_room
+from dispatch_io.multihost.delivery import HEADER, Round, plan_delivery
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
 from dispatch_io.plan import device_regions
 from dispatch_io.progress import Progress
@@ -91,7 +91,7 @@ def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_
                routes=None) -> Split:
     """Split the restore of ``outputs`` (sets each ``out.regions``; allocates the buffers of the
     shared regions this process holds) into local regions and the rounds of shared pieces
-    (:func:`~dispatch_io.delivery.plan_delivery`). ``routes(index, out)``, if given, says
+    (:func:`~dispatch_io.multihost.delivery.plan_delivery`). ``routes(index, out)``, if given, says
     instead which regions travel and who may read them -- ({region: processes it goes to},
     [regions this process reads for itself], {region: processes that may read it}) -- for a
     restore that fills only some regions from this checkpoint (the local tier's)."""

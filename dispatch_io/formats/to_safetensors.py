@@ -23,9 +23,10 @@ import time
 
 import numpy as np
 
-from dispatch_io import exporting, safetensors
+from dispatch_io.formats import exporting
+from dispatch_io.formats import safetensors
 from dispatch_io import tree as tree_lib
-from dispatch_io.exporting import ExportStats, Leaf, LocalOutput
+from dispatch_io.formats.exporting import ExportStats, Leaf, LocalOutput
 from dispatch_io.manifest import SavedLeaf
 from dispatch_io.storage import DirectoryLocation, Location
 

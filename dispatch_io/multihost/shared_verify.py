@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax
 
-from dispatch_io.coordination import open_room
+from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, WorkerError
 from dispatch_io.progress import Progress
 from dispatch_io.reading import mismatches, needed_regions, verify_stored

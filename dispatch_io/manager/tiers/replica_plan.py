@@ -12,22 +12,7 @@ regions (:func:`copies_by_leaf` checks them against the plan).
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
-from typing import Any, Mapping, Sequence
-
-from dispatch_io.plan import device_regions
-
-
-@dataclasses.dataclass(frozen=True)
-class Replica:
-    """A region of a leaf that another process holds, received on one of this process's devices:
-    ``region`` ((start, stop), ...) over the leaf's logical shape, ``data`` its values there (a
-    jax.Array of the region's shape; PRNG keys as their key data)."""
-
-    device: Any
-    region: tuple
-    data: Any
+from typing import Sequence
 
 
 def replica_orders(domains: Sequence, replicas: int) -> list[tuple[int, ...]]:
@@ -73,32 +58,3 @@ def replicas_needed(holders: Sequence[set], orders: Sequence[tuple[int, ...]], r
         if all(len(h) > replicas and len({domains[p] for p in h}) >= spread for h in held):
             return k
     return len(orders)
-
-
-def copies_by_leaf(plan, copies: Mapping[str, Sequence[Replica]] | None, own: bool) -> dict[int, tuple]:
-    """``Dispatcher.save``'s ``copies`` (key path -> :class:`Replica` objects received) by leaf index.
-    ValueError without ``own`` (a job-wide save writes each region once anyway), for a key path
-    that is not an array leaf of ``plan``, a replica whose region is not one of the leaf's
-    sharding, or whose data is not its region's shape and the stored dtype."""
-    if not copies:
-        return {}
-    if not own:
-        raise ValueError("copies= (replicas of other processes' regions) is for a local-tier save (own=True)")
-    leaves = {leaf.keypath: leaf for leaf in plan.leaves if leaf.origin == "jax" and leaf.storage is not None}
-    by_leaf = {}
-    for keypath, replicas in copies.items():
-        if keypath not in leaves:
-            raise ValueError(f"copies: {keypath} is not a stored array leaf of the tree being saved")
-        spec = leaves[keypath]
-        key_dims = spec.shape[len(spec.spec.shape):]
-        regions = device_regions(spec.spec.sharding, spec.spec.shape)
-        for r in replicas:
-            if r.region not in regions:  # another region would be written over the leaf's own
-                raise ValueError(f"copies: a replica of {keypath} holds {list(r.region)}, not a region of the "
-                                 f"leaf's sharding")
-            shape = tuple(hi - lo for lo, hi in r.region) + tuple(key_dims)
-            if tuple(r.data.shape) != shape or r.data.dtype != spec.dtype or not math.prod(shape):
-                raise ValueError(f"copies: a replica of {keypath} {list(r.region)} is {r.data.dtype}"
-                                 f"{list(r.data.shape)}, not {spec.dtype}{list(shape)}")
-        by_leaf[spec.index] = tuple(replicas)
-    return by_leaf

@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 from absl import logging
 
-from dispatch_io.coordination import Room, job_client
+from dispatch_io.multihost.coordination import Room, job_client
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
 from dispatch_io.plan import Plan
 from dispatch_io.storage import KvLocation, Location, WriteTarget

@@ -14,17 +14,21 @@ import inspect
 import json
 import os
 import socket
+from typing import TYPE_CHECKING
 
 from absl import logging
 
-from dispatch_io import tiers_plan
-from dispatch_io.coordination import open_room
+from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import BarrierTimeoutError
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager import policies
 from dispatch_io.manifest import ARRAYS
 from dispatch_io.storage import INFO, MAX_MANIFEST_BYTES, Location, StepRoot
 from dispatch_io.storage.directory import read_regular
+
+if TYPE_CHECKING:  # annotations only: tier.py imports this module
+    from dispatch_io.manager.tiers.tier import LocalTiers
 
 
 def owner(root: StepRoot) -> str:
@@ -135,7 +139,7 @@ def check_apart(template: str, path: str, process: int, count: int, timeout: flo
     return [places[p][0] for p in range(count)], max(steps, default=None)
 
 
-def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | None, persist: bool,
+def prepare_save(local: "LocalTiers | None", step: int, forced: bool | None, persist: bool,
                  root_latest=None) -> bool:
     """Whether a manager's save of ``step`` saves it in the local tier ``local``: ``forced`` (the
     ``save(local=)`` argument) if given, else the tier's save policy. If either tier saves, the
@@ -162,7 +166,7 @@ def prepare_save(local: "tiers.LocalTiers | None", step: int, forced: bool | Non
     return saves
 
 
-def save(local: "tiers.LocalTiers | None", step: int, tree, forced: bool | None, persist: bool, items, info: dict,
+def save(local: "LocalTiers | None", step: int, tree, forced: bool | None, persist: bool, items, info: dict,
          save_kwargs: dict, root_latest=None):
     """The local tier's part of a manager's ``save()`` of ``step`` (its handle; None if the tier does
     not save it: :func:`prepare_save`): this process's regions of ``tree``, its item files (its own
@@ -182,7 +186,7 @@ def check_save_keywords(dispatcher, save_kwargs: dict):
         raise TypeError(f"CheckpointManager.save(): {exc} (its keywords are Dispatcher.save's)") from None
 
 
-def durability(local: "tiers.LocalTiers | None", step: int, persistent_steps) -> str | None:
+def durability(local: "LocalTiers | None", step: int, persistent_steps) -> str | None:
     """``"persisted"`` if ``step`` is among ``persistent_steps``, else, if this process's local tier
     ``local`` has it, ``"replicated k"`` or ``"local"`` (``tiers_plan.durability`` of its copies); None."""
     if step in persistent_steps:
@@ -191,7 +195,7 @@ def durability(local: "tiers.LocalTiers | None", step: int, persistent_steps) ->
     return None if info is None else tiers_plan.durability(info.get("copies"), False)
 
 
-def read_item(local: "tiers.LocalTiers", step: int, name: str, persistent: str):
+def read_item(local: "LocalTiers", step: int, name: str, persistent: str):
     """Item ``name`` of ``step`` for this process, from its local copy of the step (a step the
     persistent root ``persistent`` does not hold). FileNotFoundError naming the step and process
     if this process has no copy (lost with its local directory: a PerProcess value was only

@@ -1,0 +1,21 @@
+"""The local tier of a training job (:class:`LocalTier`): fast steps on each host's own disk.
+
+Pure plans first, then the runtime that uses them:
+
+* ``plan``: what a local step records holding; where a restore reads each region (pure);
+* ``replica_plan``: which peers keep copies of which regions (pure);
+* ``promote_plan``: a persistent step assembled from the local copies (pure);
+* ``local_steps``: what local steps hold on disk, and the job-wide view of them;
+* ``replicas``: moving regions to the peers that keep their copies;
+* ``restore``: a restore mixing the tiers (own copy, a peer's, persistent storage);
+* ``promotion``: turning a local step into a persistent one without the devices;
+* ``tier``: :class:`LocalTier` (the user's settings) and ``LocalTiers`` (its saves and steps).
+
+May import the manager's lower modules (policies, items, info, retention, decisions), the API
+modules, ``formats``, ``multihost``, the core, ``storage`` and ``workers``; only
+``manager.manager`` imports it (docs/design.md, "Layers").
+"""
+
+from dispatch_io.manager.tiers.tier import LocalTier
+
+__all__ = ["LocalTier"]

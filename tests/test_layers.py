@@ -1,0 +1,91 @@
+"""The package's layers (docs/design.md, "Layers"): no module imports one of a layer above it.
+
+Read from the source with ``ast`` (every ``import`` and ``from ... import``, also inside functions):
+a lower layer never calls back up, whatever the import's position.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Bottom to top. A module's layer is the longest prefix listed; top-level modules of dispatch_io
+# not listed are the core (save / restore pipeline).
+LAYERS = {
+    "workers": 0,
+    "dispatch_io.errors": 0, "dispatch_io.tree": 0, "dispatch_io.collector": 0, "dispatch_io.locks": 0,
+    "dispatch_io.storage": 1,
+    "dispatch_io": 2,  # the core
+    "dispatch_io.formats": 3, "dispatch_io.multihost": 3,
+    "dispatch_io.dispatcher": 4, "dispatch_io.colocated": 4, "dispatch_io.sharding": 4,
+    "dispatch_io.manager": 5,
+    "dispatch_io.manager.tiers": 6,
+    "dispatch_io.manager.manager": 7,
+    "dispatch_io.cli": 8, "dispatch_io.policies": 8, "dispatch_io.manager.policies": 5,
+}
+# Subpackages of one layer that must not import each other.
+APART = [("dispatch_io.formats", "dispatch_io.multihost")]
+PACKAGE_FRONTS = {"dispatch_io", "dispatch_io.manager", "dispatch_io.manager.tiers"}  # __init__: re-exports
+
+
+def _layer(module: str) -> tuple[int, str]:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in LAYERS:
+            return LAYERS[prefix], prefix
+    raise AssertionError(f"{module} is in no layer")
+
+
+def _modules():
+    for package in ("dispatch_io", "workers"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield ".".join(parts), path
+
+
+def _imports(path: pathlib.Path, module: str):
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:  # "from pkg import submodule" names the submodule
+                yield f"{base}.{alias.name}"
+
+
+MODULES = dict(_modules())
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_import_goes_up(module):
+    if module in PACKAGE_FRONTS:
+        return
+    mine, my_prefix = _layer(module)
+    wrong = []
+    for name in _imports(MODULES[module], module):
+        if not name.startswith(("dispatch_io", "workers")):
+            continue
+        while name not in MODULES and "." in name:  # "pkg.mod.attr" -> "pkg.mod"
+            name = name.rpartition(".")[0]
+        if name not in MODULES or name in PACKAGE_FRONTS and name != "dispatch_io.manager.tiers":
+            continue
+        theirs, their_prefix = _layer(name)
+        if theirs > mine or (theirs == mine and (my_prefix, their_prefix) in APART + [t[::-1] for t in APART]):
+            wrong.append(name)
+    assert not wrong, f"{module} (layer {mine}) imports from above or beside it: {wrong}"
+
+
+def test_every_module_has_a_layer_and_packages_say_what_they_own():
+    for module, path in MODULES.items():
+        _layer(module)
+        if path.name == "__init__.py":
+            assert ast.get_docstring(ast.parse(path.read_text())), f"{module} has no docstring saying what it owns"
