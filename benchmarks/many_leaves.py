@@ -37,7 +37,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-from dispatch_io.formats import detect as formats
+
+try:
+    from dispatch_io.formats.detect import open_checkpoint as open_it
+except ImportError:   # a checkout before formats/ was a package (35c4b1c): compared with --keep
+    from dispatch_io.formats import open_checkpoint as open_it
 from harness import median_range
 
 
@@ -61,11 +65,11 @@ def open_checkpoint(a):
         shutil.rmtree(a.root, ignore_errors=True)
         with dio.LocalDispatcher(host_memory_budget=256 << 20) as d:
             d.save(path, bt.build(bt.MANY)).wait()
-    formats.open_checkpoint(path)  # warm: imports, the PRNG impl's key data shape, thread pools
+    open_it(path)  # warm: imports, the PRNG impl's key data shape, thread pools
     times, cpu = [], []
     for _ in range(a.reps):
         start, start_cpu = time.perf_counter(), time.process_time()
-        opened = formats.open_checkpoint(path)
+        opened = open_it(path)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     stored = {leaf.stored.stored.name for leaf in opened.manifest.leaves if leaf.stored is not None}
@@ -75,7 +79,7 @@ def open_checkpoint(a):
           f"CPU median {statistics.median(ms(cpu)):.0f} ms")
     if a.profile:
         profile = cProfile.Profile()
-        profile.runcall(formats.open_checkpoint, path)
+        profile.runcall(open_it, path)
         pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
     if not a.keep:
         shutil.rmtree(a.root, ignore_errors=True)
