@@ -251,7 +251,10 @@ def main():
     ap.add_argument("--fitted", type=int, nargs="*", default=[256, 1024],
                     help="job sizes also planned with fitted chunks (see fitted())")
     ap.add_argument("--json", help="also write every row here, one JSON object a line")
+    ap.add_argument("--quick", action="store_true", help="that it runs: 2 and 8 processes, the 1 GiB state, no fitted")
     a = ap.parse_args()
+    if a.quick:
+        a.processes, a.states, a.fitted = [2, 8], [1], []
     options = Options()
     tables = {}
     for fit, sizes in ((False, a.processes), (True, a.fitted)):

@@ -17,28 +17,16 @@ printed as a Markdown table; the raw per-process results go to stdout as JSON li
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-MiB = 1 << 20
+import harness
+from harness import ROOT, MiB, emit, free_port, median_range, rchar, results_of, status_bytes
+
 LEAVES = 8
-
-
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
-
-
-def rchar() -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
 def child(args):
@@ -76,14 +64,13 @@ def child(args):
             for broadcast in (True, False):
                 with dio.LocalDispatcher(**options, restore_broadcast=broadcast) as d:
                     if args.pid == 0 and path == args.path:
-                        subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False)
+                        harness.drop_caches()
                     sync(f"{path}/{rep}/{broadcast}/start")
                     if args.pid == 0:  # the parent reads the S3 proxy's counters now (and after "end")
                         print("MARK", flush=True)
                         time.sleep(1)
                     sync(f"{path}/{rep}/{broadcast}/go")
-                    with open("/proc/self/clear_refs", "w") as f:
-                        f.write("5")
+                    harness.reset_peak_rss()
                     rss, io_before, start = status_bytes("VmRSS"), rchar(), time.perf_counter()
                     restored = d.restore(path, target)
                     jax.block_until_ready(restored)
@@ -94,19 +81,12 @@ def child(args):
                         print("MARK", flush=True)
                         time.sleep(1)
                     sync(f"{path}/{rep}/{broadcast}/marked")
-                    print("RESULT " + json.dumps({
-                        "storage": "s3" if path == args.s3_path else "dir", "rep": rep, "broadcast": broadcast,
-                        "process": args.pid, "wall": wall, "bytes_read": stats.bytes_read,
-                        "bytes_broadcast": stats.bytes_broadcast, "os_read": rchar() - io_before,
-                        "peak_rss_plus": status_bytes("VmHWM") - rss}), flush=True)
+                    emit(storage="s3" if path == args.s3_path else "dir", rep=rep, broadcast=broadcast,
+                         process=args.pid, wall=wall, bytes_read=stats.bytes_read,
+                         bytes_broadcast=stats.bytes_broadcast, os_read=rchar() - io_before,
+                         peak_rss_plus=status_bytes("VmHWM") - rss)
                     del restored
     jax.distributed.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():
@@ -118,12 +98,15 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--s3-mib", type=int, default=0, help="also restore this much from a moto S3 server")
     parser.add_argument("--dir", default="/tmp/dio_scaleout_bench")
+    parser.add_argument("--quick", action="store_true", help="that it runs: 64 MiB, 1 rep (with --s3-mib: 16 MiB)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--s3-path", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.mib, args.reps, args.s3_mib = 64, 1, min(args.s3_mib, 16)
     if args.child:
         return child(args)
 
@@ -153,8 +136,8 @@ def main():
         for line in proc.stdout:
             if line.startswith("MARK") and proxy is not None:
                 marks.append(counters())
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[7:]))
+            if (result := results_of(line)) is not None:
+                results.append(result)
                 print(line.strip(), flush=True)
         proc.wait()
     gets = {}
@@ -179,8 +162,7 @@ def report(results, args, gets):
                 continue
             walls = [max(r["wall"] for r in rows if r["rep"] == rep) for rep in sorted({r["rep"] for r in rows})]
             med = lambda key: statistics.median(r[key] for r in rows) / MiB  # noqa: E731
-            print(f"| {storage} | {'on' if broadcast else 'off'} | {statistics.median(walls):.2f} "
-                  f"[{min(walls):.2f}-{max(walls):.2f}] | {med('bytes_read'):.0f} | {med('bytes_broadcast'):.0f} "
+            print(f"| {storage} | {'on' if broadcast else 'off'} | {median_range(walls)} | {med('bytes_read'):.0f} | {med('bytes_broadcast'):.0f} "
                   f"| {med('os_read'):.0f} | {med('peak_rss_plus'):.0f} |")
     for mode, (requests, nbytes) in gets.items():
         print(f"S3 restore, broadcast {mode}: {requests} GET requests, {nbytes / MiB:.1f} MiB sent by the server "

@@ -35,18 +35,16 @@ the bytes per source are what carries over to a cluster, the seconds are this ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-MiB = 1 << 20
+import harness
+from harness import ROOT, MiB, free_port, interleaved, results_of
+from harness import median_range as _median
+
 COLS = 4096  # columns of the large matrices
 
 
@@ -86,12 +84,11 @@ def child(args):
     def sync(name, drop=False):
         """Line every process up; with ``drop``, process 0 drops the page cache first (root only)."""
         if drop and args.pid == 0:
-            subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False,
-                           stderr=subprocess.DEVNULL)
+            harness.drop_caches()
         global_state.client.wait_at_barrier(f"bench/{name}", 600_000)
 
     def emit(**result):
-        print("RESULT " + json.dumps({"process": args.pid, **result}), flush=True)
+        harness.emit(process=args.pid, **result)
 
     data, fsdp = args.mesh
     mesh = jax.make_mesh((data, fsdp), ("data", "fsdp"))
@@ -119,15 +116,14 @@ def child(args):
         step += 1
         mgr.save(step, state, local=kind == "local", force=kind == "persistent", priority=priority)
         mgr.wait()
-    for rep in range(args.reps):
-        for kind in (("local", "persistent") if rep % 2 == 0 else ("persistent", "local")):
-            step += 1
-            sync(f"save/{step}", drop=False)
-            start = time.perf_counter()
-            mgr.save(step, state, local=kind == "local", force=kind == "persistent", priority=priority)
-            blocked = time.perf_counter() - start
-            mgr.wait()
-            emit(phase="save", kind=kind, rep=rep, blocked=blocked, wall=time.perf_counter() - start)
+    for rep, kind in interleaved(args.reps, ("local", "persistent")):
+        step += 1
+        sync(f"save/{step}", drop=False)
+        start = time.perf_counter()
+        mgr.save(step, state, local=kind == "local", force=kind == "persistent", priority=priority)
+        blocked = time.perf_counter() - start
+        mgr.wait()
+        emit(phase="save", kind=kind, rep=rep, blocked=blocked, wall=time.perf_counter() - start)
     step += 1   # the step the restores read: in both tiers
     mgr.save(step, state, local=True, force=True, priority=priority)
     mgr.wait()
@@ -139,39 +135,31 @@ def child(args):
          persistent=du(os.path.join(args.dir, "root", str(step))) if args.pid == 0 else 0)
     sync("measured")
     mine = local_path.replace("{process}", str(args.pid))
-    for rep in range(args.reps):
-        kinds = ("tiers_whole", "tiers", "persistent")
-        for kind in kinds[rep % 3:] + kinds[:rep % 3]:
-            local = local_path if kind != "persistent" else os.path.join(args.local_dir, f"empty{rep}", "{process}")
-            lost = kind == "tiers" and args.pid == 1
-            if lost:   # its host is gone with its disk (its copy is put back after this restore)
-                os.rename(mine, mine + ".gone")
-            with manager(local) as restoring:
-                sync(f"restore/{rep}/{kind}", drop=True)
-                start = time.perf_counter()
-                restored = restoring.restore(None, target)
-                jax.block_until_ready(restored)
-                wall = time.perf_counter() - start
-                s = restoring.last_tier_restore
-                exact = all(np.array_equal(np.asarray(got.data), np.asarray(want.data))
-                            for name in state for got, want in zip(restored[name].addressable_shards,
-                                                                    state[name].addressable_shards))
-                del restored
-            if lost:
-                shutil.rmtree(mine)
-                os.rename(mine + ".gone", mine)
-            emit(phase="restore", kind=kind, rep=rep, wall=wall, step=s.step, exact=exact,
-                 local=s.bytes_read_local, persistent=s.bytes_read_persistent, received=s.bytes_received,
-                 peer_regions=s.peer_regions, persistent_regions=s.persistent_regions)
-            sync(f"restored/{rep}/{kind}")
+    for rep, kind in interleaved(args.reps, ("tiers_whole", "tiers", "persistent")):
+        local = local_path if kind != "persistent" else os.path.join(args.local_dir, f"empty{rep}", "{process}")
+        lost = kind == "tiers" and args.pid == 1
+        if lost:   # its host is gone with its disk (its copy is put back after this restore)
+            os.rename(mine, mine + ".gone")
+        with manager(local) as restoring:
+            sync(f"restore/{rep}/{kind}", drop=True)
+            start = time.perf_counter()
+            restored = restoring.restore(None, target)
+            jax.block_until_ready(restored)
+            wall = time.perf_counter() - start
+            s = restoring.last_tier_restore
+            exact = all(np.array_equal(np.asarray(got.data), np.asarray(want.data))
+                        for name in state for got, want in zip(restored[name].addressable_shards,
+                                                                state[name].addressable_shards))
+            del restored
+        if lost:
+            shutil.rmtree(mine)
+            os.rename(mine + ".gone", mine)
+        emit(phase="restore", kind=kind, rep=rep, wall=wall, step=s.step, exact=exact,
+             local=s.bytes_read_local, persistent=s.bytes_read_persistent, received=s.bytes_received,
+             peer_regions=s.peer_regions, persistent_regions=s.persistent_regions)
+        sync(f"restored/{rep}/{kind}")
     dispatcher.close()
     jax.distributed.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():
@@ -192,10 +180,13 @@ def main():
     parser.add_argument("--dir", default="/tmp/dio_tiers_bench", help="scratch: root/, local/<process>/")
     parser.add_argument("--local-dir", default="", help="the local tier's directory (default: <dir>/local; "
                         "/dev/shm/...: a RAM disk)")
+    parser.add_argument("--quick", action="store_true", help="that it runs: 64 MiB, 1 rep")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.mib, args.reps = 64, 1
     args.mesh = tuple(int(n) for n in args.mesh.split(","))
     args.local_dir = args.local_dir or os.path.join(args.dir, "local")
     args.domains = tuple(args.domains.split(",")) if args.domains else tuple(str(p // 2) for p in range(args.processes))
@@ -227,8 +218,8 @@ def main():
     results = []
     for proc in procs:
         for line in proc.stdout:
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[7:]))
+            if (result := results_of(line)) is not None:
+                results.append(result)
                 print(line.strip(), flush=True)
         if proc.wait() != 0:
             raise SystemExit(f"a process of the job failed (exit {proc.returncode})")
@@ -237,10 +228,6 @@ def main():
 
 LABELS = {"tiers_whole": "through the tiers, no copy lost", "tiers": "through the tiers, process 1's copy lost",
           "persistent": "all from the root (empty local tier)"}
-
-
-def _median(values, fmt="{:.2f}"):
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
 def report(results, args, seconds):

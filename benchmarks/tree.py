@@ -39,7 +39,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
 import hashlib  # noqa: E402
-import sys  # noqa: E402
 import zlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -271,7 +270,11 @@ def digest(tree) -> str:
 
 
 if __name__ == "__main__":
-    state = build(parse_size(sys.argv[1]) if len(sys.argv) > 1 else 1024)
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Print the leaf inventory of one of the benchmarks' trees.")
+    ap.add_argument("size", nargs="?", type=parse_size, default=1024, help="MiB, 10k, tf1g or tf4g")
+    state = build(ap.parse_args().size)
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         print(f"{jax.tree_util.keystr(path):42s} {str(x.shape):>14s} {str(x.dtype):>10s} "
               f"{str(x.sharding.spec):>22s}")

@@ -10,7 +10,7 @@
                                         copy SRC (dispatch_io, Orbax or safetensors) into a new
                                         checkpoint at DST (outside SRC) in the format --to, N MiB
                                         at a time; --overwrite replaces a checkpoint at DST
-    dispatch-io bench [ARGS...]         run benchmarks/bench.py (a source checkout) with ARGS
+    dispatch-io bench [ARGS...]         run benchmarks/compare.py (a source checkout) with ARGS
 
 Each reads every format (Orbax checkpoints and safetensors too) only through the library, work on a machine with a single CPU device, and
 answer a bad path, an uncommitted save, a foreign directory or a malformed checkpoint (a damaged
@@ -219,11 +219,11 @@ def verify(path: str, budget_mib: int = 256, verbose: bool = False) -> int:
 
 
 def bench(args: list[str]) -> int:
-    """Run the benchmark of a source checkout (benchmarks/ is not installed with the package)."""
+    """Run the CPU comparison benchmark of a source checkout (benchmarks/ is not installed with the package)."""
     import os
     import subprocess
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "compare.py")
     if not os.path.isfile(script):
         print(f"dispatch-io bench: no {script}: the benchmark ships with the source checkout, not the package",
               file=sys.stderr)
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="--to safetensors: tensor bytes per file, e.g. 5GB (the default)")
     p.add_argument("--skip-unsupported", action="store_true",
                    help="--to safetensors: leave out what it cannot hold (PRNG keys, Python scalars, int4...)")
-    p = commands.add_parser("bench", help="run benchmarks/bench.py; --help there lists its options",
+    p = commands.add_parser("bench", help="run benchmarks/compare.py (dispatch_io against Orbax and JAX); --help there lists its options",
                             add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # everything after it is the benchmark's, --help included

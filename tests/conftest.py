@@ -2,7 +2,9 @@
 
 import concurrent.futures
 import errno
+import json
 import os
+import subprocess
 import types
 
 os.environ["XLA_FLAGS"] = " ".join(
@@ -15,6 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import dispatch_io as dio  # noqa: E402
+from s3_server import free_port  # noqa: E402  (one definition, for jobs and servers)
 
 
 def host_bytes(x) -> bytes:
@@ -43,6 +46,19 @@ def assert_trees_bit_equal(a, b):
         assert tuple(xa.shape) == tuple(xb.shape), key
         assert np.dtype(xa.dtype) == np.dtype(xb.dtype), key
         assert host_bytes(xa) == host_bytes(xb), f"{key}: bytes differ"
+
+
+def put(mesh, value, *spec):
+    """``value`` on ``mesh`` with ``PartitionSpec(*spec)``."""
+    return jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+def random_array(seed, shape, dtype=np.float32):
+    """A deterministic array: normal floats, or ints in [-2^30, 2^30)."""
+    rng = np.random.default_rng(seed)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(-2**30, 2**30, size=shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
 
 
 class FakeClock:
@@ -168,3 +184,62 @@ def s3_prefix(s3_server, request):
     """A fresh ``s3://ckpts/<test>-<id>`` prefix."""
     import uuid
     return f"s3://ckpts/{request.node.name.replace('[', '-').rstrip(']')}-{uuid.uuid4().hex[:6]}"
+
+
+def crafted_safetensors(folder, header: dict, data: bytes = b"", name: str = "model.safetensors",
+                        size: int | None = None):
+    """Write ``folder/name``, a safetensors file holding ``header`` (as given, unchecked; padded to
+    8 bytes) and ``data``; ``size`` claims another header length. Returns ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write((len(text) if size is None else size).to_bytes(8, "little") + text + data)
+    return folder
+
+
+# ---- jobs of several processes ----------------------------------------------------------------------
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def child_env(devices: int, barrier_timeout: float | None = None, extra: dict | None = None) -> dict:
+    """The environment of a test's child process: ``devices`` CPU devices, this checkout and
+    tests/ on the path, unbuffered output, ``DIO_TEST_BARRIER_TIMEOUT`` if given, ``extra``."""
+    env = {**os.environ, **(extra or {})}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("DIO_TEST_BARRIER_TIMEOUT", None)
+    if barrier_timeout is not None:
+        env["DIO_TEST_BARRIER_TIMEOUT"] = str(barrier_timeout)
+    return env
+
+
+def run_job(argv, processes: int, devices: int, extra_env=None, timeout: float = 180) -> list[dict]:
+    """Run a job of ``processes`` processes of ``devices`` CPU devices each and return what each
+    printed last as ``RESULT <json>``, in process order. ``argv(pid, port)`` is a process's
+    command line (``port``: a free one for the coordinator), ``extra_env(pid)`` (if given) its
+    extra environment. Fails the test, with the output's tail, for a process that exits non-zero
+    or prints no result; a process still running after ``timeout`` seconds is killed (all are)."""
+    port = free_port()
+    procs = [subprocess.Popen(argv(pid, port), env=child_env(devices, extra=extra_env(pid) if extra_env else None),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+             for pid in range(processes)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for pid, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        if p.returncode or not lines:
+            pytest.fail(f"process {pid} exited {p.returncode} without a result:\n{out[-2000:]}\n{err[-3000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results

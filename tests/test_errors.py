@@ -18,21 +18,10 @@ import dispatch_io as dio
 import dispatch_io.save
 import workers.tensorstore_io
 import storage_helpers as stored
-from conftest import assert_trees_bit_equal, fail_batches_of, hooked_dispatcher
+from conftest import assert_trees_bit_equal, fail_batches_of, hooked_dispatcher, put, random_array
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60
-
-
-def put(mesh, value, *spec):
-    return jax.device_put(value, NamedSharding(mesh, P(*spec)))
-
-
-def random_array(seed, shape, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    if np.issubdtype(dtype, np.integer):
-        return rng.integers(-1000, 1000, size=shape).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
 
 
 def assert_nothing_at(path):

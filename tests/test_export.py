@@ -16,9 +16,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file
 
 import dispatch_io as dio
-from conftest import assert_trees_bit_equal, host_bytes
+from conftest import assert_trees_bit_equal, crafted_safetensors, host_bytes
 from dispatch_io import cli
 from dispatch_io.formats import exporting
+from dispatch_io.formats import safetensors as st_lib
 
 MiB = 1 << 20
 CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
@@ -223,3 +224,124 @@ def test_exports_stay_within_the_budget(tmp_path):
     assert bytes(got["w"]["data"]) == np.arange(16 << 20, dtype=np.float32).tobytes()
     assert np.array_equal(ocp.StandardCheckpointer().restore(tmp_path / "out-orbax")["w"],
                           np.arange(16 << 20, dtype=np.float32).reshape(4096, 4096))
+
+
+def test_a_leaf_named___metadata___is_refused(tmp_path):
+    """``__metadata__`` is the header's metadata key: a leaf given that name must be refused
+    (ValueError naming its key path). Now: the export "succeeds" and writes a file that neither
+    ``safetensors`` (invalid JSON in header) nor dispatch_io ("tensor data has a gap") reads."""
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        d.save(tmp_path / "src", {"__metadata__": a, "b": a + 1}).wait()
+        try:
+            d.convert(tmp_path / "src", tmp_path / "out", to="safetensors")
+        except ValueError as exc:
+            assert "['__metadata__']" in str(exc)
+            assert not os.path.exists(tmp_path / "out")
+            return
+    out = load_file(tmp_path / "out" / "model.safetensors")  # if written, it must be readable
+    assert sorted(out) == ["__metadata__", "b"]
+
+
+def test_overwrite_does_not_delete_a_model_folders_other_files(tmp_path):
+    """Exporting over a Hugging Face model folder (``config.json``, ``tokenizer.json`` beside
+    the weights) with ``overwrite=True``: either the weights are replaced and the other files
+    kept, or the export is refused (ValueError) because DST holds files it did not write. Now:
+    the whole folder is replaced -- config and tokenizer deleted. (Any directory holding one
+    ``*.safetensors`` counts as "a checkpoint this export writes", e.g. a Downloads folder.)"""
+    folder = crafted_safetensors(tmp_path / "llama", {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8))
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        d.save(tmp_path / "src", {"x": np.ones(2, np.float32)}).wait()
+        try:
+            d.convert(tmp_path / "src", folder, to="safetensors", overwrite=True)
+        except ValueError:
+            pass
+    assert (folder / "config.json").exists() and (folder / "tokenizer.json").exists(), os.listdir(folder)
+
+
+def test_refusal_hints_name_what_the_caller_can_pass(tmp_path, capsys):
+    """Hints must name a remedy that exists where the call came from: the CLI has
+    ``--skip-unsupported`` (not ``skip_unsupported=True``); an Orbax export refuses ``names=``,
+    so a name collision there must not say "pass names=". Now both say what cannot be done."""
+    a = np.ones(2, np.float32)
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        d.save(tmp_path / "scalar", {"w": a, "step": 3}).wait()
+        d.save(tmp_path / "clash", {"a.b": a, "a": {"b": a + 1}}).wait()
+        with pytest.raises(ValueError) as info:
+            d.convert(tmp_path / "clash", tmp_path / "ox", to="orbax")
+        assert "names=" not in str(info.value), str(info.value)
+    assert cli.main(["convert", str(tmp_path / "scalar"), str(tmp_path / "st"), "--to", "safetensors"]) == 2
+    err = capsys.readouterr().err
+    assert "--skip-unsupported" in err, err
+
+
+def test_one_definition_of_a_leafs_dotted_name():
+    """"Key names joined by '.'" is one rule (restore's default safetensors name and the
+    export's default name must not drift apart): one definition. Now two identical functions,
+    ``safetensors.tensor_name`` and ``exporting.default_name``."""
+    assert st_lib.tensor_name is exporting.default_name
+
+
+@pytest.mark.parametrize("keyword", [{"names": lambda p: "renamed"}, {"max_shard_size": 1},
+                                     {"skip_unsupported": True}])
+def test_export_keywords_are_refused_for_a_dispatch_io_convert(tmp_path, keyword):
+    """``convert(src, dst, names=...)`` forgetting ``to="safetensors"`` writes a dispatch_io
+    checkpoint: the export-only keywords must raise ValueError (as ``to="orbax"`` does for
+    ``names`` / ``max_shard_size``), not be ignored. Now they are silently ignored."""
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        d.save(tmp_path / "src", {"w": np.ones(2, np.float32)}).wait()
+        with pytest.raises(ValueError):
+            d.convert(tmp_path / "src", tmp_path / "out", **keyword)
+
+
+@pytest.mark.parametrize("size", [0, -5])
+def test_max_shard_size_must_be_positive(tmp_path, size):
+    """``max_shard_size=0`` silently means the 5 GB default (``or``), a negative one a file per
+    tensor; the CLI refuses both. The API must raise ValueError too."""
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        d.save(tmp_path / "src", {"w": np.ones(2, np.float32), "v": np.ones(2, np.float32)}).wait()
+        with pytest.raises(ValueError):
+            d.convert(tmp_path / "src", tmp_path / "out", to="safetensors", max_shard_size=size)
+
+
+@pytest.mark.parametrize("to", ["safetensors", "orbax"])
+def test_an_export_from_a_damaged_source_fails_as_a_checkpoint_error(tmp_path, capsys, to):
+    """A source chunk that cannot be read (here: truncated files): the export must raise a
+    ``WorkerError`` naming the key path and the source, as ``to="dispatch_io"`` does, and
+    ``dispatch-io convert --to ...`` answer one line and exit 2. Now the workers' internal
+    ``ChunkError`` (not a CheckpointError) escapes, and the CLI tracebacks. (``exporting.stream``
+    is a second copy of ``reading.pipelined``'s two-in-flight loop without its ``failure``
+    mapping: one loop would fix both.)"""
+    with dio.LocalDispatcher(host_memory_budget=MiB, layout="files") as d:
+        d.save(tmp_path / "src", {"w": np.arange(1 << 16, dtype=np.float32)}).wait()
+    for root, _, files in os.walk(tmp_path / "src" / "arrays"):
+        for name in files:  # the chunks (a truncated zarr.json is refused at open, before any read)
+            if name != "zarr.json":
+                os.truncate(os.path.join(root, name), 10)
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        with pytest.raises(dio.WorkerError, match=r"\['w'\]"):
+            d.convert(tmp_path / "src", tmp_path / "out", to=to)
+    assert cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", to]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_an_export_of_many_shards_keeps_few_files_open(tmp_path):
+    """The stream writes the shards in order, yet every shard file is opened up front: with
+    ``--max-shard-size 100MB`` on a 400 GB model (4000 shards) the export fails with EMFILE
+    under the usual 1024-descriptor limit. Here: 400 shards with 200 descriptors to spare. The
+    right behaviour: one shard file open at a time."""
+    import resource
+
+    tree = {f"w{i:04d}": np.full(16, i, np.float32) for i in range(400)}
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        d.save(tmp_path / "src", tree).wait()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 200, hard))
+        try:
+            stats = d.convert(tmp_path / "src", tmp_path / "out", to="safetensors", max_shard_size=64)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(stats.files) == 401

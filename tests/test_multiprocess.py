@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,31 +19,11 @@ import tensorstore as ts
 
 import dispatch_io as dio
 import storage_helpers as stored
+from conftest import ROOT, TESTS, child_env, free_port  # noqa: F401  (tests of the tiers import them from here)
 from dispatch_io.storage import kvstore_spec
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
 WORKER = os.path.join(TESTS, "multiprocess_worker.py")
 HARD_LIMIT = 90.0   # seconds for every process of a test to exit; then all are killed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(devices: int, barrier_timeout: float | None, extra: dict | None = None) -> dict:
-    env = {**os.environ, **(extra or {})}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["PYTHONUNBUFFERED"] = "1"
-    env.pop("DIO_TEST_BARRIER_TIMEOUT", None)
-    if barrier_timeout is not None:
-        env["DIO_TEST_BARRIER_TIMEOUT"] = str(barrier_timeout)
-    return env
 
 
 class Job:

@@ -22,15 +22,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
 import storage_helpers as stored
 import workers
-from conftest import LAYOUTS, assert_trees_bit_equal, hooked_dispatcher
+from conftest import LAYOUTS, assert_trees_bit_equal, hooked_dispatcher, put
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60
 WRITER_DIR = ("p", "cpu")   # arrays/p<k>/ (LocalDispatcher), arrays/cpu<id>/ (ColocatedDispatcher)
-
-
-def put(mesh, value, *spec):
-    return jax.device_put(value, NamedSharding(mesh, P(*spec)))
 
 
 def values(seed, shape, dtype):

@@ -18,21 +18,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-from conftest import RUNNERS, HookedRunner, assert_trees_bit_equal, host_bytes
+from conftest import HookedRunner, RUNNERS, assert_trees_bit_equal, host_bytes, put, random_array
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60  # seconds any single wait in these tests may take before it counts as a hang
-
-
-def put(mesh, value, *spec):
-    return jax.device_put(value, NamedSharding(mesh, P(*spec)))
-
-
-def random_array(seed, shape, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    if np.issubdtype(dtype, np.integer):
-        return rng.integers(-2**30, 2**30, size=shape).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
 
 
 def numpy_copy(tree):

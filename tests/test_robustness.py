@@ -13,14 +13,12 @@ import threading
 import time
 import uuid
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as stored
-from conftest import assert_trees_bit_equal, hooked_dispatcher
+from conftest import assert_trees_bit_equal, hooked_dispatcher, put
 from dispatch_io.staging import StagingRing
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -70,10 +68,6 @@ def run_isolated(root, body: str, timeout: int = 90, dispatcher_cls=dio.LocalDis
         pytest.fail(f"hung for {timeout} s:\n{exc.stdout}\n{exc.stderr}")
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     return proc.stdout
-
-
-def put(mesh, value, *spec):
-    return jax.device_put(value, NamedSharding(mesh, P(*spec)))
 
 
 def in_daemon(fn, timeout=TIMEOUT):

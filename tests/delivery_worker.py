@@ -1,4 +1,4 @@
-"""Review 26/27 worker: one process of a job restoring a tree of awkward shardings (overlapping
+"""The delivery tests' worker (tests/test_delivery.py): one process of a job restoring a tree of awkward shardings (overlapping
 and unequal holder sets, a sub-mesh leaf, a single-device leaf, keys, packs, uneven chunks),
 every byte compared. argv: pid count port path."""
 
@@ -41,7 +41,7 @@ def table():
         "sub_rep": (f32(7, 5), "sub_rep"), "pair": (f32(9, 64), "pair"), "single": (f32(6, 5), "single"),
         "rep": (f32(3), "rep"), "bf": (f32(64, 8).astype(jax.numpy.bfloat16), "ring"),
         "mask": (rng.random((12, 4)) < 0.5, "model"),
-        "big": (f32(int(os.environ.get("R2627_BIG", "256")), 256), "ring"), "bigsub": (f32(128, 256), "sub_rep"),
+        "big": (f32(int(os.environ.get("DELIVERY_BIG", "256")), 256), "ring"), "bigsub": (f32(128, 256), "sub_rep"),
         "key": (rng.integers(0, 2**32, (8, 2), dtype=np.uint32), "key:ring"),
         "key1": (rng.integers(0, 2**32, (4, 2), dtype=np.uint32), "key:sub_rep"),
     }
@@ -58,7 +58,7 @@ def main():
         def concrete(host, how):
             key = how.startswith("key:")
             s = sh[how[4:] if key else how]
-            if os.environ.get("R2627_SAVE_HOST"):   # saved unsharded: chunks cut across the target's regions
+            if os.environ.get("DELIVERY_SAVE_HOST"):   # saved unsharded: chunks cut across the target's regions
                 if not key:
                     return host
                 s = sh["rep"]
@@ -74,7 +74,7 @@ def main():
         with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=4 << 10) as d:
             d.save(path, tree).wait()
         bad, checked = [], 0
-        only = os.environ.get("R2627_ONLY")
+        only = os.environ.get("DELIVERY_ONLY")
         if only:
             tab = {k: v for k, v in tab.items() if k in only.split(",")}
         with dio.LocalDispatcher(host_memory_budget=256 << 10, max_chunk_bytes=8 << 10, barrier_timeout=30) as d:
