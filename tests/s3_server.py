@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 
@@ -73,7 +74,7 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.to_fail: list[tuple[str | None, int]] = []
         self.failed: list[tuple[str, str, int]] = []   # (method, path, status) answered with a fault
-        self.requests: list[tuple[str, str]] = []      # (method, path without query) of every request
+        self.requests: list[tuple[str, str]] = []      # (method, path with query) of every request
         self.bytes_sent: dict[str, int] = {}           # method -> body bytes answered to the client
         self.forwarded = 0
         self.delays: list[tuple[str, float]] = []     # (part of a path, seconds) to hold such requests
@@ -96,7 +97,7 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
 
     def fault_for(self, method: str, path: str) -> int | None:
         with self.lock:
-            self.requests.append((method, path.split("?")[0]))
+            self.requests.append((method, path))
             for i, (only, status) in enumerate(self.to_fail):
                 if only in (None, method) and not any(p == path for _, p, _ in self.failed):
                     del self.to_fail[i]
@@ -104,6 +105,20 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
                     return status
             self.forwarded += 1
             return None
+
+    def objects_written(self) -> list[str]:
+        """The object each write request named, in order: an S3 ``PUT``'s path, a GCS upload's
+        ``name`` (``POST /upload/storage/v1/b/<bucket>/o?name=...``)."""
+        with self.lock:
+            requests = list(self.requests)
+        out = []
+        for method, path in requests:
+            url = urllib.parse.urlsplit(path)
+            if method == "PUT":
+                out.append(url.path)
+            elif method == "POST" and url.path.startswith("/upload/"):
+                out.append(dict(urllib.parse.parse_qsl(url.query))["name"])
+        return out
 
     def stop(self):
         self.shutdown()
@@ -129,25 +144,34 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(reply)
             return
-        upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
-        try:
-            upstream.request(self.command, self.path, body=body or None, headers=dict(self.headers.items()))
-            response = upstream.getresponse()
-            data = response.read()
-        finally:
-            upstream.close()
-        self.send_response(response.status)
-        for name, value in response.getheaders():
-            if name.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
-                self.send_header(name, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        sent = relay(self, self.server.upstream_port, body)
+        if sent is not None:
             with self.server.lock:
-                self.server.bytes_sent[self.command] = self.server.bytes_sent.get(self.command, 0) + len(data)
+                self.server.bytes_sent[self.command] = self.server.bytes_sent.get(self.command, 0) + sent
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+
+def relay(handler: http.server.BaseHTTPRequestHandler, upstream_port: int, body: bytes) -> int | None:
+    """Send ``handler``'s request (its ``body`` already read) to the server on ``upstream_port``
+    and its answer back to the client; the body bytes answered (None for HEAD)."""
+    upstream = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+    try:
+        upstream.request(handler.command, handler.path, body=body or None, headers=dict(handler.headers.items()))
+        response = upstream.getresponse()
+        data = response.read()
+    finally:
+        upstream.close()
+    handler.send_response(response.status)
+    for name, value in response.getheaders():
+        if name.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
+            handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    if handler.command == "HEAD":
+        return None
+    handler.wfile.write(data)
+    return len(data)
 
 
 def s3_environment(endpoint: str) -> dict[str, str]:
