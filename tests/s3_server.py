@@ -76,6 +76,7 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
         self.failed: list[tuple[str, str, int]] = []   # (method, path, status) answered with a fault
         self.requests: list[tuple[str, str]] = []      # (method, path with query) of every request
         self.bytes_sent: dict[str, int] = {}           # method -> body bytes answered to the client
+        self.bytes_by_path: dict[str, int] = {}        # path (with query) -> body bytes answered
         self.forwarded = 0
         self.delays: list[tuple[str, float]] = []     # (part of a path, seconds) to hold such requests
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
@@ -148,6 +149,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         if sent is not None:
             with self.server.lock:
                 self.server.bytes_sent[self.command] = self.server.bytes_sent.get(self.command, 0) + sent
+                self.server.bytes_by_path[self.path] = self.server.bytes_by_path.get(self.path, 0) + sent
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
 

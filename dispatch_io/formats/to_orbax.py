@@ -33,6 +33,7 @@ from dispatch_io.formats.exporting import ExportStats, LocalOutput
 from dispatch_io.manifest import SavedLeaf
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.storage import DirectoryLocation, Location
+from dispatch_io.storage.folders import Folder
 from workers import ArraySpec, Region, Session, finish_arrays, numpy_dtype, storage_dtype_name, write_regions
 
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
@@ -137,8 +138,8 @@ def export(session, source, dst, *, overwrite: bool, chunk_limit: int, batch_lim
         raise ValueError(f"export to Orbax writes a local directory: {dst} is not a local path")
     exported, _ = exporting.leaves(manifest, None, refusal, None)
     step = os.path.basename(os.path.abspath(location.path)).isdigit()
-    output = LocalOutput(location.path, overwrite, lambda p: orbax.is_item(p) or bool(orbax.items(p)),
-                         orbax.TMP, is_dir=True)
+    output = LocalOutput(location.path, overwrite, lambda p: orbax.is_item(Folder.open(p)) or bool(
+        orbax.items(Folder.open(p))), orbax.TMP, is_dir=True)
     try:
         item = os.path.join(output.tmp, ITEM) if step else output.tmp
         os.makedirs(item, exist_ok=True)

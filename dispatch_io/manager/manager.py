@@ -39,7 +39,7 @@ from absl import logging
 from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.formats.detect import check_reachable, committed_steps, metadata, step_path
+from dispatch_io.formats.detect import committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib, items as items_lib, orbax_items, policies, retention, steps
 from dispatch_io.manager.tiers import local_steps, promotion, restore as tier_restore, tier as tiers
 from dispatch_io.manager.decisions import SharedDecisions
@@ -77,7 +77,6 @@ class CheckpointManager:
             raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
         self._root = StepRoot.open(root)
         self.root = self._root.display
-        check_reachable(self._root)
         self._owns_dispatcher = dispatcher is None
         if dispatcher is None:
             extra = {} if barrier_timeout is None else {"barrier_timeout": barrier_timeout}
