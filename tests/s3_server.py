@@ -23,31 +23,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class MotoServer:
-    """``python -m moto.server`` on a free loopback port, up until :meth:`stop`."""
+class LoopbackServer:
+    """A server process on a free loopback port (``self.port``, ``self.endpoint``), up until
+    :meth:`stop`: ``command(port)`` is its command line, ``probe`` a path that answers once it
+    serves. RuntimeError with the end of its log if it does not within a minute."""
 
-    def __init__(self):
+    def __init__(self, command, probe: str):
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         # Its request log goes to a file: a pipe nobody reads fills up and stalls the server.
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command(self.port), stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
             try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).close()
+                urllib.request.urlopen(self.endpoint + probe, timeout=1).close()
                 return
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
                     self.log.seek(0)
-                    raise RuntimeError(f"moto server did not start: {self.log.read().decode()[-2000:]}")
+                    raise RuntimeError(f"{command(self.port)[0]} did not start: {self.log.read().decode()[-2000:]}")
                 time.sleep(0.1)
-
-    def create_bucket(self, name: str):
-        request = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT")
-        urllib.request.urlopen(request, timeout=10).close()
 
     def stop(self):
         self.process.terminate()
@@ -57,6 +54,18 @@ class MotoServer:
             self.process.kill()
             self.process.wait()
         self.log.close()
+
+
+class MotoServer(LoopbackServer):
+    """``python -m moto.server`` on a free loopback port, up until :meth:`stop`."""
+
+    def __init__(self):
+        super().__init__(lambda port: [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                         "/moto-api/")
+
+    def create_bucket(self, name: str):
+        request = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT")
+        urllib.request.urlopen(request, timeout=10).close()
 
 
 class FaultyProxy(http.server.ThreadingHTTPServer):

@@ -79,6 +79,25 @@ def test_the_server_refuses_failed_preconditions(gcs_server, gcs_prefix):
     assert ("POST", name) in gcs_server.refused and ("DELETE", name) in gcs_server.refused
 
 
+def test_a_read_of_an_unchanged_generation_is_not_modified(gcs_server, gcs_prefix):
+    """GCS answers a read with ``ifGenerationNotMatch`` of the current generation 304 (how a
+    reader checks a file was not replaced); fake-gcs-server alone sends the object."""
+    name = gcs_prefix[len("gs://ckpts/"):] + "/x"
+    assert upload(gcs_server.endpoint, name, b"data") == 200
+    current = generation(gcs_server.endpoint, name)
+
+    def read(endpoint, **conditions):
+        query = urllib.parse.urlencode({"alt": "media", **conditions})
+        return status_of(f"{endpoint}/storage/v1/b/ckpts/o/{urllib.parse.quote(name, safe='')}?{query}")
+    assert read(gcs_server.emulator.endpoint, ifGenerationNotMatch=current) == 200    # the emulator alone
+    assert read(gcs_server.endpoint, ifGenerationNotMatch=current) == 304
+    assert read(gcs_server.endpoint, ifGenerationNotMatch=current + 1) == 200
+    assert read(gcs_server.endpoint, ifGenerationMatch=current + 1) == 412
+    kv = ts.KvStore.open(kvstore_spec(gcs_prefix)).result()
+    stamp = kv.read("x").result().stamp.generation
+    assert kv.read("x", if_not_equal=stamp).result().state == "unspecified"   # TensorStore: unchanged
+
+
 def test_tensorstore_conditional_writes_hold_on_the_server(gcs_prefix):
     """What dispatch_io's claims and commit markers rest on, through TensorStore's gcs driver:
     a write conditioned on absence, or on a generation that is no longer current, fails."""
@@ -97,7 +116,7 @@ def test_tensorstore_conditional_writes_hold_on_the_server(gcs_prefix):
      ("ckpts", "a/b/COMMITTED", {"uploadType": "media", "name": "a/b/COMMITTED", "ifGenerationMatch": "0"})),
     ("DELETE", "/storage/v1/b/ckpts/o/a%2Fb%20c?ifGenerationMatch=7",
      ("ckpts", "a/b c", {"ifGenerationMatch": "7"})),
-    ("GET", "/storage/v1/b/ckpts/o/a%2Fb?alt=media", None),
+    ("GET", "/storage/v1/b/ckpts/o/a%2Fb?alt=media", ("ckpts", "a/b", {"alt": "media"})),
     ("GET", "/storage/v1/b/ckpts/o?prefix=a%2F", None),
 ])
 def test_the_layer_recognises_changes_of_an_object(method, path, expected):

@@ -54,6 +54,8 @@ def orbax_item(path) -> Folder | None:
     """The Orbax item folder ``path`` names (an item, or a step holding exactly one; a local
     directory or an object-store prefix), or None if ``path`` holds no Orbax checkpoint.
     CheckpointError for a step with several items (the message lists them)."""
+    if Location.parse(path).commit_marker() is not None:  # ours: told by one read, before any listing
+        return None
     folder = Folder.open(path)
     if not folder.exists() or folder.is_file(MANIFEST) or folder.is_file(COMMITTED):
         return None
