@@ -10,6 +10,7 @@ no way to reach a loopback emulator.
 
 import json
 import os
+import shutil
 import urllib.parse
 import urllib.request
 
@@ -105,9 +106,7 @@ def _orbax_run(root, mesh, with_iterator: bool = True):
                                                    config=ocp.args.JsonSave({"lr": 0.1, "step": step}),
                                                    iter=gp.PyGrainCheckpointSave(iterator)))
             mgr.wait_until_finished()
-    os.rename(root / "20", root / "30.orbax-checkpoint-tmp-99")   # copied back below: a killed save's leftover
-    import shutil
-    shutil.copytree(root / "30.orbax-checkpoint-tmp-99", root / "20")
+    shutil.copytree(root / "20", root / "30.orbax-checkpoint-tmp-99")   # as a killed save leaves one
     return states, iterator
 
 

@@ -283,12 +283,11 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target=None, *, item: str | None = None, durability: str = "local",
                 **restore_kwargs):
-        """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore``.
-        ``item``: which pytree item of an Orbax step with several (``"items"`` for MaxText's);
-        None: the only one. Our steps hold one pytree (``item`` must be None). With a local tier and
-        ``step=None``: through the tiers (then see ``last_tier_restore``), the newest step of at least
-        ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``: :meth:`durability`). ``verify=True``
-        checks the step's items too (``steps.verify_items``)."""
+        """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore`` (``verify=True``
+        of a step read from the root checks its items too: ``steps.verify_items``). ``item``: which pytree item of
+        an Orbax step with several (``"items"`` for MaxText's); None: the only one. Our steps hold one pytree. With
+        a local tier and ``step=None``: through the tiers (then see ``last_tier_restore``), the newest step of at
+        least ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``: :meth:`durability`)."""
         self._check_usable("restore")
         tiers_plan.check_durability(durability)
         if self.local is not None and step is None and item is None:

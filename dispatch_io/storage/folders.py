@@ -169,9 +169,10 @@ class KvFolder(Folder):
         return self.location.open_kv(self.sub)
 
     def read(self, name: str, limit: int) -> bytes:
-        if larger_than(self._kv(), name, limit):
+        kv = self._kv()
+        if larger_than(kv, name, limit):
             raise ValueError(f"is larger than {limit} bytes")
-        result = self.location._wait(self._kv().read(name), f"read {self.sub}{name}")
+        result = self.location._wait(kv.read(name), f"read {self.sub}{name}")
         if result.state != "value":
             raise FileNotFoundError(f"{self.display}/{name}: no such file")
         return bytes(result.value)
