@@ -256,7 +256,10 @@ def test_copied_checkpoint_restores_both_ways(store_prefix, mesh, tmp_path, layo
 def test_transient_503_and_429_are_retried(object_store, store_prefix, mesh, monkeypatch):
     """Throttling answers (503 SlowDown, 429) during save, listing and restore are retried with
     backoff (TensorStore's s3_request_retries / gcs_request_retries) and the checkpoint comes
-    out whole."""
+    out whole. (Backoff shortened to keep the test fast: the count of retries is what matters.)"""
+    import dispatch_io.storage.objectstore
+    monkeypatch.setattr(dispatch_io.storage.objectstore, "OBJECT_STORE_RETRIES",
+                        {"max_retries": 8, "initial_delay": "20ms", "max_delay": "100ms"})
     proxy = FaultyProxy(object_store.port)
     try:
         monkeypatch.setenv(object_store.endpoint_variable, proxy.endpoint)
