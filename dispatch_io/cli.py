@@ -160,7 +160,8 @@ def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", ov
     import dispatch_io as dio
     from dispatch_io.formats import exporting
     from dispatch_io.formats.convert import check_apart
-    from dispatch_io.storage import Location
+    from dispatch_io.storage import DirectoryLocation, Location
+    from dispatch_io.storage.folders import Folder
 
     destination = Location.parse(dst)
     check_apart(Location.parse(src), destination)
@@ -168,7 +169,8 @@ def convert(src: str, dst: str, budget_mib: int = 256, layout: str = "ocdbt", ov
     # the library's messages name its keywords, not our flags
     if not overwrite and to == "dispatch_io" and destination.is_committed():
         raise FileExistsError(f"a checkpoint is already committed at {dst}; pass --overwrite to replace it")
-    if not overwrite and to != "dispatch_io" and os.path.lexists(dst):
+    if not overwrite and to != "dispatch_io" and (os.path.lexists(dst) if isinstance(destination, DirectoryLocation)
+                                                  else Folder.open(dst).exists()):
         raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20, layout=layout) as dispatcher:
         try:
@@ -201,20 +203,22 @@ def _size(text: str) -> int:
 
 
 def verify(path: str, budget_mib: int = 256, verbose: bool = False) -> int:
-    """``Dispatcher.verify``: chunk by chunk, so memory stays within the budget whatever the
+    """``Dispatcher.verify``, then a manager step's items (``steps.verify_items``): chunk by chunk, so memory stays within the budget whatever the
     checkpoint's size (progress on stderr when it is a terminal); ``verbose``: with the causes."""
     import dispatch_io as dio
+    from dispatch_io.manager.steps import verify_items
 
     _open(path)  # an unusable path is exit status 2, before reading
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20) as dispatcher:
         try:
             stats = dispatcher.verify(path)
+            items = verify_items(path)  # a manager's step: its item files too
         except (dio.CorruptCheckpointError, dio.WorkerError, dio.CheckpointError) as exc:
             print(f"dispatch-io verify: {path} is NOT sound: {exc}{_causes(exc) if verbose else ''}", file=sys.stderr)
             return EXIT_UNSOUND
     what = "every stored byte read and its CRC-32C checked" if stats.verified else \
         "every stored byte read (saved without checksums: Options(checksums=True) adds them)"
-    print(f"{path}: sound ({what})")
+    print(f"{path}: sound ({what}{f'; {items} item files checked' if items else ''})")
     return 0
 
 
@@ -270,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=("ocdbt", "files"), default="ocdbt", help="chunk layout of DST")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint committed at DST")
     p.add_argument("--to", choices=("dispatch_io", "safetensors", "orbax"), default="dispatch_io",
-                   help="format of DST (default dispatch_io); safetensors and orbax write local paths")
+                   help="format of DST (default dispatch_io); safetensors and orbax write a local path or an "
+                        "s3:// / gs:// prefix")
     p.add_argument("--max-shard-size", type=_size, default=None,
                    help="--to safetensors: tensor bytes per file, e.g. 5GB (the default)")
     p.add_argument("--skip-unsupported", action="store_true",

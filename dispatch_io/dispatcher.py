@@ -138,8 +138,9 @@ class Dispatcher:
                 skip_unsupported: bool = False, max_shard_size: int | None = None):
         """Copy the checkpoint at ``src`` (dispatch_io, Orbax's or safetensors) into a new checkpoint
         at ``dst``: ``to="dispatch_io"`` (keeping key paths, dtypes, PRNG key impls and saved
-        shardings; returns the save's :class:`SaveStats`), ``"safetensors"`` or ``"orbax"`` (local
-        paths; return an :class:`~dispatch_io.formats.exporting.ExportStats`). See docs/format.md.
+        shardings; returns the save's :class:`SaveStats`), ``"safetensors"`` or ``"orbax"`` (a local
+        path or an ``s3://`` / ``gs://`` prefix, committed by a file written last; return an
+        :class:`~dispatch_io.formats.exporting.ExportStats`). See docs/format.md.
 
         Streams: at most the host memory budget of stored bytes is held at once, however large
         the checkpoint; no device memory is used. Exports name leaves by their key names joined

@@ -1,6 +1,8 @@
 """Test set-up: 8 simulated CPU devices (set before jax is imported) and shared helpers."""
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -168,22 +170,87 @@ def s3_server():
     from s3_server import MotoServer, s3_environment
 
     server = MotoServer()
-    saved = dict(os.environ)
-    os.environ.update(s3_environment(server.endpoint))
     try:
-        server.create_bucket("ckpts")
-        yield server
+        with environment(s3_environment(server.endpoint)):
+            server.create_bucket("ckpts")
+            yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set, as it was again afterwards."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        server.stop()
+
+
+def fresh_prefix(scheme: str, request) -> str:
+    """A fresh ``<scheme>://ckpts/<test>-<id>`` prefix."""
+    import uuid
+    return f"{scheme}://ckpts/{request.node.name.replace('[', '-').rstrip(']')}-{uuid.uuid4().hex[:6]}"
 
 
 @pytest.fixture
 def s3_prefix(s3_server, request):
     """A fresh ``s3://ckpts/<test>-<id>`` prefix."""
-    import uuid
-    return f"s3://ckpts/{request.node.name.replace('[', '-').rstrip(']')}-{uuid.uuid4().hex[:6]}"
+    return fresh_prefix("s3", request)
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A GCS server on loopback for the whole session, with bucket ``ckpts``: fake-gcs-server behind
+    our precondition layer (``tests/gcs_server.py`` says why). TensorStore (through dispatch_io's
+    ``gs://`` paths) is pointed at the layer; the emulator itself is ``.emulator``."""
+    from gcs_server import FakeGcsServer, GcsPreconditions, gcs_environment
+
+    emulator = FakeGcsServer()
+    layer = GcsPreconditions(emulator.port)
+    layer.emulator = emulator
+    try:
+        with environment(gcs_environment(layer.endpoint)):
+            emulator.create_bucket("ckpts")
+            yield layer
+    finally:
+        layer.stop()
+        emulator.stop()
+
+
+@pytest.fixture
+def gcs_prefix(gcs_server, request):
+    """A fresh ``gs://ckpts/<test>-<id>`` prefix."""
+    return fresh_prefix("gs", request)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectStore:
+    """An object store the tests run against: its URL scheme, the port of its server (what a
+    ``FaultyProxy`` forwards to), the variable that points TensorStore at an endpoint and the
+    HTTP method of an object upload."""
+
+    scheme: str
+    port: int
+    endpoint_variable: str
+    upload_method: str
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def object_store(request) -> ObjectStore:
+    """Each object store (moto's S3, fake-gcs-server's GCS): tests that must hold on both."""
+    if request.param == "s3":
+        return ObjectStore("s3", request.getfixturevalue("s3_server").port, "AWS_ENDPOINT_URL_S3", "PUT")
+    return ObjectStore("gs", request.getfixturevalue("gcs_server").port, "TENSORSTORE_GCS_HTTP_URL", "POST")
+
+
+@pytest.fixture
+def store_prefix(object_store, request):
+    """A fresh prefix on each object store (``s3://ckpts/...``, ``gs://ckpts/...``)."""
+    return fresh_prefix(object_store.scheme, request)
 
 
 def crafted_safetensors(folder, header: dict, data: bytes = b"", name: str = "model.safetensors",

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 
@@ -22,31 +23,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class MotoServer:
-    """``python -m moto.server`` on a free loopback port, up until :meth:`stop`."""
+class LoopbackServer:
+    """A server process on a free loopback port (``self.port``, ``self.endpoint``), up until
+    :meth:`stop`: ``command(port)`` is its command line, ``probe`` a path that answers once it
+    serves. RuntimeError with the end of its log if it does not within a minute."""
 
-    def __init__(self):
+    def __init__(self, command, probe: str):
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         # Its request log goes to a file: a pipe nobody reads fills up and stalls the server.
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command(self.port), stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
             try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).close()
+                urllib.request.urlopen(self.endpoint + probe, timeout=1).close()
                 return
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
                     self.log.seek(0)
-                    raise RuntimeError(f"moto server did not start: {self.log.read().decode()[-2000:]}")
+                    raise RuntimeError(f"{command(self.port)[0]} did not start: {self.log.read().decode()[-2000:]}")
                 time.sleep(0.1)
-
-    def create_bucket(self, name: str):
-        request = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT")
-        urllib.request.urlopen(request, timeout=10).close()
 
     def stop(self):
         self.process.terminate()
@@ -56,6 +54,18 @@ class MotoServer:
             self.process.kill()
             self.process.wait()
         self.log.close()
+
+
+class MotoServer(LoopbackServer):
+    """``python -m moto.server`` on a free loopback port, up until :meth:`stop`."""
+
+    def __init__(self):
+        super().__init__(lambda port: [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                         "/moto-api/")
+
+    def create_bucket(self, name: str):
+        request = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT")
+        urllib.request.urlopen(request, timeout=10).close()
 
 
 class FaultyProxy(http.server.ThreadingHTTPServer):
@@ -73,8 +83,9 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.to_fail: list[tuple[str | None, int]] = []
         self.failed: list[tuple[str, str, int]] = []   # (method, path, status) answered with a fault
-        self.requests: list[tuple[str, str]] = []      # (method, path without query) of every request
+        self.requests: list[tuple[str, str]] = []      # (method, path with query) of every request
         self.bytes_sent: dict[str, int] = {}           # method -> body bytes answered to the client
+        self.bytes_by_path: dict[str, int] = {}        # path (with query) -> body bytes answered
         self.forwarded = 0
         self.delays: list[tuple[str, float]] = []     # (part of a path, seconds) to hold such requests
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
@@ -96,7 +107,7 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
 
     def fault_for(self, method: str, path: str) -> int | None:
         with self.lock:
-            self.requests.append((method, path.split("?")[0]))
+            self.requests.append((method, path))
             for i, (only, status) in enumerate(self.to_fail):
                 if only in (None, method) and not any(p == path for _, p, _ in self.failed):
                     del self.to_fail[i]
@@ -104,6 +115,20 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
                     return status
             self.forwarded += 1
             return None
+
+    def objects_written(self) -> list[str]:
+        """The object each write request named, in order: an S3 ``PUT``'s path, a GCS upload's
+        ``name`` (``POST /upload/storage/v1/b/<bucket>/o?name=...``)."""
+        with self.lock:
+            requests = list(self.requests)
+        out = []
+        for method, path in requests:
+            url = urllib.parse.urlsplit(path)
+            if method == "PUT":
+                out.append(url.path)
+            elif method == "POST" and url.path.startswith("/upload/"):
+                out.append(dict(urllib.parse.parse_qsl(url.query))["name"])
+        return out
 
     def stop(self):
         self.shutdown()
@@ -129,25 +154,35 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(reply)
             return
-        upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
-        try:
-            upstream.request(self.command, self.path, body=body or None, headers=dict(self.headers.items()))
-            response = upstream.getresponse()
-            data = response.read()
-        finally:
-            upstream.close()
-        self.send_response(response.status)
-        for name, value in response.getheaders():
-            if name.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
-                self.send_header(name, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        sent = relay(self, self.server.upstream_port, body)
+        if sent is not None:
             with self.server.lock:
-                self.server.bytes_sent[self.command] = self.server.bytes_sent.get(self.command, 0) + len(data)
+                self.server.bytes_sent[self.command] = self.server.bytes_sent.get(self.command, 0) + sent
+                self.server.bytes_by_path[self.path] = self.server.bytes_by_path.get(self.path, 0) + sent
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+
+def relay(handler: http.server.BaseHTTPRequestHandler, upstream_port: int, body: bytes) -> int | None:
+    """Send ``handler``'s request (its ``body`` already read) to the server on ``upstream_port``
+    and its answer back to the client; the body bytes answered (None for HEAD)."""
+    upstream = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+    try:
+        upstream.request(handler.command, handler.path, body=body or None, headers=dict(handler.headers.items()))
+        response = upstream.getresponse()
+        data = response.read()
+    finally:
+        upstream.close()
+    handler.send_response(response.status)
+    for name, value in response.getheaders():
+        if name.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
+            handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    if handler.command == "HEAD":
+        return None
+    handler.wfile.write(data)
+    return len(data)
 
 
 def s3_environment(endpoint: str) -> dict[str, str]:

@@ -257,11 +257,60 @@ def test_inspect_of_a_root_lists_each_steps_info(tmp_path, capsys):
     assert "2025-11-24 16:00:00" in table and "loss=0.5" in table and "data(per_process)" in table, table
 
 
-def test_items_on_an_object_store_root_commit_and_go_with_their_step(s3_prefix):
-    """On S3 (moto on loopback) the items live under the save's own arrays/<id>/ and info.json
-    beside the manifest: both are written before COMMITTED and deleted with the step."""
+def flip_bit(path, offset: int):
+    """Flip the lowest bit of the byte at ``offset`` of the file at ``path``."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_items_carry_crc32cs_and_a_flipped_byte_is_named(tmp_path):
+    """With checksums on, every item file carries its value's CRC-32C: reading an item, the
+    manager's restore(verify=True) and ``dispatch-io verify`` check them, and a flipped byte is a
+    CorruptCheckpointError naming the step, the item and the process."""
+    from dispatch_io import cli
+    state = bytes(range(256)) * 4
+    with dio.LocalDispatcher(checksums=True) as d, dio.CheckpointManager(tmp_path, d) as mgr:
+        mgr.save(10, tree(10), items={"data": dio.PerProcess(state), "config": dio.Json({"lr": 0.1})}).wait()
+        mgr.save(11, tree(11), items={"data": dio.PerProcess(state), "config": dio.Json({"lr": 0.1})}).wait()
+        assert mgr.step_info(10).item_entries["data"] == {"kind": "per_process", "processes": 1, "crc32c": True}
+        arrays = tmp_path / "10" / mgr.step_info(10).arrays
+        stored = json.loads((arrays / "items/data/0.json").read_bytes())
+        assert set(stored) == {"bytes", "crc32c"}
+        assert cli.main(["verify", str(tmp_path / "10")]) == 0
+
+        data = arrays / "items/data/0.json"
+        payload = data.read_bytes().index(b'"bytes": "') + len(b'"bytes": "')
+        offset = next(i for i in range(payload + 8, payload + 100) if chr(data.read_bytes()[i]) in "BCDEFGHIJKLMNOPQRSTUVWXY")
+        flip_bit(data, offset)   # still base64 of 1 KiB, one value different
+        message = r"item 'data' \(process 0's value\) of step 10 at .*10 does not match its CRC-32C"
+        with pytest.raises(dio.CorruptCheckpointError, match=message):
+            mgr.item(10, "data")
+        with pytest.raises(dio.CorruptCheckpointError, match=message):
+            mgr.restore(10, verify=True)
+        assert_trees_bit_equal(mgr.restore(10), tree(10))   # the state itself is sound
+        assert cli.main(["verify", str(tmp_path / "10")]) == 1
+
+        config = tmp_path / "11" / mgr.step_info(11).arrays / "items/config/value.json"
+        flip_bit(config, config.read_bytes().index(b"0.1") + 2)   # {"lr": 0.0}: valid JSON, wrong value
+        with pytest.raises(dio.CorruptCheckpointError, match=r"item 'config' of step 11 at .* does not match its CRC"):
+            mgr.item(11, "config")
+        flip_bit(config, config.read_bytes().index(b"{"))        # no JSON at all
+        with pytest.raises(dio.CorruptCheckpointError, match=r"item 'config' of step 11 .*\(malformed checkpoint\)"):
+            mgr.restore(11, verify=True)
+
+    with dio.CheckpointManager(tmp_path / "plain") as mgr:   # checksums off: no CRC-32C, nothing to check
+        mgr.save(1, tree(1), items={"data": dio.PerProcess(state)}).wait()
+        assert "crc32c" not in mgr.step_info(1).item_entries["data"]
+        assert mgr.item(1, "data") == state
+
+
+def test_items_on_an_object_store_root_commit_and_go_with_their_step(store_prefix):
+    """On S3 and GCS (servers on loopback) the items live under the save's own arrays/<id>/ and
+    info.json beside the manifest: both are written before COMMITTED and deleted with the step."""
     import tensorstore as ts
     from dispatch_io.storage import kvstore_spec
+    s3_prefix = store_prefix
     with dio.CheckpointManager(s3_prefix, keep_policy=P.LatestN(1)) as mgr:
         mgr.save(1, tree(1), items={"data": dio.PerProcess(b"one"), "cfg": dio.Json([1])}, metrics={"loss": 1})
         mgr.save(2, tree(2), items={"data": dio.PerProcess(b"two")}).wait()

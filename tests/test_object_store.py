@@ -1,5 +1,7 @@
-"""Checkpoints on an object store: a real S3 server (moto, on loopback) through TensorStore's s3
-driver. What holds for directories must hold there, with a marker instead of a rename."""
+"""Checkpoints on object stores: real servers on loopback -- S3 (moto) through TensorStore's s3
+driver, GCS (fake-gcs-server behind our precondition layer, tests/gcs_server.py) through its gcs
+driver. What holds for directories must hold on both, with a marker instead of a rename: the
+tests taking ``store_prefix`` / ``object_store`` run once per store."""
 
 import json
 import os
@@ -52,8 +54,8 @@ def put(url: str, key: str, value: bytes):
 @pytest.mark.parametrize("dispatcher_cls,layout", [(dio.LocalDispatcher, "ocdbt"), (dio.LocalDispatcher, "files"),
                                                    (dio.ColocatedDispatcher, "ocdbt")],
                          ids=["local-ocdbt", "local-files", "colocated-ocdbt"])
-def test_round_trip_on_s3(s3_prefix, mesh, dispatcher_cls, layout):
-    tree, path = make_tree(mesh), f"{s3_prefix}/step_1"
+def test_round_trip_on_object_stores(store_prefix, mesh, dispatcher_cls, layout):
+    tree, path = make_tree(mesh), f"{store_prefix}/step_1"
     with dispatcher_cls(host_memory_budget=MiB, layout=layout, checksums=True) as d:
         stats = d.save(path, tree).wait()
         assert stats.bytes_written > 256 * 128 * 4
@@ -66,8 +68,8 @@ def test_round_trip_on_s3(s3_prefix, mesh, dispatcher_cls, layout):
         assert meta["params"]["w"].shape == (256, 128) and meta["step"] == 100
 
 
-def test_uncommitted_save_is_invisible_and_a_failed_one_leaves_nothing(s3_prefix, mesh):
-    tree, root = make_tree(mesh), f"{s3_prefix}/run"
+def test_uncommitted_save_is_invisible_and_a_failed_one_leaves_nothing(store_prefix, mesh):
+    tree, root = make_tree(mesh), f"{store_prefix}/run"
     release, paused = threading.Event(), threading.Event()
 
     def hold(keypath):  # the save cannot commit while a transfer callback blocks
@@ -97,8 +99,8 @@ def test_uncommitted_save_is_invisible_and_a_failed_one_leaves_nothing(s3_prefix
         assert manager.all_steps() == [1, 2]
 
 
-def test_overwrite_and_foreign_data(s3_prefix, mesh):
-    path = f"{s3_prefix}/ckpt"
+def test_overwrite_and_foreign_data(store_prefix, mesh):
+    path = f"{store_prefix}/ckpt"
     first, second = make_tree(mesh, 1), make_tree(mesh, 2)
     with dio.LocalDispatcher(host_memory_budget=MiB) as d:
         d.save(path, first).wait()
@@ -108,7 +110,7 @@ def test_overwrite_and_foreign_data(s3_prefix, mesh):
         d.save(path, second, overwrite=True).wait()
         assert_trees_bit_equal(d.restore(path, like(second)), second)
 
-        foreign = f"{s3_prefix}/someone_elses"
+        foreign = f"{store_prefix}/someone_elses"
         put(foreign, "data.bin", b"precious")
         with pytest.raises(FileExistsError, match=r"not part of a dispatch_io checkpoint \(data.bin\)"):
             d.save(foreign, first, overwrite=True)
@@ -116,11 +118,11 @@ def test_overwrite_and_foreign_data(s3_prefix, mesh):
         with pytest.raises(dio.IncompleteCheckpointError, match="no committed checkpoint"):
             d.restore(foreign, like(first))
         with pytest.raises(FileNotFoundError, match="nothing stored"):
-            dio.metadata(f"{s3_prefix}/nothing_here")
+            dio.metadata(f"{store_prefix}/nothing_here")
 
 
-def test_manager_on_s3_lists_retains_and_cleans_up(s3_prefix, mesh):
-    root = f"{s3_prefix}/run"
+def test_manager_on_object_stores_lists_retains_and_cleans_up(store_prefix, mesh):
+    root = f"{store_prefix}/run"
     put(root, "notes/README", b"not a step")
     put(root, "7/model.bin", b"a numeric prefix that is not ours")
     # Leftovers of saves killed earlier: one by a process that is gone (removed when a manager
@@ -154,6 +156,84 @@ def test_manager_on_s3_lists_retains_and_cleans_up(s3_prefix, mesh):
         assert again.all_steps() == [0, 2, 3, 4] and again.latest_step() == 4
 
 
+def test_concurrent_saves_to_one_prefix_have_exactly_one_winner(store_prefix, mesh):
+    """Four saves to one prefix started at once, each with its own dispatcher: the conditional
+    writes of the claim and the commit marker (412 on GCS, on S3 ``If-None-Match``) let exactly
+    one commit; the others fail, and the prefix holds the winner's tree and only its arrays."""
+    url, count = f"{store_prefix}/ckpt", 4
+    trees = [make_tree(mesh, seed) for seed in range(count)]
+    start, outcomes = threading.Barrier(count), [None] * count
+
+    def run(i):
+        with dio.LocalDispatcher(host_memory_budget=MiB, checksums=True) as d:
+            start.wait(30)
+            try:
+                d.save(url, trees[i]).wait()
+                outcomes[i] = "committed"
+            except (FileExistsError, dio.CheckpointError) as exc:
+                outcomes[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert outcomes.count("committed") == 1 and all(o is not None for o in outcomes), outcomes
+    winner = outcomes.index("committed")
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d:
+        assert_trees_bit_equal(d.restore(url, like(trees[winner]), verify=True), trees[winner])
+    arrays = {k.split("/")[1] for k in keys_under(url) if k.startswith("arrays/")}
+    assert arrays == {b_arrays(url).rstrip("/")} and "WRITING" not in keys_under(url), keys_under(url)
+
+
+# A process that saves step 1 through a manager, then is SIGKILLed while writing step 2.
+KILLED_SAVE = """
+import os, sys, time
+import numpy as np
+import dispatch_io as dio
+
+root, ready = sys.argv[1], sys.argv[2]
+tree = lambda seed: {"w": np.random.default_rng(seed).standard_normal((256, 256), dtype=np.float32), "n": seed}
+with dio.LocalDispatcher(host_memory_budget=64 << 10) as d, dio.CheckpointManager(root, d) as manager:
+    manager.save(1, tree(1)).wait()
+
+    def stop(keypath):  # step 2 has written arrays: tell the parent, wait to be killed
+        open(ready, "w").close()
+        time.sleep(600)
+    manager.save(2, tree(2), on_write_end=stop).wait()
+"""
+
+
+def test_a_killed_save_is_never_listed_and_the_next_manager_clears_it(store_prefix, tmp_path):
+    """A real process SIGKILLed mid-save on an object store: its step is never listed, the
+    previous one restores bit-exact, and the next manager removes the dead save's keys (its
+    marker names a process that is gone) so the step can be saved again."""
+    import numpy as np
+    root, ready = f"{store_prefix}/run", tmp_path / "ready"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    child = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, root, str(ready)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(1200):
+            if ready.exists() or child.poll() is not None:
+                break
+            threading.Event().wait(0.1)
+        assert ready.exists(), child.communicate(timeout=10)[0].decode()[-3000:]
+        keys = keys_under(root)
+        assert "2/WRITING" in keys and any(k.startswith("2/arrays/") for k in keys), keys
+    finally:
+        child.kill()
+        child.wait(30)
+    expected = {"w": np.random.default_rng(1).standard_normal((256, 256), dtype=np.float32), "n": 1}
+    with dio.CheckpointManager(root) as manager:
+        assert not any(k.startswith("2/") for k in keys_under(root)), keys_under(root)
+        assert manager.all_steps() == [1]
+        restored = manager.restore(1)
+        assert restored["w"].tobytes() == expected["w"].tobytes() and restored["n"] == 1
+        manager.save(2, {"w": expected["w"] + 1, "n": 2}).wait()
+        assert manager.all_steps() == [1, 2]
+
+
 def copy_keys(src_spec: dict, dst_spec: dict):
     src, dst = ts.KvStore.open(src_spec).result(), ts.KvStore.open(dst_spec).result()
     for key in src.list().result():
@@ -161,10 +241,10 @@ def copy_keys(src_spec: dict, dst_spec: dict):
 
 
 @pytest.mark.parametrize("layout", ["ocdbt", "files"])
-def test_copied_checkpoint_restores_both_ways(s3_prefix, mesh, tmp_path, layout):
-    """A checkpoint is self-contained: uploaded from disk to S3, or downloaded, it restores."""
+def test_copied_checkpoint_restores_both_ways(store_prefix, mesh, tmp_path, layout):
+    """A checkpoint is self-contained: uploaded from disk to an object store, or downloaded, it restores."""
     tree = make_tree(mesh, 5)
-    local, uploaded, downloaded = tmp_path / "ckpt", f"{s3_prefix}/uploaded", tmp_path / "downloaded"
+    local, uploaded, downloaded = tmp_path / "ckpt", f"{store_prefix}/uploaded", tmp_path / "downloaded"
     with dio.LocalDispatcher(host_memory_budget=MiB, layout=layout, checksums=True) as d:
         d.save(local, tree).wait()
         copy_keys({"driver": "file", "path": f"{local}/"}, kvstore_spec(uploaded))
@@ -173,15 +253,19 @@ def test_copied_checkpoint_restores_both_ways(s3_prefix, mesh, tmp_path, layout)
         assert_trees_bit_equal(d.restore(downloaded, like(tree), verify=True), tree)
 
 
-def test_transient_503_and_429_are_retried(s3_server, s3_prefix, mesh, monkeypatch):
+def test_transient_503_and_429_are_retried(object_store, store_prefix, mesh, monkeypatch):
     """Throttling answers (503 SlowDown, 429) during save, listing and restore are retried with
-    backoff (TensorStore's s3_request_retries) and the checkpoint comes out whole."""
-    proxy = FaultyProxy(s3_server.port)
+    backoff (TensorStore's s3_request_retries / gcs_request_retries) and the checkpoint comes
+    out whole. (Backoff shortened to keep the test fast: the count of retries is what matters.)"""
+    import dispatch_io.storage.objectstore
+    monkeypatch.setattr(dispatch_io.storage.objectstore, "OBJECT_STORE_RETRIES",
+                        {"max_retries": 8, "initial_delay": "20ms", "max_delay": "100ms"})
+    proxy = FaultyProxy(object_store.port)
     try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
-        tree, root = make_tree(mesh, 9), f"{s3_prefix}/run"
+        monkeypatch.setenv(object_store.endpoint_variable, proxy.endpoint)
+        tree, root = make_tree(mesh, 9), f"{store_prefix}/run"
         with dio.LocalDispatcher(host_memory_budget=MiB) as d, dio.CheckpointManager(root, d) as manager:
-            proxy.fail(2, 503, method="PUT")
+            proxy.fail(2, 503, method=object_store.upload_method)
             proxy.fail(1, 429, method="GET")
             manager.save(1, tree).wait()
             assert manager.all_steps() == [1]
@@ -196,19 +280,19 @@ def test_transient_503_and_429_are_retried(s3_server, s3_prefix, mesh, monkeypat
 
 
 @pytest.mark.parametrize("dispatcher_cls", [dio.LocalDispatcher, dio.ColocatedDispatcher], ids=["local", "colocated"])
-def test_no_object_is_written_twice_in_a_save(s3_server, s3_prefix, mesh, monkeypatch, dispatcher_cls):
+def test_no_object_is_written_twice_in_a_save(object_store, store_prefix, mesh, monkeypatch, dispatcher_cls):
     """GCS takes about one write per second to an object name: a save (many batches, each an
     OCDBT commit) must never rewrite an object -- numbered OCDBT manifests on object stores, and
     one commit at a time per database (slow manifests make racing commits overlap)."""
-    proxy = FaultyProxy(s3_server.port)
-    proxy.slow("/manifest.", 0.1)
+    proxy = FaultyProxy(object_store.port)
+    proxy.slow("manifest.", 0.1)
     try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
-        path = f"{s3_prefix}/ckpt"
+        monkeypatch.setenv(object_store.endpoint_variable, proxy.endpoint)
+        path = f"{store_prefix}/ckpt"
         tree = make_tree(mesh)
         with dispatcher_cls(host_memory_budget=64 << 10) as d:
             stats = d.save(path, tree).wait()
-            puts = [p for method, p in proxy.requests if method == "PUT"]
+            puts = proxy.objects_written()
             assert stats.batches >= 5
             assert len(puts) == len(set(puts)), sorted(p for p in puts if puts.count(p) > 1)
             assert_trees_bit_equal(d.restore(path, like(tree)), tree)
@@ -216,8 +300,8 @@ def test_no_object_is_written_twice_in_a_save(s3_server, s3_prefix, mesh, monkey
         proxy.stop()
 
 
-def test_cli_reads_s3(s3_prefix, mesh):
-    path = f"{s3_prefix}/ckpt"
+def test_cli_reads_object_stores(store_prefix, mesh):
+    path = f"{store_prefix}/ckpt"
     tree = make_tree(mesh)
     with dio.LocalDispatcher(host_memory_budget=MiB, checksums=True) as d:
         d.save(path, tree).wait()
@@ -228,7 +312,7 @@ def test_cli_reads_s3(s3_prefix, mesh):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "['params']['w']" in subprocess.run([sys.executable, "-m", "dispatch_io.cli", "inspect", path], env=env,
                                                capture_output=True, text=True, timeout=120).stdout
-    proc = subprocess.run([sys.executable, "-m", "dispatch_io.cli", "verify", f"{s3_prefix}/missing"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "dispatch_io.cli", "verify", f"{store_prefix}/missing"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "nothing stored" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -277,11 +361,11 @@ def memory_url(name: str) -> str:
     return f"memory://{name}-{uuid.uuid4().hex[:8]}/ckpt"
 
 
-@pytest.mark.parametrize("where", ["memory", "s3"])
+@pytest.mark.parametrize("where", ["memory", "s3", "gcs"])
 def test_a_save_started_over_a_live_one_never_commits_a_mix(where, request, mesh):
     """A second save to a prefix while a first writes there (two dispatchers, a zombie job): on
     this host it is refused at once; whatever ends up committed restores bit-exactly."""
-    url = memory_url("overlap") if where == "memory" else f"{request.getfixturevalue('s3_prefix')}/ckpt"
+    url = memory_url("overlap") if where == "memory" else f"{request.getfixturevalue(where + '_prefix')}/ckpt"
     first, second = make_tree(mesh, 1), make_tree(mesh, 2)
     refused = []
     with dio.LocalDispatcher(host_memory_budget=MiB) as a, dio.LocalDispatcher(host_memory_budget=MiB) as b:
@@ -408,12 +492,12 @@ def test_a_failed_save_leaves_nothing_and_a_crashed_one_is_cleared_by_the_next(m
         assert "WRITING" not in keys_under(url)
 
 
-@pytest.mark.parametrize("where", ["memory", "s3"])
+@pytest.mark.parametrize("where", ["memory", "s3", "gcs"])
 def test_claims_and_commit_markers_are_conditional_writes(where, request):
     """Two saves that both found the prefix free: the second claim fails at once (a conditional
     write, not list-then-write), and so would a second COMMITTED."""
     from dispatch_io.storage import KvWrite
-    url = memory_url("claim") if where == "memory" else f"{request.getfixturevalue('s3_prefix')}/ckpt"
+    url = memory_url("claim") if where == "memory" else f"{request.getfixturevalue(where + '_prefix')}/ckpt"
     location = KvLocation(url)
     first = KvWrite(location, location.open_kv())
     with pytest.raises(FileExistsError, match="claimed it first"):

@@ -95,17 +95,19 @@ def test_a_local_step_is_promoted_byte_for_byte_with_its_items(tmp_path, mesh, o
     dispatcher.close()
 
 
-def test_promotion_to_an_object_store(tmp_path, mesh, s3_prefix):
+def test_promotion_to_an_object_store(tmp_path, mesh, store_prefix):
+    """A manager with a local tier whose root is on S3 or GCS: a step saved locally only, then
+    promoted; what reaches the root is the local step's chunks byte for byte."""
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1))
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
-    with dio.CheckpointManager(s3_prefix, dispatcher, save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+    with dio.CheckpointManager(store_prefix, dispatcher, save_policy=policies.EveryNSteps(100), local=tier) as mgr:
         mgr.save(3, _state(mesh, 3), items={"cfg": dio.Json([1, 2])})
         assert mgr.all_steps() == []
         mgr.promote(3).wait()
         assert mgr.item(3, "cfg") == [1, 2]
         assert mgr.all_steps() == [3]
         _same(mgr.restore(3, _state(mesh, 0)), _state(mesh, 3))
-    assert _raw_chunks(f"{s3_prefix}/3") == _raw_chunks(tmp_path / "local" / "0" / "3")
+    assert _raw_chunks(f"{store_prefix}/3") == _raw_chunks(tmp_path / "local" / "0" / "3")
     dispatcher.close()
 
 

@@ -3,8 +3,9 @@
 Detection looks at the files present, never tries and fails: a dispatch_io checkpoint has
 ``manifest.json`` / ``COMMITTED``; an Orbax PyTree item has ``_METADATA``; an Orbax step
 directory holds exactly one such item (``default``, ``state``, ...). Anything else is read as a
-dispatch_io path, whose errors say what is missing. Orbax checkpoints are read from local
-directories (``file://`` too). Hugging Face safetensors (``dispatch_io.formats.safetensors``) are a
+dispatch_io path, whose errors say what is missing. Orbax checkpoints are read where they are:
+local directories (``file://`` too) and object-store prefixes (``s3://``, ``gs://``), through a
+:class:`~dispatch_io.storage.folders.Folder`. Hugging Face safetensors (``dispatch_io.formats.safetensors``) are a
 ``.safetensors`` file, or a directory / URL prefix holding such files and no dispatch_io
 checkpoint (local or ``s3://`` / ``gs://``).
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 from typing import Callable
 
 import tensorstore as ts
@@ -29,8 +29,8 @@ from dispatch_io.formats import orbax
 from dispatch_io.formats import safetensors
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manifest import Manifest
-from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, DirectoryRoot, Location, StepRoot
-from dispatch_io.storage.directory import links_outside
+from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location, StepRoot
+from dispatch_io.storage.folders import Folder
 from workers import layout_kvstore, shared_context
 
 
@@ -50,77 +50,53 @@ class Opened:
     check_unchanged: Callable[..., None]
 
 
-def orbax_item(path) -> str | None:
-    """The Orbax item directory ``path`` names (an item, or a step holding exactly one), or
-    None if ``path`` holds no Orbax checkpoint. CheckpointError for a step with several items
-    (the message lists them)."""
-    location = Location.parse(path)
-    if not isinstance(location, DirectoryLocation) or not os.path.isdir(location.path):
+def orbax_item(path) -> Folder | None:
+    """The Orbax item folder ``path`` names (an item, or a step holding exactly one; a local
+    directory or an object-store prefix), or None if ``path`` holds no Orbax checkpoint.
+    CheckpointError for a step with several items (the message lists them)."""
+    if Location.parse(path).commit_marker() is not None:  # ours: told by one read, before any listing
         return None
-    directory = location.path
-    if os.path.exists(os.path.join(directory, MANIFEST)) or os.path.exists(os.path.join(directory, COMMITTED)):
+    folder = Folder.open(path)
+    if not folder.exists() or folder.is_file(MANIFEST) or folder.is_file(COMMITTED):
         return None
-    if orbax.is_item(directory):
-        return directory
-    names = orbax.items(directory)
+    if orbax.is_item(folder):
+        return folder
+    names = orbax.items(folder)
     if len(names) > 1:
-        raise CheckpointError(f"{location.display} is an Orbax step with {len(names)} items "
-                              f"({', '.join(names)}): name one, e.g. {os.path.join(location.display, names[0])}")
-    return os.path.join(directory, names[0]) if names else None
+        raise CheckpointError(f"{folder.display} is an Orbax step with {len(names)} items "
+                              f"({', '.join(names)}): name one, e.g. {folder.child(names[0]).display}")
+    return folder.child(names[0]) if names else None
 
 
 def committed_steps(root: StepRoot) -> list[int]:
-    """Every committed step under a manager's ``root``: dispatch_io's, and (local directories
-    only) Orbax's, ascending."""
-    orbax_steps = orbax.committed_steps(root.display) if isinstance(root, DirectoryRoot) else []
-    return sorted(set(root.committed_steps()) | set(orbax_steps))
-
-
-def check_reachable(root: StepRoot):
-    """CheckpointError naming them if ``root`` is an object-store prefix holding Orbax steps:
-    those are read from local directories only, and a manager that did not list them would
-    start the run again from step 0."""
-    if isinstance(root, DirectoryRoot):
-        return
-    held = sorted(step for step, keys in root.step_keys().items()
-                  if orbax.STEP_METADATA in keys or any(k.endswith("/" + orbax.METADATA) for k in keys))
-    if held:
-        raise CheckpointError(f"{root.display} holds Orbax steps ({', '.join(map(str, held[:5]))}"
-                              f"{', ...' if len(held) > 5 else ''}), which dispatch_io reads from local directories "
-                              "only: copy the root to a local directory (or convert its steps) and open that")
+    """Every committed step under a manager's ``root`` (a directory or an object-store prefix):
+    dispatch_io's and Orbax's, ascending."""
+    return sorted(set(root.committed_steps()) | set(orbax.committed_steps(Folder.open(root.display))))
 
 
 def step_path(root: StepRoot, step: int) -> str:
-    """The checkpoint of ``step`` under a manager's ``root``: ``<root>/<step>``, or (directory
-    roots only) the Orbax step directory holding it under another of Orbax's namings
-    (``ckpt_100``, ``00000100``; see ``orbax.step_directories``), committed or not. Raises
-    CheckpointError if several directories hold the step: which one is the step cannot be told."""
+    """The checkpoint of ``step`` under a manager's ``root``: ``<root>/<step>``, or the Orbax step
+    folder holding it under another of Orbax's namings (``ckpt_100``, ``00000100``; see
+    ``orbax.step_directories``), committed or not. Raises CheckpointError if several folders
+    hold the step: which one is the step cannot be told."""
     ours = root.step_path(step)
-    if not isinstance(root, DirectoryRoot):
-        return ours
-    others = [os.path.join(root.display, name) for name in orbax.step_directories(root.display).get(step, [])]
-    others = [path for path in others if path != ours]
+    folder = Folder.open(root.display)
+    names = orbax.step_directories(folder).get(step, [])
+    others = [folder.child(name).display for name in names if folder.child(name).display != ours]
     if not others:
         return ours
-    if len(others) > 1 or os.path.lexists(ours):
-        held = [ours] * os.path.lexists(ours) + others
+    held_ours = folder.is_folder(str(step)) or folder.is_file(str(step))
+    if len(others) > 1 or held_ours:
+        held = [ours] * held_ours + others
         raise CheckpointError(f"step {step} is held by {len(held)} directories under {root.display} "
-                              f"({', '.join(map(os.path.basename, held))}): remove all but one")
+                              f"({', '.join(p.rstrip('/').rsplit('/', 1)[-1] for p in held)}): remove all but one")
     return others[0]
 
 
-def _stat(path: str):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
-
-
-def _check_links(directory: str, display: str):
-    """CorruptCheckpointError if a symbolic link in the checkpoint at ``directory`` leads outside
-    it: a reader reads nothing but the checkpoint."""
-    outside = links_outside(directory)
+def _check_links(folder: Folder, display: str):
+    """CorruptCheckpointError if a symbolic link in the checkpoint ``folder`` leads outside it:
+    a reader reads nothing but the checkpoint."""
+    outside = folder.links_outside()
     if outside:
         raise validate.malformed(display, f"{len(outside)} symbolic link(s) in it lead outside it "
                                           f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''})")
@@ -156,28 +132,27 @@ def open_checkpoint(path) -> Opened:
     cannot read."""
     item = orbax_item(path)
     if item is not None:
-        display = os.fspath(path)
-        metadata = os.path.join(item, orbax.METADATA)
-        before = _stat(metadata)  # Orbax replaces a checkpoint by writing a new directory
+        display = Location.parse(path).display
+        before = item.stamp(orbax.METADATA)  # Orbax replaces a checkpoint by writing a new directory
         _check_links(item, display)
         manifest, arrays = orbax.read(item, display)
         validate.check_manifest(manifest, display, names=None)
 
         def check_orbax(cause: BaseException | None = None):
-            if _stat(metadata) != before:
+            if item.stamp(orbax.METADATA) != before:
                 raise CheckpointError(f"the checkpoint at {display} was replaced while it was being "
                                       "read; read it again") from cause
 
         return Opened(display, manifest, arrays, None, check_orbax)
     found = safetensors.find(path)
     if found is not None:
-        return _open_safetensors(os.fspath(path), *found)
+        return _open_safetensors(Location.parse(path).display, *found)
     location = Location.parse(path)
     marker = location.commit_marker()  # a save that replaces the checkpoint changes it
     with _collection_paused():
         manifest = manifest_lib.parse(location.read_manifest(), location.display)
     if isinstance(location, DirectoryLocation):
-        _check_links(location.path, location.display)
+        _check_links(Folder.open(location.path), location.display)
     arrays = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)
     validate.check_stored(manifest, arrays, location.context, location.display)
     return Opened(location.display, manifest, arrays, location.context,

@@ -4,8 +4,11 @@ bounded pieces, and committing a local directory.
 An export is a stream: every leaf of the source is read in pieces of whole leading-axis blocks
 (C order, at most ``max_chunk_bytes`` each), in batches of at most half the budget with one
 batch read while the previous one is written, so host memory stays within the budget however
-large the leaves. The output is written into a temporary sibling of the destination and renamed
-into place only once complete: a failure leaves nothing at the destination.
+large the leaves. A local output is written into a temporary sibling of the destination and
+renamed into place only once complete (:class:`LocalOutput`); an object-store prefix has no rename,
+so its files are written where they belong and the export is committed by the one file its
+readers look for first, written last (:class:`ObjectOutput`). A failure leaves nothing at the
+destination either way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import uuid
 from typing import Callable
 
 import jax
+import tensorstore as ts
 
 from dispatch_io import reading
 from dispatch_io import tree as tree_lib
@@ -27,6 +31,9 @@ from dispatch_io.batches import pack
 from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.progress import Progress
+from dispatch_io.storage import DirectoryLocation, Location
+from dispatch_io.storage.folders import Folder
+from dispatch_io.storage.objectstore import KvLocation
 from workers import Region, Session, numpy_dtype, read_regions
 
 TARGETS = ("dispatch_io", "safetensors", "orbax")
@@ -184,6 +191,58 @@ class LocalOutput:
 
     def abort(self):
         _remove(self.tmp)
+
+
+class ObjectOutput:
+    """An export to the object-store prefix ``dst`` (``s3://``, ``gs://``): files are whole
+    objects written at their final keys (:meth:`write`, or TensorStore through :meth:`kvstore`),
+    and :meth:`commit` writes the commit files last -- the ones a reader looks for first -- so a
+    reader sees the export whole or not at all.
+
+    Raises FileExistsError if anything is under ``dst`` and not ``overwrite``; ValueError unless
+    ``replaceable(folder)`` says what is there is an export's. A replaced export loses its
+    ``unlist`` files first (it is no longer seen), then everything under ``dst``. :meth:`abort`
+    removes everything under ``dst`` (by then, only what this export wrote)."""
+
+    def __init__(self, dst: str, overwrite: bool, replaceable: Callable[[Folder], bool], unlist: tuple[str, ...]):
+        self.location: KvLocation = Location.parse(dst)
+        self.display = self.location.display
+        self.kv = self.location.open_kv()
+        held = Folder.open(dst)
+        if held.exists():
+            if not overwrite:
+                raise FileExistsError(f"{dst} exists (pass overwrite=True to replace it)")
+            if not replaceable(held):
+                raise ValueError(f"{dst} holds files that are not a checkpoint this export writes: it is not replaced")
+            for name in unlist:
+                self.location._wait(self.kv.write(name, None), f"delete {name}")
+            self.abort()
+
+    def kvstore(self, sub: str = "") -> dict:
+        """The kvstore spec of ``sub`` (``""`` or ending in ``/``) under the destination."""
+        return self.location.arrays_kvstore(sub)
+
+    def write(self, name: str, data: bytes):
+        self.location._wait(self.kv.write(name, data), f"write {name}")
+
+    def commit(self, files: list[tuple[str, bytes]]):
+        """Write ``files`` (name, bytes), in order, last: the export is then visible."""
+        for name, data in files:
+            self.write(name, data)
+
+    def abort(self):
+        self.location._wait(self.kv.delete_range(ts.KvStore.KeyRange()), "delete what was written")
+
+
+def is_local(dst) -> bool:
+    """Whether ``dst`` is a local path (else an object-store URL: :class:`ObjectOutput`).
+    ValueError for ``memory://`` (it lives inside one process: nothing an export is for)."""
+    location = Location.parse(dst)
+    if isinstance(location, DirectoryLocation):
+        return True
+    if location.spec.get("driver") not in ("s3", "gcs"):
+        raise ValueError(f"an export writes a local path or an s3:// / gs:// prefix, not {dst}")
+    return False
 
 
 def _fsync(path: str):

@@ -12,6 +12,10 @@ Orbax (``orbax-checkpoint`` 0.12 and its v1 API) writes a PyTree item as a direc
     <item>/manifest.ocdbt, d/, ocdbt.process_<i>/   OCDBT on: one database holding every array
     <item>/<param name>/          OCDBT off: one zarr (v2 or v3) array per leaf
 
+An item is read where it lives, a local directory or an object-store prefix (``s3://``,
+``gs://``), through a :class:`~dispatch_io.storage.folders.Folder`: every file with the same
+bound (``MAX_MANIFEST_BYTES``), the arrays through TensorStore's kvstore of that folder.
+
 The param name of a leaf is its keys joined by ``.``. Arrays and scalars (0-d arrays) are read
 through TensorStore (zarr / zarr3 / OCDBT / zstd: whatever the stored metadata says); nothing
 here parses chunk bytes. What comes out is an ordinary :class:`~dispatch_io.manifest.Manifest`,
@@ -25,9 +29,7 @@ holding a dot is kept whole (it is one entry of the key tuple).
 from __future__ import annotations
 
 import base64
-import glob
 import json
-import os
 import re
 
 import jax
@@ -38,7 +40,7 @@ from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
 from dispatch_io.storage import MAX_MANIFEST_BYTES
-from dispatch_io.storage.directory import read_regular
+from dispatch_io.storage.folders import Folder
 from dispatch_io.validate import check_name, describes_sharding, malformed
 from workers import ArraySpec, brief_error, layout_kvstore
 
@@ -52,85 +54,78 @@ _SEQUENCE, _DICT = 1, 2
 _EMPTY = {"Dict": dict, "List": list, "Tuple": tuple, "None": lambda: None}  # skip_deserialize nodes
 
 
-def read_json(path: str):
-    """The JSON document in the regular file ``path``; ValueError if larger than
-    ``MAX_MANIFEST_BYTES`` (found before it is read) or not a regular file, OSError."""
+def read_json(folder: Folder, name: str):
+    """The JSON document in file ``name`` of ``folder``; ValueError if larger than
+    ``MAX_MANIFEST_BYTES`` (found before it is read) or not a regular file; OSError,
+    FileNotFoundError, CheckpointError (an object store failing) if it cannot be read."""
     try:
-        return json.loads(read_regular(path, MAX_MANIFEST_BYTES))
+        return json.loads(folder.read(name, MAX_MANIFEST_BYTES))
     except ValueError as exc:
-        raise ValueError(f"{os.path.basename(path)} {exc}") from exc
+        raise ValueError(f"{name} {exc}") from exc
 
 
-def is_item(directory: str) -> bool:
-    """Whether ``directory`` is an Orbax PyTree item (it holds ``_METADATA``)."""
-    return os.path.isfile(os.path.join(directory, METADATA))
+def is_item(folder: Folder) -> bool:
+    """Whether ``folder`` is an Orbax PyTree item (it holds ``_METADATA``)."""
+    return folder.is_file(METADATA)
 
 
-def items(step: str) -> list[str]:
-    """The names of the Orbax items in the step directory ``step`` (sorted)."""
-    try:
-        names = os.listdir(step)
-    except OSError:
-        return []
-    return sorted(n for n in names if is_item(os.path.join(step, n)))
+def items(step: Folder) -> list[str]:
+    """The names of the Orbax items in the step folder ``step`` (sorted)."""
+    return [n for n in step.names() if is_item(step.child(n))]
 
 
 _STEP_NAME = re.compile(r"(?:.+_)?([0-9]+)")  # [<step_prefix>_]<step, zero-padded to a fixed length or not>
 
 
-def step_directories(root: str) -> dict[int, list[str]]:
-    """step -> the names (sorted) of the directories under ``root`` that hold an Orbax step of it,
+def step_directories(root: Folder) -> dict[int, list[str]]:
+    """step -> the names (sorted) of the folders under ``root`` that hold an Orbax step of it,
     committed or not, under any of the namings of Orbax's CheckpointManager: ``100``,
-    ``00000100`` (``step_format_fixed_length``), ``ckpt_100`` (``step_prefix``). A directory counts
+    ``00000100`` (``step_format_fixed_length``), ``ckpt_100`` (``step_prefix``). A folder counts
     when it holds an Orbax item; an Orbax temporary directory never does."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return {}
     steps: dict[int, list[str]] = {}
-    for name in sorted(names):
+    for name in root.names():
         match = _STEP_NAME.fullmatch(name)
-        if match and TMP not in name and items(os.path.join(root, name)):
+        if match and TMP not in name and items(root.child(name)):
             steps.setdefault(int(match.group(1)), []).append(name)
     return steps
 
 
-def committed_steps(root: str) -> list[int]:
+def committed_steps(root: Folder) -> list[int]:
     """The steps under ``root`` (:func:`step_directories`) held by a committed Orbax checkpoint
     (one PyTree item, or several: a restore of the step then names its item)."""
     return sorted(step for step, names in step_directories(root).items()
-                  if any(_restorable(os.path.join(root, name)) for name in names))
+                  if any(_restorable(root.child(name)) for name in names))
 
 
-def _restorable(step: str) -> bool:
-    """Whether the step directory ``step`` holds Orbax items and Orbax committed it."""
+def _restorable(step: Folder) -> bool:
+    """Whether the step folder ``step`` holds Orbax items and Orbax committed it."""
     if not items(step):
         return False
     try:
-        check_committed(step, step)
+        check_committed(step, step.display)
     except IncompleteCheckpointError:
         return False
     return True
 
 
-def check_committed(directory: str, display: str):
-    """IncompleteCheckpointError unless Orbax finished the checkpoint at ``directory`` (an item
+def check_committed(checkpoint: Folder, display: str):
+    """IncompleteCheckpointError unless Orbax finished the checkpoint in ``checkpoint`` (an item
     or a step): a temporary name, or step metadata without a commit time and no
-    ``commit_success.txt``, mean it did not."""
-    for name in (os.path.basename(directory), os.path.basename(os.path.dirname(directory))):
-        if TMP in name:
+    ``commit_success.txt`` (in it or the folder holding it), mean it did not."""
+    folders = [f for f in (checkpoint, checkpoint.parent()) if f is not None]
+    for folder in folders:
+        if TMP in folder.name:
             raise IncompleteCheckpointError(f"{display} is an Orbax checkpoint that was never committed "
-                                            f"({name!r} is a temporary directory)")
-    for folder in (directory, os.path.dirname(directory)):
-        meta = os.path.join(folder, STEP_METADATA)
-        if os.path.isfile(meta) and not os.path.isfile(os.path.join(folder, COMMIT_SUCCESS)):
+                                            f"({folder.name!r} is a temporary directory)")
+    for folder in folders:
+        if folder.is_file(STEP_METADATA) and not folder.is_file(COMMIT_SUCCESS):
             try:
-                committed = read_json(meta).get("commit_timestamp_nsecs") is not None
-            except (OSError, ValueError, AttributeError, RecursionError):
+                committed = read_json(folder, STEP_METADATA).get("commit_timestamp_nsecs") is not None
+            except (OSError, ValueError, AttributeError, RecursionError, CheckpointError):
                 committed = False
             if not committed:
                 raise IncompleteCheckpointError(f"{display} is an Orbax checkpoint that was never committed "
-                                                f"({folder}/{STEP_METADATA} has no commit time)")
+                                                f"({folder.display}/{STEP_METADATA} has no commit time)")
 
 
 # ---- shardings --------------------------------------------------------------------------------
@@ -181,13 +176,12 @@ def _described(entry: dict | None) -> dict | None:
     return {"type": entry.get("sharding_type", "?")}
 
 
-def _shardings(directory: str) -> dict:
+def _shardings(item: Folder) -> dict:
     """param name -> saved sharding description (dict), from ``_sharding`` if present."""
-    path = os.path.join(directory, "_sharding")
-    if not os.path.isfile(path):
+    if not item.is_file("_sharding"):
         return {}
     out = {}
-    for encoded, text in read_json(path).items():
+    for encoded, text in read_json(item, "_sharding").items():
         out[base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()] = json.loads(text)
     return out
 
@@ -206,11 +200,12 @@ def _saved_sharding(entry: dict | None, ndim: int) -> dict:
     return {"sharding": _sharding(entry, ndim), "described_sharding": described}
 
 
-def _key_impls(directory: str) -> dict[str, str]:
+def _key_impls(item: Folder) -> dict[str, str]:
     """param name -> PRNG impl name, from every process's ``array_metadatas`` file."""
     impls = {}
-    for path in sorted(glob.glob(os.path.join(directory, "array_metadatas", "process_*"))):
-        for entry in read_json(path).get("array_metadatas", []):
+    folder = item.child("array_metadatas")
+    for name in (n for n in folder.names() if n.startswith("process_")):
+        for entry in read_json(folder, name).get("array_metadatas", []):
             meta = entry.get("array_metadata", {})
             impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
             if impl:
@@ -278,23 +273,23 @@ def _open_arrays(kvstore: dict, names: list[str], driver: str, context: ts.Conte
     return {n: f.result() for n, f in futures.items()}
 
 
-def read(directory: str, display: str) -> tuple[Manifest, dict]:
-    """The Orbax PyTree item at ``directory`` as (Manifest, kvstore its arrays are read from).
+def read(item: Folder, display: str) -> tuple[Manifest, dict]:
+    """The Orbax PyTree item in ``item`` (a local directory or an object-store prefix) as
+    (Manifest, kvstore its arrays are read from).
 
     Raises IncompleteCheckpointError for an Orbax checkpoint that was not committed and
     CheckpointError (naming the key path where there is one) for metadata this reader does not
     understand or arrays that cannot be opened."""
-    check_committed(directory, display)
+    check_committed(item, display)
     try:
-        meta = read_json(os.path.join(directory, METADATA))
+        meta = read_json(item, METADATA)
         entries = meta["tree_metadata"]
         ocdbt = bool(meta.get("use_ocdbt", True))
         driver = "zarr3" if meta.get("use_zarr3", False) else "zarr"
         missing_is_fill = not meta.get("store_array_data_equal_to_fill_value", False)
-        strings_path = os.path.join(directory, "_strings.json")
-        strings = read_json(strings_path) if os.path.isfile(strings_path) else {}
-        shardings = _shardings(directory)
-        impls = _key_impls(directory)
+        strings = read_json(item, "_strings.json") if item.is_file("_strings.json") else {}
+        shardings = _shardings(item)
+        impls = _key_impls(item)
         tree = _tree(entries, display)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise malformed(display, f"unreadable Orbax metadata ({type(exc).__name__}: {brief_error(exc)})") from exc
@@ -308,7 +303,7 @@ def read(directory: str, display: str) -> tuple[Manifest, dict]:
             raise CheckpointError(f"{display}: {other} and {keypath} are both stored as {leaf.name!r} in this Orbax "
                                   "checkpoint (their keys joined by '.'): which is which cannot be told")
     layout = "ocdbt" if ocdbt else "files"
-    arrays = layout_kvstore({"driver": "file", "path": os.path.abspath(directory) + "/"}, layout)
+    arrays = layout_kvstore(item.kvstore(), layout)
     stored = [leaf.name for _, leaf in flat if leaf.value.get("value_type") != "string"]
     context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}})
     try:

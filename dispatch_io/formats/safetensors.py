@@ -33,7 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.errors import CheckpointError
+from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
@@ -57,6 +57,7 @@ DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "
           "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
           "F8_E8M0": "float8_e8m0fnu"}
 _FILE_NAME = re.compile(r"[^/\\]+\.safetensors")
+_SHARD_NAME = re.compile(r"(.+)-([0-9]+)-of-([0-9]+)\.safetensors")   # Hugging Face's shard names
 
 
 # The default tensor name of a target leaf: its key names joined by ``.`` (the export's rule too).
@@ -103,7 +104,23 @@ def find(path) -> tuple[dict, list[str] | None, str | None] | None:
     if len(index) > 1:
         raise CheckpointError(f"{text} holds {len(index)} safetensors index files ({', '.join(index)}): which set "
                               f"is meant cannot be told; open one file, or a folder holding one set")
+    if not index:
+        _check_complete(files, text)
     return spec, None, index[0] if index else None
+
+
+def _check_complete(files: list[str], display: str):
+    """IncompleteCheckpointError if ``files`` (a folder without an index) hold shards of a set
+    named ``<name>-<i>-of-<N>`` but not all N: an export under way or interrupted (an export to
+    an object store writes its index last), or a copy that stopped."""
+    sets: dict[tuple[str, int], int] = {}
+    for match in filter(None, map(_SHARD_NAME.fullmatch, files)):
+        key = (match[1], int(match[3]))
+        sets[key] = sets.get(key, 0) + 1
+    for (name, count), present in sorted(sets.items()):
+        if present != count:
+            raise IncompleteCheckpointError(f"{display} holds {present} of the {count} shards of {name} and no index: "
+                                            "an export or copy under way, or one that was interrupted")
 
 
 def _fetch(kv: ts.KvStore, requests: list[tuple[str, int, int | None]], display: str) -> list:

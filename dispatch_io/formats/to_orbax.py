@@ -10,9 +10,11 @@ impls: keys are stored as their key_data and come back as key arrays), ``_string
 
 ``dst`` whose last name is a number (``<root>/100``) is written as a step of Orbax's
 ``CheckpointManager``: the item in ``<dst>/default/``, the step's metadata in ``<dst>``; any
-other ``dst`` is a standalone item, as ``StandardCheckpointer.save`` writes it. Local paths only.
-The directory is written under a name holding ``.orbax-checkpoint-tmp`` (which Orbax never
-lists) and renamed into place when complete.
+other ``dst`` is a standalone item, as ``StandardCheckpointer.save`` writes it. A local directory is
+written under a name holding ``.orbax-checkpoint-tmp`` (which Orbax never lists) and renamed into
+place when complete. An ``s3://`` / ``gs://`` prefix has no rename: the arrays and the other files
+are written where they belong, then ``_METADATA`` (what makes a folder an item, for Orbax and for
+dispatch_io) and ``commit_success.txt`` (Orbax's own commit marker on object stores) last.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ import numpy as np
 from dispatch_io.formats import exporting
 from dispatch_io.formats import orbax
 from dispatch_io import tree as tree_lib
-from dispatch_io.formats.exporting import ExportStats, LocalOutput
+from dispatch_io.formats.exporting import ExportStats, LocalOutput, ObjectOutput
 from dispatch_io.manifest import SavedLeaf
 from dispatch_io.plan import storage_chunk_shape
-from dispatch_io.storage import DirectoryLocation, Location
+from dispatch_io.storage import Location
+from dispatch_io.storage.folders import Folder
 from workers import ArraySpec, Region, Session, finish_arrays, numpy_dtype, storage_dtype_name, write_regions
 
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
@@ -118,33 +121,35 @@ def _array(name: str, saved: SavedLeaf, chunk_limit: int) -> ArraySpec:
     return ArraySpec(name, tuple(shape), dtype, tuple(max(1, c) for c in chunks))
 
 
-def _write_json(path: str, doc):
-    with open(path, "w") as f:
-        json.dump(doc, f)
+def _json(doc) -> bytes:
+    return json.dumps(doc).encode()
 
 
 def export(session, source, dst, *, overwrite: bool, chunk_limit: int, batch_limit: int, settings) -> ExportStats:
     """Write the tree of ``source`` (a ``formats.Opened``, its arrays read through ``session``) as
-    an Orbax checkpoint at ``dst``; see the module docstring. ``settings``: the IOSettings to
-    write with. Raises ValueError for a leaf Orbax cannot hold (naming its key path), for a
-    non-local ``dst``; FileExistsError if ``dst`` exists and not ``overwrite``; WorkerError
+    an Orbax checkpoint at ``dst`` (a local path, or an ``s3://`` / ``gs://`` prefix); see the
+    module docstring. ``settings``: the IOSettings to write with. Raises ValueError for a leaf
+    Orbax cannot hold (naming its key path), for a ``dst`` that holds something other than an
+    Orbax checkpoint; FileExistsError if ``dst`` exists and not ``overwrite``; WorkerError
     naming the key path for a source region that cannot be read. A failure leaves nothing at
     ``dst``. (``exporting.check_keywords`` refuses the safetensors-only keywords.)"""
     started = time.perf_counter()
     manifest = source.manifest
     location = Location.parse(dst)
-    if not isinstance(location, DirectoryLocation):
-        raise ValueError(f"export to Orbax writes a local directory: {dst} is not a local path")
     exported, _ = exporting.leaves(manifest, None, refusal, None)
-    step = os.path.basename(os.path.abspath(location.path)).isdigit()
-    output = LocalOutput(location.path, overwrite, lambda p: orbax.is_item(p) or bool(orbax.items(p)),
-                         orbax.TMP, is_dir=True)
+    step = location.display.rstrip("/").rsplit("/", 1)[-1].isdigit()
+    prefix = f"{ITEM}/" if step else ""
+    replaceable = lambda folder: orbax.is_item(folder) or bool(orbax.items(folder))  # noqa: E731
+    if exporting.is_local(dst):
+        output = LocalOutput(location.path, overwrite, lambda p: replaceable(Folder.open(p)), orbax.TMP, is_dir=True)
+        base = {"driver": "file", "path": os.path.join(output.tmp, prefix).rstrip("/") + "/"}
+    else:   # committed by the files its readers look for, written last: _METADATA, then commit_success.txt
+        output = ObjectOutput(dst, overwrite, replaceable, (orbax.COMMIT_SUCCESS, prefix + orbax.COMMIT_SUCCESS,
+                                                            prefix + orbax.METADATA))
+        base = output.kvstore(prefix)
     try:
-        item = os.path.join(output.tmp, ITEM) if step else output.tmp
-        os.makedirs(item, exist_ok=True)
         arrays = {leaf.name: _array(leaf.name, leaf.saved, chunk_limit) for leaf in exported
                   if not isinstance(leaf.saved.value, str)}
-        base = {"driver": "file", "path": item + "/"}
         writer = Session.writer(base, WRITER, dataclasses.replace(settings, layout="ocdbt", checksums=False))
         try:
             scalars = [(Region(arrays[leaf.name], (), leaf.saved.keypath),
@@ -159,17 +164,25 @@ def export(session, source, dst, *, overwrite: bool, chunk_limit: int, batch_lim
         finally:
             writer.close()
         finish_arrays(base, "ocdbt", list(arrays.values()), settings.compression)
-        _write_metadata(item, manifest, exported, arrays)
         source.check_unchanged()
+        files = _metadata_files(prefix, manifest, exported, arrays)
         now = time.time_ns()
-        handlers = {ITEM: HANDLER} if step else HANDLER
-        _write_json(os.path.join(output.tmp, orbax.STEP_METADATA), {
-            "item_handlers": handlers, "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
-            "commit_timestamp_nsecs": now, "custom_metadata": {}})
-        for folder in {output.tmp, item}:
-            with open(os.path.join(folder, orbax.COMMIT_SUCCESS), "w") as f:
-                f.write(f"Checkpoint commit was successful to {os.path.abspath(location.path)}")
-        output.commit()
+        files.insert(-1, (orbax.STEP_METADATA, _json({
+            "item_handlers": {ITEM: HANDLER} if step else HANDLER, "metrics": {}, "performance_metrics": {},
+            "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})))
+        done = f"Checkpoint commit was successful to {location.display}".encode()
+        files += [(name, done) for name in dict.fromkeys([prefix + orbax.COMMIT_SUCCESS, orbax.COMMIT_SUCCESS])]
+        if isinstance(output, LocalOutput):
+            for name, data in files:
+                os.makedirs(os.path.dirname(os.path.join(output.tmp, name)), exist_ok=True)
+                with open(os.path.join(output.tmp, name), "wb") as f:
+                    f.write(data)
+            output.commit()
+        else:
+            last = [name for name, _ in files].index(prefix + orbax.METADATA)
+            for name, data in files[:last]:
+                output.write(name, data)
+            output.commit(files[last:])
     except BaseException:
         output.abort()
         raise
@@ -177,11 +190,9 @@ def export(session, source, dst, *, overwrite: bool, chunk_limit: int, batch_lim
                        (ITEM,) if step else (), (), time.perf_counter() - started)
 
 
-def _write_metadata(item: str, manifest, exported, arrays: dict[str, ArraySpec]):
-    """_METADATA, _sharding, _strings.json and array_metadatas/process_0 of the item."""
-    _write_json(os.path.join(item, orbax.METADATA), {
-        "tree_metadata": _tree_entries(manifest, arrays), "use_ocdbt": True, "use_zarr3": True,
-        "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
+def _metadata_files(prefix: str, manifest, exported, arrays: dict[str, ArraySpec]) -> list[tuple[str, bytes]]:
+    """The item's _sharding, _strings.json, array_metadatas/process_0 and, last, _METADATA (the
+    file whose presence makes a folder an Orbax item): (name under the checkpoint, bytes) each."""
     shardings, strings, metadatas = {}, {}, []
     for leaf in exported:
         saved = leaf.saved
@@ -197,8 +208,11 @@ def _write_metadata(item: str, manifest, exported, arrays: dict[str, ArraySpec])
         metadatas.append({"array_metadata": {
             "param_name": leaf.name, "write_shape": list(spec.chunk_shape), "chunk_shape": list(spec.chunk_shape),
             "ext_metadata": {"random_key_impl": saved.key_impl} if saved.kind == tree_lib.KEY else None}})
-    _write_json(os.path.join(item, "_sharding"), shardings)
+    files = [(prefix + "_sharding", _json(shardings))]
     if strings:
-        _write_json(os.path.join(item, "_strings.json"), strings)
-    os.makedirs(os.path.join(item, "array_metadatas"))
-    _write_json(os.path.join(item, "array_metadatas", "process_0"), {"array_metadatas": metadatas})
+        files.append((prefix + "_strings.json", _json(strings)))
+    files.append((prefix + "array_metadatas/process_0", _json({"array_metadatas": metadatas})))
+    files.append((prefix + orbax.METADATA, _json({
+        "tree_metadata": _tree_entries(manifest, arrays), "use_ocdbt": True, "use_zarr3": True,
+        "store_array_data_equal_to_fill_value": True, "custom_metadata": None})))
+    return files

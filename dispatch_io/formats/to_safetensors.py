@@ -10,8 +10,16 @@ Hugging Face writes them. Tensor names are the leaves' key names joined by ``.``
 
 safetensors holds tensors of its own dtypes only: PRNG key arrays, Python scalars and dtypes it
 has no code for (int4, float4, float64 complex...) are refused with their key path, or left out
-with ``skip_unsupported``. Local destinations only (a file is written as a stream; object
-stores take whole objects).
+with ``skip_unsupported``.
+
+A local ``dst`` is written as a stream into a temporary sibling renamed into place. An
+object-store ``dst`` (an ``s3://`` / ``gs://`` folder prefix) takes whole objects: each shard is
+built in memory, so shards are at most a quarter of the budget (``max_shard_size`` or less; a
+larger tensor is refused naming it) and the source is read in quarter-budget batches, and the
+export is committed by the file its readers open first, written last: the index
+(``model.safetensors.index.json``) of several shards, or the one ``model.safetensors`` (one
+object, whole or absent). A folder holding shards named ``-of-N`` without their index is read
+as incomplete (``safetensors.find``).
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ import numpy as np
 from dispatch_io.formats import exporting
 from dispatch_io.formats import safetensors
 from dispatch_io import tree as tree_lib
-from dispatch_io.formats.exporting import ExportStats, Leaf, LocalOutput
+from dispatch_io.formats.exporting import ExportStats, Leaf, LocalOutput, ObjectOutput
 from dispatch_io.manifest import SavedLeaf
-from dispatch_io.storage import DirectoryLocation, Location
+from dispatch_io.storage import Location
+from dispatch_io.storage.folders import Folder
 
 CODES = {name: code for code, name in safetensors.DTYPES.items()}   # numpy dtype name -> safetensors code
 SINGLE = "model.safetensors"
@@ -80,12 +89,14 @@ def header(leaves: list[Leaf]) -> bytes:
 
 
 def _replaceable(path: str) -> bool:
-    """Whether an export may replace ``path``: a ``.safetensors`` file, or a directory holding
-    nothing but safetensors files and index files (what an export writes). A model folder with
-    ``config.json`` or a tokenizer beside its weights is not: replacing it would delete them."""
-    if not os.path.isdir(path):
+    """Whether an export may replace ``path``: a ``.safetensors`` file, or a directory (or
+    object-store prefix) holding nothing but safetensors files and index files (what an export
+    writes). A model folder with ``config.json`` or a tokenizer beside its weights is not:
+    replacing it would delete them."""
+    folder = Folder.open(path)
+    if not folder.exists():
         return path.endswith(safetensors.SUFFIX)
-    held = os.listdir(path)
+    held = folder.names()
     return bool(held) and all(safetensors.is_data_file(n) or n.endswith(safetensors.INDEX_SUFFIX) for n in held)
 
 
@@ -100,15 +111,15 @@ def export(session, source, dst, *, overwrite: bool, names, skip: bool, max_shar
     """Write the leaves of ``source`` (a ``formats.Opened``, its arrays read through ``session``)
     as safetensors at ``dst``; see the module docstring. Raises ValueError for a leaf
     safetensors cannot hold (``exporting.Unsupported``, naming its key path), for a leaf named
-    ``__metadata__`` (the header's own key) or two leaves given one name, for a non-local ``dst``
-    or a ``dst`` directory holding other files than safetensors (a model folder's config);
+    ``__metadata__`` (the header's own key) or two leaves given one name, for a ``dst`` directory
+    holding other files than safetensors (a model folder's config), an object-store ``dst``
+    naming a file (it takes a folder prefix) or a tensor larger than an object-store shard;
     FileExistsError if ``dst`` exists and not ``overwrite``; WorkerError naming the key path for
     a source region that cannot be read. A failure leaves nothing at ``dst``. The shards are
     written one after the other: one file is open at a time, however many there are."""
     started = time.perf_counter()
-    if not isinstance(Location.parse(dst), DirectoryLocation):
-        raise ValueError(f"export to safetensors writes local files: {dst} is not a local path")
-    path = Location.parse(dst).path
+    local = exporting.is_local(dst)
+    path = Location.parse(dst).path if local else Location.parse(dst).display
     exported, skipped = exporting.leaves(source.manifest, names, refusal, skip)
     for leaf in exported:
         if leaf.name == METADATA_KEY:
@@ -116,13 +127,26 @@ def export(session, source, dst, *, overwrite: bool, names, skip: bool, max_shar
                              "not a tensor name (pass names= to name the leaf otherwise)")
     one_file = path.endswith(safetensors.SUFFIX)
     limit = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+    if not local:
+        batch_limit = _held_in_memory(exported, one_file, dst, batch_limit)
+        limit = min(limit, batch_limit)
     files = [exported] if one_file else shards(exported, limit)
     names_of = [SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                                                  for i in range(len(files))]
-    output = LocalOutput(path, overwrite, _replaceable, _MARKER, is_dir=not one_file)
-    try:
+    index = None
+    if len(files) > 1:
+        weight_map = {leaf.name: name for name, leaves in zip(names_of, files) for leaf in leaves}
+        total = sum(exporting.nbytes(leaf.saved) for leaf in exported)
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
+    if local:
+        output = LocalOutput(path, overwrite, _replaceable, _MARKER, is_dir=not one_file)
         where = [output.tmp] if one_file else [os.path.join(output.tmp, name) for name in names_of]
-        shard = _Shards(where, files)
+        opener = lambda i: open(where[i], "wb")  # noqa: E731
+    else:
+        output = ObjectOutput(dst, overwrite, lambda folder: _replaceable(folder.display), (INDEX, SINGLE))
+        opener = lambda i: _Object(output, names_of[i])  # noqa: E731
+    try:
+        shard = _Shards(opener, files)
         try:
             work = [(i, region) for i, leaves in enumerate(files) for leaf in leaves
                     for region in exporting.pieces(leaf.saved, chunk_limit)]
@@ -130,13 +154,14 @@ def export(session, source, dst, *, overwrite: bool, names, skip: bool, max_shar
             shard.finish()
         finally:
             shard.close()
-        if len(files) > 1:
-            weight_map = {leaf.name: name for name, leaves in zip(names_of, files) for leaf in leaves}
-            total = sum(exporting.nbytes(leaf.saved) for leaf in exported)
-            with open(os.path.join(output.tmp, INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         source.check_unchanged()
-        output.commit()
+        if local:
+            if index is not None:
+                with open(os.path.join(output.tmp, INDEX), "wb") as f:
+                    f.write(index)
+            output.commit()
+        elif index is not None:
+            output.commit([(INDEX, index)])   # the shards are all written: the index makes them a set
     except BaseException:
         output.abort()
         raise
@@ -145,12 +170,43 @@ def export(session, source, dst, *, overwrite: bool, names, skip: bool, max_shar
                        tuple(skipped), time.perf_counter() - started)
 
 
-class _Shards:
-    """The shard files at ``paths`` (holding ``files[i]``'s leaves each), written in order, one
-    open at a time: :meth:`write` takes the stream's (shard index, region, array) triples."""
+def _held_in_memory(exported: list[Leaf], one_file: bool, dst: str, batch_limit: int) -> int:
+    """The shard limit of an export to an object store, which builds each shard in memory: half
+    the read batches' ``batch_limit`` (half the budget), read batches then of that size too (two
+    in flight), so shard, its upload and the reads stay within the budget. ValueError for a
+    ``dst`` naming a file, or a tensor larger than that limit (naming its key path)."""
+    if one_file:
+        raise ValueError(f"an export to an object store writes a folder prefix of safetensors files, not one file: "
+                         f"{dst} (name the folder)")
+    limit = max(1, batch_limit // 2)
+    for leaf in exported:
+        if exporting.nbytes(leaf.saved) > limit:
+            raise ValueError(f"{leaf.saved.keypath}: {exporting.nbytes(leaf.saved)} bytes, more than an object-store "
+                             f"export holds in memory for one shard ({limit} bytes, a quarter of the budget): raise "
+                             "the budget, or export to a local path")
+    return limit
 
-    def __init__(self, paths: list[str], files: list[list[Leaf]]):
-        self._paths, self._files = paths, files
+
+class _Object:
+    """A shard bound for an object store: gathered in memory, written as one object on close."""
+
+    def __init__(self, output: ObjectOutput, name: str):
+        self.output, self.name, self.data = output, name, bytearray()
+
+    def write(self, data):
+        self.data += memoryview(data).cast("B")
+
+    def close(self):
+        self.output.write(self.name, self.data)
+        self.data = bytearray()
+
+
+class _Shards:
+    """The shard files ``opener(i)`` opens (holding ``files[i]``'s leaves each), written in order,
+    one open at a time: :meth:`write` takes the stream's (shard index, region, array) triples."""
+
+    def __init__(self, opener, files: list[list[Leaf]]):
+        self._opener, self._files = opener, files
         self._current, self._handle = -1, None
 
     def _open_until(self, index: int):
@@ -158,7 +214,7 @@ class _Shards:
         while self._current < index:
             self.close()
             self._current += 1
-            self._handle = open(self._paths[self._current], "wb")
+            self._handle = self._opener(self._current)
             self._handle.write(header(self._files[self._current]))
 
     def write(self, batch: list[tuple]):
@@ -168,7 +224,7 @@ class _Shards:
 
     def finish(self):
         """Write the shards after the last one holding data."""
-        self._open_until(len(self._paths) - 1)
+        self._open_until(len(self._files) - 1)
 
     def close(self):
         if self._handle is not None:

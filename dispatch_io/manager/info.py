@@ -116,11 +116,11 @@ def _finite(value) -> bool:
         return False
 
 
-def parse(data: bytes | None, step: int, where: str) -> StepInfo:
-    """The :class:`StepInfo` in ``data`` (a step's ``info.json``; None: it has none).
-    CheckpointError naming ``where`` if it is not step info this version reads: every field
-    typed and in range (finite times and metrics, item names as :mod:`items` makes them,
-    ``"arrays"`` the checkpoint's own arrays folder)."""
+def parse(data: bytes | None, step: int | None, where: str) -> StepInfo:
+    """The :class:`StepInfo` in ``data`` (a step's ``info.json``; None: it has none) of ``step``
+    (None: the step it records). CheckpointError naming ``where`` if it is not step info this
+    version reads: every field typed and in range (finite times and metrics, item names as
+    :mod:`items` makes them, ``"arrays"`` the checkpoint's own arrays folder)."""
     if data is None:
         return StepInfo(step)
     try:
@@ -129,6 +129,7 @@ def parse(data: bytes | None, step: int, where: str) -> StepInfo:
               and isinstance(info.get("metrics"), dict) and isinstance(info.get("items"), dict)
               and all(isinstance(name, str) and NAME.fullmatch(name) and isinstance(e, dict)
                       and (e.get("kind") == "json" or (e.get("kind") == "per_process" and _count(e.get("processes"))))
+                      and isinstance(e.get("crc32c", False), bool)
                       for name, e in info["items"].items())
               and all(v is None or _finite(v) for v in info["metrics"].values())
               and all(info.get(k) is None or (_finite(info[k]) and 0 <= info[k] <= _LAST_SECOND)
@@ -142,8 +143,11 @@ def parse(data: bytes | None, step: int, where: str) -> StepInfo:
     if not ok:
         raise CheckpointError(f"{where}: its step info is not one this version of dispatch_io reads "
                               "(malformed checkpoint, or written by a newer version)")
+    recorded = info.get("step")
+    if step is None and not (isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 0):
+        raise CheckpointError(f"{where}: its step info records no step number (malformed checkpoint)")
     metrics = {k: None if v is None else float(v) for k, v in info["metrics"].items()}
-    return StepInfo(step, info["started"], info["committed"], metrics, info.get("metadata"),
+    return StepInfo(info["step"] if step is None else step, info["started"], info["committed"], metrics, info.get("metadata"),
                     {name: e["kind"] for name, e in info["items"].items()}, info["processes"],
                     info.get("dispatch_io"), info["arrays"], info["items"], info.get("durability"))
 

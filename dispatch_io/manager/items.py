@@ -10,8 +10,12 @@ arrays folder, so they commit with the state or not at all::
     arrays/items/<name>/value.json        a Json item (written by process 0)
     arrays/items/<name>/<process>.json    a PerProcess item, one file per process
 
-Each file is ``{"json": value}`` or ``{"bytes": "<base64>"}``. The step's info (``info.py``)
-lists the items with their kind and, for PerProcess items, the process count.
+Each file is ``{"json": value}`` or ``{"bytes": "<base64>"}``, with ``"crc32c"`` added when the
+save has checksums on (``Options(checksums=True)``): the CRC-32C of the value's bytes (a bytes
+value) or of its JSON text (``json.dumps(value)``). The step's info (``info.py``) lists the items
+with their kind, for PerProcess items the process count, and ``"crc32c": true`` for items that
+carry one: reading such an item checks it, and a file without one or that does not match is a
+``CorruptCheckpointError`` naming the step, the item and the process.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import json
 import re
 from typing import Any, Mapping
 
-from dispatch_io.errors import CheckpointError
+import numpy as np
+
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError
+from workers import crc32c
 
 ITEMS = "items/"
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")   # an item's name: never a path
@@ -44,33 +51,62 @@ class PerProcess:
     value: Any
 
 
-def _encode(name: str, value) -> bytes:
-    """``value`` as an item file; ValueError naming the item if it is neither bytes nor JSON."""
+def _crc(content: bytes) -> int:
+    return crc32c(np.frombuffer(content, np.uint8))
+
+
+def _encode(name: str, value, checksums: bool) -> bytes:
+    """``value`` as an item file (with its CRC-32C if ``checksums``); ValueError naming the item
+    if it is neither bytes nor JSON."""
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return json.dumps({"bytes": base64.b64encode(bytes(value)).decode()}).encode()
-    try:
-        return json.dumps({"json": value}, allow_nan=False).encode()
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"item {name!r}: {type(value).__name__} is neither bytes nor a JSON value "
-                         f"({exc})") from None
+        content = bytes(value)
+        stored = {"bytes": base64.b64encode(content).decode()}
+    else:
+        try:
+            content = json.dumps(value, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"item {name!r}: {type(value).__name__} is neither bytes nor a JSON value "
+                             f"({exc})") from None
+        stored = {"json": value}
+    if checksums:
+        stored["crc32c"] = _crc(content)
+    return json.dumps(stored).encode()
 
 
-def _decode(data: bytes, where: str):
+def _decode(data: bytes, where: str, checked: bool):
+    """The value in an item file; with ``checked``, its CRC-32C must be there and match.
+    CorruptCheckpointError naming ``where`` otherwise, or if it is not an item file we wrote."""
     try:
         stored = json.loads(data)
-        if isinstance(stored, dict) and set(stored) == {"bytes"}:
-            return base64.b64decode(stored["bytes"], validate=True)
-        if isinstance(stored, dict) and set(stored) == {"json"}:
-            return stored["json"]
+        kinds = set(stored) - {"crc32c"} if isinstance(stored, dict) else set()
+        if kinds == {"bytes"}:
+            value = base64.b64decode(stored["bytes"], validate=True)
+            content = value
+        elif kinds == {"json"}:
+            value = stored["json"]
+            content = json.dumps(value, allow_nan=False).encode()
+        else:
+            value = content = None
     except (ValueError, TypeError, RecursionError):
-        pass
-    raise CheckpointError(f"{where} is not an item file dispatch_io wrote (malformed checkpoint)")
+        value = content = None
+    if content is None:
+        raise CorruptCheckpointError(f"{where} is not an item file dispatch_io wrote (malformed checkpoint)",
+                                     path=where)
+    saved = stored.get("crc32c")
+    if checked and saved is None:
+        raise CorruptCheckpointError(f"{where}: its file has lost the CRC-32C the step info says it carries "
+                                     "(malformed checkpoint)", path=where)
+    if saved is not None and saved != _crc(content):
+        raise CorruptCheckpointError(f"{where} does not match its CRC-32C (saved {saved}, read "
+                                     f"{_crc(content)}): the stored item is corrupt", path=where)
+    return value
 
 
-def files(items: Mapping[str, Json | PerProcess] | None, process: int, own_step: bool = False
-          ) -> tuple[dict[str, bytes], dict]:
+def files(items: Mapping[str, Json | PerProcess] | None, process: int, own_step: bool = False,
+          checksums: bool = False) -> tuple[dict[str, bytes], dict]:
     """This process's item files (key under the arrays folder -> bytes) and the items' entry of
-    the step info (name -> ``{"kind": ...}``). ``own_step``: the files of a step this process
+    the step info (name -> ``{"kind": ...}``, with ``"crc32c": true`` if ``checksums``: each file
+    then carries its value's CRC-32C). ``own_step``: the files of a step this process
     saves alone (a local-tier step), which holds the Json items too (else process 0 writes them).
     ``TypeError`` / ``ValueError`` naming the item for a bad name or value, before anything is written."""
     if items is None:
@@ -83,16 +119,18 @@ def files(items: Mapping[str, Json | PerProcess] | None, process: int, own_step:
             raise ValueError(f"item name {name!r}: use letters, digits, '_', '.' and '-' (at most 100, "
                              "not starting with '.' or '-')")
         if isinstance(item, Json):
-            encoded = _encode(name, item.value)
+            encoded = _encode(name, item.value, checksums)
             if process == 0 or own_step:
                 out[f"{ITEMS}{name}/value.json"] = encoded
             index[name] = {"kind": "json"}
         elif isinstance(item, PerProcess):
-            out[f"{ITEMS}{name}/{process}.json"] = _encode(name, item.value)
+            out[f"{ITEMS}{name}/{process}.json"] = _encode(name, item.value, checksums)
             index[name] = {"kind": "per_process"}
         else:
             raise TypeError(f"item {name!r} must be dio.Json(value) or dio.PerProcess(value), "
                             f"got {type(item).__name__}")
+        if checksums:
+            index[name]["crc32c"] = True
     return out, index
 
 
@@ -110,8 +148,26 @@ def key(name: str, entry: Mapping, process: int, processes: int, where: str) -> 
     return f"{ITEMS}{name}/{process}.json"
 
 
-def decode(data: bytes | None, name: str, where: str):
-    """The value of item ``name`` from its file's bytes (None: the file is missing)."""
+def label(name: str, entry: Mapping, step: int, process: int, where: str) -> str:
+    """How messages name item ``name`` of ``step`` at ``where`` as ``process`` reads it."""
+    whose = "" if entry.get("kind") == "json" else f" (process {process}'s value)"
+    return f"item {name!r}{whose} of step {step} at {where}"
+
+
+def decode(data: bytes | None, entry: Mapping, label: str):
+    """The value of the item whose step-info entry is ``entry`` from its file's bytes (None: the
+    file is missing), checked against its CRC-32C where the entry says it has one. ``label``
+    (:func:`label`) names it in errors: CheckpointError for a missing file,
+    CorruptCheckpointError for a malformed or corrupt one."""
     if data is None:
-        raise CheckpointError(f"item {name!r} of {where} is listed but its file is missing (malformed checkpoint)")
-    return _decode(data, f"item {name!r} of {where}")
+        raise CheckpointError(f"{label} is listed but its file is missing (malformed checkpoint)")
+    return _decode(data, label, entry.get("crc32c") is True)
+
+
+def read(read_file, name: str, entry: Mapping, step: int, process: int, processes: int, where: str):
+    """Item ``name`` (step-info ``entry``) of ``step`` at ``where`` for ``process`` of a job of
+    ``processes``: its file read with ``read_file(key under the arrays folder)``, decoded and
+    checked (:func:`key`, :func:`decode`). Returns (its key, its file's bytes, its value)."""
+    key_ = key(name, entry, process, processes, where)
+    data = read_file(key_)
+    return key_, data, decode(data, entry, label(name, entry, step, process, where))

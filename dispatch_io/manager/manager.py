@@ -39,14 +39,9 @@ from absl import logging
 from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.formats.detect import check_reachable, committed_steps, metadata, step_path
-from dispatch_io.manager import info as info_lib
-from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import orbax_items, policies, retention, steps
-from dispatch_io.manager.tiers import local_steps
-from dispatch_io.manager.tiers import promotion
-from dispatch_io.manager.tiers import restore as tier_restore
-from dispatch_io.manager.tiers import tier as tiers
+from dispatch_io.formats.detect import committed_steps, metadata, step_path
+from dispatch_io.manager import info as info_lib, items as items_lib, orbax_items, policies, retention, steps
+from dispatch_io.manager.tiers import local_steps, promotion, restore as tier_restore, tier as tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
@@ -82,7 +77,6 @@ class CheckpointManager:
             raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
         self._root = StepRoot.open(root)
         self.root = self._root.display
-        check_reachable(self._root)
         self._owns_dispatcher = dispatcher is None
         if dispatcher is None:
             extra = {} if barrier_timeout is None else {"barrier_timeout": barrier_timeout}
@@ -206,7 +200,7 @@ class CheckpointManager:
         self._check_usable("save")
         self._check_not_inside_save("save")
         local_steps.check_save_keywords(self.dispatcher, save_kwargs)
-        files, index = items_lib.files(items, self._process)
+        files, index = items_lib.files(items, self._process, checksums=self.dispatcher.options.checksums)
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes, _version())
         persist = force or self.save_policy is None or self._should_persist(step)
         if persist and self.local is not None:  # the root's refusal first: the local save would write before it
@@ -289,11 +283,11 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target=None, *, item: str | None = None, durability: str = "local",
                 **restore_kwargs):
-        """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore``.
-        ``item``: which pytree item of an Orbax step with several (``"items"`` for MaxText's);
-        None: the only one. Our steps hold one pytree (``item`` must be None). With a local tier and
-        ``step=None``: through the tiers (then see ``last_tier_restore``), the newest step of at least
-        ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``: :meth:`durability`)."""
+        """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore`` (``verify=True``
+        of a step read from the root checks its items too: ``steps.verify_items``). ``item``: which pytree item of
+        an Orbax step with several (``"items"`` for MaxText's); None: the only one. Our steps hold one pytree. With
+        a local tier and ``step=None``: through the tiers (then see ``last_tier_restore``), the newest step of at
+        least ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``: :meth:`durability`)."""
         self._check_usable("restore")
         tiers_plan.check_durability(durability)
         if self.local is not None and step is None and item is None:
@@ -303,6 +297,8 @@ class CheckpointManager:
             return tree
         step = self._resolve(step)
         tree = self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
+        if restore_kwargs.get("verify"):  # its items too, each against its CRC-32C
+            steps.verify_items(self.step_path(step), step)
         if self.local is not None:  # resuming an older step: the newer local steps are an abandoned history
             self.local.resume(step)
         return tree

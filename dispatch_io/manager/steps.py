@@ -58,15 +58,40 @@ def read_info(path: str, step: int) -> info_lib.StepInfo:
 def read_item(path: str, info: info_lib.StepInfo | None, name: str, process: int, processes: int):
     """Item ``name`` of the step at ``path`` for ``process`` of a job of ``processes``:
     ``info`` is the step's (None: an Orbax step). KeyError listing the step's items if it has
-    none of that name; CheckpointError for another process count or a malformed item."""
+    none of that name; CheckpointError for another process count or a missing item file,
+    CorruptCheckpointError for a malformed one or one that does not match its CRC-32C."""
     if info is None:
         return orbax_items.item(path, name, process, processes)
     entry = info.item_entries.get(name)
     if entry is None:
         raise KeyError(f"step {info.step} at {path} has no item {name!r} "
                        f"(it has: {', '.join(sorted(info.items)) or 'none'})")
-    key = items_lib.key(name, entry, process, processes, path)
-    return items_lib.decode(Location.parse(path).read_file(info.arrays + key), name, path)
+    location = Location.parse(path)
+    return items_lib.read(lambda key: location.read_file(info.arrays + key), name, entry, info.step, process,
+                          processes, path)[2]
+
+
+def verify_items(path: str, step: int | None = None) -> int:
+    """Read every item file of the step at ``path`` (every process's value of a PerProcess item)
+    and check each against its CRC-32C where the step info says it carries one; the number of
+    files checked (0: a step without items, an Orbax step, or a checkpoint that is no manager's
+    step). ``step``: its number (None: as its info says). Raises as :func:`read_item`: a flipped
+    byte is a CorruptCheckpointError naming the step, the item and the process."""
+    if orbax_items.is_orbax_step(path):
+        return 0
+    location = Location.parse(path)
+    data = location.read_file(INFO)
+    if data is None:
+        return 0
+    info = info_lib.parse(data, step, path)
+    checked = 0
+    for name, entry in info.item_entries.items():
+        processes = entry.get("processes", 1)
+        for process in range(processes):
+            items_lib.read(lambda key: location.read_file(info.arrays + key), name, entry, info.step, process,
+                           processes, path)
+            checked += 1
+    return checked
 
 
 def pytree_path(path: str, item: str | None) -> str:

@@ -69,6 +69,15 @@ def child_spec(spec: dict, key: str) -> dict:
     return {**spec, "path": spec.get("path", "") + key}
 
 
+def larger_than(kv: ts.KvStore, key: str, limit: int) -> bool:
+    """Whether the value at ``key`` holds more than ``limit`` bytes, told by reading one byte past
+    the bound (never the whole of it). False also where it cannot be read: the read that follows says."""
+    try:
+        return kv.read(key, byte_range=slice(limit, limit + 1)).result().state == "value"
+    except ValueError:  # OUT_OF_RANGE: no larger than that
+        return False
+
+
 def is_own_key(key: str) -> bool:
     """A key (relative to a checkpoint prefix) that a dispatch_io save or delete writes."""
     return key in (MANIFEST, COMMITTED, WRITING, DELETING, INFO) or key.startswith(ARRAYS)
@@ -159,12 +168,7 @@ class KvLocation(Location):
             raise IncompleteCheckpointError(f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
                                             "the save failed, was interrupted, is still running, or this is not a "
                                             "dispatch_io checkpoint")
-        try:  # a byte past the bound: refused before the whole of it is read
-            too_large = self.open_kv().read(MANIFEST, byte_range=slice(MAX_MANIFEST_BYTES, MAX_MANIFEST_BYTES + 1)
-                                            ).result().state == "value"
-        except ValueError:  # OUT_OF_RANGE: smaller than that (or unreadable: the read below says)
-            too_large = False
-        if too_large:
+        if larger_than(self.open_kv(), MANIFEST, MAX_MANIFEST_BYTES):  # refused before it is read whole
             raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} is larger than "
                                          f"{MAX_MANIFEST_BYTES} bytes", path=self.display)
         manifest = self._get(MANIFEST)

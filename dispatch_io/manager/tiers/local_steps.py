@@ -174,7 +174,8 @@ def save(local: "LocalTiers | None", step: int, tree, forced: bool | None, persi
     items, metrics and metadata (``info``, as ``info.make`` gives it)."""
     if not prepare_save(local, step, forced, persist, root_latest):
         return None
-    return local.save(step, tree, items_lib.files(items, local.process, own_step=True)[0],
+    checksums = any(entry.get("crc32c") for entry in info["items"].values())  # as the root's step says
+    return local.save(step, tree, items_lib.files(items, local.process, own_step=True, checksums=checksums)[0],
                       {k: info[k] for k in ("items", "metrics", "metadata")}, **save_kwargs)
 
 
@@ -211,5 +212,6 @@ def read_item(local: "LocalTiers", step: int, name: str, persistent: str):
     if entry is None:
         raise KeyError(f"local step {step} at {path} has no item {name!r} "
                        f"(it has: {', '.join(sorted(info.get('items', {}))) or 'none'})")
-    key = items_lib.key(name, entry, local.process, local.count, path)
-    return items_lib.decode(Location.parse(path).read_file(ARRAYS + key), name, path)
+    location = Location.parse(path)
+    return items_lib.read(lambda key: location.read_file(ARRAYS + key), name, entry, step, local.process,
+                          local.count, path)[2]

@@ -208,9 +208,8 @@ def _item_files(local, step: int, items: dict, json_writer: bool) -> dict[str, b
     for name, entry in items.items():
         if entry["kind"] == "json" and not json_writer:
             continue
-        key = items_lib.key(name, entry, local.process, local.count, location.display)
-        data = location.read_file(manifest_lib.ARRAYS + key)
-        items_lib.decode(data, name, location.display)  # a missing or damaged file fails here, named
+        key, data, _ = items_lib.read(lambda k: location.read_file(manifest_lib.ARRAYS + k), name, entry, step,
+                                      local.process, local.count, location.display)  # a damaged file fails, named
         files[key] = data
     return files
 
