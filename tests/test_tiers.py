@@ -206,7 +206,8 @@ def test_one_process_saves_locally_between_persistent_steps_and_restores_from_ei
             assert mgr.should_save(step) == (step % 2 == 0 or step % 3 == 0)
             mgr.save(step, state(step))
         mgr.wait()
-        assert mgr.local.steps() == [0, 2, 4] and mgr.all_steps() == [0, 3]
+        assert mgr.local.steps() == [0, 2, 4] and mgr.persistent_steps() == [0, 3]
+        assert mgr.all_steps() == [0, 2, 3, 4] and mgr.latest_step() == 4   # restorable whole, from either tier
         # r is on all 8 devices: its one region is stored once (w: one chunk per device's region)
         assert len(sh.chunks(tmp_path / "local" / "0" / "4", "['r']")) == 1
         assert len(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")) == 8
@@ -298,7 +299,7 @@ def test_a_local_save_of_a_rolled_back_history_replaces_the_abandoned_local_step
         for step in (0, 2, 4, 6):
             mgr.save(step, state(step), local=True)                                # 0 persisted too
         mgr.wait()
-        assert mgr.all_steps() == [0]
+        assert mgr.persistent_steps() == [0]
         mgr.restore(None, other)
         assert mgr.local.steps() == [0, 2, 4, 6] and not mgr.should_save(4)     # an eval copy: nothing changes
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:

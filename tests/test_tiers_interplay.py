@@ -107,7 +107,7 @@ def test_a_fresh_start_after_no_step_is_whole_takes_its_local_saves(tmp_path, me
             if mgr.should_save(step):
                 mgr.save(step, state(step))
         mgr.wait()
-        assert mgr.all_steps() == [] and mgr.local.steps() == [8]
+        assert mgr.persistent_steps() == [] and mgr.local.steps() == [8]
     sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "8", "['w']")[(0, 0)], 0)
     with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
                                local=tier) as mgr:

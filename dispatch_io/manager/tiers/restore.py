@@ -117,9 +117,9 @@ class TierRestore:
         return intact
 
     def restore(self, target, persistent_steps, persistent_path, persistent_display: str, *, partial: bool = False,
-                cast: bool = False, verify: bool = False, names=None, durability: str = "local"):
+                cast: bool = False, verify: bool = False, names=None, durability: str = "local", step=None):
         """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
-        from the newest step the tiers hold whole; every process calls it together. Returns
+        from ``step`` (None: the newest step the tiers hold whole); every process calls it together. Returns
         (tree, :class:`TierRestoreStats`). ``persistent_path(step)``: where the root holds a step.
         ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
         are always checked (a bad one is replaced by the next source), persistent ones with ``verify``.
@@ -162,6 +162,8 @@ class TierRestore:
                     for s, n in r["copies"].items():
                         recorded[int(s)] = min(n, recorded.get(int(s), n))
                 candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
+                if step is not None:
+                    candidates &= {step}
                 wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
             plan = tiers_plan.plan_restore(wanted, reports, persistent_steps, candidates)
             # with every region read by its own holders, the newest step's own regions were checked
@@ -181,11 +183,13 @@ class TierRestore:
             lambda: Location.parse(self._root.step_path(plan.step)).read_manifest()) if local_pass and room else None
         if room is not None:
             room.close()
-        if plan is None:  # the job starts afresh: local saves from step 0 on, on every process alike
-            self.local.resume(None)
+        if plan is None:
+            if step is None:  # the job starts afresh: local saves from step 0 on, on every process alike
+                self.local.resume(None)
             lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
-            raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_display} holds "
-                                    f"every region of the target{lost}" + (
+            which = (f"no step of {self.path} (or its peers') and {persistent_display} holds" if step is None else
+                     f"at step {step}, neither {self.path} (nor its peers') nor {persistent_display} holds")
+            raise FileNotFoundError(f"{which} every region of the target{lost}" + (
                                         f" with durability {durability!r} or better" if durability != "local" else ""))
         local_verify = verify  # every local copy of the step was checked against its CRC-32Cs above
         own_copy = plan.step in reports[self.process]  # as reported: a copy it could not read is not its own
