@@ -16,7 +16,8 @@ The root is a directory or an object-store prefix (``s3://bucket/run1``, ``gs://
 
 What the manager guarantees, built only on the dispatcher's atomic commit:
 
-* A step is listed (``all_steps``, ``latest_step``, ``restore``) only once committed, with all its items; a save
+* A step is listed (``persistent_steps``, ``all_steps``, ``latest_step``) only once committed, with all its items (the
+  listing and restore side: ``reads.py``, which also lists the local tier's whole steps); a save
   that failed or was killed never is, and its leftovers are removed when a manager opens the root, where markers
   prove them ours and dead.
 * Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises from its own handle
