@@ -102,14 +102,14 @@ def share_manifest(room, step: int, having: list[int], process: int, read) -> di
     BarrierTimeoutError naming the sharer if it does not share it within the room's timeout."""
     if process in having:
         if process == having[0]:
-            room.set("manifest", read())
+            room.set(f"manifest/{step}", read())
         return None
     if not having:
         return None
-    doc = room.wait_for("manifest", room.timeout)
+    doc = room.wait_for(f"manifest/{step}", room.timeout)
     if doc is None:
         raise BarrierTimeoutError(f"process {having[0]} did not share the manifest of local step {step} within "
-                                  f"{room.timeout:g} s", processes=[having[0]], barrier=f"{room.prefix}/manifest")
+                                  f"{room.timeout:g} s", processes=[having[0]], barrier=f"{room.prefix}/manifest/{step}")
     return doc
 
 
