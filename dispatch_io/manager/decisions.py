@@ -57,3 +57,41 @@ class SharedDecisions:
             raise CheckpointError(f"process 0 asked whether to save step {decided_step} where this process asked "
                                   f"about step {step}: every process must call should_save at the same steps")
         return answer
+
+
+class SharedClock:
+    """Process 0's clock at each of a sequence of saves, the same on every process: the one time a
+    multi-process job records for a step whose processes commit on their own (a local step), so a
+    clock-reading keep policy keeps the same steps everywhere. ``room`` None: this process's ``clock``.
+
+    Every process asks in the same order (one question per save, the saves alike everywhere), so the
+    k-th answer is published as ``time/<k>`` with its step (as :class:`SharedDecisions` does)."""
+
+    def __init__(self, room: Room | None, clock: Callable[[], float]):
+        self.room, self.clock = room, clock
+        self._asked = 0
+
+    def time_of(self, step: int) -> float:
+        """Process 0's ``clock()`` as it saves ``step``; BarrierTimeoutError if it does not publish it within
+        the room's timeout, CheckpointError if it saved another step there (naming both)."""
+        room = self.room
+        if room is None:
+            return self.clock()
+        k, self._asked = self._asked, self._asked + 1
+        key = f"{room.prefix}/time/{k}"
+        if room.leader:
+            now = self.clock()
+            room.client.key_value_set(key, json.dumps([step, now]), allow_overwrite=True)
+            if k >= WINDOW:
+                room.client.key_value_delete(f"{room.prefix}/time/{k - WINDOW}")
+            return now
+        try:
+            saved, now = json.loads(room.client.blocking_key_value_get(key, int(room.timeout * 1000)))
+        except Exception as exc:  # noqa: BLE001 - the service's errors have no type of their own
+            raise BarrierTimeoutError(f"process 0 did not share the time of its local save of step {step} within "
+                                      f"{room.timeout:g} s (does every process take the same local saves?)",
+                                      processes=[0], barrier=key) from exc
+        if saved != step:
+            raise CheckpointError(f"process 0 saved step {saved} locally where this process saved step {step}: every "
+                                  "process must take the same local saves")
+        return now

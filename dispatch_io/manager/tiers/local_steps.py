@@ -85,11 +85,13 @@ def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dic
 
 def record(step: int, info: dict | None) -> policies.StepRecord:
     """``step``'s :class:`~dispatch_io.manager.policies.StepRecord` from its local info (None: no
-    readable info): its commit time and the metrics the local save recorded (numbers only)."""
+    readable info): its time -- the job-wide ``"time"`` where the job agreed one (a clock-reading keep
+    policy in a multi-process job), else its commit time -- and the metrics the local save recorded
+    (numbers only)."""
     if info is None:
         return policies.StepRecord(step)
     metrics = info.get("metrics") if isinstance(info.get("metrics"), dict) else {}
-    committed = info.get("committed")
+    committed = info.get("time", info.get("committed"))
     return policies.StepRecord(step, committed if type(committed) in (int, float) else None, {
         k: float(v) for k, v in metrics.items() if isinstance(k, str) and type(v) in (int, float)})
 
