@@ -104,11 +104,9 @@ class TierRestore:
             candidates &= {step}
         wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
         fill = _Fill(self, target, saved_as, persistent_path, outputs_of, verify, room)
-        try:
-            plan = self._plan_and_fill(fill, wanted, reports, persistent_steps, candidates)
-        finally:
-            if room is not None:
-                room.close()
+        plan = self._plan_and_fill(fill, wanted, reports, persistent_steps, candidates)
+        if room is not None:  # not after a failure: the others may never come (the failure is what they raise)
+            room.close()
         if plan is None:
             if step is None:  # the job starts afresh: local saves from step 0 on, on every process alike
                 self.local.resume(None)
@@ -238,7 +236,6 @@ class _Fill:
         self.outputs_of, self.verify, self.room = outputs_of, verify, room
         self.leaves = [k for k, _ in tree_lib.flatten(target)[0]]
         self.read_local = self.read_persistent = self.received = self.peer_regions = self.persistent_regions = 0
-        self.reports = None
         self.restart()
 
     def restart(self):
