@@ -31,6 +31,8 @@ def test_the_readme_loop_resumes_a_killed_job_from_local_steps_with_the_root_emp
         shutil.rmtree(root / name)
     outs = _finish(_start(root, local, "loop", shared=True))
     for out in outs:
+        # the same listing on every process: each region on the 2 processes of its data-parallel group
+        assert "steps {4: 'replicated 2', 6: 'replicated 2', 8: 'replicated 2'}\n" in out, out
         assert "resumed 8 from root 0\n" in out, out                # the newest local step, nothing from the root
         assert re.findall(r"^step (\d+)$", out, re.M) == ["9", "10", "11", "12"], out
         assert "final 12 exact True\n" in out, out                  # the uninterrupted run's bytes
@@ -46,7 +48,8 @@ def test_one_process_lists_and_restores_steps_of_either_tier(tmp_path, mesh):
                 mgr.save(step, state(step))
         mgr.wait()
         assert mgr.persistent_steps() == [0, 3] and mgr.all_steps() == [0, 2, 3, 4] and mgr.latest_step() == 4
-        assert [mgr.durability(s) for s in mgr.all_steps()] == ["persisted", "local", "persisted", "local"]
+        assert mgr.steps() == {0: "persisted", 2: "local", 3: "persisted", 4: "local"}   # one process: one copy
+        assert [mgr.durability(s) for s in mgr.all_steps()] == list(mgr.steps().values())
         for step in (2, 3, 4):     # a local-only step, a persistent one (read from the local copy), the newest
             assert _exact(mgr.restore(step, target), state(step)), step
             stats = mgr.last_tier_restore
@@ -64,10 +67,11 @@ def test_whole_steps_are_those_every_region_of_which_some_process_holds():
     half = lambda lo, hi: {"held": {"w": [[[lo, hi], [0, 4]]]}, "shapes": {"w": [8, 4]}}  # noqa: E731
     reports = {0: {5: half(0, 4), 7: half(0, 4), 9: half(0, 4)}, 1: {5: half(4, 8), 9: {"held": {}}},
                2: {7: {"held": {"w": [[[4, 6], [0, 4]], [[6, 8], [0, 4]]]}}}}   # 7: regions of two meshes
-    assert tiers_plan.whole_steps(reports, [3]) == [3, 5, 7]
-    assert tiers_plan.whole_steps({0: {4: {"held": {"w": [[[0, 8], [0, 4]]]}}}}, []) == []   # no shapes recorded
-    assert tiers_plan.whole_steps({0: {4: {**half(0, 8), "shapes": {"w": ["8", 4]}}}}, [1]) == [1]  # malformed
-    assert tiers_plan.whole_steps({0: {4: half(0, 8)}}, []) == [4]
+    assert tiers_plan.whole_steps(reports, [3]) == {3: "persisted", 5: "local", 7: "local"}
+    assert tiers_plan.whole_steps({0: {4: {"held": {"w": [[[0, 8], [0, 4]]]}}}}, []) == {}   # no shapes recorded
+    assert tiers_plan.whole_steps({0: {4: {**half(0, 8), "shapes": {"w": ["8", 4]}}}}, [1]) == {1: "persisted"}
+    copied = {p: {4: {**half(0, 8), "copies": n}} for p, n in ((0, 2), (1, 3))}   # the fewest copies recorded
+    assert tiers_plan.whole_steps(copied, []) == {4: "replicated 2"}
 
 
 def test_a_local_step_records_its_leaves_shapes(mesh):

@@ -45,13 +45,20 @@ class StepReads:
         coordination: any process, any time)."""
         return committed_steps(self._root)
 
-    def all_steps(self) -> list[int]:
-        """Steps the job can restore whole, ascending: the persistent steps and, with a local tier, the local
-        steps every region of which some process's local copy holds -- the same list on every process (with
-        a local tier in a multi-process job every process calls it together: one gather of what each holds,
-        ``local_steps.whole_steps``). :meth:`durability` says how safe each one is."""
+    def steps(self) -> dict[int, str]:
+        """{step: durability} of the steps the job can restore whole, ascending: the persistent steps
+        (``"persisted"``) and, with a local tier, the local steps every region of which some process's local
+        copy holds (``"replicated k"``: every region saved by k processes; ``"local"``) -- the same answer on
+        every process: with a local tier in a multi-process job every process calls it together (one
+        gather of what each holds, ``local_steps.whole_steps``)."""
         persistent = self.persistent_steps()
-        return persistent if self.local is None else self.local.whole_steps(persistent)
+        if self.local is None:
+            return {step: "persisted" for step in persistent}
+        return self.local.whole_steps(persistent)
+
+    def all_steps(self) -> list[int]:
+        """The steps of :meth:`steps`, ascending (every process together, with a local tier)."""
+        return list(self.steps())
 
     def latest_step(self) -> int | None:
         """The newest of :meth:`all_steps` (None: none), the step a resumed job restores."""
@@ -102,7 +109,8 @@ class StepReads:
 
     def durability(self, step: int) -> str | None:
         """``"persisted"`` (committed in the root), else, if this process has ``step`` locally, ``"replicated k"``
-        (any ``k - 1`` lost processes lose nothing) or ``"local"``; None if neither holds it."""
+        (any ``k - 1`` lost processes lose nothing) or ``"local"``; None if neither holds it (this process's
+        view, no coordination; :meth:`steps` answers job-wide)."""
         return local_steps.durability(self.local, step_number(step), self.persistent_steps())
 
     def metadata(self, step: int | None = None, *, item: str | None = None):

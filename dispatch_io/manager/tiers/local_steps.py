@@ -115,14 +115,15 @@ def share_manifest(room, step: int, having: list[int], process: int, read) -> di
     return doc
 
 
-def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> list[int]:
-    """The steps the job can restore whole (``tiers_plan.whole_steps``): ``persistent_steps`` and the
-    local steps whose every region some process's local copy holds. In a multi-process job every
+def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, str]:
+    """{step: durability} of the steps the job can restore whole (``tiers_plan.whole_steps``): ``persistent_steps``
+    and the local steps whose every region some process's local copy holds. In a multi-process job every
     process calls it together: one gather, in a named room, of what each process's local steps
     hold, with process 0's listing of the root, so every process gets the same list (as
     ``should_save`` answers alike). BarrierTimeoutError naming a process that does not come."""
     infos = local.infos()[0]
-    mine = {str(step): {"held": info["held"], "shapes": info.get("shapes")} for step, info in infos.items()}
+    mine = {str(step): {"held": info["held"], "shapes": info.get("shapes"), "copies": info.get("copies")}
+            for step, info in infos.items()}
     if local.count == 1:
         return tiers_plan.whole_steps({local.process: infos}, persistent_steps)
     template = local.tier.process_path("{process}")

@@ -222,16 +222,17 @@ def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[i
     return None
 
 
-def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) -> list[int]:
-    """The steps a job can restore whole, ascending: every persistent step, and each local step
-    every region of which some process reports holding.
+def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) -> dict[int, str]:
+    """{step: its durability} of the steps a job can restore whole, ascending: every persistent step
+    (``"persisted"``), and each local step every region of which some process reports holding
+    (:func:`durability` of the fewest copies any process recorded for it).
 
     ``reports``: process -> {step: {"held": {key path: [region, ...]} (:func:`local_record`'s JSON),
-    "shapes": {key path: shape}}}. A local step is whole if, for every leaf of the shapes any
-    process recorded, the regions all processes hold make up the whole leaf (:func:`_cover`: on
-    any mesh); a step no process recorded shapes for is not listed (a restore with a target
-    still finds it)."""
-    steps = set(persistent_steps)
+    "shapes": {key path: shape}, "copies": int}}. A local step is whole if, for every leaf of the
+    shapes any process recorded, the regions all processes hold make up the whole leaf (:func:`_cover`:
+    on any mesh); a step no process recorded shapes for is not listed (a restore with a target still
+    finds it)."""
+    steps = {step: durability(None, True) for step in persistent_steps}
     local = collections.defaultdict(dict)   # step -> {process: its report}
     for process, held in reports.items():
         for step, report in held.items():
@@ -243,6 +244,8 @@ def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) 
         held = {p: as_regions(r.get("held", {})) for p, r in by_process.items()}
         if all(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) for shape in shapes.values()) \
                 and all(_cover(tuple((0, n) for n in shape), {p: h.get(keypath, ()) for p, h in held.items()})
-               for keypath, shape in shapes.items()):
-            steps.add(step)
-    return sorted(steps)
+                        for keypath, shape in shapes.items()):
+            copies = [r.get("copies") for r in by_process.values()]
+            steps[step] = durability(min((c for c in copies if type(c) is int), default=None)
+                                     if all(type(c) is int for c in copies) else None, False)
+    return dict(sorted(steps.items()))

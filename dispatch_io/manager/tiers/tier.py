@@ -121,9 +121,9 @@ class LocalTiers:
         """({step: info} of this process's committed local steps of this root, [unreadable info files])."""
         return local_steps.read_steps(self.root, self._owner)
 
-    def whole_steps(self, persistent_steps: list[int]) -> list[int]:
-        """The steps the job can restore whole, persistent or local (``local_steps.whole_steps``: every
-        process together, the same list everywhere)."""
+    def whole_steps(self, persistent_steps: list[int]) -> dict[int, str]:
+        """{step: durability} of the steps the job can restore whole, persistent or local
+        (``local_steps.whole_steps``: every process together, the same answer everywhere)."""
         return local_steps.whole_steps(self, persistent_steps)
 
     def should_save(self, step: int, preempted: bool = False) -> bool:
