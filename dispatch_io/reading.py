@@ -129,11 +129,12 @@ def read_item(out: Output, region, chunk_limit: int) -> ReadItem:
 
 
 def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, batch_limit: int,
-                 progress: Progress, on_batch: Callable[[int], None] | None = None):
+                 progress: Progress, on_batch: Callable[[int], None] | None = None, check: Callable | None = None):
     """Fill ``out.buffers[region]`` for each (output, region) of ``wanted`` through ``reader``
     (host arrays, or arrays on a colocated CPU device), batches of at most ``batch_limit``
     bytes, two in flight; counted on ``progress`` as ``read``. ``on_batch(bytes read so far)``
-    is called after each batch."""
+    is called after each batch. ``check(out, region, array)``, if given, sees each region as it is
+    read: one it says False to is left out (its buffer is not kept)."""
     work = [(out, region, read_item(out, region, chunk_limit)) for out, region in wanted]
     batches = [items for items, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
     done = 0
@@ -141,9 +142,10 @@ def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, b
     def consume(batch, arrays):
         nonlocal done
         for (out, region, item), array in zip(batch, arrays):
-            out.buffers[region] = array
-            if out.whole:
-                finish(out)
+            if check is None or check(out, region, array):
+                out.buffers[region] = array
+                if out.whole:
+                    finish(out)
             done += item.nbytes
         if on_batch is not None:
             on_batch(done)
@@ -163,10 +165,10 @@ def read_failure(exc: BaseException, keypath: str, display: str) -> WorkerError:
 
 
 def read_outputs(reader, outputs: list, chunk_limit: int, batch_limit: int, progress: Progress, *,
-                 only: Callable | None = None):
+                 only: Callable | None = None, check: Callable | None = None):
     """Fill every output's ``buffers`` with every region this process holds (:func:`read_regions`;
-    ``only``: as :func:`needed_regions`)."""
-    read_regions(reader, needed_regions(outputs, only), chunk_limit, batch_limit, progress)
+    ``only``: as :func:`needed_regions`; ``check``: as :func:`read_regions`)."""
+    read_regions(reader, needed_regions(outputs, only), chunk_limit, batch_limit, progress, check=check)
 
 
 def stored_cells(stored, bounds):

@@ -22,7 +22,7 @@ LAYERS = {
     "dispatch_io.dispatcher": 4, "dispatch_io.colocated": 4, "dispatch_io.sharding": 4,
     "dispatch_io.manager": 5,
     "dispatch_io.manager.tiers": 6,
-    "dispatch_io.manager.manager": 7,
+    "dispatch_io.manager.manager": 7, "dispatch_io.manager.reads": 7,
     "dispatch_io.cli": 8, "dispatch_io.policies": 8, "dispatch_io.manager.policies": 5,
 }
 # Subpackages of one layer that must not import each other.

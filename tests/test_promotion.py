@@ -66,12 +66,12 @@ def test_a_local_step_is_promoted_byte_for_byte_with_its_items(tmp_path, mesh, o
                                                           "cfg": dio.Json({"lr": 0.5, "step": step})},
                          metrics={"loss": 1.0 / step}, metadata={"git": "abc"})
         mgr.wait()
-        assert mgr.all_steps() == [] and mgr.local.steps() == [2, 4]
+        assert mgr.persistent_steps() == [] and mgr.local.steps() == [2, 4]
         assert mgr.item(4, "data") == b"\x00it\x04" and mgr.item(2, "cfg") == {"lr": 0.5, "step": 2}
         stats = mgr.promote(4).wait()
         assert stats.bytes_written == 256 * 64 * 4 + 64 * 4 + 2 * 4 + 4 + 80, stats   # each chunk once
         mgr.wait()
-        assert mgr.all_steps() == [4]
+        assert mgr.persistent_steps() == [4]
         info = mgr.step_info(4)
         assert (info.metrics, info.metadata, info.items) == ({"loss": 0.25}, {"git": "abc"},
                                                              {"data": "per_process", "cfg": "json"})
@@ -102,10 +102,10 @@ def test_promotion_to_an_object_store(tmp_path, mesh, store_prefix):
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
     with dio.CheckpointManager(store_prefix, dispatcher, save_policy=policies.EveryNSteps(100), local=tier) as mgr:
         mgr.save(3, _state(mesh, 3), items={"cfg": dio.Json([1, 2])})
-        assert mgr.all_steps() == []
+        assert mgr.persistent_steps() == []
         mgr.promote(3).wait()
         assert mgr.item(3, "cfg") == [1, 2]
-        assert mgr.all_steps() == [3]
+        assert mgr.persistent_steps() == [3]
         _same(mgr.restore(3, _state(mesh, 0)), _state(mesh, 3))
     assert _raw_chunks(f"{store_prefix}/3") == _raw_chunks(tmp_path / "local" / "0" / "3")
     dispatcher.close()
@@ -124,7 +124,7 @@ def test_a_step_not_held_locally_is_refused_and_a_failed_promotion_leaves_no_ste
             mgr.promote(7).wait()
         with pytest.raises(dio.CheckpointError):
             mgr.wait()
-        assert mgr.all_steps() == [] and os.listdir(tmp_path / "root") == []
+        assert mgr.persistent_steps() == [] and os.listdir(tmp_path / "root") == []
     with dio.CheckpointManager(tmp_path / "root2", dispatcher) as mgr, pytest.raises(ValueError, match="local tier"):
         mgr.promote(7)
     dispatcher.close()
@@ -144,7 +144,7 @@ def test_items_of_a_step_only_the_local_tier_holds(tmp_path, mesh):
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
         restored = mgr.restore(None, target)
         step = mgr.last_tier_restore.step
-        assert step == 4 and mgr.all_steps() == [0, 3]
+        assert step == 4 and mgr.persistent_steps() == [0, 3]
         _same(restored, _state(mesh, 4))
         assert mgr.item(step, "data") == {"pos": 4} and mgr.item(3, "data") == {"pos": 3}
         with pytest.raises(KeyError, match="has no item 'cfg'"):
@@ -214,7 +214,7 @@ def test_a_promotion_killed_midway_leaves_no_step_and_can_be_done_again(tmp_path
     w = jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64), NamedSharding(mesh, P("data", "model")))
     dispatcher = dio.LocalDispatcher(host_memory_budget=16 << 10, small_leaf_bytes=0, checksums=True)
     with dio.CheckpointManager(tmp_path / "root", dispatcher, local=dio.LocalTier(tmp_path / "local" / "{process}")) as mgr:
-        assert mgr.all_steps() == [] and os.listdir(tmp_path / "root") == []   # the dead promotion's leftovers go
+        assert mgr.persistent_steps() == [] and os.listdir(tmp_path / "root") == []   # the dead promotion's leftovers go
         mgr.promote(3).wait()
         assert np.asarray(mgr.restore(3, {"w": w})["w"]).tobytes() == np.asarray(w).tobytes()
     dispatcher.close()
@@ -307,7 +307,7 @@ def test_save_with_promote_persists_from_the_local_copy(tmp_path, mesh):
                     leaf.delete()                           # the device has moved on
             assert sorted(copied) == sorted(set(copied)) and len(copied) == 5, copied   # once each
         mgr.wait()
-        assert mgr.all_steps() == [2, 4] and mgr.local.steps() == [1, 2, 3, 4]
+        assert mgr.persistent_steps() == [2, 4] and mgr.local.steps() == [1, 2, 3, 4]
         assert mgr.item(4, "data") == {"pos": 4} and mgr.item(3, "data") == {"pos": 3}
         _same(mgr.restore(4, _state(mesh, 0)), _state(mesh, 4))
     for step in (2, 4):
@@ -339,7 +339,7 @@ def test_local_retention_keeps_a_step_while_save_promotes_it(tmp_path, mesh, mon
         finally:
             release.set()
         mgr.wait()
-        assert mgr.all_steps() == [2]
+        assert mgr.persistent_steps() == [2]
         _same(mgr.restore(2, _state(mesh, 0)), _state(mesh, 2))
 
 

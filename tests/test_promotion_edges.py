@@ -51,7 +51,7 @@ def test_a_damaged_compressed_local_chunk_is_not_promoted(tmp_path, mesh, layout
                 mgr.wait()
             except dio.CheckpointError:
                 pass
-        assert mgr.all_steps() == [] and mgr.durability(7) != "persisted"
+        assert mgr.persistent_steps() == [] and mgr.durability(7) != "persisted"
     dispatcher.close()
 
 
@@ -77,7 +77,7 @@ def test_a_truncated_local_chunk_is_not_promoted_without_checksums(tmp_path, mes
                 mgr.wait()
             except dio.CheckpointError:
                 pass
-        assert mgr.all_steps() == [] and mgr.durability(7) != "persisted"
+        assert mgr.persistent_steps() == [] and mgr.durability(7) != "persisted"
     dispatcher.close()
 
 
@@ -101,7 +101,7 @@ def test_a_failed_local_save_with_promote_is_reported_once_and_the_next_save_per
         dispatcher.runner.write_hook = None          # the disk was cleaned: the job goes on
         mgr.save(2, _state(mesh, 2))
         mgr.wait()
-        assert mgr.all_steps() == [2]
+        assert mgr.persistent_steps() == [2]
         _same(mgr.restore(2, _state(mesh, 0)), _state(mesh, 2))
     dispatcher.close()
 
@@ -135,7 +135,7 @@ def test_the_promote_on_save_handle_honours_wait_timeout(tmp_path, mesh):
             timer.cancel()
         assert took < 3, took
         handle.wait()
-        assert mgr.all_steps() == [1]
+        assert mgr.persistent_steps() == [1]
     dispatcher.close()
 
 
@@ -166,7 +166,7 @@ def test_save_with_promote_raises_file_exists_before_writing(tmp_path, mesh):
     with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         mgr.save(2, _state(mesh, 2), local=False)
         mgr.wait()
-        assert mgr.all_steps() == [2]
+        assert mgr.persistent_steps() == [2]
         try:
             with pytest.raises(FileExistsError):
                 mgr.save(2, _state(mesh, 5), force=True)

@@ -31,7 +31,7 @@ def _train(tmp_path, state):
             if mgr.should_save(step):
                 mgr.save(step, state(step))
         mgr.wait()
-        assert mgr.local.steps() == [0, 2, 4] and mgr.all_steps() == [0, 3]
+        assert mgr.local.steps() == [0, 2, 4] and mgr.persistent_steps() == [0, 3]
     return tier
 
 

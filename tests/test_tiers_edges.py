@@ -263,7 +263,7 @@ def test_a_tiered_restore_reads_an_orbax_step_with_a_step_prefix(tmp_path, mesh)
     orbax_mgr.close()
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
     with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
-        assert mgr.all_steps() == [7] and _exact(mgr.restore(7, target), state(7))
+        assert mgr.persistent_steps() == [7] and _exact(mgr.restore(7, target), state(7))
         restored = mgr.restore(None, target)
         assert mgr.last_tier_restore.step == 7 and _exact(restored, state(7))
 

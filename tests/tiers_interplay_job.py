@@ -4,8 +4,8 @@ apart (process 0's clock 1 s behind, process 1's 1 s ahead: one save a little sl
 
     python tiers_interplay_job.py PROCESS PORT ROOT LOCAL
 
-Prints ``local steps [...]`` once steps 0..13 are saved -- or ``refused: ...`` where the manager
-refuses a clock-reading local keep policy in a multi-process job."""
+Prints ``local steps [...]`` once steps 0..13 are saved (or ``refused: ...`` where the manager refuses the
+tier: a build that refuses a clock-reading local keep policy in a multi-process job)."""
 
 import sys
 

@@ -9,6 +9,9 @@ MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each 
 for, so a step printed ``saved N`` is committed); prints ``step 9`` and waits to be killed.
 MODE ``die``: as ``train`` to step 10, where process 1 is killed during its local save; its persistent
 steps (0, 6) are promotions of the local ones (``LocalTier(promote=True)``).
+MODE ``loop9`` / ``loop``: the README's loop (``latest_step``, ``restore(step, target)``, train, save) from
+whatever step the tiers hold whole, each step ``x / 2 + step`` (floats; ``3x + step`` ints), to step 9 (then
+waits to be killed) / 12, printing ``final 12 exact BOOL`` against the uninterrupted run (numpy).
 MODE ``stall``: process 3 sleeps; the others print ``timed out waiting for [3]``.
 MODE ``resume``: restores through the tiers (verifying checksums; twice) and prints ``resumed STEP exact BOOL local L
 persistent P received R peer_regions A persistent_regions B``. MODE ``promote``: as ``resume``, then promotes that
@@ -55,6 +58,26 @@ def state_at(step):
             for name, (shape, dtype, spec) in SPECS.items()}
 
 
+LAST = 12   # loop modes: the last step
+
+
+def update(x, step):
+    """One training step of a leaf, elementwise (the same bits however it is sharded): x / 2 + step."""
+    return x * x.dtype.type(0.5) + x.dtype.type(step) if x.dtype.kind == "f" else x * 3 + step
+
+
+train_step = jax.jit(lambda state, step: {k: update(v, step) for k, v in state.items()}, static_argnums=1)
+init = state_at(0)
+
+
+def trained(last):
+    """The state after steps 0..last, uninterrupted, on the host (numpy)."""
+    state = {name: value(name, 0) for name in SPECS}
+    for step in range(last + 1):
+        state = {k: update(v, step) for k, v in state.items()}
+    return state
+
+
 target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
           for name, (shape, dtype, spec) in SPECS.items()}
 tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3), promote=mode == "die")
@@ -71,6 +94,26 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
+    if mode in ("loop", "loop9"):  # the README's loop, unchanged but for local=: resume from the newest whole step
+        print(f"steps {mgr.steps()}", flush=True)
+        step = mgr.latest_step()
+        state = init
+        if step is not None:
+            state = mgr.restore(step, target)
+            assert mgr.item(step, "cfg") == {"step": step}, mgr.item(step, "cfg")
+            print(f"resumed {step} from root {mgr.last_tier_restore.bytes_read_persistent}", flush=True)
+        for step in range(0 if step is None else step + 1, LAST + 1):
+            state = train_step(state, step)
+            if mgr.should_save(step):
+                mgr.save(step, state, items={"cfg": dio.Json({"step": step})})
+                mgr.wait()
+            print(f"step {step}", flush=True)
+            if mode == "loop9" and step == 9:
+                time.sleep(600)  # killed here
+        expected = trained(LAST)
+        exact = all(np.asarray(shard.data).tobytes() == expected[name][shard.index].tobytes()
+                    for name, array in state.items() for shard in array.addressable_shards)
+        print(f"final {LAST} exact {exact}", flush=True)
     if mode == "stall":  # process 3 never comes to the restore; the others must name it, not hang
         if process == 3:
             time.sleep(600)
@@ -79,23 +122,24 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
         except dio.BarrierTimeoutError as exc:
             print(f"timed out waiting for {exc.processes}", flush=True)
             time.sleep(600)  # killed here (the job is broken: no clean shutdown with process 3 gone)
-    again = None
-    for _ in range(2):  # two restores in a row: the same step, the same bytes
-        restored = mgr.restore(None, target, verify=True)
-        s = mgr.last_tier_restore
-        exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
-                    for name, array in restored.items() for shard in array.addressable_shards)
-        assert again is None or again == (s, exact), (again, s, exact)
-        again = (s, exact)
-    print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
-          f"received {s.bytes_received} peer_regions {s.peer_regions} persistent_regions {s.persistent_regions}",
-          flush=True)
-    if mode == "promote":  # the step from the local copies to the root, each chunk by one holder
-        written = mgr.promote(s.step).wait().bytes_written
-        restored = mgr.restore(s.step, target)
-        exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
-                    for name, array in restored.items() for shard in array.addressable_shards)
-        print(f"promoted {s.step} exact {exact} written {written} cfg {mgr.item(s.step, 'cfg')['step']}", flush=True)
+    if mode in ("resume", "promote"):
+        again = None
+        for _ in range(2):  # two restores in a row: the same step, the same bytes
+            restored = mgr.restore(None, target, verify=True)
+            s = mgr.last_tier_restore
+            exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
+                        for name, array in restored.items() for shard in array.addressable_shards)
+            assert again is None or again == (s, exact), (again, s, exact)
+            again = (s, exact)
+        print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
+              f"received {s.bytes_received} peer_regions {s.peer_regions} persistent_regions {s.persistent_regions}",
+              flush=True)
+        if mode == "promote":  # the step from the local copies to the root, each chunk by one holder
+            written = mgr.promote(s.step).wait().bytes_written
+            restored = mgr.restore(s.step, target)
+            exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
+                        for name, array in restored.items() for shard in array.addressable_shards)
+            print(f"promoted {s.step} exact {exact} written {written} cfg {mgr.item(s.step, 'cfg')['step']}", flush=True)
 print("done", flush=True)
 dispatcher.close()
 jax.distributed.shutdown()

@@ -16,7 +16,8 @@ The root is a directory or an object-store prefix (``s3://bucket/run1``, ``gs://
 
 What the manager guarantees, built only on the dispatcher's atomic commit:
 
-* A step is listed (``all_steps``, ``latest_step``, ``restore``) only once committed, with all its items; a save
+* A step is listed (``persistent_steps``, ``all_steps``, ``latest_step``) only once committed, with all its items (the
+  listing and restore side: ``reads.py``, which also lists the local tier's whole steps); a save
   that failed or was killed never is, and its leftovers are removed when a manager opens the root, where markers
   prove them ours and dead.
 * Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises from its own handle
@@ -36,23 +37,23 @@ import time
 import jax
 from absl import logging
 
-from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
-from dispatch_io.formats.detect import committed_steps, metadata, step_path
-from dispatch_io.manager import info as info_lib, items as items_lib, orbax_items, policies, retention, steps
-from dispatch_io.manager.tiers import local_steps, promotion, restore as tier_restore, tier as tiers
+from dispatch_io.manager import info as info_lib
+from dispatch_io.manager import items as items_lib
+from dispatch_io.manager import policies, retention, steps
+from dispatch_io.manager.reads import StepReads, step_number
+from dispatch_io.manager.tiers import local_steps
+from dispatch_io.manager.tiers import promotion
+from dispatch_io.manager.tiers import restore as tier_restore
+from dispatch_io.manager.tiers import tier as tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
 from dispatch_io.save import Attachments, SaveHandle
 from dispatch_io.storage import StepRoot
 
 
-def _step_number(step) -> int:
-    return policies.integer(step, "step", 0, "a non-negative integer")
-
-
-class CheckpointManager:
+class CheckpointManager(StepReads):
     """Numbered steps under ``root`` (a directory or kvstore URL), saved through ``dispatcher`` (a
     :class:`LocalDispatcher` with default options if None; the manager then owns and closes it).
 
@@ -101,7 +102,7 @@ class CheckpointManager:
                 room = open_room("manager", self._root.display, f"the CheckpointManager of {self.root}",
                                  dispatcher.options.barrier_timeout)
             self._decisions = SharedDecisions(room)
-            self._last_saved_step = self.latest_step()
+            self._last_saved_step = self._latest_persistent()
             self._last_save = steps.started(self.step_info, self._last_saved_step, self._clock())
             self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
                                                                      self._processes, self._root)
@@ -115,36 +116,6 @@ class CheckpointManager:
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-retention")
         self.last_tier_restore: tier_restore.TierRestoreStats | None = None  # what restore() through the tiers did
 
-    # ---- listing ------------------------------------------------------------------------------
-
-    def step_path(self, step: int) -> str:
-        """Where ``step`` is (or would be saved): ``<root>/<step>``, or the Orbax step directory
-        holding it under Orbax's ``step_prefix`` / ``step_format_fixed_length`` naming. Raises
-        CheckpointError if several directories hold the step."""
-        return step_path(self._root, _step_number(step))
-
-    def all_steps(self) -> list[int]:
-        """Committed steps, ascending: dispatch_io's, and Orbax's in a directory root."""
-        return committed_steps(self._root)
-
-    def latest_step(self) -> int | None:
-        return (self.all_steps() or [None])[-1]
-
-    def step_info(self, step: int | None = None) -> info_lib.StepInfo:
-        """What is known of committed ``step`` (None: the latest): :class:`StepInfo` (one small file, no
-        device). FileNotFoundError if the step is not committed; CheckpointError if its info is malformed."""
-        step = self._resolve(step)
-        if step not in self._infos:
-            self._infos[step] = steps.read_info(self.step_path(step), step)
-        return self._infos[step]
-
-    def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
-        """The committed step with the best ``metric`` (``mode`` ``"min"`` / ``"max"``); both
-        default to the keep policy's ``BestN``. None if no step has the metric. ValueError if
-        no metric is given and the keep policy has no single ``BestN``."""
-        return retention.best_step([retention.record(s, self.step_info) for s in self.all_steps()], self.keep_policy, metric, mode,
-                                   self._clock())
-
     # ---- policies ------------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
@@ -152,7 +123,7 @@ class CheckpointManager:
         its preemption point at it (always True without a save policy; with one, False for a step not
         newer than the last saved). Identical on every process of a job (a clock-reading decision is
         process 0's); call it at every step, on every process."""
-        step = _step_number(step)
+        step = step_number(step)
         return self._should_persist(step) or (self.local is not None and self.local.should_save(step))
 
     def _should_persist(self, step: int) -> bool:
@@ -179,7 +150,7 @@ class CheckpointManager:
         """True at the step where the job stops for a preemption: JAX's sync point under
         ``jax.distributed`` (the same step on every process), else after SIGTERM. Save there
         (``should_save`` says so), ``wait()``, and stop. Never raises for want of a service."""
-        return self._preemption.reached(_step_number(step))
+        return self._preemption.reached(step_number(step))
 
     # ---- save / restore --------------------------------------------------------------------------
 
@@ -196,7 +167,7 @@ class CheckpointManager:
         step exists and not ``overwrite``, or Orbax wrote it; ``CheckpointError`` if several directories hold it;
         ``RuntimeError`` after ``close()`` or from a save callback. An earlier save's failure, not yet raised, is
         raised here (once)."""
-        step = _step_number(step)
+        step = step_number(step)
         self._check_usable("save")
         self._check_not_inside_save("save")
         local_steps.check_save_keywords(self.dispatcher, save_kwargs)
@@ -204,9 +175,9 @@ class CheckpointManager:
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes, _version())
         persist = force or self.save_policy is None or self._should_persist(step)
         if persist and self.local is not None:  # the root's refusal first: the local save would write before it
-            steps.check_new(self._root, step, overwrite, self.step_path, self.all_steps(), self.root)
+            steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
         handle = local_steps.save(self.local, step, tree, local, persist, items, info, save_kwargs,  # fast: first
-                                  (self._last_saved_step, self.latest_step))
+                                  (self._last_saved_step, self._latest_persistent))
         if not persist:
             return handle
         if handle is not None and self.local.tier.promote:  # the root's copy from the local one: one device copy
@@ -219,7 +190,7 @@ class CheckpointManager:
     def promote(self, step: int, *, overwrite: bool = False) -> SaveHandle:
         """Persist local ``step`` from the local copies, byte for byte, with its items and info, touching no device
         (every process; ``promotion.promote``). Returns its handle; raises as ``save`` and ``promotion.promote``."""
-        step = _step_number(step)
+        step = step_number(step)
         self._check_not_inside_save("promote")
         return self._persist("promote", step, self._clock(), overwrite, lambda path: promotion.promote(
             self.local, step, path, _version(), self._clock, overwrite=overwrite))
@@ -232,7 +203,7 @@ class CheckpointManager:
             self._saving_thread = threading.get_ident()
             try:
                 self._wait_for_save()
-                path = steps.check_new(self._root, step, overwrite, self.step_path, self.all_steps(), self.root)
+                path = steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
                 handle = launch(path)
                 self._last_save, self._last_saved_step = started, step
                 self._infos.pop(step, None)
@@ -281,60 +252,6 @@ class CheckpointManager:
             if deleting is not None:
                 deleting.result()
 
-    def restore(self, step: int | None = None, target=None, *, item: str | None = None, durability: str = "local",
-                **restore_kwargs):
-        """Restore ``step`` (None: the latest committed); same keywords as ``Dispatcher.restore`` (``verify=True``
-        of a step read from the root checks its items too: ``steps.verify_items``). ``item``: which pytree item of
-        an Orbax step with several (``"items"`` for MaxText's); None: the only one. Our steps hold one pytree. With
-        a local tier and ``step=None``: through the tiers (then see ``last_tier_restore``), the newest step of at
-        least ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``: :meth:`durability`)."""
-        self._check_usable("restore")
-        tiers_plan.check_durability(durability)
-        if self.local is not None and step is None and item is None:
-            tree, self.last_tier_restore = self.local.restore(
-                target, self.all_steps(), lambda s: self._pytree_path(s, None), self.root, durability=durability,
-                **restore_kwargs)
-            return tree
-        step = self._resolve(step)
-        tree = self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
-        if restore_kwargs.get("verify"):  # its items too, each against its CRC-32C
-            steps.verify_items(self.step_path(step), step)
-        if self.local is not None:  # resuming an older step: the newer local steps are an abandoned history
-            self.local.resume(step)
-        return tree
-
-    def durability(self, step: int) -> str | None:
-        """``"persisted"`` (committed in the root), else, if this process has ``step`` locally, ``"replicated k"``
-        (any ``k - 1`` lost processes lose nothing) or ``"local"``; None if neither holds it."""
-        return local_steps.durability(self.local, _step_number(step), self.all_steps())
-
-    def metadata(self, step: int | None = None, *, item: str | None = None):
-        return metadata(self._pytree_path(step, item))
-
-    def item(self, step: int | None, name: str):
-        """Item ``name`` of ``step`` (None: the latest; a step only the local tier holds: from this process's
-        copy, else FileNotFoundError): a ``Json`` item's value, or this process's ``PerProcess`` value (bytes
-        or JSON, as saved). In an Orbax step: a JSON item's value, or this process's Grain iterator state.
-        KeyError (listing the step's items) if it has none of that name; CheckpointError if it was saved by
-        another number of processes (naming both counts) or is malformed."""
-        step = self._resolve(step)
-        path = self.step_path(step)
-        if self.local is not None and step not in self.all_steps():  # a step the local tier alone holds
-            return local_steps.read_item(self.local, step, name, self.root)
-        info = None if orbax_items.is_orbax_step(path) else self.step_info(step)
-        return steps.read_item(path, info, name, self._process, self._processes)
-
-    def _pytree_path(self, step: int | None, item: str | None) -> str:
-        return steps.pytree_path(self.step_path(self._resolve(step)), item)
-
-    def _resolve(self, step: int | None) -> int:
-        if step is not None:
-            return _step_number(step)
-        latest = self.latest_step()
-        if latest is None:
-            raise FileNotFoundError(f"no committed step under {self.root}")
-        return latest
-
     # ---- retention and clean-up ------------------------------------------------------------------
 
     def steps_to_delete(self, steps: list[int]) -> list[int]:
@@ -345,7 +262,7 @@ class CheckpointManager:
         """Delete the dropped steps dispatch_io wrote; never one it did not (Orbax's are kept).
         Never raises: a committed save is not failed over clean-up."""
         try:
-            retention.delete_dropped(self._root, self.steps_to_delete(self.all_steps()),
+            retention.delete_dropped(self._root, self.steps_to_delete(self.persistent_steps()),
                                      lambda step: self._infos.pop(step, None))
         except Exception:  # noqa: BLE001 - logged; the next retention tries again
             logging.exception("dispatch_io: retention under %s failed", self.root)

@@ -245,7 +245,7 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: bool, times: list,
-                 routes=None) -> Exchanged:
+                 routes=None, check=None) -> Exchanged:
     """Fill every output's buffers in a multi-process job, every stored byte read by one
     process (see the module doc); ``verify=True`` checks what this process reads first. All
     processes call it together, restoring the same checkpoints in the same order. Appends the
@@ -254,12 +254,14 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
     Raises WorkerError naming the process and key path of a read that failed anywhere,
     BarrierTimeoutError naming the processes that stopped making progress, ValueError where
     the processes planned different restores. ``routes``: see :func:`plan_split` (``progress.path``
-    then names the restore alike in every process: its coordination keys derive from it)."""
+    then names the restore alike in every process: its coordination keys derive from it). ``check``: as
+    ``reading.read_regions``, for the regions this process reads for itself alone."""
     with _ONE_AT_A_TIME:
-        return _fill(reader, outputs, options, progress, verify, times, routes)
+        return _fill(reader, outputs, options, progress, verify, times, routes, check)
 
 
-def _fill(reader, outputs: list, options, progress: Progress, verify: bool, times: list, routes) -> Exchanged:
+def _fill(reader, outputs: list, options, progress: Progress, verify: bool, times: list, routes,
+          check=None) -> Exchanged:
     process, count, display = jax.process_index(), jax.process_count(), progress.path
     split = plan_split(outputs, process, count, options.chunk_bytes, options.read_batch_bytes, routes)
     room = open_room("restore", display, f"the restore of {display}", options.barrier_timeout)
@@ -280,7 +282,8 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
                           options.read_batch_bytes, progress, on_batch=report)
         times.append(time.perf_counter())
         exchanged = _rounds(reader, outputs, split.rounds, room, progress, upcoming)
-        read_regions(reader, split.local, options.chunk_bytes, options.read_batch_bytes, progress, on_batch=report)
+        read_regions(reader, split.local, options.chunk_bytes, options.read_batch_bytes, progress, on_batch=report,
+                     check=check)
     except BaseException as exc:
         if not isinstance(exc, PeerFailure):  # the first failure is the one every process reports
             room.set("failed", {"process": process, "keypath": getattr(exc, "keypath", None),

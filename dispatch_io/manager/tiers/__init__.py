@@ -8,6 +8,7 @@ Pure plans first, then the runtime that uses them:
 * ``local_steps``: what local steps hold on disk, and the job-wide view of them;
 * ``replicas``: moving regions to the peers that keep their copies;
 * ``restore``: a restore mixing the tiers (own copy, a peer's, persistent storage);
+* ``checks``: a restore's CRC-32C checks of local copies (in memory as they are read);
 * ``promotion``: turning a local step into a persistent one without the devices;
 * ``tier``: :class:`LocalTier` (the user's settings) and ``LocalTiers`` (its saves and steps).
 

@@ -85,11 +85,13 @@ def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dic
 
 def record(step: int, info: dict | None) -> policies.StepRecord:
     """``step``'s :class:`~dispatch_io.manager.policies.StepRecord` from its local info (None: no
-    readable info): its commit time and the metrics the local save recorded (numbers only)."""
+    readable info): its time -- the job-wide ``"time"`` where the job agreed one (a clock-reading keep
+    policy in a multi-process job), else its commit time -- and the metrics the local save recorded
+    (numbers only)."""
     if info is None:
         return policies.StepRecord(step)
     metrics = info.get("metrics") if isinstance(info.get("metrics"), dict) else {}
-    committed = info.get("committed")
+    committed = info.get("time", info.get("committed"))
     return policies.StepRecord(step, committed if type(committed) in (int, float) else None, {
         k: float(v) for k, v in metrics.items() if isinstance(k, str) and type(v) in (int, float)})
 
@@ -102,15 +104,39 @@ def share_manifest(room, step: int, having: list[int], process: int, read) -> di
     BarrierTimeoutError naming the sharer if it does not share it within the room's timeout."""
     if process in having:
         if process == having[0]:
-            room.set("manifest", read())
+            room.set(f"manifest/{step}", read())
         return None
     if not having:
         return None
-    doc = room.wait_for("manifest", room.timeout)
+    doc = room.wait_for(f"manifest/{step}", room.timeout)
     if doc is None:
         raise BarrierTimeoutError(f"process {having[0]} did not share the manifest of local step {step} within "
-                                  f"{room.timeout:g} s", processes=[having[0]], barrier=f"{room.prefix}/manifest")
+                                  f"{room.timeout:g} s", processes=[having[0]], barrier=f"{room.prefix}/manifest/{step}")
     return doc
+
+
+def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, str]:
+    """{step: durability} of the steps the job can restore whole (``tiers_plan.whole_steps``): ``persistent_steps``
+    and the local steps whose every region some process's local copy holds. In a multi-process job every
+    process calls it together: one gather, in a named room, of what each process's local steps
+    hold, with process 0's listing of the root, so every process gets the same list (as
+    ``should_save`` answers alike). BarrierTimeoutError naming a process that does not come."""
+    infos = local.infos()[0]
+    mine = {str(step): {"held": info["held"], "shapes": info.get("shapes"), "copies": info.get("copies")}
+            for step, info in infos.items()}
+    if local.count == 1:
+        return tiers_plan.whole_steps({local.process: infos}, persistent_steps)
+    template = local.tier.process_path("{process}")
+    room = open_room("tiers-steps", template, f"the listing of the steps of the local tier {template}",
+                     local.dispatcher.options.barrier_timeout)
+    if room.leader:
+        room.set("persistent", list(persistent_steps))
+    room.set(f"held/{local.process}", mine)
+    gathered = room.gather("held")
+    persistent = room.from_leader("persistent")
+    room.close()
+    return tiers_plan.whole_steps({p: {int(s): r for s, r in held.items()} for p, held in gathered.items()},
+                                  persistent)
 
 
 def check_apart(template: str, path: str, process: int, count: int, timeout: float,

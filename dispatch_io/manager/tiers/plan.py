@@ -53,12 +53,15 @@ def local_record(tree, process: int, count: int, moves: Mapping[str, Sequence[tu
     shape, so a restore maps copies by what they hold; ``"copies"`` / ``"domains"`` the fewest
     processes / failure domains (``domains[process]``; None: one per process) holding any region
     once every process saved it -- k copies survive any k - 1 lost processes, in k domains any
-    k - 1 lost hosts -- and ``"durability"`` (:func:`durability`)."""
+    k - 1 lost hosts --, ``"durability"`` (:func:`durability`) and ``"shapes"`` {key path: the leaf's
+    logical shape}, so the job can tell a step whole without a target (:func:`whole_steps`)."""
     domains = list(range(count)) if domains is None else domains
     sharded: dict[str, list] = {}
     held: dict[str, list] = {}
+    shapes: dict[str, list] = {}
     copies, spread = count, len(set(domains))
     for keypath, holders in _leaf_holders(tree):
+        shapes[keypath] = [max(stops) for stops in zip(*([hi for _, hi in region] for region in holders))]
         orders = (moves or {}).get(keypath, ())
         for region, base in sorted(holders.items()):
             every = None if base is None else base.union(*({order[p] for p in base} for order in orders))
@@ -69,7 +72,7 @@ def local_record(tree, process: int, count: int, moves: Mapping[str, Sequence[tu
             if every is not None:
                 copies, spread = min(copies, len(every)), min(spread, len({domains[p] for p in every}))
     return {"copies": copies, "domains": spread, "durability": durability(copies, False), "sharded": sharded,
-            "held": held}
+            "held": held, "shapes": shapes}
 
 
 def durability(copies, persisted: bool) -> str:
@@ -217,3 +220,32 @@ def plan_restore(wanted: Mapping[str, Mapping[tuple, tuple]], reports: Mapping[i
         if complete:
             return TierPlan(step, routes, step in persistent)
     return None
+
+
+def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) -> dict[int, str]:
+    """{step: its durability} of the steps a job can restore whole, ascending: every persistent step
+    (``"persisted"``), and each local step every region of which some process reports holding
+    (:func:`durability` of the fewest copies any process recorded for it).
+
+    ``reports``: process -> {step: {"held": {key path: [region, ...]} (:func:`local_record`'s JSON),
+    "shapes": {key path: shape}, "copies": int}}. A local step is whole if, for every leaf of the
+    shapes any process recorded, the regions all processes hold make up the whole leaf (:func:`_cover`:
+    on any mesh); a step no process recorded shapes for is not listed (a restore with a target still
+    finds it)."""
+    steps = {step: durability(None, True) for step in persistent_steps}
+    local = collections.defaultdict(dict)   # step -> {process: its report}
+    for process, held in reports.items():
+        for step, report in held.items():
+            local[step][process] = report
+    for step, by_process in local.items():
+        shapes = next((r.get("shapes") for r in by_process.values() if isinstance(r.get("shapes"), dict)), None)
+        if shapes is None or step in steps:
+            continue
+        held = {p: as_regions(r.get("held", {})) for p, r in by_process.items()}
+        if all(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) for shape in shapes.values()) \
+                and all(_cover(tuple((0, n) for n in shape), {p: h.get(keypath, ()) for p, h in held.items()})
+                        for keypath, shape in shapes.items()):
+            copies = [r.get("copies") for r in by_process.values()]
+            steps[step] = durability(min((c for c in copies if type(c) is int), default=None)
+                                     if all(type(c) is int for c in copies) else None, False)
+    return dict(sorted(steps.items()))

@@ -95,9 +95,11 @@ def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple[int,
 def decisions(tier, count: int, timeout: float) -> SharedDecisions:
     """The local save decisions: process 0's, shared, for a clock-reading save policy with
     replicas (every process must send its copies at the same steps: each ``send`` is a
-    collective); else each process's own, the same everywhere by construction."""
-    policy = tier.save_policy
-    if count > 1 and tier.replicas and policy is not None and policy.uses_clock:
+    collective) or with a clock-reading keep policy (each save's time is process 0's, shared in
+    save order: ``decisions.SharedClock``); else each process's own, the same everywhere by construction."""
+    policy, keep = tier.save_policy, tier.keep_policy
+    agreed = tier.replicas or (keep is not None and keep.uses_clock)
+    if count > 1 and agreed and policy is not None and policy.uses_clock:
         template = tier.process_path("{process}")
         return SharedDecisions(open_room("tiers-decisions", template, f"the local tier {template}", timeout))
     return SharedDecisions(None)

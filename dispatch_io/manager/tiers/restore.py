@@ -1,30 +1,29 @@
 """A restore through the tiers: gather what every process holds, plan (``tiers_plan``), fill.
 
-:meth:`TierRestore.restore` gathers, in one named room, the regions each process's usable local
-steps hold (the newest checked chunk by chunk against its CRC-32C first), plans with the pure
-``tiers_plan.plan_restore`` and fills the target in at most two scale-out passes: the local copies
-(each holder reads its own; the holders without one receive a peer's), then the persistent step
-for the regions no process has. See docs/design.md "Tiers".
-"""
+:meth:`TierRestore.restore` gathers, in one named room, the regions each process's local steps hold,
+plans with the pure ``tiers_plan.plan_restore`` and fills the target in at most two scale-out passes
+(:class:`_Fill`): the local copies (each holder reads its own; the holders without one receive a
+peer's), then the persistent step for the regions no process has. Each byte of a local copy is read
+once: its own regions are checked against their CRC-32Cs as they are read (``checks``), and a region
+that fails is filled again alone, from the next source, in one more pass; only the copies a process
+reads for others (and regions that cannot be checked in memory) are checked before the read. See
+docs/design.md "Tiers"."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
-from absl import logging
-
 from dispatch_io import reading
 from dispatch_io import restore as restore_lib
 from dispatch_io.multihost import scaleout
 from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io import tree as tree_lib
 from dispatch_io.multihost.coordination import open_room
-from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError, WorkerError
+from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
-from dispatch_io.manager.tiers import local_steps
+from dispatch_io.manager.tiers import checks, local_steps
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.progress import Progress
 from dispatch_io.storage import Location
@@ -50,79 +49,21 @@ class TierRestore:
     def __init__(self, local):
         self.local, self.tier, self.dispatcher = local, local.tier, local.dispatcher
         self.process, self.count, self.path, self._root = local.process, local.count, local.path, local.root
-        self._infos = local.infos
-        self._own = None   # the newest local step's own regions, checked first (``_held``)
+        self._copies: dict[int, checks.LocalCopy] = {}   # this process's copy of each step the plans picked
 
-    def _held(self, outputs_of) -> tuple[dict, dict, int | None, list[str]]:
-        """({step: {key path: [region, ...]}} of this process's usable local steps -- the newest
-        without the regions whose chunks fail their CRC-32C --, {step: its recorded copies}, the
-        step so checked, [the info files that could not be read])."""
-        infos, unreadable = self._infos()
-        held = {str(step): info["held"] for step, info in infos.items()}
-        # the copies each step recorded (one where it recorded none or nonsense: the weakest durability)
-        copies = {str(step): info["copies"] if type(info.get("copies")) is int and info["copies"] >= 1 else 1
-                  for step, info in infos.items()}
-        if not infos:
-            return held, copies, None, unreadable
-        newest = max(infos)
-        own = infos[newest].get("sharded")   # its own regions: the replicas it keeps are checked if read
-        self._own = own if isinstance(own, dict) else None
-        self._check(newest, held, outputs_of, self._own)
-        return held, copies, newest, unreadable
-
-    def _check(self, step: int, held: dict, outputs_of, only: dict | None = None):
-        """Check local ``step``'s copy (in ``held``, {step: its regions}) against its CRC-32Cs --
-        ``only`` those regions, if given (the others stay reported, unchecked) --: keep only its
-        intact regions, or drop it if it cannot be read (logged) -- lost to this process, as a
-        wiped step is: a peer's copy or the root serves."""
-        regions = held[str(step)]
-        checked = regions if only is None else {k: [r for r in v if r in only.get(k, ())] for k, v in regions.items()}
-        try:
-            intact = self._intact(step, checked, outputs_of)
-        except (IncompleteCheckpointError, CorruptCheckpointError, WorkerError, OSError) as exc:
-            logging.warning("dispatch_io: the local step %s is not used: %s", self._root.step_path(step), exc)
-            del held[str(step)]
-            return
-        held[str(step)] = {k: intact.get(k, []) + [r for r in v if r not in checked.get(k, ())]
-                           for k, v in regions.items()}
-
-    def _intact(self, step: int, held: dict, outputs_of) -> dict:
-        """``held`` (of local ``step``) without the regions a chunk of which fails its CRC-32C
-        (logged): the restore then plans them from the next source, a peer's copy or persistent
-        storage. A step saved without checksums is returned as it is (nothing to check against)."""
-        opened = open_checkpoint(self._root.step_path(step))
-        if not opened.manifest.has_checksums:
-            return held
-        _, outputs = outputs_of(opened.manifest)
-        reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
-        progress = Progress("verify", opened.display, enabled=False)
-        intact = {}
-        try:
-            with progress:
-                for out in outputs:
-                    if not isinstance(out, restore_lib.Output) or out.saved.keypath not in held:
-                        continue
-                    intact[out.saved.keypath] = []
-                    for region in held[out.saved.keypath]:
-                        bounds = out.stored_bounds(tuple(tuple(b) for b in region))
-                        try:
-                            reading.verify_stored(reader, [(out, bounds)], self.dispatcher.options.read_batch_bytes,
-                                                  progress)
-                        except CorruptCheckpointError as exc:
-                            logging.warning("dispatch_io: the local copy is not used: %s", exc)
-                            continue
-                        intact[out.saved.keypath].append(region)
-        finally:
-            reader.close()
-        return intact
+    def _copy(self, step: int, outputs_of) -> checks.LocalCopy:
+        if step not in self._copies:
+            self._copies[step] = checks.LocalCopy.open(self._root.step_path(step), outputs_of)
+        return self._copies[step]
 
     def restore(self, target, persistent_steps, persistent_path, persistent_display: str, *, partial: bool = False,
-                cast: bool = False, verify: bool = False, names=None, durability: str = "local"):
+                cast: bool = False, verify: bool = False, names=None, durability: str = "local", step=None):
         """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
-        from the newest step the tiers hold whole; every process calls it together. Returns
+        from ``step`` (None: the newest step the tiers hold whole); every process calls it together. Returns
         (tree, :class:`TierRestoreStats`). ``persistent_path(step)``: where the root holds a step.
         ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
-        are always checked (a bad one is replaced by the next source), persistent ones with ``verify``.
+        are always checked (``checks``: as they are read; a bad region is replaced by the next source),
+        persistent ones with ``verify``.
         ``durability``: the weakest step it may pick (``tiers_plan.eligible``: ``"replicated"`` skips
         local steps some region of which had one copy; ``"persisted"`` picks a persistent step, read
         from local copies where they have it).
@@ -134,67 +75,79 @@ class TierRestore:
             raise ValueError("a restore through the local tier needs a target with global shardings: they say "
                              "which process holds which region (restore(step, ...) reads the root without one)")
         tiers_plan.check_durability(durability)
-        options = self.dispatcher.options
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
-        held, copies, verified, unreadable = self._held(outputs_of)  # before the room: a long verify must not
-        checked: set[int] = set()  # steps whose regions this process checked, all (its own: the newest)
+        infos, unreadable = self.local.infos()
+        held = {str(s): info["held"] for s, info in infos.items()}
+        # the copies each step recorded (one where it recorded none or nonsense: the weakest durability)
+        copies = {str(s): info["copies"] if type(info.get("copies")) is int and info["copies"] >= 1 else 1
+                  for s, info in infos.items()}
+        newest = max(infos, default=None)
         room = saved_as = None
         if self.count > 1:
             room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
-                             options.barrier_timeout)
+                             self.dispatcher.options.barrier_timeout)
             if room.leader:  # one listing of the root, one reading of names=, for every process
                 room.set("persistent", list(persistent_steps))
-                room.set("saved_as", self._saved_keypaths(target, names, verified, persistent_steps, persistent_path))
-        for attempt in itertools.count():  # again while the plan picks a step some holder has not checked
-            report = {"held": held, "copies": copies if attempt == 0 else {}, "checked": sorted(checked),
-                      "own": verified}
-            if room is not None:
-                room.set(f"held{attempt}/{self.process}", report)
-            gathered = room.gather(f"held{attempt}") if room else {self.process: report}
-            reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
-            if attempt == 0:  # what does not change between attempts
-                if room is not None:
-                    persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
-                if saved_as is None:
-                    saved_as = self._saved_keypaths(target, names, verified, persistent_steps, persistent_path)
-                recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
-                for r in gathered.values():
-                    for s, n in r["copies"].items():
-                        recorded[int(s)] = min(n, recorded.get(int(s), n))
-                candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
-                wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
-            plan = tiers_plan.plan_restore(wanted, reports, persistent_steps, candidates)
-            # with every region read by its own holders, the newest step's own regions were checked
-            own_only = plan is not None and all(r.kind is None for rs in plan.routes.values() for r in rs.values())
-            if plan is None or not any(str(plan.step) in r["held"] and plan.step not in r["checked"]
-                                       and not (own_only and plan.step == r["own"]) for r in gathered.values()):
-                break
-            if str(plan.step) in held and plan.step not in checked:  # what is still unchecked of the step
-                done = self._own if plan.step == verified and self._own is not None else {}
-                self._check(plan.step, held, outputs_of, {k: [r for r in v if r not in done.get(k, ())]
-                                                          for k, v in held[str(plan.step)].items()})
-            checked.add(plan.step)
-        local_pass = plan is not None and any(r.own or r.kind == tiers_plan.PEER
-                                              for regions in plan.routes.values() for r in regions.values())
-        shared = local_steps.share_manifest(  # for a process without the step: it plans with a peer's manifest
-            room, plan.step, sorted(p for p, steps in reports.items() if plan.step in steps), self.process,
-            lambda: Location.parse(self._root.step_path(plan.step)).read_manifest()) if local_pass and room else None
+                room.set("saved_as", self._saved_keypaths(target, names, newest, persistent_steps, persistent_path))
+        gathered = _gather(room, "held", self.process, {"held": held, "copies": copies})
+        reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         if room is not None:
+            persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
+        if saved_as is None:
+            saved_as = self._saved_keypaths(target, names, newest, persistent_steps, persistent_path)
+        recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
+        for r in gathered.values():
+            for s, n in r["copies"].items():
+                recorded[int(s)] = min(n, recorded.get(int(s), n))
+        candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
+        if step is not None:
+            candidates &= {step}
+        wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
+        fill = _Fill(self, target, saved_as, persistent_path, outputs_of, verify, room)
+        plan = self._plan_and_fill(fill, wanted, reports, persistent_steps, candidates)
+        if room is not None:  # not after a failure: the others may never come (the failure is what they raise)
             room.close()
-        if plan is None:  # the job starts afresh: local saves from step 0 on, on every process alike
-            self.local.resume(None)
+        if plan is None:
+            if step is None:  # the job starts afresh: local saves from step 0 on, on every process alike
+                self.local.resume(None)
             lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
-            raise FileNotFoundError(f"no step of {self.path} (or its peers') and {persistent_display} holds "
-                                    f"every region of the target{lost}" + (
+            which = (f"no step of {self.path} (or its peers') and {persistent_display} holds" if step is None else
+                     f"at step {step}, neither {self.path} (nor its peers') nor {persistent_display} holds")
+            raise FileNotFoundError(f"{which} every region of the target{lost}" + (
                                         f" with durability {durability!r} or better" if durability != "local" else ""))
-        local_verify = verify  # every local copy of the step was checked against its CRC-32Cs above
-        own_copy = plan.step in reports[self.process]  # as reported: a copy it could not read is not its own
-        # each result leaf's routes, by its index (a leaf read under another name, names=, too)
-        by_leaf = [plan.routes.get(saved_as.get(k, k), {}) for k, _ in tree_lib.flatten(target)[0]]
-        result = self._fill(plan, by_leaf, persistent_path, local_pass, own_copy, shared, local_verify, verify,
-                            outputs_of)
+        result = fill.result()
         self.local.resume(plan.step)
         return result
+
+    def _plan_and_fill(self, fill: "_Fill", wanted: dict, reports: dict, persistent_steps, candidates: set):
+        """Plan (``tiers_plan.plan_restore``), check what cannot be checked as it is read, fill; and
+        again, every process alike, for the regions a bad copy left out (only those regions, from the
+        next source, at the same step -- or, if none has them, everything at an older step). Returns
+        the plan of the step filled, or None if no step has every region."""
+        todo, allowed, attempt = wanted, candidates, 0
+        while True:
+            plan = tiers_plan.plan_restore(todo, reports, persistent_steps, allowed)
+            if plan is None and todo is not wanted:  # the left-out regions have no other source at that step
+                candidates, todo, allowed = candidates - {fill.step}, wanted, candidates - {fill.step}
+                fill.restart()
+                continue
+            if plan is None:
+                return None
+            attempt += 1
+            mine = reports[self.process].get(plan.step)
+            copy = self._copy(plan.step, fill.outputs_of) if mine is not None else None
+            if copy is not None and copy.opened is None:   # its copy cannot be opened: lost to this process
+                bad = {k: [list(map(list, r)) for r in v] for k, v in mine.items()}
+            else:
+                bad = copy.bad(self.dispatcher, checks.before_read(plan, self.process, copy.by_keypath, mine)) \
+                    if copy is not None else {}
+            if _drop(reports, plan.step, _gather(fill.room, f"before{attempt}", self.process, bad)):
+                continue   # some copy the plan reads is bad: plan again without it
+            found = fill.run(plan, reports, copy)
+            left_out = _gather(fill.room, f"after{attempt}", self.process, found)
+            if not _drop(reports, plan.step, left_out):
+                return plan
+            todo, allowed = _redo(todo, left_out), {plan.step}   # those regions again, from the next source
 
     def _saved_keypaths(self, target, names, newest: int | None, persistent_steps, persistent_path) -> dict:
         """{target key path: the saved key path it reads} under ``names`` (``restore(names=...)``;
@@ -216,43 +169,6 @@ class TierRestore:
             if saved is not None:
                 found[jax.tree_util.keystr(path)] = saved.keypath
         return found
-
-    def _fill(self, plan: tiers_plan.TierPlan, by_leaf: list, persistent_path, local_pass: bool, own_copy: bool,
-              shared, local_verify: bool, verify: bool, outputs_of):
-        """The local pass (if any region is read from a local copy), then the persistent pass (if a
-        region needs it); their buffers joined, the result finished. ``by_leaf``: the plan's routes of
-        each target leaf, in order. ``shared``: the step's manifest for a process without a copy of its own."""
-        read_local = read_persistent = received = 0
-        outputs = None
-        if local_pass:
-            step_path = self._root.step_path(plan.step)
-            reader, described = None, None
-            if own_copy:  # its own manifest: it has the checksums of its own chunks
-                opened = open_checkpoint(step_path)
-                reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
-                described = opened.manifest
-            display = f"local step {plan.step} of {self.tier.process_path('{process}')}"
-            described = described or parse_manifest(shared, step_path)
-            treedef, outputs = outputs_of(described)
-            local_verify = local_verify and described.has_checksums  # a step saved without them: nothing to check
-            read_local, received = self._pass(reader, outputs, display, self._local_routes(by_leaf), local_verify)
-        if plan.regions(tiers_plan.PERSISTENT):
-            opened = open_checkpoint(persistent_path(plan.step))
-            reader = self.dispatcher.runner.open_reader(opened.arrays, opened.context)
-            ptreedef, poutputs = outputs_of(opened.manifest)
-            read_persistent, got = self._pass(reader, poutputs, opened.display, self._persistent_routes(by_leaf),
-                                              verify)
-            received += got
-            opened.check_unchanged()
-            if outputs is None:
-                treedef, outputs = ptreedef, poutputs
-            else:
-                for out, pout in zip(outputs, poutputs):
-                    if isinstance(out, restore_lib.Output):
-                        out.buffers.update(pout.buffers)
-        tree = jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs])
-        return tree, TierRestoreStats(plan.step, plan.regions(tiers_plan.PEER), plan.regions(tiers_plan.PERSISTENT),
-                                      read_local, read_persistent, received)
 
     def _local_routes(self, by_leaf: list):
         """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
@@ -289,27 +205,137 @@ class TierRestore:
             return held, mine, {}
         return routes
 
-    def _pass(self, reader, outputs: list, display: str, routes, verify: bool) -> tuple[int, int]:
+    def _pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None) -> tuple[int, int]:
         """Fill the regions ``routes`` give this checkpoint (every process together); returns
         (bytes this process read into the result -- not counting a verify's reads -- bytes it
-        received from others)."""
+        received from others). ``check``: as ``reading.read_regions``, for its own regions."""
         options = self.dispatcher.options
         progress = Progress("restore", display, enabled=options.progress)
         try:
             with progress:
                 if self.count > 1:
                     received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=[],
-                                                     routes=routes).useful
+                                                     routes=routes, check=check).useful
                 else:  # one process: nothing travels, its own regions are read as a restore reads them
                     received, mine = 0, (lambda index, out: routes(index, out)[1])
                     if verify:
                         reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress, only=mine)
                     reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress,
-                                         only=mine)
+                                         only=mine, check=check)
         finally:
             if reader is not None:
                 reader.close()
         return sum(p.bytes_done for name, p in progress.phases.items() if name != "verify"), received
+
+
+class _Fill:
+    """The result of one restore through the tiers, filled pass by pass (:meth:`run`), and what it read."""
+
+    def __init__(self, restore: TierRestore, target, saved_as: dict, persistent_path, outputs_of, verify: bool, room):
+        self.restore, self.saved_as, self.persistent_path = restore, saved_as, persistent_path
+        self.outputs_of, self.verify, self.room = outputs_of, verify, room
+        self.leaves = [k for k, _ in tree_lib.flatten(target)[0]]
+        self.read_local = self.read_persistent = self.received = self.peer_regions = self.persistent_regions = 0
+        self.restart()
+
+    def restart(self):
+        """Forget the buffers filled so far (the restore goes on at another step); the counts stay."""
+        self.step = self.treedef = self.outputs = self.described = None
+
+    def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None) -> dict:
+        """Fill the regions ``plan`` routes (every process together): the local pass (if any region
+        is read from a local copy: its own regions checked as read), then the persistent pass (if a
+        region needs it). ``reports``: what each process holds (who shares the step's manifest with
+        the processes without a copy). Returns {key path: [region]} of the own regions this process
+        read that failed their check (left out)."""
+        if plan.step != self.step:
+            self.restart()
+            self.step = plan.step
+        by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
+        check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy)
+        if any(r.own or r.kind == tiers_plan.PEER for regions in plan.routes.values() for r in regions.values()):
+            self._local(plan, by_leaf, reports, copy, check)
+        if plan.regions(tiers_plan.PERSISTENT):
+            self._persistent(plan, by_leaf)
+        self.peer_regions += plan.regions(tiers_plan.PEER)
+        self.persistent_regions += plan.regions(tiers_plan.PERSISTENT)
+        return check.bad
+
+    def _local(self, plan, by_leaf: list, reports: dict, copy, check):
+        restore = self.restore
+        own = copy is not None and copy.opened is not None
+        if self.described is None:  # a process without a copy plans with a peer's manifest, shared once per step
+            shared = local_steps.share_manifest(
+                self.room, plan.step, sorted(p for p, steps in reports.items() if plan.step in steps), restore.process,
+                lambda: Location.parse(restore._root.step_path(plan.step)).read_manifest()) if self.room else None
+            self.described = copy.opened.manifest if own else parse_manifest(shared, restore._root.step_path(plan.step))
+        if self.outputs is None:
+            self.treedef, self.outputs = (copy.treedef, copy.outputs) if own else self.outputs_of(self.described)
+        reader = restore.dispatcher.runner.open_reader(copy.opened.arrays, copy.opened.context) if own else None
+        display = f"local step {plan.step} of {restore.tier.process_path('{process}')}"
+        read, received = restore._pass(reader, self.outputs, display, restore._local_routes(by_leaf), False, check)
+        self.read_local, self.received = self.read_local + read, self.received + received
+
+    def _persistent(self, plan, by_leaf: list):
+        restore = self.restore
+        opened = open_checkpoint(self.persistent_path(plan.step))
+        reader = restore.dispatcher.runner.open_reader(opened.arrays, opened.context)
+        treedef, outputs = self.outputs_of(opened.manifest)
+        read, received = restore._pass(reader, outputs, opened.display, restore._persistent_routes(by_leaf),
+                                       self.verify)
+        self.read_persistent, self.received = self.read_persistent + read, self.received + received
+        opened.check_unchanged()
+        if self.outputs is None:
+            self.treedef, self.outputs = treedef, outputs
+        else:
+            for out, pout in zip(self.outputs, outputs):
+                if isinstance(out, restore_lib.Output):
+                    out.buffers.update(pout.buffers)
+
+    def result(self):
+        """(the restored tree, :class:`TierRestoreStats`)."""
+        tree = jax.tree_util.tree_unflatten(self.treedef, [restore_lib.finish(o) for o in self.outputs])
+        return tree, TierRestoreStats(self.step, self.peer_regions, self.persistent_regions, self.read_local,
+                                      self.read_persistent, self.received)
+
+
+def _gather(room, phase: str, process: int, value) -> dict:
+    """{process: value} of every process (through ``room``; alone: this one's)."""
+    if room is None:
+        return {process: value}
+    room.set(f"{phase}/{process}", value)
+    return room.gather(phase)
+
+
+def _drop(reports: dict, step: int, bad: dict) -> bool:
+    """Remove from ``reports`` (process -> {step: {key path: set of regions}}) the regions of ``step``
+    each process found bad (``bad``: process -> {key path: [region as JSON]}); a process left with
+    none of the step's regions no longer has the step. Whether any region was removed."""
+    dropped = False
+    for p, found in bad.items():
+        held = reports.get(p, {}).get(step)
+        if held is None:
+            continue
+        for keypath, regions in tiers_plan.as_regions(found).items():
+            if regions & held.get(keypath, set()):
+                held[keypath] = held[keypath] - regions
+                dropped = True
+        if not any(held.values()):
+            del reports[p][step]
+    return dropped
+
+
+def _redo(todo: dict, left_out: dict) -> dict:
+    """{key path: {region: the processes whose read of it failed its check}} of ``todo`` (what a
+    pass fills again), from ``left_out`` (process -> {key path: [region as JSON]})."""
+    found = {p: tiers_plan.as_regions(regions) for p, regions in left_out.items()}
+    redo: dict = {}
+    for keypath, regions in todo.items():
+        for region, holders in regions.items():
+            who = tuple(p for p in holders if region in found.get(p, {}).get(keypath, ()))
+            if who:
+                redo.setdefault(keypath, {})[region] = who
+    return redo
 
 
 def _outputs(manifest, *, target, partial: bool, cast: bool, names):

@@ -23,6 +23,8 @@ from absl import logging
 
 from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io.manager import policies, retention
+from dispatch_io.manager.decisions import SharedClock
+from dispatch_io.multihost.coordination import open_room
 from dispatch_io.manager.tiers import local_steps
 from dispatch_io.manager.tiers import replicas
 from dispatch_io.manager.tiers import restore as tier_restore
@@ -39,7 +41,9 @@ class LocalTier:
     ``path``: a directory on each host (a RAM disk or local SSD; not a URL); ``{process}`` in it is
     replaced by the process index (needed where processes share a host: checked when a manager
     opens). ``save_policy``: when to save locally (None: never, unless ``save(..., local=True)``);
-    ``keep_policy``: which local steps each process keeps (the latest always; None: all).
+    ``keep_policy``: which local steps each process keeps (the latest always; None: all; one that
+    reads the clock, ``EveryNSeconds``, sees one time per step in a multi-process job: process 0's
+    clock as it saved the step, so every process keeps the same steps).
     ``replicas``: how many processes besides its holders keep a copy of each region -- so that any
     ``replicas`` lost processes lose nothing. Regions data parallelism already spreads over that
     many processes are not copied; the rest (pure FSDP state, a leaf on one process) are sent to
@@ -77,10 +81,6 @@ class LocalTiers:
     def __init__(self, tier: LocalTier, dispatcher, clock, process: int, count: int, root: StepRoot):
         self.tier, self.dispatcher, self._clock = tier, dispatcher, clock
         self.process, self.count = process, count
-        if count > 1 and tier.keep_policy is not None and tier.keep_policy.uses_clock:
-            raise ValueError(f"LocalTier(keep_policy={tier.keep_policy!r}) reads the clock: in a job of {count} "
-                             "processes each would keep the steps its own commit times say, and a step one "
-                             "process dropped is whole nowhere; keep local steps by step (LatestN, EveryNSteps)")
         self.path = tier.process_path(process)
         self.root = StepRoot.open(self.path)
         self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
@@ -89,6 +89,7 @@ class LocalTiers:
                                                          dispatcher.options.barrier_timeout, newest)
         self.domains, self._orders = replicas.placement(tier, hosts, count)
         self._decisions = replicas.decisions(tier, count, dispatcher.options.barrier_timeout)
+        self._times = self._shared_clock()
         self.root.remove_leftovers()
         local_steps.read_steps(self.root, self._owner, remove=True)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
@@ -99,6 +100,18 @@ class LocalTiers:
         self._resumed_at: int | None = None  # the step a restore resumed, until the next save
         self._last_save = clock()
 
+    def _shared_clock(self) -> SharedClock:
+        """Each local save's time: process 0's clock, shared, where a clock-reading keep policy decides
+        in a job of several processes (each process commits its local step alone, at its own time: a
+        policy reading those would keep different steps on different processes, and a step one of
+        them dropped is whole nowhere); else this process's clock."""
+        keep = self.tier.keep_policy
+        if self.count == 1 or keep is None or not keep.uses_clock:
+            return SharedClock(None, self._clock)
+        template = self.tier.process_path("{process}")
+        return SharedClock(open_room("tiers-times", template, f"the local tier {template}",
+                                     self.dispatcher.options.barrier_timeout), self._clock)
+
     def steps(self) -> list[int]:
         """This process's committed local steps of this manager's root, ascending (steps whose info
         cannot be read are left out: lost, as a wiped step is)."""
@@ -107,6 +120,11 @@ class LocalTiers:
     def infos(self) -> tuple[dict[int, dict], list[str]]:
         """({step: info} of this process's committed local steps of this root, [unreadable info files])."""
         return local_steps.read_steps(self.root, self._owner)
+
+    def whole_steps(self, persistent_steps: list[int]) -> dict[int, str]:
+        """{step: durability} of the steps the job can restore whole, persistent or local
+        (``local_steps.whole_steps``: every process together, the same answer everywhere)."""
+        return local_steps.whole_steps(self, persistent_steps)
 
     def should_save(self, step: int, preempted: bool = False) -> bool:
         """Whether the local save policy saves ``step`` (never a step not newer than the last)."""
@@ -123,25 +141,29 @@ class LocalTiers:
         metrics and metadata); retention of local steps follows its commit, on the tier's thread."""
         self.wait()
         moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
-        info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": self._clock(),
-                **tiers_plan.local_record(tree, self.process, self.count, moves, self.domains), **(described or {})}
+        started = self._times.time_of(step)
+        agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
+        info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
+                **agreed, **tiers_plan.local_record(tree, self.process, self.count, moves, self.domains),
+                **(described or {})}
         handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
                                       attachments=Attachments(files or {}, info=info, clock=self._clock), **save_kwargs)
         self._last_step, self._last_save, self._afresh = step, info["started"], False
         with self._lock:
-            self._in_flight = self._thread.submit(self._finish, handle)
+            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"))
         return handle
 
-    def _finish(self, handle: SaveHandle):
+    def _finish(self, handle: SaveHandle, now: float | None):
         """On the tier's thread: wait for the save (its failure is raised by :meth:`wait`), then
-        delete the local steps the keep policy drops (logged, never raised: the save committed)."""
+        delete the local steps the keep policy drops (logged, never raised: the save committed).
+        ``now``: the save's job-wide time, if agreed (the policy then sees the same on every process)."""
         handle.wait()
         if self.tier.keep_policy is None:
             return
         try:
             infos = self.infos()[0]
             records = [local_steps.record(s, infos.get(s)) for s in self.root.committed_steps()]
-            dropped = retention.steps_to_delete(records, self.tier.keep_policy, self._clock())
+            dropped = retention.steps_to_delete(records, self.tier.keep_policy, self._clock() if now is None else now)
             retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting], lambda step: None)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
             logging.exception("dispatch_io: retention of the local tier %s failed", self.path)

@@ -1,0 +1,148 @@
+"""Checking a restore's local copies against their CRC-32Cs, each byte read once where it can be.
+
+A local step saved with checksums records the CRC-32C of every stored chunk (its bytes as stored).
+A restore through the tiers checks:
+
+* **its own regions as it reads them** (:class:`ReadCheck`, called by ``reading.read_regions`` for each
+  region read): a local save chunks each region within its bounds, so once a region is in memory so is
+  every chunk of it, and its CRC-32C is computed there -- nothing is read twice. A region with a bad
+  chunk is not used: the restore gets that region alone from the next source (a peer's copy, then the
+  root);
+* **before the read**, what it cannot check that way (:func:`before_read`, :meth:`LocalCopy.bad`): the
+  copies it reads for other processes (they leave in rows before anyone could check them), and own
+  regions whose chunks cross the region's bounds or are converted as read (``cast=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from absl import logging
+
+from dispatch_io import reading
+from dispatch_io import restore as restore_lib
+from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError, WorkerError
+from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.progress import Progress
+from workers import crc32c, numpy_dtype
+
+
+def checkable(out: restore_lib.Output, region) -> bool:
+    """Whether ``region`` of ``out`` can be checked in memory as it is read: its checkpoint has
+    checksums, it is read as stored (no conversion), and every stored chunk it overlaps lies inside it."""
+    saved = out.saved
+    if saved.checksums is None or numpy_dtype(np.dtype(out.dtype).name) != out.saved_dtype:
+        return False
+    stored = saved.stored
+    return all(lo % c == 0 and (hi % c == 0 or hi == n)
+               for (lo, hi), c, n in zip(out.stored_bounds(region), stored.chunk_shape, stored.shape))
+
+
+class ReadCheck:
+    """``check(out, region, array)`` for ``reading.read_regions``: True if every stored chunk of the
+    region just read (``array``: its buffer) matches its CRC-32C (or the region is one
+    :func:`before_read` checked); else the region is recorded in :attr:`bad` ({key path: [region]}),
+    logged, and False (the read leaves it out)."""
+
+    def __init__(self, display: str, copy: "LocalCopy | None"):
+        self.display, self.copy = display, copy
+        self.bad: dict[str, list] = {}
+
+    def __call__(self, out: restore_lib.Output, region, array) -> bool:
+        if not checkable(out, region):
+            return True
+        data, bounds, wrong = np.asarray(array), out.stored_bounds(region), []
+        for grid, cell in reading.stored_cells(out.saved.stored, bounds):
+            crc = crc32c(data[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(cell, bounds))])
+            expected = out.saved.checksums.get(tuple(grid))
+            if crc != expected:
+                wrong.append((out.saved.keypath, grid, cell, expected, crc))
+        if not wrong:
+            if self.copy is not None:  # checked: a later plan reading it for others need not read it again
+                self.copy.checked.add((out.saved.keypath, region))
+            return True
+        logging.warning("dispatch_io: a region of the local copy is not used: %s",
+                        reading.mismatches(self.display, wrong))
+        self.bad.setdefault(out.saved.keypath, []).append([list(b) for b in region])
+        return False
+
+
+def before_read(plan: tiers_plan.TierPlan, process: int, outputs: dict, held: dict) -> list[tuple]:
+    """(output, region to check, the held region it is part of) for every copy ``process`` reads at
+    ``plan.step`` that it cannot check in memory as it reads it: the regions it reads for others
+    (a peer route's reader; any part of a region cut from copies, which any holder of the part may
+    read) and its own regions :func:`checkable` says no to. ``outputs``: {saved key path: Output} of
+    its copy; ``held``: {key path: set of regions} it holds at the step."""
+    found = []
+    for keypath, routes in plan.routes.items():
+        out = outputs.get(keypath)
+        if out is None:
+            continue
+        for region, route in routes.items():
+            if route.parts:
+                found += [(out, part, mine) for part, procs in route.parts if process in procs
+                          for mine in held.get(keypath, ()) if _inside(part, mine)]
+            elif route.kind == tiers_plan.PEER and route.reader == process:
+                found.append((out, region, region))
+            elif process in route.own and not checkable(out, region):
+                found.append((out, region, region))
+    return found
+
+
+def _inside(part, region) -> bool:
+    return all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(part, region))
+
+
+@dataclasses.dataclass
+class LocalCopy:
+    """This process's copy of one local step, as a restore uses it: its opened checkpoint (None: it
+    cannot be opened, the step is lost to this process), the restore's (treedef, outputs) planned with
+    its manifest (the local pass fills them), and the regions already checked (:meth:`bad` checks
+    each once; a :class:`ReadCheck` adds those it passed)."""
+
+    opened: object
+    treedef: object = None
+    outputs: list = dataclasses.field(default_factory=list)
+    checked: set = dataclasses.field(default_factory=set)
+
+    @property
+    def by_keypath(self) -> dict:
+        """{saved key path: Output} of the restore's outputs planned with this copy's manifest."""
+        return {o.saved.keypath: o for o in self.outputs if isinstance(o, restore_lib.Output)}
+
+    @classmethod
+    def open(cls, path: str, outputs_of) -> "LocalCopy":
+        """The copy at ``path`` (``outputs_of(manifest)``: the restore's (treedef, outputs)); a copy
+        that cannot be opened is logged and has no ``opened``."""
+        try:
+            opened = open_checkpoint(path)
+        except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
+            logging.warning("dispatch_io: the local step %s is not used: %s", path, exc)
+            return cls(None)
+        return cls(opened, *outputs_of(opened.manifest))
+
+    def bad(self, dispatcher, wanted: list[tuple]) -> dict[str, list]:
+        """{key path: [held region]} of the ``wanted`` (:func:`before_read`) a stored chunk of which
+        fails its CRC-32C or cannot be read (logged); each region checked once per restore. A copy
+        saved without checksums has nothing to check against: {}."""
+        wanted = [w for w in wanted if (w[0].saved.keypath, w[1]) not in self.checked]
+        if not wanted or not self.opened.manifest.has_checksums:  # saved without checksums: nothing to check against
+            return {}
+        reader = dispatcher.runner.open_reader(self.opened.arrays, self.opened.context)
+        progress = Progress("verify", self.opened.display, enabled=False)
+        found: dict[str, list] = {}
+        try:
+            with progress:
+                for out, region, mine in wanted:
+                    self.checked.add((out.saved.keypath, region))
+                    try:
+                        reading.verify_stored(reader, [(out, out.stored_bounds(region))],
+                                              dispatcher.options.read_batch_bytes, progress)
+                    except (CorruptCheckpointError, WorkerError) as exc:
+                        logging.warning("dispatch_io: a region of the local copy is not used: %s", exc)
+                        found.setdefault(out.saved.keypath, []).append([list(b) for b in mine])
+        finally:
+            reader.close()
+        return found
