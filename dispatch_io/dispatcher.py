@@ -22,6 +22,7 @@ from dispatch_io.multihost import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import held
 from dispatch_io import read_api
+from dispatch_io import transfer
 from dispatch_io.formats import exporting
 from dispatch_io.formats import to_orbax
 from dispatch_io.formats import to_safetensors
@@ -31,7 +32,8 @@ from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache, with_packs
 from dispatch_io.progress import RestoreStats
-from dispatch_io.runner import LocalRunner, Runner, platform
+from dispatch_io.runner import LocalRunner, Runner
+from dispatch_io.transfer import platform
 from dispatch_io.save import Attachments, SaveHandle, SaveJob, SaveRun, check_callbacks
 from dispatch_io.locks import PathLocks
 from dispatch_io.staging import StagingRing
@@ -51,7 +53,7 @@ class Dispatcher:
         self.options = options
         self.runner = runner
         self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)
-        self._ring = StagingRing(options.staging_bytes, allocate=runner.host_staging)
+        self._ring = StagingRing(options.staging_bytes)
         self._paths = PathLocks()
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
         self._lock = threading.Lock()
@@ -328,4 +330,4 @@ class LocalDispatcher(Dispatcher):
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         options = Options(host_memory_budget=host_memory_budget, **options)
-        super().__init__(options, LocalRunner(options.io_settings()))
+        super().__init__(options, LocalRunner(options.io_settings(), transfer=transfer.resolve(options.host_transfer)))

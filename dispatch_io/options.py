@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from dispatch_io.staging import ALIGN
+from dispatch_io.transfer import MODES as HOST_TRANSFERS
 from workers import (LAYOUTS, IOSettings, check_data_file_bytes, compression_codec, default_io_concurrency,
                      default_threads, host_cpus)
 
@@ -34,6 +35,13 @@ class Options:
         None (default): 2 per CPU this process may use, at least 16.
     copy_concurrency: threads TensorStore encodes, decodes and copies chunks on. None
         (default): the CPUs this process may use.
+    host_transfer: how a save's chunks come off their devices (``LocalDispatcher``).
+        ``"pinned"``: ``jax.device_put`` into the device's ``pinned_host`` memory kind, every
+        transfer of a batch started before the first is awaited, and the writers read the
+        pinned buffers without another copy (the budget bounds the pinned bytes in flight).
+        ``"pageable"``: copied into the staging ring (``copy_to_host_async`` on accelerators).
+        ``"auto"`` (default): pinned on accelerators that have the ``pinned_host`` memory
+        kind, pageable on CPU devices, whose memory is host memory already.
     fsync: make files and directories durable before the commit marker is written.
     keep_staging_warm: keep the staging buffer between saves. Memory freed to the OS is
         slow to touch again, so a warm buffer makes repeated saves several times faster;
@@ -105,8 +113,11 @@ class Options:
     progress: bool = True
     io_concurrency: int | None = None
     copy_concurrency: int | None = None
+    host_transfer: str = "auto"
 
     def __post_init__(self):
+        if self.host_transfer not in HOST_TRANSFERS:
+            raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got {self.host_transfer!r}")
         cpus = host_cpus()
         derived = {"write_threads": default_threads(cpus), "io_concurrency": default_io_concurrency(cpus),
                    "copy_concurrency": cpus}
