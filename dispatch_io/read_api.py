@@ -41,7 +41,7 @@ def restore(runner, options: Options, path, target, *, partial: bool, cast: bool
             if verify:
                 reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
             times.append(time.perf_counter())
-            reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress)
+            reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress, place=True)
         times.append(time.perf_counter())
         return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, exchanged
 
