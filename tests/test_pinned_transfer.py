@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import dispatch_io as dio
 from dispatch_io import transfer
-from conftest import assert_trees_bit_equal, host_bytes
+from conftest import assert_trees_bit_equal, hooked_dispatcher, host_bytes
 from test_roundtrip import DEVICE_DTYPES, IMPLS, dtype_of, random_bits
 
 MiB = 1 << 20
@@ -83,6 +83,28 @@ def test_a_failing_transfer_names_its_key_path(tmp_path, mesh):
             d.save(tmp_path / "ckpt", tree, priority=lambda k, s: dio.Priority.LOW).wait()
     assert info.value.keypath == "['l2']" and "deleted" in str(info.value), info.value
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_sync_save_returns_once_its_leaves_are_pinned_not_written(tmp_path, mesh):
+    """save() returns while every write is still held back: the SYNC leaves are in pinned
+    buffers, and the writes then finish from them."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    tree = {f"w{i}": jax.device_put(np.arange(4096, dtype=np.float32).reshape(64, 64) * i, sharding) for i in range(4)}
+    release, writes = threading.Event(), []
+
+    def held(regions):
+        writes.append(len(regions))
+        assert release.wait(60)
+
+    with hooked_dispatcher(dio.LocalDispatcher, write_hook=held, host_memory_budget=MiB, progress=False,
+                           **PINNED) as d:
+        assert not d.runner.host_staging
+        handle = d.save(tmp_path / "ckpt", tree)   # every leaf SYNC (the default)
+        assert not handle.done()
+        release.set()
+        handle.wait()
+        assert writes
+        assert_trees_bit_equal(tree, d.restore(tmp_path / "ckpt", tree))
 
 
 def test_donating_after_on_transfer_end_never_reaches_the_checkpoint(forced, mesh, tmp_path):
