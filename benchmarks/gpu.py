@@ -497,6 +497,7 @@ def main():
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--system", default="-", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.root = os.path.abspath(a.root)   # Orbax takes absolute paths only
     if a.child:
         child = {"system": child_system, "limits": child_limits, "step": child_step}[a.child]
         print(json.dumps(child(a)))
