@@ -208,11 +208,16 @@ class ColocatedDispatcher(Dispatcher):
     """Runs the worker code on the CPU hosts colocated with the devices (Pathways), through
     ``jax.experimental.colocated_python``. Same API and guarantees as ``LocalDispatcher``;
     ``host_memory_budget`` bounds the bytes held on the CPU side at once; other
-    :class:`~dispatch_io.Options` fields may be given as keyword arguments.
+    :class:`~dispatch_io.Options` fields may be given as keyword arguments, except
+    ``host_transfer`` (ValueError unless ``"auto"``): its device-to-host copy is the move onto
+    the colocated CPU devices, whose buffers the colocated writers read as they are.
     """
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         options = Options(host_memory_budget=host_memory_budget, **options)
+        if options.host_transfer != "auto":
+            raise ValueError(f"host_transfer={options.host_transfer!r}: ColocatedDispatcher moves chunks onto "
+                             "the colocated CPU devices (jax.device_put), for LocalDispatcher only")
         super().__init__(options, ColocatedRunner(options.io_settings()))
 
 

@@ -10,7 +10,6 @@ worker code runs is the runner's business (``runner.py``): :class:`LocalDispatch
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import threading
 import time
@@ -21,11 +20,9 @@ import jax
 from dispatch_io import collector
 from dispatch_io.multihost import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import progress as progress_lib
-from dispatch_io import reading
 from dispatch_io import held
-from dispatch_io.multihost import scaleout
-from dispatch_io import restore as restore_lib
+from dispatch_io import read_api
+from dispatch_io import transfer
 from dispatch_io.formats import exporting
 from dispatch_io.formats import to_orbax
 from dispatch_io.formats import to_safetensors
@@ -34,11 +31,11 @@ from dispatch_io.formats.convert import StoredSource, check_apart, plan_stored, 
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
 from dispatch_io.plan import Plan, PlanCache, with_packs
-from dispatch_io.progress import Progress, RestoreStats
-from dispatch_io.runner import LocalRunner, Runner, platform
+from dispatch_io.progress import RestoreStats
+from dispatch_io.runner import LocalRunner, Runner
+from dispatch_io.transfer import platform
 from dispatch_io.save import Attachments, SaveHandle, SaveJob, SaveRun, check_callbacks
 from dispatch_io.locks import PathLocks
-from dispatch_io.multihost.shared_verify import verify_shared
 from dispatch_io.staging import StagingRing
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.storage import Location
@@ -56,7 +53,7 @@ class Dispatcher:
         self.options = options
         self.runner = runner
         self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)
-        self._ring = StagingRing(options.staging_bytes, allocate=runner.host_staging)
+        self._ring = StagingRing(options.staging_bytes)
         self._paths = PathLocks()
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
         self._lock = threading.Lock()
@@ -277,25 +274,8 @@ class Dispatcher:
         What it did (bytes, batches, seconds per stage) is then ``self.last_restore_stats``.
         """
         self._check_usable("restore")
-        options = self.options
-
-        def work(manifest, reader, progress, times):
-            exchanged = scaleout.Exchanged(0, 0, 0)
-            if names is not None:
-                manifest = dataclasses.replace(manifest, tensor_names=names)
-            treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast, options.small_leaf_bytes)
-            times.append(time.perf_counter())
-            if options.restore_broadcast and jax.process_count() > 1:
-                exchanged = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=times)
-            else:
-                if verify:
-                    reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
-                times.append(time.perf_counter())
-                reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress)
-            times.append(time.perf_counter())
-            return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, exchanged
-
-        result, self.last_restore_stats = self._read("restore", path, work)
+        result, self.last_restore_stats = read_api.restore(self.runner, self.options, path, target, partial=partial,
+                                                           cast=cast, verify=verify, names=names)
         return result
 
     def verify(self, path) -> RestoreStats:
@@ -312,58 +292,7 @@ class Dispatcher:
         (``shared_verify``). ``dispatch-io verify`` calls it.
         """
         self._check_usable("verify")
-        options = self.options
-
-        def work(manifest, reader, progress, times):
-            _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
-            times.append(time.perf_counter())
-            if jax.process_count() > 1:
-                verify_shared(reader, outputs, options.read_batch_bytes, options.barrier_timeout, progress,
-                              compare=manifest.has_checksums)
-            else:
-                reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress,
-                                       compare=manifest.has_checksums)
-            times += [time.perf_counter()] * 2  # nothing read into a result
-            return None, manifest.has_checksums, scaleout.Exchanged(0, 0, 0)
-
-        _, stats = self._read("verify", path, work)
-        return stats
-
-    def _read(self, kind: str, path, work):
-        """The skeleton restore and verify share: the manifest, a reader, progress, and the
-        check that no save replaced the checkpoint while it was read. ``work(manifest, reader,
-        progress, times)`` appends the times it planned, verified and read at and returns
-        (result, whether every chunk read was checked, what it exchanged with other processes:
-        ``scaleout.Exchanged``);
-        returns (result, RestoreStats). The garbage collector is paused throughout (``collector``)."""
-        started = time.perf_counter()
-        with collector.paused():
-            source = open_checkpoint(path)
-            return self._read_from(kind, source, work, started)
-
-    def _read_from(self, kind: str, source, work, started: float):
-        """:meth:`_read` of the opened checkpoint ``source``."""
-        progress = Progress(kind, source.display, enabled=self.options.progress)
-        times: list[float] = []
-        with progress:  # a terminal line is ended if this raises
-            reader = self.runner.open_reader(source.arrays, source.context)
-            try:
-                result, verified, exchanged = work(source.manifest, reader, progress, times)
-            except Exception as exc:
-                source.check_unchanged(exc)  # a read failure caused by a replacement
-                raise
-            finally:
-                reader.close()
-            source.check_unchanged()  # else the result may mix two checkpoints
-        phases = progress.phases.values()
-        stats = RestoreStats(
-            path=source.display, bytes_read=sum(p.bytes_done for p in phases),
-            batches=sum(p.batches_done for p in phases), plan_seconds=times[0] - started,
-            verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
-            total_seconds=time.perf_counter() - started, verified=verified, bytes_broadcast=exchanged.useful,
-            bytes_received=exchanged.received, bytes_sent=exchanged.sent)
-        progress_lib.report(kind, progress, stats)
-        return result, stats
+        return read_api.verify(self.runner, self.options, path)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -402,4 +331,4 @@ class LocalDispatcher(Dispatcher):
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         options = Options(host_memory_budget=host_memory_budget, **options)
-        super().__init__(options, LocalRunner(options.io_settings()))
+        super().__init__(options, LocalRunner(options.io_settings(), transfer=transfer.resolve(options.host_transfer)))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from dispatch_io.staging import ALIGN
-from workers import LAYOUTS, IOSettings, check_data_file_bytes, compression_codec
+from dispatch_io.transfer import MODES as HOST_TRANSFERS
+from workers import (LAYOUTS, IOSettings, check_data_file_bytes, compression_codec, default_io_concurrency,
+                     default_threads, host_cpus)
 
 MiB = 1 << 20
 MIN_OVERLAPPED_BATCH = 8 * MiB   # smallest save batch worth a writer's share of staging (batch_bytes)
@@ -24,9 +26,22 @@ class Options:
         budget, a quarter of it with ``compression``); at most half the staging space, so
         that a batch of it and the next one always fit together. A chunk larger than a batch
         (``batch_bytes``) is a batch of its own.
-    write_threads: worker threads writing batches concurrently (a save batch is at most
-        ``staging / (write_threads + 1)`` bytes: one per writer and one being copied; half
-        the staging where that would be under 8 MiB).
+    write_threads: worker threads doing IO calls concurrently: writing batches, and the reads
+        of a restore (a save batch is at most ``staging / (write_threads + 1)`` bytes: one per
+        writer and one being copied; half the staging where that would be under 8 MiB). None
+        (default): from the CPUs this process may use (``os.sched_getaffinity``): half of them,
+        at least 2, at most 16 (2 on a 2-CPU host, 8 on a 16-CPU one).
+    io_concurrency: file reads and writes TensorStore keeps in flight per writer or reader.
+        None (default): 2 per CPU this process may use, at least 16.
+    copy_concurrency: threads TensorStore encodes, decodes and copies chunks on. None
+        (default): the CPUs this process may use.
+    host_transfer: how a save's chunks come off their devices (``LocalDispatcher``).
+        ``"pinned"``: ``jax.device_put`` into the device's ``pinned_host`` memory kind, every
+        transfer of a batch started before the first is awaited, and the writers read the
+        pinned buffers without another copy (the budget bounds the pinned bytes in flight).
+        ``"pageable"``: copied into the staging ring (``copy_to_host_async`` on accelerators).
+        ``"auto"`` (default): pinned on accelerators that have the ``pinned_host`` memory
+        kind, pageable on CPU devices, whose memory is host memory already.
     fsync: make files and directories durable before the commit marker is written.
     keep_staging_warm: keep the staging buffer between saves. Memory freed to the OS is
         slow to touch again, so a warm buffer makes repeated saves several times faster;
@@ -83,7 +98,7 @@ class Options:
 
     host_memory_budget: int = 1 << 30
     max_chunk_bytes: int | None = None
-    write_threads: int = 2
+    write_threads: int | None = None
     fsync: bool = True
     keep_staging_warm: bool = True
     layout: str = "ocdbt"
@@ -96,8 +111,21 @@ class Options:
     small_leaf_bytes: int = 256 << 10
     restore_broadcast: bool = True
     progress: bool = True
+    io_concurrency: int | None = None
+    copy_concurrency: int | None = None
+    host_transfer: str = "auto"
 
     def __post_init__(self):
+        if self.host_transfer not in HOST_TRANSFERS:
+            raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got {self.host_transfer!r}")
+        cpus = host_cpus()
+        derived = {"write_threads": default_threads(cpus), "io_concurrency": default_io_concurrency(cpus),
+                   "copy_concurrency": cpus}
+        for name, value in derived.items():
+            if getattr(self, name) is None:  # a frozen dataclass: the derived default is set once, here
+                object.__setattr__(self, name, value)
+            elif type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {getattr(self, name)!r}")
         if not isinstance(self.host_memory_budget, int) or self.host_memory_budget <= 0:
             raise ValueError(f"host_memory_budget must be a positive number of bytes, got {self.host_memory_budget!r}")
         compression_codec(self.compression)  # ValueError naming the option for a bad value
@@ -117,8 +145,6 @@ class Options:
         if not isinstance(self.small_leaf_bytes, int) or isinstance(self.small_leaf_bytes, bool) \
                 or self.small_leaf_bytes < 0:
             raise ValueError(f"small_leaf_bytes must be a number of bytes >= 0, got {self.small_leaf_bytes!r}")
-        if self.write_threads < 1:
-            raise ValueError(f"write_threads must be >= 1, got {self.write_threads!r}")
 
     @property
     def chunk_bytes(self) -> int:
@@ -156,4 +182,5 @@ class Options:
         return IOSettings(layout=self.layout, fsync=self.fsync, checksums=self.checksums,
                           keep_page_cache=self.keep_page_cache, threads=self.write_threads,
                           read_window=self.read_batch_bytes, compression=compression_codec(self.compression),
-                          data_file_bytes=self.data_file_bytes)
+                          data_file_bytes=self.data_file_bytes, io_concurrency=self.io_concurrency,
+                          copy_concurrency=self.copy_concurrency)

@@ -29,7 +29,7 @@ from dispatch_io.batches import pack, packs
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, WorkerError
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.progress import Progress
-from dispatch_io.restore import HOST, Output, finish, output_regions
+from dispatch_io.restore import DEVICE, HOST, Output, finish, output_regions
 from workers import ReadItem, Region, brief_error, numpy_dtype
 
 EAGER_CHUNKS = 1 << 16   # a verify of more chunks makes its batches as it reads (exact progress below)
@@ -129,24 +129,34 @@ def read_item(out: Output, region, chunk_limit: int) -> ReadItem:
 
 
 def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, batch_limit: int,
-                 progress: Progress, on_batch: Callable[[int], None] | None = None, check: Callable | None = None):
+                 progress: Progress, on_batch: Callable[[int], None] | None = None, check: Callable | None = None,
+                 place: bool = False):
     """Fill ``out.buffers[region]`` for each (output, region) of ``wanted`` through ``reader``
     (host arrays, or arrays on a colocated CPU device), batches of at most ``batch_limit``
     bytes, two in flight; counted on ``progress`` as ``read``. ``on_batch(bytes read so far)``
     is called after each batch. ``check(out, region, array)``, if given, sees each region as it is
-    read: one it says False to is left out (its buffer is not kept)."""
+    read: one it says False to is left out (its buffer is not kept).
+
+    ``place``: every device result is put on its devices (:func:`finish`) as soon as its last
+    region is read -- the host-to-device transfers of one batch run while the next batch is
+    read (JAX orders each device's transfers: one stream per device), and each batch's are
+    awaited before another read is submitted, so the host holds at most two batches. Without it
+    only ``whole`` results are placed early (the caller may still add to the others' buffers)."""
     work = [(out, region, read_item(out, region, chunk_limit)) for out, region in wanted]
     batches = [items for items, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
     done = 0
 
     def consume(batch, arrays):
         nonlocal done
+        placed = []
         for (out, region, item), array in zip(batch, arrays):
-            if check is None or check(out, region, array):
-                out.buffers[region] = array
-                if out.whole:
-                    finish(out)
             done += item.nbytes
+            if check is not None and not check(out, region, array):
+                continue
+            out.buffers[region] = array
+            if out.whole or (place and out.where == DEVICE and len(out.buffers) == len(out.regions)):
+                placed.append(finish(out))
+        jax.block_until_ready(placed)  # their host buffers are free before the next read is submitted
         if on_batch is not None:
             on_batch(done)
 
@@ -165,10 +175,10 @@ def read_failure(exc: BaseException, keypath: str, display: str) -> WorkerError:
 
 
 def read_outputs(reader, outputs: list, chunk_limit: int, batch_limit: int, progress: Progress, *,
-                 only: Callable | None = None, check: Callable | None = None):
+                 only: Callable | None = None, check: Callable | None = None, place: bool = False):
     """Fill every output's ``buffers`` with every region this process holds (:func:`read_regions`;
-    ``only``: as :func:`needed_regions`; ``check``: as :func:`read_regions`)."""
-    read_regions(reader, needed_regions(outputs, only), chunk_limit, batch_limit, progress, check=check)
+    ``only``: as :func:`needed_regions`; ``check``, ``place``: as :func:`read_regions`)."""
+    read_regions(reader, needed_regions(outputs, only), chunk_limit, batch_limit, progress, check=check, place=place)
 
 
 def stored_cells(stored, bounds):

@@ -316,10 +316,16 @@ def _from_regions(out: Output):
     if not buffers:  # no device of this process holds a shard of it
         return jax.make_array_from_single_device_arrays(out.saved.shape, out.sharding, [], dtype=out.dtype)
     whole = tuple((0, n) for n in out.saved.shape)
+    kind = out.sharding.memory_kind
 
     def shard(index):
         region = index_region(index, out.saved.shape)
-        return buffers[region] if region in buffers else buffers[whole][index]
+        buffer = buffers[region] if region in buffers else buffers[whole][index]
+        if isinstance(buffer, jax.Array) and kind is not None and buffer.sharding.memory_kind != kind:
+            # A colocated read's result, on a CPU device that may be the target's own (no Pathways):
+            # JAX adopts such a buffer only in the memory kind the target names.
+            buffer = jax.device_put(buffer, buffer.sharding.with_memory_kind(kind))
+        return buffer
 
     try:
         return jax.make_array_from_callback(out.saved.shape, out.sharding, shard, dtype=out.dtype)

@@ -24,13 +24,12 @@ import threading
 from typing import Protocol, Sequence
 
 import jax
-import numpy as np
 import tensorstore as ts
 
-from dispatch_io.staging import aligned
 from dispatch_io.plan import Chunk, Plan
+from dispatch_io.transfer import PAGEABLE, copy_chunks_pinned, copy_chunks_to_host
 from dispatch_io.storage import WriteTarget
-from workers import (ChunkError, IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
+from workers import (IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
                      write_regions)
 
 _current = threading.local()  # .owner: the IOThreads the running thread belongs to
@@ -98,20 +97,25 @@ class Runner(Protocol):
 
 class LocalRunner:
     """Runs the worker functions in this process on ``settings.threads`` threads: one writer
-    per JAX process (``p<index>``), host copies straight into the staging ring."""
+    per JAX process (``p<index>``). ``transfer`` (``transfer.PAGEABLE`` or ``PINNED``, as
+    ``transfer.resolve`` decides) is how chunks come off their devices: pageable copies
+    straight into the staging ring, or pinned host buffers the writers read as they are (the
+    ring then only counts their bytes)."""
 
-    host_staging = True
-
-    def __init__(self, settings: IOSettings, threads: IOThreads | None = None):
+    def __init__(self, settings: IOSettings, threads: IOThreads | None = None, transfer: str = PAGEABLE):
         self.settings = settings
         self.threads = threads or IOThreads(settings.threads, "dispatch_io-worker")
+        self.transfer = transfer
+        self.host_staging = transfer == PAGEABLE
 
     def open_writer(self, target: WriteTarget) -> "LocalWriter":
         return LocalWriter(self.threads, Session.writer(target.kvstore, f"p{jax.process_index()}", self.settings,
                                                         target.context))
 
     def copy_to_host(self, plan, chunks, sources, staging):
-        return copy_chunks_to_host(plan, chunks, sources, staging)
+        if self.host_staging:
+            return copy_chunks_to_host(plan, chunks, sources, staging)
+        return copy_chunks_pinned(plan, chunks, sources)
 
     def open_reader(self, kvstore: dict, context) -> "LocalReader":
         return LocalReader(self.threads, Session(kvstore, self.settings, context))
@@ -143,42 +147,3 @@ class LocalReader:
 
     def close(self):
         self._session.close()
-
-
-def platform(array) -> str:
-    """The platform (``cpu``, ``gpu``, ``tpu``) of the devices holding ``array``."""
-    return next(iter(array.sharding.device_set)).platform
-
-
-def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources, staging: np.ndarray) -> list[np.ndarray]:
-    """Copy each chunk's region from its device shard(s) into consecutive staging slices.
-
-    On CPU the device buffer is host memory: ``np.asarray`` views it without a copy and the
-    one copy is into staging. On accelerators the region is sliced on the device and all
-    copies of the batch are started before the first is awaited."""
-    out, pending, offset = [], [], 0
-    for chunk in chunks:
-        spec = plan.leaves[chunk.leaf]
-        try:
-            shape = tuple(hi - lo for lo, hi in chunk.region)
-            dst = staging[offset:offset + chunk.nbytes].view(spec.dtype).reshape(shape)
-            offset += aligned(chunk.nbytes)
-            for data, local, within in sources.parts(chunk):
-                part = dst[within] if within else dst  # dst[()] of a 0-d array is no view
-                if isinstance(data, np.ndarray):
-                    np.copyto(part, data[local])
-                elif platform(data) == "cpu":
-                    np.copyto(part, np.asarray(data)[local])
-                else:
-                    piece = data[local]
-                    piece.copy_to_host_async()
-                    pending.append((part, piece, spec, chunk))
-            out.append(dst)
-        except Exception as exc:  # noqa: BLE001 - any failure is the chunk's, named by its key path
-            raise ChunkError(spec.keypath, chunk.region, exc) from exc
-    for dst, piece, spec, chunk in pending:
-        try:
-            np.copyto(dst, np.asarray(piece))
-        except Exception as exc:  # noqa: BLE001
-            raise ChunkError(spec.keypath, chunk.region, exc) from exc
-    return out

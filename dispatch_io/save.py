@@ -222,7 +222,8 @@ class SaveRun:
                     self._sync_finished()
                 writer = self.runner.open_writer(self.commit.target)
                 for k, batch in enumerate(job.batches):
-                    ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed)
+                    ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed,
+                                                         view=self.runner.host_staging)
                     if ticket is None:
                         break
                     accounted = None

@@ -22,12 +22,12 @@ def aligned(nbytes: int) -> int:
 
 
 class StagingRing:
-    """``allocate=False``: count bytes only (the copies live elsewhere, e.g. on colocated CPU
-    devices); ``acquire`` then returns no view."""
+    """Slices of one buffer of ``capacity`` bytes, allocated when a slice is first asked for
+    with a view: runners whose copies live elsewhere (pinned host memory, colocated CPU
+    devices) only count their bytes here (``acquire(..., view=False)``)."""
 
-    def __init__(self, capacity: int, allocate: bool = True):
+    def __init__(self, capacity: int):
         self.capacity = capacity
-        self.allocate = allocate
         self._buffer: np.ndarray | None = None
         self._live: collections.OrderedDict[int, list] = collections.OrderedDict()  # id -> [start, end, freed]
         self._next_id = 0
@@ -35,9 +35,10 @@ class StagingRing:
         self.in_use = 0
         self.peak = 0
 
-    def acquire(self, nbytes: int, cancelled=lambda: False) -> tuple[int, np.ndarray]:
-        """Block until ``nbytes`` contiguous bytes are free; returns (ticket, uint8 view).
-        Returns (None, None) if ``cancelled()`` turns true while waiting."""
+    def acquire(self, nbytes: int, cancelled=lambda: False, view: bool = True) -> tuple[int, np.ndarray]:
+        """Block until ``nbytes`` contiguous bytes are free; returns (ticket, uint8 view, or None
+        without ``view``: the bytes are counted, not staged here). Returns (None, None) if
+        ``cancelled()`` turns true while waiting."""
         if not 0 < nbytes <= self.capacity:  # an empty slice would make a full ring look empty
             raise ValueError(f"batch of {nbytes} bytes: must be in (0, {self.capacity}], the staging budget")
         with self._cond:
@@ -45,14 +46,14 @@ class StagingRing:
                 if cancelled():
                     return None, None
                 self._cond.wait(0.1)
-            if self.allocate and self._buffer is None:
+            if view and self._buffer is None:
                 self._buffer = np.empty(self.capacity, dtype=np.uint8)
             ticket = self._next_id
             self._next_id += 1
             self._live[ticket] = [start, start + nbytes, False]
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
-            return ticket, (self._buffer[start:start + nbytes] if self.allocate else None)
+            return ticket, (self._buffer[start:start + nbytes] if view else None)
 
     def _fit(self, n: int) -> int | None:
         if not self._live:

@@ -135,7 +135,9 @@ def hooked_dispatcher(dispatcher_cls, write_hook=None, read_hook=None, host_memo
     """A dispatcher like ``dispatcher_cls(host_memory_budget, **options)`` whose runner is a
     :class:`HookedRunner` (``d.runner.write_hook = ...`` changes a hook)."""
     options = dio.Options(host_memory_budget=host_memory_budget, **options)
-    runner = RUNNERS[dispatcher_cls](options.io_settings())
+    local = dispatcher_cls is dio.LocalDispatcher
+    runner = RUNNERS[dispatcher_cls](options.io_settings(), **(
+        {"transfer": dio.transfer.resolve(options.host_transfer)} if local else {}))
     return dio.Dispatcher(options, HookedRunner(runner, write_hook, read_hook))
 
 

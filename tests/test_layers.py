@@ -19,7 +19,7 @@ LAYERS = {
     "dispatch_io.storage": 1,
     "dispatch_io": 2,  # the core
     "dispatch_io.formats": 3, "dispatch_io.multihost": 3,
-    "dispatch_io.dispatcher": 4, "dispatch_io.colocated": 4, "dispatch_io.sharding": 4,
+    "dispatch_io.dispatcher": 4, "dispatch_io.read_api": 4, "dispatch_io.colocated": 4, "dispatch_io.sharding": 4,
     "dispatch_io.manager": 5,
     "dispatch_io.manager.tiers": 6,
     "dispatch_io.manager.manager": 7, "dispatch_io.manager.reads": 7,

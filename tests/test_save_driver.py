@@ -156,8 +156,8 @@ def test_save_batches_share_staging_between_the_writers_and_one_copy():
     """A batch per write thread plus one being copied; half the staging where a share would be
     under 8 MiB (a commit per batch would cost more than the overlap gains)."""
     MiB = 1 << 20
-    assert dio.Options(host_memory_budget=256 * MiB).batch_bytes == 256 * MiB // 3
+    assert dio.Options(host_memory_budget=256 * MiB, write_threads=2).batch_bytes == 256 * MiB // 3
     assert dio.Options(host_memory_budget=256 * MiB, write_threads=3).batch_bytes == 64 * MiB
     assert dio.Options(host_memory_budget=256 * MiB, write_threads=1).batch_bytes == 128 * MiB
-    assert dio.Options(host_memory_budget=256 * MiB, compression="zstd").batch_bytes == 64 * MiB // 3
+    assert dio.Options(host_memory_budget=256 * MiB, compression="zstd", write_threads=2).batch_bytes == 64 * MiB // 3
     assert dio.Options(host_memory_budget=4 * MiB).batch_bytes == 2 * MiB

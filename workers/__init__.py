@@ -17,6 +17,9 @@ from workers.contract import (
     brief_error,
     check_data_file_bytes,
     compression_codec,
+    default_io_concurrency,
+    default_threads,
+    host_cpus,
     numpy_dtype,
     storage_dtype_name,
 )
@@ -35,5 +38,6 @@ from workers.tensorstore_io import (
 
 __all__ = ["COMPRESSIONS", "LAYOUTS", "RAW", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
            "aligned_empty", "brief_error", "check_data_file_bytes", "checksum_regions", "compression_codec", "crc32c",
+           "default_io_concurrency", "default_threads", "host_cpus",
            "finish_arrays", "layout_kvstore",
            "numpy_dtype", "pack_spec", "packed_leaf", "read_items", "read_regions", "shared_context", "storage_dtype_name", "write_files", "write_regions"]

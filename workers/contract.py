@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 
 import numpy as np
@@ -29,6 +30,28 @@ COMPRESSIONS = ("zstd",)
 RAW = "raw"                        # ArraySpec.driver of arrays stored as plain bytes at an offset
 ZSTD_DEFAULT_LEVEL = 3             # zstd's own default
 ZSTD_LEVELS = (-131072, 22)        # what zstd (and TensorStore's zarr3 codec) accepts
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or ``taskset``'s share,
+    not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this OS
+        return os.cpu_count() or 1
+
+
+def default_threads(cpus: int) -> int:
+    """IO calls a runner runs at once on a host with ``cpus`` CPUs: half of them (each call
+    keeps TensorStore's own threads busy too), at least 2 (one writes while one is copied), at
+    most 16 (more batches would only split the budget finer)."""
+    return max(2, min(16, cpus // 2))
+
+
+def default_io_concurrency(cpus: int) -> int:
+    """File reads and writes TensorStore keeps in flight per session: they wait on storage, not
+    on a CPU, so at least 16 and 2 per CPU on larger hosts."""
+    return max(16, 2 * cpus)
 
 
 def check_data_file_bytes(value) -> None:
@@ -254,7 +277,8 @@ class IOSettings:
     fsync: make written files durable before a write returns.
     checksums: compute a CRC-32C of every written region.
     keep_page_cache: leave the checkpoint's files in the OS page cache after IO.
-    threads: how many IO calls a runner runs at once.
+    threads: how many IO calls a runner runs at once (default: :func:`default_threads` of
+        this host's CPUs).
     read_window: most stored bytes one read call decodes at a time (bounds TensorStore's
         temporary memory for regions larger than it).
     compression: ``(codec, level)`` the chunks a writer writes are compressed with, or None
@@ -262,18 +286,29 @@ class IOSettings:
     data_file_bytes: OCDBT layout: a writer starts a new data file once one holds about this
         many bytes (a value is never split), so a batch is written as several files at once;
         None: one data file per batch.
+    io_concurrency: file reads and writes a TensorStore session keeps in flight (default:
+        :func:`default_io_concurrency` of this host's CPUs).
+    copy_concurrency: threads a TensorStore session encodes, decodes and copies chunks on
+        (default: this host's CPUs, :func:`host_cpus`; TensorStore's own default counts the
+        machine's, not the CPUs this process may use).
     """
 
     layout: str = "ocdbt"
     fsync: bool = True
     checksums: bool = False
     keep_page_cache: bool = False
-    threads: int = 2
+    threads: int = dataclasses.field(default_factory=lambda: default_threads(host_cpus()))
     read_window: int = 64 << 20
     compression: tuple[str, int] | None = None
     data_file_bytes: int | None = None
+    io_concurrency: int = dataclasses.field(default_factory=lambda: default_io_concurrency(host_cpus()))
+    copy_concurrency: int = dataclasses.field(default_factory=host_cpus)
 
     def __post_init__(self):
+        for name in ("threads", "io_concurrency", "copy_concurrency"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         check_data_file_bytes(self.data_file_bytes)

@@ -52,7 +52,7 @@ class Session:
     """
 
     def __init__(self, kvstore: dict, settings: IOSettings, context: ts.Context | None = None,
-                 io_concurrency: int = 16, cache_bytes: int = 0):
+                 cache_bytes: int = 0):
         self.kvstore = kvstore
         self.fsync = settings.fsync
         self.checksums = settings.checksums  # write_regions returns each region's crc32c
@@ -75,7 +75,8 @@ class Session:
         # caches of its own, which cannot be stale from an earlier save to the same place.
         self.context = ts.Context(NODE_CACHE, parent=context) if context is not None else ts.Context({
             "cache_pool": {"total_bytes_limit": cache_bytes}, **NODE_CACHE,
-            "file_io_concurrency": {"limit": io_concurrency},
+            "file_io_concurrency": {"limit": settings.io_concurrency},
+            "data_copy_concurrency": {"limit": settings.copy_concurrency},
             "file_io_sync": settings.fsync,
         })
         # The memory kvstore keeps written values by reference: they must not alias the

@@ -1,0 +1,98 @@
+"""The read side of the dispatcher's API: ``restore`` and ``verify`` of a checkpoint at a path.
+
+Both open the path (``formats.open_checkpoint``: ours, Orbax's or safetensors), read through
+the dispatcher's runner and check that no save replaced the checkpoint while it was read
+(:func:`read_checkpoint`); what differs is the work done with the reader. The save side
+(plans, batches, the staging ring, per-path locks) stays in ``dispatcher.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+
+from dispatch_io import collector
+from dispatch_io import progress as progress_lib
+from dispatch_io import reading
+from dispatch_io import restore as restore_lib
+from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.multihost import scaleout
+from dispatch_io.multihost.shared_verify import verify_shared
+from dispatch_io.options import Options
+from dispatch_io.progress import Progress, RestoreStats
+
+
+def restore(runner, options: Options, path, target, *, partial: bool, cast: bool, verify: bool,
+            names: Callable | None) -> tuple:
+    """(the restored tree, RestoreStats): ``Dispatcher.restore`` (see its doc)."""
+
+    def work(manifest, reader, progress, times):
+        exchanged = scaleout.Exchanged(0, 0, 0)
+        if names is not None:
+            manifest = dataclasses.replace(manifest, tensor_names=names)
+        treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast, options.small_leaf_bytes)
+        times.append(time.perf_counter())
+        if options.restore_broadcast and jax.process_count() > 1:
+            exchanged = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=times)
+        else:
+            if verify:
+                reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
+            times.append(time.perf_counter())
+            reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress, place=True)
+        times.append(time.perf_counter())
+        return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, exchanged
+
+    return read_checkpoint(runner, options, "restore", path, work)
+
+
+def verify(runner, options: Options, path) -> RestoreStats:
+    """``Dispatcher.verify`` (see its doc)."""
+
+    def work(manifest, reader, progress, times):
+        _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
+        times.append(time.perf_counter())
+        if jax.process_count() > 1:
+            verify_shared(reader, outputs, options.read_batch_bytes, options.barrier_timeout, progress,
+                          compare=manifest.has_checksums)
+        else:
+            reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress,
+                                   compare=manifest.has_checksums)
+        times += [time.perf_counter()] * 2  # nothing read into a result
+        return None, manifest.has_checksums, scaleout.Exchanged(0, 0, 0)
+
+    return read_checkpoint(runner, options, "verify", path, work)[1]
+
+
+def read_checkpoint(runner, options: Options, kind: str, path, work) -> tuple:
+    """The skeleton restore and verify share: the manifest, a reader, progress, and the check
+    that no save replaced the checkpoint while it was read. ``work(manifest, reader, progress,
+    times)`` appends the times it planned, verified and read at and returns (result, whether
+    every chunk read was checked, what it exchanged with other processes: ``scaleout.Exchanged``);
+    returns (result, RestoreStats). The garbage collector is paused throughout (``collector``)."""
+    started = time.perf_counter()
+    with collector.paused():
+        source = open_checkpoint(path)
+        progress = Progress(kind, source.display, enabled=options.progress)
+        times: list[float] = []
+        with progress:  # a terminal line is ended if this raises
+            reader = runner.open_reader(source.arrays, source.context)
+            try:
+                result, verified, exchanged = work(source.manifest, reader, progress, times)
+            except Exception as exc:
+                source.check_unchanged(exc)  # a read failure caused by a replacement
+                raise
+            finally:
+                reader.close()
+            source.check_unchanged()  # else the result may mix two checkpoints
+    phases = progress.phases.values()
+    stats = RestoreStats(
+        path=source.display, bytes_read=sum(p.bytes_done for p in phases),
+        batches=sum(p.batches_done for p in phases), plan_seconds=times[0] - started,
+        verify_seconds=times[1] - times[0], read_seconds=times[2] - times[1],
+        total_seconds=time.perf_counter() - started, verified=verified, bytes_broadcast=exchanged.useful,
+        bytes_received=exchanged.received, bytes_sent=exchanged.sent)
+    progress_lib.report(kind, progress, stats)
+    return result, stats
