@@ -87,6 +87,7 @@ class SaveJob:
     progress: bool = True         # Options.progress
     describe: Callable[[], tuple] | None = None   # manifest.describe(plan), kept across saves of the plan
     attachments: Attachments = Attachments()
+    amend: Callable | None = None   # amend(doc, target): adds to the manifest (an incremental save's references)
 
 
 class SaveHandle:
@@ -303,7 +304,8 @@ class SaveRun:
                         manifest = manifest_lib.build(
                             self.job.plan, self.job.scalars, checksums, self.settings.layout, arrays=target.arrays,
                             compression=self.settings.compression,
-                            described=self.job.describe() if self.job.describe else None)
+                            described=self.job.describe() if self.job.describe else None,
+                            amend=self.job.amend and (lambda doc: self.job.amend(doc, target)))
                     files = self._info_files()
                 except BaseException as exc:  # noqa: BLE001 - every process must hear of it
                     self.commit.fail(exc)

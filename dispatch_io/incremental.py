@@ -1,0 +1,171 @@
+"""Incremental saves: which of this process's chunks changed since the newest committed step of
+the root, so that only those are copied and written (``Dispatcher.save(..., incremental=True)``).
+
+:func:`prepare` finds the base (the newest committed step of the save's root below this one; its
+manifest, validated, gives each chunk's digest and where its bytes are), digests this process's
+chunks where they are (``digests``: on an accelerator, on the device), and returns the batches
+without the unchanged chunks plus an :class:`Increment` that records, in the manifest, every
+chunk's digest and a reference for each unchanged one (``references.amend``). A reference names
+the step that *stores* the bytes (the base, or the step the base itself references), with that
+step's commit id, so references never chain. Packed leaves (small by definition) are always
+written. In a multi-process job each process decides for its own chunks and attaches its
+decisions as a small file (``incremental/p<k>.json`` in the arrays folder); the leader reads them
+all when it writes the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import tensorstore as ts
+from absl import logging
+
+from dispatch_io import digests as digests_lib
+from dispatch_io import manifest as manifest_lib
+from dispatch_io import references
+from dispatch_io.batches import Batch
+from dispatch_io.errors import CheckpointError
+from dispatch_io.sources import Sources
+from dispatch_io.staging import aligned
+from dispatch_io.storage import STEP, Location, StepRoot
+
+FILE = "incremental/p{}.json"
+
+
+@dataclasses.dataclass
+class Increment:
+    """This process's decisions for one save: ``digests`` (chunk index -> digest) of its chunks,
+    ``refs`` (chunk index -> (step, commit id)) of the unchanged ones, ``crcs`` (chunk index ->
+    CRC-32C carried over from the step that stores it, where that step has one)."""
+
+    digests: dict
+    refs: dict
+    crcs: dict
+
+    def encode(self) -> bytes:
+        return json.dumps({"digests": {str(i): d for i, d in self.digests.items()},
+                           "refs": {str(i): list(r) for i, r in self.refs.items()},
+                           "crcs": {str(i): c for i, c in self.crcs.items()}}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Increment":
+        doc = json.loads(data)
+        return cls({int(i): d for i, d in doc["digests"].items()}, {int(i): tuple(r) for i, r in doc["refs"].items()},
+                   {int(i): c for i, c in doc["crcs"].items()})
+
+
+def base_of(location: Location) -> tuple[str, dict] | None:
+    """(name, manifest document) of the newest committed step of ``location``'s root below its
+    own step number, or None (the first save). ValueError if the path's last name is not a step
+    number: an incremental save is a step of a root (``<root>/<step>``)."""
+    name = references.step_name(location)
+    if not STEP.match(name):
+        raise ValueError(f"incremental=True saves a step of a root (<root>/<step number>), but the last name of "
+                         f"{location.display} is {name!r}")
+    parent = location.display.rstrip("/").rpartition("/")[0]
+    older = [s for s in StepRoot.open(parent or ".").committed_steps() if s < int(name)]
+    for step in reversed(older):  # a step whose manifest cannot be read is no base (its chunks are written again)
+        there = references.sibling(location, str(step))
+        try:
+            doc = there.read_manifest()
+            manifest_lib.parse(doc, there.display)
+            references.check_fields(doc, there.display)
+            commit = references.commit_id(there)
+        except (CheckpointError, OSError) as exc:
+            logging.warning("dispatch_io: step %s is no base for an incremental save (every chunk is written): %s",
+                            step, exc)
+            continue
+        return str(step), {**doc, "_commit": commit}
+    return None
+
+
+def _known(base: tuple[str, dict] | None) -> dict:
+    """keypath -> (stored shape, dtype, chunk shape, {grid: (digest, (step, commit), crc)}) of the
+    base's unpacked leaves."""
+    if base is None:
+        return {}
+    step, doc = base
+    targets = [(r["step"], r["commit"]) for r in doc.get(references.REFERENCES, [])]
+    known = {}
+    for entry in doc["leaves"]:
+        stored = entry.get("stored")
+        if not stored or "pack" in stored or "digests" not in stored:
+            continue
+        where = {g: targets[int(k)] for k, gs in stored.get("refs", {}).items() for g in gs}
+        crcs = stored.get("crc32c", {})
+        known[entry["keypath"]] = (tuple(stored["shape"]), stored["dtype"], tuple(stored["chunk_shape"]), {
+            g: (d, where.get(g, (step, doc["_commit"])), crcs.get(g)) for g, d in stored["digests"].items()})
+    return known
+
+
+def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool,
+            force_device: bool = False) -> tuple[tuple[Batch, ...], Increment]:
+    """This process's ``batches`` without the chunks unchanged since the base step, and the
+    :class:`Increment` saying so (see the module doc). ``checksums``: the save records CRC-32Cs,
+    so a chunk is taken as unchanged only where the step storing it has one to carry over."""
+    known = _known(base_of(location))
+    sources = Sources(plan, leaves)
+    increment = Increment({}, {}, {})
+    for batch in batches:
+        for i in batch.chunks:
+            chunk = plan.chunks[i]
+            spec = plan.leaves[chunk.leaf]
+            if spec.packed is not None:
+                continue
+            increment.digests[i] = d = _digest(sources, chunk, force_device)
+            shape, dtype, chunk_shape, cells = known.get(spec.keypath, (None, None, None, {}))
+            if (shape, dtype, chunk_shape) != (spec.shape, spec.dtype.name, spec.chunk_shape):
+                continue
+            grid = references.grid_key(lo // c for (lo, _), c in zip(chunk.region, spec.chunk_shape))
+            before = cells.get(grid)
+            if before is not None and before[0] == d and (before[2] is not None or not checksums):
+                increment.refs[i] = before[1]
+                if before[2] is not None:
+                    increment.crcs[i] = int(before[2], 16)
+    kept = []
+    for batch in batches:
+        chunks = tuple(i for i in batch.chunks if i not in increment.refs)
+        if chunks:
+            skipped = sum(aligned(plan.chunks[i].nbytes) for i in batch.chunks if i in increment.refs)
+            kept.append(Batch(batch.priority, chunks, batch.nbytes - skipped))
+    return tuple(kept), increment
+
+
+def _digest(sources: Sources, chunk, force_device: bool) -> str:
+    """The digest of ``chunk``'s data, computed where the data is."""
+    parts = sources.parts(chunk)
+    if len(parts) == 1 and not parts[0][2]:
+        data, local, _ = parts[0]
+        return digests_lib.digest(data[local], force_device)
+    return digests_lib.digest(sources.locate(chunk)[0], force_device)  # a small leaf copied whole
+
+
+def amender(plan, increment: Increment, processes: int, process: int):
+    """The ``amend(doc)`` the leader's manifest build calls (``SaveJob.amend``): every process's
+    decisions -- its own ``increment``, the others' from their attached files -- into the manifest,
+    with each referenced chunk's carried-over CRC-32C."""
+    def amend(doc: dict, target):
+        merged = Increment(dict(increment.digests), dict(increment.refs), dict(increment.crcs))
+        if processes > 1:
+            store = ts.KvStore.open(target.kvstore, context=target.context).result()
+            for p in range(processes):
+                if p != process:
+                    theirs = Increment.decode(store.read(FILE.format(p)).result().value)
+                    merged.digests.update(theirs.digests)
+                    merged.refs.update(theirs.refs)
+                    merged.crcs.update(theirs.crcs)
+        references.amend(doc, merged.digests, merged.refs, plan, merged.crcs)
+    return amend
+
+
+def plan_save(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool, attachments):
+    """(batches, ``SaveJob.amend``, attachments) of an incremental save (``Dispatcher.save``):
+    :func:`prepare`, and in a multi-process job this process's decisions attached for the leader."""
+    batches, increment = prepare(location, plan, leaves, batches, checksums)
+    processes, process = jax.process_count(), jax.process_index()
+    if processes > 1:
+        attachments = dataclasses.replace(attachments, files={**attachments.files,
+                                                              FILE.format(process): increment.encode()})
+    return batches, amender(plan, increment, processes, process), attachments
