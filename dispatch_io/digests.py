@@ -9,7 +9,7 @@ the arithmetic):
   memory): XXH3's 128-bit hash of the chunk's bytes (C order) after a header naming its dtype
   (byte order included) and shape. ~6 GB/s on one core, so a chunk is read once more than a
   plain save reads it.
-* ``ml8-65537`` -- data on an accelerator: computed there by one jitted function per chunk shape
+* ``ml8-65537`` -- data on an accelerator (sub-byte dtypes such as int4: on the host): computed there by one jitted function per chunk shape
   and dtype, so only the digest (8 numbers) crosses the link, never the chunk. The chunk's bytes,
   as 16-bit limbs ``m_j`` (< 2**16 < p = 65537), are hashed by 8 independent multilinear lanes
   ``h_l = sum_j m_j * k_{l,j} mod p`` with keys ``k_{l,j}`` in ``[1, 2**16)`` from a 32-bit
@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import xxhash
 
@@ -77,6 +78,8 @@ def _as_words(data):
     """The bytes of the jax array ``data`` as flat uint32 words (zero padded to a multiple of 4
     bytes), on its device."""
     flat = data.reshape(-1)
+    if jnp.issubdtype(flat.dtype, jnp.complexfloating):  # its real and imaginary parts, bit for bit
+        flat = jnp.stack([flat.real, flat.imag], axis=-1).reshape(-1)
     itemsize = np.dtype(flat.dtype).itemsize
     if flat.dtype == jnp.bool_:
         flat = flat.astype(jnp.uint8)
@@ -108,9 +111,20 @@ def on_device(data) -> bool:
     return isinstance(data, jax.Array) and next(iter(data.sharding.device_set)).platform != "cpu"
 
 
+def _sub_byte(dtype) -> bool:
+    """int4, float4, ...: no bitcast to bytes on devices, digested on the host (small, rare)."""
+    try:
+        return ml_dtypes.finfo(dtype).bits < 8
+    except ValueError:
+        try:
+            return ml_dtypes.iinfo(dtype).bits < 8
+        except ValueError:
+            return False
+
+
 def digest(data, force_device: bool = False) -> str:
     """The digest of one chunk's data: ``device_digest`` on an accelerator (or with
     ``force_device``, which tests use to run the device algorithm on CPU), else ``host_digest``."""
-    if force_device or on_device(data):
+    if (force_device or on_device(data)) and not _sub_byte(data.dtype):
         return device_digest(jnp.asarray(data))
     return host_digest(np.asarray(data))
