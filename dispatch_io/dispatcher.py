@@ -59,6 +59,7 @@ class Dispatcher:
         self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)
         self._ring = StagingRing(options.staging_bytes, allocate=runner.host_staging)
         self._paths = PathLocks()
+        self._digests = incremental_lib.DigestCache()  # of the jax arrays saved incrementally, while they live
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
         self._lock = threading.Lock()
         self._closed = False
@@ -112,7 +113,7 @@ class Dispatcher:
             if own:
                 raise ValueError("incremental=True is for a root's steps, not for a local tier's own saves")
             batches, amend, attachments = incremental_lib.plan_save(location, packed, leaves, batches,
-                                                                    self.options.checksums, attachments)
+                                                                    self.options.checksums, attachments, self._digests)
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import weakref
 
 import jax
 import tensorstore as ts
@@ -54,6 +56,42 @@ class Increment:
         doc = json.loads(data)
         return cls({int(i): d for i, d in doc["digests"].items()}, {int(i): tuple(r) for i, r in doc["refs"].items()},
                    {int(i): c for i, c in doc["crcs"].items()})
+
+
+class DigestCache:
+    """Chunk digests of the jax arrays this dispatcher saved incrementally, kept while each array
+    lives. A ``jax.Array`` never changes, so the same array saved again (a frozen parameter) has
+    the same digests: it is not read again, on the host or on its device. numpy arrays can change
+    in place and are always digested."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_array: dict[int, tuple] = {}   # id(array) -> (weak reference, {(region, algorithm): digest})
+
+    def get(self, array, key, compute) -> str:
+        """The digest of ``array``'s chunk ``key`` (its region and the algorithm asked for), from
+        ``compute()`` the first time."""
+        if not isinstance(array, jax.Array):
+            return compute()
+        with self._lock:
+            held = self._by_array.get(id(array))
+            if held is not None and held[0]() is array and key in held[1]:
+                return held[1][key]
+        digest = compute()
+        with self._lock:
+            held = self._by_array.get(id(array))
+            if held is None or held[0]() is not array:
+                ident = id(array)
+                held = (weakref.ref(array, lambda _, ident=ident: self._forget(ident)), {})
+                self._by_array[ident] = held
+            held[1][key] = digest
+        return digest
+
+    def _forget(self, ident: int):
+        with self._lock:
+            held = self._by_array.get(ident)
+            if held is not None and held[0]() is None:
+                del self._by_array[ident]
 
 
 def base_of(location: Location) -> tuple[str, dict] | None:
@@ -101,10 +139,12 @@ def _known(base: tuple[str, dict] | None) -> dict:
 
 
 def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool,
-            force_device: bool = False) -> tuple[tuple[Batch, ...], Increment]:
+            cache: DigestCache, force_device: bool = False) -> tuple[tuple[Batch, ...], Increment]:
     """This process's ``batches`` without the chunks unchanged since the base step, and the
     :class:`Increment` saying so (see the module doc). ``checksums``: the save records CRC-32Cs,
-    so a chunk is taken as unchanged only where the step storing it has one to carry over."""
+    so a chunk is taken as unchanged only where the step storing it has one to carry over;
+    ``cache``: digests of arrays saved before; ``force_device``: the device algorithm also for
+    host data (tests)."""
     known = _known(base_of(location))
     sources = Sources(plan, leaves)
     increment = Increment({}, {}, {})
@@ -114,7 +154,8 @@ def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], 
             spec = plan.leaves[chunk.leaf]
             if spec.packed is not None:
                 continue
-            increment.digests[i] = d = _digest(sources, chunk, force_device)
+            increment.digests[i] = d = cache.get(leaves[chunk.leaf], (chunk.region, force_device),
+                                                 lambda: _digest(sources, chunk, force_device))
             shape, dtype, chunk_shape, cells = known.get(spec.keypath, (None, None, None, {}))
             if (shape, dtype, chunk_shape) != (spec.shape, spec.dtype.name, spec.chunk_shape):
                 continue
@@ -160,10 +201,11 @@ def amender(plan, increment: Increment, processes: int, process: int):
     return amend
 
 
-def plan_save(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool, attachments):
+def plan_save(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool, attachments,
+              cache: DigestCache):
     """(batches, ``SaveJob.amend``, attachments) of an incremental save (``Dispatcher.save``):
     :func:`prepare`, and in a multi-process job this process's decisions attached for the leader."""
-    batches, increment = prepare(location, plan, leaves, batches, checksums)
+    batches, increment = prepare(location, plan, leaves, batches, checksums, cache)
     processes, process = jax.process_count(), jax.process_index()
     if processes > 1:
         attachments = dataclasses.replace(attachments, files={**attachments.files,
