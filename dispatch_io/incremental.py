@@ -21,6 +21,7 @@ import threading
 import weakref
 
 import jax
+import numpy as np
 import tensorstore as ts
 from absl import logging
 
@@ -179,6 +180,8 @@ def _digest(sources: Sources, chunk, force_device: bool) -> str:
     parts = sources.parts(chunk)
     if len(parts) == 1 and not parts[0][2]:
         data, local, _ = parts[0]
+        if not digests_lib.on_device(data):  # host memory (numpy, CPU devices): a view, no copy
+            data = np.asarray(data)
         return digests_lib.digest(data[local], force_device)
     return digests_lib.digest(sources.locate(chunk)[0], force_device)  # a small leaf copied whole
 
