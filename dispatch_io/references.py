@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.errors import CheckpointError
 from dispatch_io.validate import malformed
+from workers import numpy_dtype
 from dispatch_io.storage import MANIFEST, Location, Marker
 
 REFERENCES = "references"
@@ -195,3 +197,14 @@ def _with_layers(leaf, chunk_refs: dict, origins: list, where: str):
             bounds.append(tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(grid, spec.chunk_shape, spec.shape)))
         layers.append((home, origin.layout, theirs.name, tuple(bounds)))
     return dataclasses.replace(leaf, stored=dataclasses.replace(spec, layers=tuple(layers)))
+
+
+def referenced(spec) -> dict[str, int]:
+    """{step: bytes} of the chunks of the stored array ``spec`` (an ``ArraySpec`` from
+    :func:`resolve`) that other steps store (what ``dispatch-io inspect`` shows)."""
+    itemsize = numpy_dtype(spec.dtype).itemsize
+    out: dict[str, int] = {}
+    for home, _, _, boxes in spec.layers:
+        step = home.strip("./").split("/")[0]
+        out[step] = out.get(step, 0) + sum(math.prod(hi - lo for lo, hi in box) for box in boxes) * itemsize
+    return out

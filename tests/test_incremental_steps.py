@@ -158,3 +158,14 @@ def test_convert_of_an_incremental_step_is_self_contained(tmp_path, mesh):
     shutil.rmtree(root)
     assert "references" not in json.loads((tmp_path / "copy" / "manifest.json").read_text())
     assert_trees_bit_equal(_host(d.restore(str(tmp_path / "copy"))), expected)
+
+
+def test_inspect_shows_stored_and_referenced_bytes(tmp_path, mesh, capsys):
+    from dispatch_io import cli
+    d, root = _saved_pair(tmp_path, mesh)
+    assert cli.main(["inspect", str(root / "1"), "--json"]) == 0
+    rows = {r["keypath"]: r for r in json.loads(capsys.readouterr().out)["leaves"]}
+    assert rows["['base']"]["referenced"] == {"0": 256 * 256 * 4}      # unchanged: all in step 0
+    assert rows["['adapter']"]["referenced"] == {}                     # changed: stored here
+    assert cli.main(["inspect", str(root / "1")]) == 0
+    assert "referenced" in capsys.readouterr().out
