@@ -32,7 +32,7 @@ from dispatch_io.batches import Batch
 from dispatch_io.errors import CheckpointError
 from dispatch_io.sources import Sources
 from dispatch_io.staging import aligned
-from dispatch_io.storage import STEP, Location, StepRoot
+from dispatch_io.storage import COMMITTED, STEP, Location, StepRoot
 
 FILE = "incremental/p{}.json"
 
@@ -97,8 +97,10 @@ class DigestCache:
 
 def base_of(location: Location) -> tuple[str, dict] | None:
     """(name, manifest document) of the newest committed step of ``location``'s root below its
-    own step number, or None (the first save). ValueError if the path's last name is not a step
-    number: an incremental save is a step of a root (``<root>/<step>``)."""
+    own step number whose manifest and references check out (one that does not is passed over,
+    logged: its chunks are simply written again), or None (the first save). ValueError if the
+    path's last name is not a step number: an incremental save is a step of a root
+    (``<root>/<step>``)."""
     name = references.step_name(location)
     if not STEP.match(name):
         raise ValueError(f"incremental=True saves a step of a root (<root>/<step number>), but the last name of "
@@ -109,9 +111,10 @@ def base_of(location: Location) -> tuple[str, dict] | None:
         there = references.sibling(location, str(step))
         try:
             doc = there.read_manifest()
-            manifest_lib.parse(doc, there.display)
-            references.check_fields(doc, there.display)
+            references.resolve(manifest_lib.parse(doc, there.display), doc, there)  # its references hold
             commit = references.commit_id(there)
+            if commit is None:
+                raise CheckpointError(f"{there.display}: its {COMMITTED} marker names no commit")
         except (CheckpointError, OSError) as exc:
             logging.warning("dispatch_io: step %s is no base for an incremental save (every chunk is written): %s",
                             step, exc)

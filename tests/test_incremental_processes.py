@@ -4,19 +4,12 @@ commit records both processes' references, and every kept step restores bit for 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(TESTS, "incremental_job.py")
-LIMIT = 120
+from test_manager_multiprocess import LIMIT, _port
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "incremental_job.py")
 
 
 def test_two_processes_each_decide_for_their_chunks(tmp_path):

@@ -169,3 +169,22 @@ def test_inspect_shows_stored_and_referenced_bytes(tmp_path, mesh, capsys):
     assert rows["['adapter']"]["referenced"] == {}                     # changed: stored here
     assert cli.main(["inspect", str(root / "1")]) == 0
     assert "referenced" in capsys.readouterr().out
+
+
+def test_a_base_whose_references_are_broken_is_passed_over(tmp_path, mesh):
+    d, root = _saved_pair(tmp_path, mesh)
+    shutil.rmtree(root / "0")                     # step 1 references it: no base for step 2
+    state = _train(_state(mesh), 2)
+    stats = d.save(str(root / "2"), state, incremental=True).wait()
+    assert stats.bytes_written == sum(v.nbytes for k, v in _host(state).items() if k != "step")   # everything
+    assert "references" not in json.loads((root / "2" / "manifest.json").read_text())
+    assert_trees_bit_equal(_host(d.restore(str(root / "2"))), _host(state))
+
+
+def test_incremental_needs_a_step_path_and_a_persistent_save(tmp_path):
+    d = _dispatcher()
+    with pytest.raises(ValueError, match="step of a root"):
+        d.save(str(tmp_path / "ckpt"), {"x": np.ones(4)}, incremental=True)
+    with pytest.raises(ValueError, match="local tier"):
+        d.save(str(tmp_path / "0"), {"x": np.ones(4)}, incremental=True, own=True)
+    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "0")
