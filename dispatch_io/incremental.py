@@ -15,8 +15,10 @@ all when it writes the manifest.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import os
 import threading
 import weakref
 
@@ -150,25 +152,19 @@ def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], 
     ``cache``: digests of arrays saved before; ``force_device``: the device algorithm also for
     host data (tests)."""
     known = _known(base_of(location))
-    sources = Sources(plan, leaves)
-    increment = Increment({}, {}, {})
-    for batch in batches:
-        for i in batch.chunks:
-            chunk = plan.chunks[i]
-            spec = plan.leaves[chunk.leaf]
-            if spec.packed is not None:
-                continue
-            increment.digests[i] = d = cache.get(leaves[chunk.leaf], (chunk.region, force_device),
-                                                 lambda: _digest(sources, chunk, force_device))
-            shape, dtype, chunk_shape, cells = known.get(spec.keypath, (None, None, None, {}))
-            if (shape, dtype, chunk_shape) != (spec.shape, spec.dtype.name, spec.chunk_shape):
-                continue
-            grid = references.grid_key(lo // c for (lo, _), c in zip(chunk.region, spec.chunk_shape))
-            before = cells.get(grid)
-            if before is not None and before[0] == d and (before[2] is not None or not checksums):
-                increment.refs[i] = before[1]
-                if before[2] is not None:
-                    increment.crcs[i] = int(before[2], 16)
+    wanted = [i for batch in batches for i in batch.chunks if plan.leaves[plan.chunks[i].leaf].packed is None]
+    increment = Increment(_digests(plan, leaves, wanted, cache, force_device), {}, {})
+    for i in wanted:
+        chunk = plan.chunks[i]
+        spec = plan.leaves[chunk.leaf]
+        shape, dtype, chunk_shape, cells = known.get(spec.keypath, (None, None, None, {}))
+        if (shape, dtype, chunk_shape) != (spec.shape, spec.dtype.name, spec.chunk_shape):
+            continue
+        before = cells.get(references.grid_key(lo // c for (lo, _), c in zip(chunk.region, spec.chunk_shape)))
+        if before is not None and before[0] == increment.digests[i] and (before[2] is not None or not checksums):
+            increment.refs[i] = before[1]
+            if before[2] is not None:
+                increment.crcs[i] = int(before[2], 16)
     kept = []
     for batch in batches:
         chunks = tuple(i for i in batch.chunks if i not in increment.refs)
@@ -176,6 +172,22 @@ def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], 
             skipped = sum(aligned(plan.chunks[i].nbytes) for i in batch.chunks if i in increment.refs)
             kept.append(Batch(batch.priority, chunks, batch.nbytes - skipped))
     return tuple(kept), increment
+
+
+def _digests(plan, leaves: list, wanted: list[int], cache: DigestCache, force_device: bool) -> dict[int, str]:
+    """{chunk index: digest} of the ``wanted`` chunks: from ``cache``, or computed by up to 8
+    threads (the hash releases the GIL; device digests are dispatched from them)."""
+    sources = Sources(plan, leaves)
+
+    def run(share: list[int]) -> list[tuple[int, str]]:
+        return [(i, cache.get(leaves[plan.chunks[i].leaf], (plan.chunks[i].region, force_device),
+                              lambda i=i: _digest(sources, plan.chunks[i], force_device))) for i in share]
+
+    threads = max(1, min(8, os.cpu_count() or 1, len(wanted)))
+    if threads == 1:
+        return dict(run(wanted))
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dispatch_io-digest") as pool:
+        return dict(pair for share in pool.map(run, [wanted[k::threads] for k in range(threads)]) for pair in share)
 
 
 def _digest(sources: Sources, chunk, force_device: bool) -> str:
