@@ -145,22 +145,25 @@ def _known(base: tuple[str, dict] | None) -> dict:
 
 
 def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool,
-            cache: DigestCache, force_device: bool = False) -> tuple[tuple[Batch, ...], Increment]:
+            cache: DigestCache) -> tuple[tuple[Batch, ...], Increment]:
     """This process's ``batches`` without the chunks unchanged since the base step, and the
     :class:`Increment` saying so (see the module doc). Each chunk is sampled (``digests.sample``:
     a few KiB of it); only a chunk whose sample is the base's (or that the base lacks) is digested
     whole, so a state that changes everywhere costs a sample per chunk, not a pass over it. Its
     manifest entry is ``"<sample>"`` or ``"<sample>|<digest>"``. ``checksums``: the save records CRC-32Cs,
     so a chunk is taken as unchanged only where the step storing it has one to carry over;
-    ``cache``: digests of arrays saved before; ``force_device``: the device algorithm also for
-    host data (tests)."""
+    ``cache``: digests of arrays saved before."""
     known = _known(base_of(location))
     wanted = [i for batch in batches for i in batch.chunks if plan.leaves[plan.chunks[i].leaf].packed is None]
     before = {i: _before(known, plan, i) for i in wanted}
-    samples = _digests(plan, leaves, wanted, cache, digests_lib.sample, force_device)
-    # A full digest only where the chunk may be unchanged: no base to tell, or its sample is the base's.
-    full = _digests(plan, leaves, [i for i in wanted if before[i] is None or before[i][0] == samples[i]], cache,
-                    digests_lib.digest, force_device)
+    samples = _digests(plan, leaves, wanted, cache, digests_lib.sample)
+    # A full digest where the chunk may be unchanged (no base to tell, or its sample is the base's),
+    # and for every chunk of a leaf that changed here only in part (sparse updates: a chunk that
+    # changed now may not next time); not for the chunks of a leaf that changed everywhere here.
+    maybe = {i for i in wanted if before[i] is None or before[i][0] == samples[i]}
+    partly = {plan.chunks[i].leaf for i in maybe}
+    full = _digests(plan, leaves, [i for i in wanted if i in maybe or plan.chunks[i].leaf in partly], cache,
+                    digests_lib.digest)
     increment = Increment({i: samples[i] + (f"|{full[i]}" if i in full else "") for i in wanted}, {}, {})
     for i, cell in before.items():
         if cell is not None and cell[1] is not None and cell[1] == full.get(i) and (cell[3] is not None or not checksums):
@@ -191,15 +194,15 @@ def _before(known: dict, plan, i: int) -> tuple | None:
     return sampled, full or None, cell[1], cell[2]
 
 
-def _digests(plan, leaves: list, wanted: list[int], cache: DigestCache, how, force_device: bool) -> dict[int, str]:
+def _digests(plan, leaves: list, wanted: list[int], cache: DigestCache, how) -> dict[int, str]:
     """{chunk index: ``how(chunk data)``} (``digests.sample`` or ``digests.digest``) of the
     ``wanted`` chunks: from ``cache``, or computed by up to 8 threads (the hash releases the GIL;
     device digests are dispatched from them)."""
     sources = Sources(plan, leaves)
 
     def run(share: list[int]) -> list[tuple[int, str]]:
-        return [(i, cache.get(leaves[plan.chunks[i].leaf], (plan.chunks[i].region, how.__name__, force_device),
-                              lambda i=i: _digest(sources, plan.chunks[i], how, force_device))) for i in share]
+        return [(i, cache.get(leaves[plan.chunks[i].leaf], (plan.chunks[i].region, how.__name__),
+                              lambda i=i: _digest(sources, plan.chunks[i], how))) for i in share]
 
     threads = max(1, min(8, os.cpu_count() or 1, len(wanted)))
     if threads == 1:
@@ -208,15 +211,15 @@ def _digests(plan, leaves: list, wanted: list[int], cache: DigestCache, how, for
         return dict(pair for share in pool.map(run, [wanted[k::threads] for k in range(threads)]) for pair in share)
 
 
-def _digest(sources: Sources, chunk, how, force_device: bool) -> str:
+def _digest(sources: Sources, chunk, how) -> str:
     """``how`` (``digests.sample`` / ``digests.digest``) of ``chunk``'s data, where the data is."""
     parts = sources.parts(chunk)
     if len(parts) == 1 and not parts[0][2]:
         data, local, _ = parts[0]
         if not digests_lib.on_device(data):  # host memory (numpy, CPU devices): a view, no copy
             data = np.asarray(data)
-        return how(data[local], force_device)
-    return how(sources.locate(chunk)[0], force_device)  # a small leaf copied whole
+        return how(data[local])
+    return how(sources.locate(chunk)[0])  # a small leaf copied whole
 
 
 def amender(plan, increment: Increment, processes: int, process: int):
