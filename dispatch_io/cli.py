@@ -48,6 +48,7 @@ def _sharding_text(sharding: dict | None) -> str:
 
 def _rows(manifest) -> list[dict]:
     """One row per leaf of a manifest: what ``inspect`` shows."""
+    from dispatch_io import references
     from dispatch_io import tree as tree_lib
     from workers import numpy_dtype
 
@@ -62,7 +63,9 @@ def _rows(manifest) -> list[dict]:
         dtype = str(leaf.dtype) + (f" ({leaf.key_impl})" if leaf.key_impl else "")
         rows.append({"keypath": leaf.keypath, "kind": leaf.kind, "shape": list(leaf.shape), "dtype": dtype,
                      "sharding": leaf.described_sharding, "bytes": nbytes,
-                     "pack": None if stored is None or stored.packed is None else stored.packed[0].name})
+                     "pack": None if stored is None or stored.packed is None else stored.packed[0].name,
+                     # an incremental step's chunks other steps store: {step: bytes}
+                     "referenced": {} if stored is None else references.referenced(stored)})
     return rows
 
 
@@ -147,8 +150,16 @@ def inspect(path: str, as_json: bool) -> int:
     packs = {r["pack"] for r in rows if r.get("pack")}
     count = sum(bool(r.get("pack")) for r in rows)
     packed = f", {count} of them packed into {len(packs)} stored array{'s' * (len(packs) != 1)}" if packs else ""
+    by_step: dict[str, int] = {}
+    for r in rows:
+        for step, n in r.get("referenced", {}).items():
+            by_step[step] = by_step.get(step, 0) + n
+    elsewhere = "" if not by_step else "\nincremental: {} here, {} referenced ({})".format(
+        humanize.naturalsize(total - sum(by_step.values()), binary=True),
+        humanize.naturalsize(sum(by_step.values()), binary=True),
+        ", ".join(f"{humanize.naturalsize(n, binary=True)} in step {s}" for s, n in sorted(by_step.items(), key=lambda x: int(x[0]))))
     print(f"\n{len(rows)} leaves ({arrays} arrays{packed}), {humanize.naturalsize(total, binary=True)} stored "
-          f"({total} bytes), layout {manifest.layout}{compressed}{written_by}")
+          f"({total} bytes), layout {manifest.layout}{compressed}{written_by}{elsewhere}")
     return 0
 
 

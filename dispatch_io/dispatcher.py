@@ -23,6 +23,7 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io import held
 from dispatch_io import read_api
 from dispatch_io import transfer
+from dispatch_io import incremental as incremental_lib
 from dispatch_io.formats import exporting
 from dispatch_io.formats import to_orbax
 from dispatch_io.formats import to_safetensors
@@ -55,6 +56,7 @@ class Dispatcher:
         self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)
         self._ring = StagingRing(options.staging_bytes)
         self._paths = PathLocks()
+        self._digests = incremental_lib.DigestCache()  # of the jax arrays saved incrementally, while they live
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
         self._lock = threading.Lock()
         self._closed = False
@@ -67,7 +69,8 @@ class Dispatcher:
     def save(self, path, tree, *, priority: PriorityFn | None = None,
              on_transfer_end: Callable[[str], None] | None = None,
              on_write_end: Callable[[str], None] | None = None, overwrite: bool = False,
-             attachments: Attachments | None = None, own: bool = False, copies=None) -> SaveHandle:
+             attachments: Attachments | None = None, own: bool = False, copies=None,
+             incremental: bool = False) -> SaveHandle:
         """Save ``tree`` to ``path``; returns once every SYNC leaf is off the device.
 
         ``priority(keypath, spec)`` gives each array leaf a :class:`Priority` (default SYNC).
@@ -77,6 +80,8 @@ class Dispatcher:
         files committed with the arrays (what ``CheckpointManager`` stores beside a step). ``own``: a
         local-tier save (``held.own_plan``), committed by this process alone, unpacked; ``copies``
         (with ``own``): key path -> other processes' regions received here (``held.Replica``), saved too.
+        ``incremental``: ``path`` is ``<root>/<step>``; chunks unchanged since the root's newest
+        committed step are stored by reference to it, not copied or written (``incremental.py``).
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
         a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
         priority callback raised, chained; after ``close()``; from this dispatcher's own
@@ -100,11 +105,17 @@ class Dispatcher:
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
             with collector.paused():
                 packed, batches, describe = self._layout(plan, priorities, packs=not own)
+        amend, attachments = None, attachments or Attachments()
+        if incremental:  # only changed chunks are copied and written
+            if own:
+                raise ValueError("incremental=True is for a root's steps, not for a local tier's own saves")
+            batches, amend, attachments = incremental_lib.plan_save(location, packed, leaves, batches,
+                                                                    self.options.checksums, attachments, self._digests)
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
-                      describe=describe, attachments=attachments or Attachments())
+                      describe=describe, attachments=attachments, amend=amend)
         single = commit_lib.SingleProcess() if own else None
         run = self.launch(location, job, leaves, self.runner, overwrite, single, copies)
         run.wait_until_sync_copied()

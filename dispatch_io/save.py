@@ -11,9 +11,8 @@ Copying batch k+1 overlaps writing batch k, and the staging ring bounds host byt
 at every moment. A failure anywhere stops new copies, waits for writes already handed out
 (their buffers are still being read), removes the partial data and surfaces from ``wait()``.
 
-The driver is given what it works with -- a :class:`SaveJob` (what to save), a runner (where
-worker code runs), a commit object (``dispatch_io.multihost.commit``), the staging ring and a completion
-callback -- and never calls back into a dispatcher.
+The driver is given what it works with -- a :class:`SaveJob` (what to save), a runner, a commit
+object (``multihost.commit``), the staging ring, a completion callback -- and never calls back up.
 """
 
 from __future__ import annotations
@@ -87,6 +86,7 @@ class SaveJob:
     progress: bool = True         # Options.progress
     describe: Callable[[], tuple] | None = None   # manifest.describe(plan), kept across saves of the plan
     attachments: Attachments = Attachments()
+    amend: Callable | None = None   # amend(doc, target): adds to the manifest (an incremental save's references)
 
 
 class SaveHandle:
@@ -304,7 +304,8 @@ class SaveRun:
                         manifest = manifest_lib.build(
                             self.job.plan, self.job.scalars, checksums, self.settings.layout, arrays=target.arrays,
                             compression=self.settings.compression,
-                            described=self.job.describe() if self.job.describe else None)
+                            described=self.job.describe() if self.job.describe else None,
+                            amend=self.job.amend and (lambda doc: self.job.amend(doc, target)))
                     files = self._info_files()
                 except BaseException as exc:  # noqa: BLE001 - every process must hear of it
                     self.commit.fail(exc)

@@ -154,6 +154,9 @@ class ArraySpec:
     ``chunk_shape`` then only says how reads of it are cut, and workers read its regions as
     byte ranges (``workers.raw_bytes``).
 
+    ``layers``: chunks of an incremental step that another step of its root stores (read as one
+    TensorStore ``stack`` of this array and those chunks there; ``workers.tensorstore_io``).
+
     ``packed``: ``(pack, offset)`` for a small leaf stored as bytes ``[offset, offset + nbytes)``
     of ``pack``, a 1-D ``uint8`` array holding many leaves (``workers.packs``); its own
     ``shape`` / ``dtype`` are the leaf's and it is one chunk (``chunk_shape == shape``). Workers
@@ -167,6 +170,10 @@ class ArraySpec:
     missing_is_fill: bool = False
     packed: "tuple[ArraySpec, int] | None" = None
     offset: int = 0       # driver "raw": where the bytes start in the key ``name``
+    # Incremental steps (dispatch_io.references): ((home, layout, name, (chunk bounds, ...)), ...):
+    # those chunks are read from array ``name`` of the arrays folder ``home`` (relative to this
+    # one's, e.g. "../../3/arrays/"), stored with ``layout``; the others from this array.
+    layers: tuple = ()
 
     @property
     def storage_dtype(self) -> str:

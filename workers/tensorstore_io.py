@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import posixpath
 import threading
 from typing import Any, Sequence
 
@@ -103,14 +104,14 @@ class Session:
         specs = [spec.stored for spec in specs]
         with self._lock:
             for spec in specs:
-                if spec.name not in self._open:
+                if (spec.name, spec.layers) not in self._open:
                     try:
                         future = ts.open(self._spec(spec, write), assume_metadata=write, open=True, context=self.context)
                     except Exception as exc:  # noqa: BLE001 - raised by .result(), named by the caller
                         future = concurrent.futures.Future()
                         future.set_exception(exc)
-                    self._open[spec.name] = future
-            return {spec.name: self._open[spec.name] for spec in specs}
+                    self._open[spec.name, spec.layers] = future
+            return {spec.name: self._open[spec.name, spec.layers] for spec in specs}
 
     def open_kvstore(self):
         """Future of the session's kvstore itself, opened once (reads of ``raw`` arrays)."""
@@ -128,12 +129,29 @@ class Session:
             tspec["store_data_equal_to_fill_value"] = True
         elif not spec.missing_is_fill:
             tspec["fill_missing_data_reads"] = False  # a lost chunk file is an error, not zeros
+        if spec.layers and not write:
+            return _stacked(tspec, spec, self.kvstore)
         return tspec
 
     def close(self):
         with self._lock:
             self._open.clear()
             self._kvstore = None
+
+
+def _stacked(tspec: dict, spec: ArraySpec, kvstore: dict) -> dict:
+    """The read spec of an incremental step's array (``ArraySpec.layers``): a ``stack`` of the
+    array itself and, over it (later layers win), each chunk another step stores, read there."""
+    base = kvstore["base"] if kvstore.get("driver") == "ocdbt" else kvstore
+    layers = [{**tspec, "transform": {"input_inclusive_min": [0] * len(spec.shape),
+                                      "input_exclusive_max": list(spec.shape)}}]
+    for home, layout, name, boxes in spec.layers:
+        there = layout_kvstore({**base, "path": posixpath.normpath(base.get("path", "") + home) + "/"}, layout)
+        for box in boxes:
+            layers.append({**tspec, "kvstore": {**there, "path": there.get("path", "") + name + "/"},
+                           "transform": {"input_inclusive_min": [lo for lo, _ in box],
+                                         "input_exclusive_max": [hi for _, hi in box]}})
+    return {"driver": "stack", "dtype": spec.storage_dtype, "layers": layers}
 
 
 def _ended(futures):

@@ -24,6 +24,7 @@ from typing import Callable
 import tensorstore as ts
 
 from dispatch_io import manifest as manifest_lib
+from dispatch_io import references
 from dispatch_io import validate
 from dispatch_io.formats import orbax
 from dispatch_io.formats import safetensors
@@ -150,7 +151,8 @@ def open_checkpoint(path) -> Opened:
     location = Location.parse(path)
     marker = location.commit_marker()  # a save that replaces the checkpoint changes it
     with _collection_paused():
-        manifest = manifest_lib.parse(location.read_manifest(), location.display)
+        doc = location.read_manifest()
+        manifest = references.resolve(manifest_lib.parse(doc, location.display), doc, location)  # incremental steps
     if isinstance(location, DirectoryLocation):
         _check_links(Folder.open(location.path), location.display)
     arrays = layout_kvstore(location.arrays_kvstore(manifest.arrays), manifest.layout)

@@ -63,13 +63,15 @@ class CheckpointManager(StepReads):
     ``barrier_timeout``: seconds a process of a multi-process job waits for the others, for the dispatcher the
     manager creates; with a ``dispatcher`` of your own, set it in its options instead (passing both is a
     ``ValueError``). ``clock``: UNIX seconds, for the policies (tests pass their own). ``local``: a fast local tier
-    (:class:`~dispatch_io.manager.tiers.tier.LocalTier`; design.md "Tiers"). Raises ``TypeError`` for a policy used in
+    (:class:`~dispatch_io.manager.tiers.tier.LocalTier`; design.md "Tiers"). ``incremental``: persistent saves
+    store chunks unchanged since the newest step by reference (``save(..., incremental=...)`` per save;
+    design.md "Incremental saves"). Raises ``TypeError`` for a policy used in
     the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad numbers or a keep policy given twice."""
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: policies.Policy | None = None,
                  keep_policy: policies.Policy | None = None, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, barrier_timeout: float | None = None, clock=time.time,
-                 local: tiers.LocalTier | None = None):
+                 local: tiers.LocalTier | None = None, incremental: bool = False):
         self.save_policy = policies.check(save_policy, "save")
         self.keep_policy, self.max_to_keep, self.keep_every_n_steps = policies.keep_policy(
             keep_policy, max_to_keep, keep_every_n_steps)
@@ -78,6 +80,7 @@ class CheckpointManager(StepReads):
             raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
         self._root = StepRoot.open(root)
         self.root = self._root.display
+        self.incremental = incremental  # persistent saves store unchanged chunks by reference (dispatch_io.incremental)
         self._owns_dispatcher = dispatcher is None
         if dispatcher is None:
             extra = {} if barrier_timeout is None else {"barrier_timeout": barrier_timeout}
@@ -185,7 +188,7 @@ class CheckpointManager(StepReads):
                                  promotion.after(handle, self.local, step, _version(), self._clock, overwrite))
         return self._persist("save", step, info["started"], overwrite, lambda path: self.dispatcher.save(
             path, tree, overwrite=overwrite, attachments=Attachments(files, info, self._clock, agreed=index),
-            **save_kwargs))
+            **{"incremental": self.incremental, **save_kwargs}))
 
     def promote(self, step: int, *, overwrite: bool = False) -> SaveHandle:
         """Persist local ``step`` from the local copies, byte for byte, with its items and info, touching no device
