@@ -60,31 +60,32 @@ def test_changes_that_keep_the_sum_or_the_xor_are_changes(algorithm):
 
 
 def test_a_one_bit_change_is_saved_and_restored(tmp_path):
-    d = dio.LocalDispatcher(16 << 20, max_chunk_bytes=4096, small_leaf_bytes=0, progress=False)
     x = _chunk(np.float32, 8192)
-    d.save(str(tmp_path / "0"), {"x": x}, incremental=True).wait()
     y = x.copy()
     y.view(np.uint8)[5000 * 4 + 2] ^= np.uint8(4)
-    stats = d.save(str(tmp_path / "1"), {"x": y}, incremental=True).wait()
-    assert stats.bytes_written == 4096                  # the one chunk holding the changed bit
-    assert d.restore(str(tmp_path / "1"))["x"].tobytes() == y.tobytes()
-    assert d.restore(str(tmp_path / "0"))["x"].tobytes() == x.tobytes()
+    with dio.LocalDispatcher(16 << 20, max_chunk_bytes=4096, small_leaf_bytes=0, progress=False) as d:
+        d.save(str(tmp_path / "0"), {"x": x}, incremental=True).wait()
+        stats = d.save(str(tmp_path / "1"), {"x": y}, incremental=True).wait()
+        assert stats.bytes_written == 4096                  # the one chunk holding the changed bit
+        assert d.restore(str(tmp_path / "1"))["x"].tobytes() == y.tobytes()
+        assert d.restore(str(tmp_path / "0"))["x"].tobytes() == x.tobytes()
 
 
 def test_chunks_whose_sample_changed_are_not_digested_whole(tmp_path):
     """A state that changes everywhere costs a sample per chunk: only chunks whose sample is the
     base's are read whole (manifest digests ``"<sample>|<digest>"``), the others are just written."""
     import json
-    d = dio.LocalDispatcher(16 << 20, max_chunk_bytes=4096, small_leaf_bytes=0, progress=False)
     x = np.random.default_rng(1).standard_normal(8192, dtype=np.float32)
-    d.save(str(tmp_path / "0"), {"x": x, "frozen": x * 2}, incremental=True).wait()
-    d.save(str(tmp_path / "1"), {"x": x + 1, "frozen": x * 2}, incremental=True).wait()
+    with dio.LocalDispatcher(16 << 20, max_chunk_bytes=4096, small_leaf_bytes=0, progress=False) as d:
+        d.save(str(tmp_path / "0"), {"x": x, "frozen": x * 2}, incremental=True).wait()
+        d.save(str(tmp_path / "1"), {"x": x + 1, "frozen": x * 2}, incremental=True).wait()
+        restored = d.restore(str(tmp_path / "1"))["x"]
     leaves = {e["keypath"]: e["stored"] for e in json.loads((tmp_path / "1" / "manifest.json").read_text())["leaves"]}
     assert all("|" not in v for v in leaves["['x']"]["digests"].values())          # changed: sampled only
     assert all("|" in v for v in leaves["['frozen']"]["digests"].values())         # unchanged: digested whole
     assert sum(map(len, leaves["['frozen']"]["refs"].values())) == 8
     assert "refs" not in leaves["['x']"]
-    assert d.restore(str(tmp_path / "1"))["x"].tobytes() == (x + 1).tobytes()
+    assert restored.tobytes() == (x + 1).tobytes()
 
 
 @pytest.mark.parametrize("algorithm", ["host", "device"])

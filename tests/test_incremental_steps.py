@@ -2,6 +2,7 @@
 after retention removed the steps it references), retention keeps referenced bytes and reclaims
 the rest, and crafted references are refused."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,8 +37,23 @@ def _train(state, step):
     return {**state, "adapter": state["adapter"] + 1, "table": table, "step": step}
 
 
+_STACKS: list[contextlib.ExitStack] = []   # the running test's: what it opened, closed after it
+
+
+@pytest.fixture(autouse=True)
+def _close_dispatchers():
+    """Every dispatcher a test here makes is closed after it (its IO threads end with it)."""
+    with contextlib.ExitStack() as stack:
+        _STACKS.append(stack)
+        try:
+            yield
+        finally:
+            _STACKS.pop()
+
+
 def _dispatcher(**kw):
-    return dio.LocalDispatcher(64 << 20, max_chunk_bytes=CHUNK, small_leaf_bytes=1024, progress=False, **kw)
+    d = dio.LocalDispatcher(64 << 20, max_chunk_bytes=CHUNK, small_leaf_bytes=1024, progress=False, **kw)
+    return _STACKS[-1].enter_context(d)
 
 
 def _host(tree):
