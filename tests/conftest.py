@@ -397,3 +397,36 @@ def held(process):
     """What ``process`` holds of WANTED (as a local step records it)."""
     own = [list(map(list, r)) for r, holders in WANTED["['w']"].items() if process in holders]
     return as_regions({"['w']": own, "['b']": [[[0, 32]]]})
+
+
+def train_one_leaf(root, local, mesh, steps=9, offset=0):
+    """Train ``one_leaf``'s state (+ ``offset``) for ``steps`` steps under a manager of ``root`` saving
+    locally to ``local`` every 2 steps and persistently every 3; returns the steps saved and the
+    local steps left."""
+    target, state = one_leaf(mesh)
+    tier = dio.LocalTier(local, save_policy=dio.policies.EveryNSteps(2))
+    saved = []
+    with dio.CheckpointManager(root, save_policy=dio.policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(steps):
+            if mgr.should_save(step):
+                mgr.save(step, jax.tree.map(lambda x: x + offset, state(step)))
+                saved.append(step)
+        mgr.wait()
+        return saved, mgr.local.steps()
+
+
+def filled(mesh, value):
+    """A state of one leaf ``w`` (64 x 16 float32 over the data and model axes), every element ``value``."""
+    return {"w": jax.device_put(np.full((64, 16), value, np.float32), NamedSharding(mesh, P("data", "model")))}
+
+
+def filled_target(mesh):
+    """The restore target of ``filled``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), filled(mesh, 0))
+
+
+def value_of(tree) -> float:
+    """The one value every element of ``tree["w"]`` holds (failing if they differ)."""
+    values = np.unique(np.asarray(tree["w"]))
+    assert values.size == 1, values
+    return float(values[0])

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as sh
-from conftest import fail_batches_of, hooked_dispatcher
+from conftest import fail_batches_of, filled, filled_target, hooked_dispatcher, value_of
 from dispatch_io import policies, tree as tree_lib
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers.promote_plan import items_of, plan_promotion
@@ -71,6 +71,8 @@ dispatcher = dio.LocalDispatcher(host_memory_budget=16 << 10, small_leaf_bytes=0
 mgr = dio.CheckpointManager(tmp + "/root", dispatcher, local=dio.LocalTier(tmp + "/local/{process}"))
 mgr.local.save(3, {"w": w}).wait()
 real, calls = promotion.write_values, []
+
+
 def write_values(*args):
     calls.append(1)
     if len(calls) == 3:       # two batches written, then SIGKILL: mid-promotion
@@ -95,6 +97,8 @@ def status(field):
 
 tmp, budget = sys.argv[1], int(sys.argv[2])
 mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+
 def make(seed):
     block = lambda index: np.full(tuple(s.stop - s.start for s in index), seed, np.float32)
     return jax.make_array_from_callback((4096, 4096), NamedSharding(mesh, P("data", "model")), block)
@@ -122,21 +126,10 @@ def _same_two(restored, expected):
         assert np.asarray(restored[key]).tobytes() == np.asarray(expected[key]).tobytes(), key
 
 
-def _full(mesh, value):
-    return {"w": jax.device_put(np.full((64, 16), value, np.float32), NamedSharding(mesh, P("data", "model")))}
-
-
-def _full_target(mesh):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _full(mesh, 0))
-
-
-def _value(tree) -> float:
-    values = np.unique(np.asarray(tree["w"]))
-    assert values.size == 1, values
-    return float(values[0])
-
 @pytest.mark.parametrize("options", [dict(checksums=True), dict(compression="zstd", checksums=True, layout="files")],
                          ids=["ocdbt-crc", "files-zstd"])
+
+
 def test_a_local_step_is_promoted_byte_for_byte_with_its_items(tmp_path, mesh, options):
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
     dispatcher = dio.LocalDispatcher(host_memory_budget=64 << 10, small_leaf_bytes=0, **options)
@@ -404,16 +397,14 @@ def test_a_deferred_promotion_after_any_local_failure_unpins_the_step_and_is_rep
 
 
 @pytest.mark.parametrize("layout", ["files", "ocdbt"])
+
+
 def test_a_damaged_compressed_local_chunk_is_not_promoted(tmp_path, mesh, layout):
-    """Finding: with compression (zstd) the promotion copies a damaged local chunk unchecked and
-    commits the step: it is listed, ``durability`` says "persisted", and any restore of it fails
-    (measured: WorkerError reading ['w']). The local copy was saved with checksums=True, so its
-    CRC-32Cs (of the decoded chunks) are in its manifest, but they are only checked where the stored
-    bytes are the raw chunk. Why it matters: the root is the durable tier; local retention then
-    deletes the local copy, so the job's only persisted copy of that step is unreadable, and nothing
-    said so at promotion time (the uncompressed path fails cleanly, naming the key path). Fix:
-    decode compressed chunks that carry a CRC-32C (or at least zstd-validate the frame) before
-    writing them, and fail the promotion naming the key path, committing nothing."""
+    """A damaged local chunk stored compressed (zstd) is not promoted: the promotion decodes compressed
+    chunks that carry a CRC-32C before writing them and fails naming the key path, committing nothing.
+    Why: the root is the durable tier and local retention then deletes the local copy; a promoted
+    unreadable chunk would leave the job's only persisted copy of that step unreadable, with nothing said
+    at promotion time (it would be listed, "persisted", and every restore of it would fail)."""
     tier = dio.LocalTier(tmp_path / "local" / "{process}")
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, compression="zstd", layout=layout)
     with dio.CheckpointManager(tmp_path / "root", dispatcher, local=tier) as mgr:
@@ -432,13 +423,11 @@ def test_a_damaged_compressed_local_chunk_is_not_promoted(tmp_path, mesh, layout
 
 
 def test_a_truncated_local_chunk_is_not_promoted_without_checksums(tmp_path, mesh):
-    """Finding: with default options (checksums=False, no compression) a local chunk cut short (the
-    torn write on a full RAM disk the local tier's docs name as its failure model) is copied as is
-    and the step committed to the root: listed, "persisted", and every restore of it fails
-    (measured: WorkerError/FAILED_PRECONDITION reading ['w']). The expected length of a raw chunk is
-    known from the manifest (chunk shape x itemsize), so the check is free. Fix: check each raw
-    chunk's length against its stored array's chunk shape and dtype (and decode compressed ones)
-    before writing; fail the promotion naming the key path, committing nothing."""
+    """With default options (checksums=False, no compression) a local chunk cut short -- the torn write on a
+    full RAM disk, the local tier's failure model -- is not promoted: each raw chunk's length is checked
+    against its stored array's chunk shape and dtype (known from the manifest, so the check is free), and
+    the promotion fails naming the key path, committing nothing (else the step would be listed,
+    "persisted", and unreadable)."""
     tier = dio.LocalTier(tmp_path / "local" / "{process}")
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, layout="files")
     with dio.CheckpointManager(tmp_path / "root", dispatcher, local=tier) as mgr:
@@ -458,16 +447,11 @@ def test_a_truncated_local_chunk_is_not_promoted_without_checksums(tmp_path, mes
 
 
 def test_a_failed_local_save_with_promote_is_reported_once_and_the_next_save_persists(tmp_path, mesh):
-    """Finding: ``LocalTier(promote=True)``, the local save of step 1 fails (ENOSPC on the RAM
-    disk). ``mgr.wait()`` raises it (from the local tier), but the promotion that then found no
-    local copy stores its own FileNotFoundError, which the *next, healthy* ``save(2)`` raises
-    ("no process has a local copy of step 1") -- after saving step 2 locally and before starting its
-    persistent save, so step 2 never reaches the root. One failure is reported twice, the second
-    time by an unrelated save that is silently half-done. A training loop that logs the failure
-    from wait() and carries on (the disk was cleaned) crashes at the next save. Fix: report the
-    failed step's error once (wait() raising the local failure should consume the promotion's
-    consequent error too, or raise the promotion's error with the local one as its cause), and let
-    save(2) go through."""
+    """``LocalTier(promote=True)``, the local save of step 1 fails (ENOSPC on the RAM disk): ``mgr.wait()``
+    reports that failure once (the promotion that then finds no local copy adds no second error), and the
+    next, healthy ``save(2)`` goes through to the root. Why: a training loop that logs the failure from
+    wait() and carries on must not crash at an unrelated save that is left half-done (step 2 saved
+    locally, never persisted)."""
     dispatcher = hooked_dispatcher(dio.LocalDispatcher, write_hook=fail_batches_of(None), small_leaf_bytes=0)
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1), promote=True)
     with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(1), local=tier) as mgr:
@@ -483,14 +467,11 @@ def test_a_failed_local_save_with_promote_is_reported_once_and_the_next_save_per
 
 
 def test_the_promote_on_save_handle_honours_wait_timeout(tmp_path, mesh):
-    """Finding: the handle ``save()`` returns with ``LocalTier(promote=True)`` (``promotion.Deferred``)
-    ignores ``wait(timeout)`` while the local save is in flight: it blocks on the Deferred's lock,
-    which the manager's thread holds while it waits, without a timeout, for the local save (and then
-    starts the promotion). ``SaveHandle.wait(timeout)`` raises TimeoutError after ``timeout``; a
-    loop polling ``handle.wait(timeout=...)`` (to log progress, or to bound a preemption grace
-    period) hangs for the whole local save instead (here 6 s for a 0.5 s timeout). Fix: wait for
-    the local save with the remaining timeout outside the lock (or on an event), raising
-    TimeoutError as SaveHandle does."""
+    """The handle ``save()`` returns with ``LocalTier(promote=True)`` (``promotion.Deferred``) honours
+    ``wait(timeout)`` while the local save is in flight: it raises TimeoutError after ``timeout``, as
+    ``SaveHandle.wait`` does, rather than blocking for the whole local save (here 6 s against a 0.5 s
+    timeout). A loop polling ``handle.wait(timeout=...)`` (to log progress, or to bound a preemption grace
+    period) depends on it."""
     gate = threading.Event()
 
     def hold(regions):
@@ -516,12 +497,10 @@ def test_the_promote_on_save_handle_honours_wait_timeout(tmp_path, mesh):
 
 
 def test_the_promote_on_save_handle_names_the_persistent_step(tmp_path, mesh):
-    """Finding: with ``LocalTier(promote=True)``, ``save()``'s handle (``promotion.Deferred``) has
-    ``path`` = the *local* copy (``<local>/0/1``, ``Deferred.path`` returns the local save's), while
-    the same save without promote returns a handle whose ``path`` is the root's step. The handle
-    stands for the persistent save (its ``wait()`` is the promotion's); code that logs, verifies
-    or uploads ``handle.path`` acts on the node-local RAM-disk copy, which local retention deletes.
-    Fix: ``Deferred.path`` is the persistent step's path (``after`` is given it as ``path``)."""
+    """With ``LocalTier(promote=True)`` the handle ``save()`` returns has ``path`` = the root's step, as the
+    same save without promote: the handle stands for the persistent save (its ``wait()`` is the
+    promotion's), and code that logs, verifies or uploads ``handle.path`` must not act on the node-local
+    RAM-disk copy, which local retention deletes."""
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1), promote=True)
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(1), local=tier) as mgr:
         handle = mgr.save(1, _two_leaves(mesh, 1))
@@ -530,14 +509,11 @@ def test_the_promote_on_save_handle_names_the_persistent_step(tmp_path, mesh):
 
 
 def test_save_with_promote_raises_file_exists_before_writing(tmp_path, mesh):
-    """Finding: ``save()`` documents FileExistsError "before anything is written" for a step the
-    root already holds (without overwrite), and does so without promote. With
-    ``LocalTier(promote=True)`` ``save(2, ..., force=True)`` returns a handle: the local copy of
-    step 2 is (over)written with the new state, and the FileExistsError only comes out of the next
-    ``wait()``/``save()``, from the manager's thread. A caller relying on save() to refuse (e.g. a
-    resumed loop re-saving its restored step) gets a late error from an unrelated call, and a local
-    step 2 that differs from the root's. Fix: check the root step's writability in ``save()`` (as
-    ``Dispatcher.save`` does) before starting the local save or deferring the promotion."""
+    """``save()`` raises FileExistsError "before anything is written" for a step the root already holds
+    (without overwrite) with ``LocalTier(promote=True)`` too, as without promote: ``save(2, ..., force=True)``
+    neither overwrites the local copy of step 2 with a state that differs from the root's nor defers the
+    error to a later, unrelated ``wait()``/``save()`` (a resumed loop re-saving its restored step relies on
+    save() to refuse)."""
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1), promote=True)
     with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
         mgr.save(2, _two_leaves(mesh, 2), local=False)
@@ -555,35 +531,29 @@ def test_save_with_promote_raises_file_exists_before_writing(tmp_path, mesh):
 
 
 def test_promote_after_a_rollback_does_not_persist_the_abandoned_history(tmp_path, mesh):
-    """Finding: after a rollback (``restore(0, target)`` with local steps 2 and 4 of the history
-    being abandoned), ``promote(4)`` persists the abandoned local step 4 into the root without a
-    word, though docs/manager.md "Local tier" promises the abandoned local steps "are never
-    restored over the new one". The job goes on from step 0 (its local save of step 2 deletes the
-    abandoned local steps, as documented), yet after a crash ``restore(None, target)`` resumes the
-    root's step 4 -- the abandoned history -- over the new history's step 2; and the new
-    history's own persistent save of step 4 is then refused (FileExistsError).
+    """After a rollback (``restore(0, target)`` with local steps 2 and 4 of the history being abandoned),
+    ``promote(4)`` does not persist the abandoned local step 4 into the root (docs/manager.md "Local tier":
+    the abandoned local steps "are never restored over the new one"). Persisting it would let a restart's
+    ``restore(None, target)`` resume the abandoned history over the new one's step 2, and refuse the new
+    history's own persistent save of step 4 (FileExistsError).
 
-    Why it matters: a promotion is how a job persists "the local step it has"; after a rollback
-    (a loss spike, a bad batch) the step it would promote by habit is the one the rollback was
-    meant to discard, and the mistake only shows after the next crash.
-
-    A fix should refuse to promote a local step newer than the step the job resumed (the local
-    tier's last step after ``resume``) with a ValueError naming the rollback (the steps belong to
-    an abandoned history), or else treat the promotion as the first save of the resumed history."""
+    Why it matters: a promotion is how a job persists "the local step it has"; after a rollback (a loss
+    spike, a bad batch) the step it would promote by habit is the one the rollback was meant to discard,
+    and the mistake would only show after the next crash."""
     tier = dio.LocalTier(tmp_path / "local" / "{process}")
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
-        mgr.save(0, _full(mesh, 0), force=True)
-        mgr.save(2, _full(mesh, 2), local=True)
-        mgr.save(4, _full(mesh, 4), local=True)
+        mgr.save(0, filled(mesh, 0), force=True)
+        mgr.save(2, filled(mesh, 2), local=True)
+        mgr.save(4, filled(mesh, 4), local=True)
         mgr.wait()
-        mgr.restore(0, _full_target(mesh))           # the rollback: steps 2 and 4 are abandoned
+        mgr.restore(0, filled_target(mesh))           # the rollback: steps 2 and 4 are abandoned
         try:
             mgr.promote(4).wait()
         except ValueError:
             return                              # refused: the step is of the abandoned history
-        mgr.save(2, _full(mesh, 20), local=True)   # the new history (its first save drops the old local steps)
+        mgr.save(2, filled(mesh, 20), local=True)   # the new history (its first save drops the old local steps)
         mgr.wait()
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
-        restored = mgr.restore(None, _full_target(mesh))
-        assert (mgr.last_tier_restore.step, _value(restored)) == (2, 20.0), (
-            f"the restart resumed step {mgr.last_tier_restore.step} = {_value(restored)}: the abandoned history")
+        restored = mgr.restore(None, filled_target(mesh))
+        assert (mgr.last_tier_restore.step, value_of(restored)) == (2, 20.0), (
+            f"the restart resumed step {mgr.last_tier_restore.step} = {value_of(restored)}: the abandoned history")

@@ -200,10 +200,10 @@ def test_the_readme_loop_resumes_a_killed_job_from_local_steps_with_the_root_emp
 
 
 def test_one_process_with_a_torn_local_info_does_not_fail_the_job_restore(tmp_path):
-    """4 processes; process 1's local step 8 has a torn info.json (a full RAM disk, a crash while
-    the OS wrote it back). Its regions are also held by process 3: the job should resume step 8
-    (bit-exact), its copy treated as lost -- as a wiped directory is. Today process 1 raises a bare
-    JSONDecodeError before the gather and the three others wait out the barrier timeout."""
+    """4 processes; process 1's local step 8 has a torn info.json (a full RAM disk, a crash while the OS
+    wrote it back). Its regions are also held by process 3: the job resumes step 8 (bit-exact), process
+    1's copy treated as lost -- as a wiped directory is -- rather than process 1 raising a bare
+    JSONDecodeError before the gather while the three others wait out the barrier timeout."""
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
     _train_and_kill(root, local)
     (tmp_path / "local" / "1" / "8" / "info.json").write_text('{"step": 8, "tier": "lo')
@@ -312,17 +312,14 @@ def test_a_clock_policy_with_replicas_takes_the_same_local_saves_everywhere(tmp_
 
 
 def test_data_parallel_copies_within_one_host_do_not_survive_that_host(tmp_path):
-    """LocalTier(replicas=1, domains=hosts) promises that a lost host loses nothing (design.md
-    "Failure model": "any `replicas` lost processes (in different domains: a lost host) lose
-    nothing"; manager.md: regions are sent "to a peer in another failure domain"). But
-    replica_plan.replicas_needed counts data-parallel copies without looking at domains: with the
-    data axis inside a host (2 processes per host, mesh (fsdp=2 across hosts, data=2 within a host,
-    model=2), a usual layout with one process per GPU) every region is held by the two processes of
-    one host, so nothing is sent; the step's info even records "domains": 1 while calling itself
-    "replicated 2". Host 0 lost (its two local directories wiped), restore finds no step: the job
-    falls back to persistent storage (here: nothing). Fix: count holders per failure domain when
-    deciding which leaves need replicas (replicas_needed / send / spread with domains): every
-    region in replicas + 1 domains while the domains allow it."""
+    """LocalTier(replicas=1, domains=hosts) keeps its promise that a lost host loses nothing (design.md
+    "Failure model": "any `replicas` lost processes (in different domains: a lost host) lose nothing";
+    manager.md: regions are sent "to a peer in another failure domain") when the data axis lies inside a
+    host: mesh (fsdp=2 across hosts, data=2 within a host, model=2), a usual layout with one process per
+    GPU, where every region is held by the two processes of one host. Holders are counted per failure
+    domain, so each region is sent to the other host and the step records 2 domains; with host 0 lost
+    (its two local directories wiped) the job still resumes the step from the other host, not from
+    persistent storage (here: nothing)."""
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
     outs = _run_in_one_host(root, local, "save")
     saved = [re.search(r"^saved 2 copies (\d+) domains (\d+)$", out, re.M) for out in outs]

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as sh
-from conftest import one_leaf, same_leaf
+from conftest import one_leaf, same_leaf, train_one_leaf
 from dispatch_io import policies
 
 
@@ -34,19 +34,6 @@ def _restore(mgr, step, target):
     return restored, _rchar() - before
 
 
-def _train(root, local, mesh, steps=9, offset=0):
-    target, state = one_leaf(mesh)
-    tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
-    saved = []
-    with dio.CheckpointManager(root, save_policy=policies.EveryNSteps(3), local=tier) as mgr:
-        for step in range(steps):
-            if mgr.should_save(step):
-                mgr.save(step, jax.tree.map(lambda x: x + offset, state(step)))
-                saved.append(step)
-        mgr.wait()
-        return saved, mgr.local.steps()
-
-
 def _train_0_2_4(tmp_path, state):
     """Local steps 0, 2, 4 (every 2), persistent steps 0, 3 (every 3); returns the manager's arguments."""
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
@@ -64,6 +51,7 @@ def _edit_local_info(tmp_path, step, edit):
     info = json.loads(path.read_text())
     edit(info)
     path.write_text(json.dumps(info))
+
 
 def test_one_process_saves_locally_between_persistent_steps_and_restores_from_either(tmp_path, mesh):
     """One process (8 devices): local steps hold every region once; a wiped local tier -> the root.
@@ -194,23 +182,15 @@ def test_flipped_byte_in_local_copy_without_verify_is_detected(tmp_path, mesh):
 
 
 def test_a_bad_chunk_in_an_older_local_step_is_replaced_by_the_next_source(tmp_path, mesh):
-    """Finding: before planning, a restore through the tiers checks only the *newest* local step
-    against its CRC-32Cs (``TierRestore._held`` / ``_intact``); the others are checked as they are
-    read (``local_verify``), and a bad chunk there raises CorruptCheckpointError out of the restore.
-    So when the newest local step is unusable (here a bit flip; equally: not whole after a lost
-    process) and the step the plan falls back to has a bad chunk too, the restore fails -- though
-    the root holds that very step (step 2, persisted) and an older one (step 0). docs/manager.md
-    "Local tier": "Local copies saved with checksums are always checked: a bad one is replaced by
-    the next source"; README: "every local chunk is CRC-checked on the way back". (docs/design.md
-    "Tiers" does state the raise for an older step: the docs disagree, and the user-facing ones
-    promise the fallback.)
+    """When the newest local step is unusable (here a bit flip; equally: not whole after a lost process)
+    and the older local step the plan falls back to has a bad chunk too, the bad region comes from the
+    next source -- the root holds that very step (2, persisted) -- and the restore is bit-exact, as
+    docs/manager.md "Local tier" promises ("Local copies saved with checksums are always checked: a bad
+    one is replaced by the next source"; README: "every local chunk is CRC-checked on the way back").
+    Not only the newest local step is checked before planning.
 
-    Why it matters: RAM-disk damage tends to hit several steps at once (a bad DIMM, a filled
-    tmpfs); a job that could resume from persistent storage cannot restart at all.
-
-    A fix should check the regions of the step the plan picks before reading it (dropping bad
-    ones and planning again, as for the newest), or fall back to the next source when the local
-    pass finds a bad chunk."""
+    Why it matters: RAM-disk damage tends to hit several steps at once (a bad DIMM, a filled tmpfs); a
+    job that can resume from persistent storage must be able to restart."""
     sharding = NamedSharding(mesh, P("data", "model"))
     target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
 
@@ -262,7 +242,7 @@ def test_garbage_local_info_names_the_file(tmp_path, mesh):
     (or the step skipped), not a bare JSONDecodeError."""
     target, _ = one_leaf(mesh)
     local = tmp_path / "local" / "{process}"
-    _train(tmp_path / "root", local, mesh)
+    train_one_leaf(tmp_path / "root", local, mesh)
     (tmp_path / "local" / "0" / "8" / "info.json").write_text("{not json")
     tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
@@ -273,16 +253,14 @@ def test_garbage_local_info_names_the_file(tmp_path, mesh):
 
 
 @pytest.mark.parametrize("held", [5, [["a"]], [None], [[[0, 1, 2]]]], ids=["int", "strings", "null", "triple"])
+
+
 def test_malformed_held_regions_in_a_local_info_crash_the_restore(tmp_path, mesh, held):
-    """A local step's info.json whose "held" is valid JSON but not a list of regions (a bit flip on
-    a RAM disk, a hand edit, a future format) makes restore(None, target) raise a bare TypeError /
-    ValueError ("'int' object is not iterable", "not enough values to unpack") from deep inside
-    the planner, instead of treating that step as lost the way an unreadable info.json is
-    (local_steps.read_info: "never reported as held"). In a multi-process job the malformed info of
-    one process crashes every process's restore (as_regions runs on every report gathered), so one
-    bad file on one host of a 1,000-host job blocks resuming at all. Fix: validate "held" when the
-    info is read (a dict of key path -> list of [[start, stop], ...] int pairs) and treat a step that
-    fails as unreadable (logged, not used): the restore then picks the next step, bit-exact."""
+    """A local step's info.json whose "held" is valid JSON but not a list of regions (a bit flip on a RAM
+    disk, a hand edit, a future format) makes that step unreadable -- logged, not used, as an unreadable
+    info.json is -- and restore(None, target) picks the next step, bit-exact, rather than raising a bare
+    TypeError / ValueError from deep inside the planner. In a multi-process job every process plans on
+    every report gathered, so one bad file on one host must not block the whole job's resume."""
     target, state = one_leaf(mesh)
     tier = _train_0_2_4(tmp_path, state)
     _edit_local_info(tmp_path, 4, lambda info: info.__setitem__("held", {"['w']": held}))
@@ -294,24 +272,23 @@ def test_malformed_held_regions_in_a_local_info_crash_the_restore(tmp_path, mesh
 
 
 def test_a_local_step_without_recorded_copies_is_skipped_by_a_default_restore(tmp_path, mesh):
-    """restore(None, target) (durability="local": "all" local steps, tiers_plan.eligible's doc)
-    silently skips every local step whose info.json has no integer "copies" -- local steps written
-    before durability was recorded (dispatch_io before the replicas commit: a job restarted on the
-    upgraded library), or whose "copies" is anything but an int. TierRestore._held only reports
-    steps with an int "copies" to eligible(), which only lets through the steps it was told about.
-    The job then resumes the older persistent step 3 instead of local step 4, with no warning: a
-    silent loss of training progress. Fix: with durability="local" every usable local step is a
-    candidate whatever its "copies" (a missing / malformed value counts as 1 copy for "replicated")."""
+    """restore(None, target) (durability="local": every usable local step, tiers_plan.eligible's doc) takes
+    a local step whose info.json has no integer "copies" -- written before durability was recorded (a job
+    restarted on an upgraded library), or malformed; it counts as 1 copy for "replicated". Here local step
+    4 is resumed rather than the older persistent step 3: skipping it would silently lose training
+    progress."""
     target, state = one_leaf(mesh)
     tier = _train_0_2_4(tmp_path, state)
     _edit_local_info(tmp_path, 4, lambda info: [info.pop(k, None) for k in ("copies", "domains", "durability")])
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
         restored = mgr.restore(None, target)
-        assert mgr.last_tier_restore.step == 4, mgr.last_tier_restore   # is 3 (the persistent step)
+        assert mgr.last_tier_restore.step == 4, mgr.last_tier_restore   # not 3 (the persistent step)
         assert np.asarray(restored["w"]).tobytes() == np.asarray(state(4)["w"]).tobytes()
 
 
 @pytest.mark.parametrize("kwargs", [{"partial": True}, {"cast": True}])
+
+
 def test_restore_through_the_tiers_takes_the_same_keywords_as_a_restore(tmp_path, mesh, kwargs):
     """CheckpointManager.restore: "same keywords as Dispatcher.restore". With a local tier,
     restore(None, target, partial=True) (the params of a train state) or cast=True (another
@@ -336,14 +313,10 @@ def test_restore_through_the_tiers_takes_the_same_keywords_as_a_restore(tmp_path
 
 
 def test_a_restore_through_the_tiers_with_names_ignores_the_local_steps(tmp_path, mesh):
-    """restore(None, target, names=...) (Dispatcher.restore's keyword: the target read under other
-    names, e.g. a train state's params restored into {"params": {...}}) plans by the *target's* key
-    paths (tiers_plan.wanted_regions) against the regions local steps record under the *saved* key
-    paths, so no local step ever matches: the restore silently resumes the older persistent step 3
-    (or, with none, raises FileNotFoundError) although local step 4 holds every region. tier_restore
-    claims the case ("a leaf read under another name, names=, too"); mgr.restore(3, target, names=)
-    of the root works. Fix: map each target leaf to its saved key path (manifest.saved_leaf with
-    tensor_names) before planning, or plan wanted regions under the saved names."""
+    """restore(None, target, names=...) (Dispatcher.restore's keyword: the target read under other names,
+    e.g. a train state's params restored into {"params": {...}}) plans the target's leaves under their
+    saved key paths, so local step 4, which holds every region, is resumed -- not the older persistent
+    step 3 (or, with none, FileNotFoundError), as if no local step matched the target's own names."""
     _, state = one_leaf(mesh)
     tier = _train_0_2_4(tmp_path, state)
     sharding = NamedSharding(mesh, P("data", "model"))
@@ -352,7 +325,7 @@ def test_a_restore_through_the_tiers_with_names_ignores_the_local_steps(tmp_path
         from_root = mgr.restore(3, target, names=lambda path: "w")
         assert np.asarray(from_root["params"]["w"]).tobytes() == np.asarray(state(3)["w"]).tobytes()
         restored = mgr.restore(None, target, names=lambda path: "w")
-        assert mgr.last_tier_restore.step == 4, mgr.last_tier_restore      # is 3: the local steps are unused
+        assert mgr.last_tier_restore.step == 4, mgr.last_tier_restore      # not 3: the local steps are used
         assert np.asarray(restored["params"]["w"]).tobytes() == np.asarray(state(4)["w"]).tobytes()
 
 
@@ -376,12 +349,10 @@ def test_a_tiered_restore_reads_an_orbax_step_with_a_step_prefix(tmp_path, mesh)
 
 
 def test_resuming_a_step_partly_read_from_persistent_storage_counts_as_resuming_it(tmp_path, mesh):
-    """Finding: a restore that resumed a step partly from the root (both holders of some regions
-    lost their disks) was not counted as resuming it when the layout check compared the target with
-    the surviving copies only: the abandoned local step 8 survived the next save of 8 and a later
-    restore mixed two histories. Now every restore resumes its step: here step 4 is restored with
-    local step 8 present, and the first save of step 6 (either tier) drops local step 8 -- whatever
-    the copies report."""
+    """A restore that resumes a step partly from the root (both holders of some regions lost their disks)
+    counts as resuming it, whatever the surviving copies report: here step 4 is restored with local
+    step 8 present, and the first save of step 6 (either tier) drops local step 8 -- else the abandoned
+    local step 8 would survive the next save of 8 and a later restore would mix two histories."""
     sharding = NamedSharding(mesh, P("data", "model"))
     target = {"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=sharding)}
 
@@ -405,13 +376,10 @@ def test_resuming_a_step_partly_read_from_persistent_storage_counts_as_resuming_
 
 
 def test_one_restored_array_never_mixes_two_histories_of_a_step(tmp_path, mesh):
-    """Finding (the first one's worst case): with the root's step 4 from the abandoned history and
-    a local step 4 of the new one (a local-only save after a rollback, accepted), one local chunk
-    failing its CRC-32C makes the restore through the tiers read that region from the root's step 4
-    and the rest from the local copy: a single array comes back with values of both histories
-    (here 4.0 and 40.0), silently -- the CRC-32C check that was meant to protect it does the mixing.
-
-    Fixed as the first finding: the local save is refused, so no local step 4 exists to mix."""
+    """With the root's step 4 from an abandoned history, the new history cannot save a local step 4 (the
+    local save is refused, see tests/test_tier_rollbacks.py), so a local chunk failing its CRC-32C can
+    never make the restore read that region from the root's step 4 and the rest from a local copy: one
+    array never comes back with values of both histories (here 4.0 and 40.0)."""
     sharding = NamedSharding(mesh, P("data", "model"))
     target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
 

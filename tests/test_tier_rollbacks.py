@@ -12,35 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as sh
-from conftest import one_leaf, same_leaf
+from conftest import filled, filled_target, one_leaf, same_leaf, train_one_leaf, value_of
 from dispatch_io import policies
 
-
-def _train(root, local, mesh, steps=9, offset=0):
-    target, state = one_leaf(mesh)
-    tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
-    saved = []
-    with dio.CheckpointManager(root, save_policy=policies.EveryNSteps(3), local=tier) as mgr:
-        for step in range(steps):
-            if mgr.should_save(step):
-                mgr.save(step, jax.tree.map(lambda x: x + offset, state(step)))
-                saved.append(step)
-        mgr.wait()
-        return saved, mgr.local.steps()
-
-
-def _full(mesh, value):
-    return {"w": jax.device_put(np.full((64, 16), value, np.float32), NamedSharding(mesh, P("data", "model")))}
-
-
-def _full_target(mesh):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _full(mesh, 0))
-
-
-def _value(tree) -> float:
-    values = np.unique(np.asarray(tree["w"]))
-    assert values.size == 1, values
-    return float(values[0])
 
 def test_a_local_save_of_a_rolled_back_history_replaces_the_abandoned_local_steps(tmp_path, mesh):
     """A restore onto another sharding changes nothing. restore(0) onto the training sharding after
@@ -103,17 +77,13 @@ def test_explicit_rollback_then_tiered_restore_mixes_histories(tmp_path, mesh):
 
 
 def test_explicit_rollback_with_names_resumes_like_without(tmp_path, mesh):
-    """Finding: ``restore(4, target, names=...)`` (an explicit rollback onto the training sharding,
-    the target's leaves named differently from the saved ones) never counts as resuming step 4:
-    ``LocalTiers.resumed`` compares the target's regions by the *target's* key paths
-    (``['weights']``) with the local step's ``"sharded"``, recorded by *saved* key path (``['w']``),
-    so they never match. docs/manager.md: a restore that resumes an older step "lets local saves go
-    on after it, and the first save ... then deletes the local steps from that step on"; with
-    names= the local policy instead refuses steps 5..8 (not newer than the abandoned 8), and the
-    first save of step 8 keeps the abandoned local step 8 (it counts as "the local step of this
-    history"): a restart resumes it over the new history. The same rollback without names= works.
-    Fix: map the target's key paths through names= (as ``TierRestore._saved_keypaths`` does)
-    before comparing, in ``resumed``."""
+    """``restore(4, target, names=...)`` (an explicit rollback onto the training sharding, the target's
+    leaves named differently from the saved ones) counts as resuming step 4 exactly as without names=:
+    the target's key paths are mapped through names= before they are compared with the local step's
+    regions (recorded by saved key path). docs/manager.md: a restore that resumes an older step "lets
+    local saves go on after it, and the first save ... then deletes the local steps from that step on" --
+    so local saves of steps 5..8 go on, and the first save of step 8 replaces the abandoned local step 8
+    (a restart must never resume it over the new history)."""
     target, state = one_leaf(mesh)
     renamed = {"weights": target["w"]}
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
@@ -133,21 +103,14 @@ def test_explicit_rollback_with_names_resumes_like_without(tmp_path, mesh):
 
 
 def test_abandoned_local_steps_older_than_the_first_save_after_a_rollback_are_never_resumed(tmp_path, mesh):
-    """Finding: ``drop_from`` deletes the abandoned local steps *from* the first save of the
-    resumed history on, but not those between the step the job rolled back to and that save.
-    Local steps 2 and 4 (history A), rollback to the root's step 0, first save of the new history
-    B at step 3: A's step 4 goes, A's step 2 stays -- and is still a candidate of every restore
-    through the tiers. When B's step 3 is unusable (a chunk failing its CRC-32C: a RAM-disk bit
-    flip, or a lost directory), the restore resumes A's step 2 instead of B's own step 0 from the
-    root: the rollback is silently undone. (The same with ``durability="replicated"`` skipping a
-    step 3 of one copy.)
+    """Local steps 2 and 4 (history A), rollback to the root's step 0, first save of the new history B at
+    step 3: every local step of A newer than the step resumed goes, not only those from the saved step
+    on. When B's step 3 is unusable (a chunk failing its CRC-32C: a RAM-disk bit flip, or a lost
+    directory), the restore resumes B's own step 0 from the root, never A's step 2: the rollback is not
+    silently undone. (The same with ``durability="replicated"`` skipping a step 3 of one copy.)
 
-    Why it matters: docs/manager.md "Local tier" promises the abandoned history's local steps
-    "are never restored over the new one".
-
-    A fix should delete, at the first save of the resumed history, every local step newer than the
-    step resumed (not only those from the saved step on), or remember the resumed step so that a
-    restore never picks a local step of the abandoned history."""
+    Why it matters: docs/manager.md "Local tier" promises the abandoned history's local steps "are never
+    restored over the new one"."""
     sharding = NamedSharding(mesh, P("data", "model"))
     target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
 
@@ -175,64 +138,49 @@ def test_abandoned_local_steps_older_than_the_first_save_after_a_rollback_are_ne
 
 
 def test_a_local_save_of_a_step_the_root_holds_from_another_history_is_not_passed_off_as_persisted(tmp_path, mesh):
-    """Finding: after a rollback, a local-only save of a step number the root already holds (saved
-    there by the abandoned history: force=True, a clock or preemption policy...) is accepted, and
-    from then on the two tiers hold two different steps under one number. ``durability(4)`` says
-    "persisted" although the local step 4 is not; ``restore(None, durability="persisted")`` picks
-    step 4 and fills it from the *local* copy (the new history's values, 40) although the
-    persistent step 4 holds 4; and ``item(4, "data")`` reads the root's item (the old history's):
-    the state and the data-iterator state a resuming job gets come from two different saves.
-    With several processes, or a local chunk that fails its CRC-32C, the regions without a usable
-    local copy are read from the root, so one restored tree mixes the two histories region by
-    region -- silently.
+    """After a rollback, a local-only save of a step number the root already holds (saved there by the
+    abandoned history: force=True, a clock or preemption policy...) is refused (ValueError, as a
+    persistent save of it is: roll back by removing the root's newer steps first). Accepted, the two
+    tiers would hold two different steps under one number: ``durability(4)`` would say "persisted" of a
+    local step that is not, ``restore(None, durability="persisted")`` would fill step 4 from the local
+    copy (the new history's 40) while ``item(4, "data")`` read the root's (the old history's), and
+    regions without a usable local copy would come from the root -- one tree mixing two histories.
 
-    Why it matters: ``durability="persisted"`` is the guarantee a job asks for before, e.g.,
-    deleting its local directories or reporting a step as safe; the restore through the tiers
-    assumes a step number names one state in both tiers (it plans a region from either).
-
-    Fixed: a local save alone of a step at or before the root's newest is refused (ValueError, as
-    a persistent save of it is: roll back by removing the root's newer steps first)."""
+    Why it matters: ``durability="persisted"`` is the guarantee a job asks for before, e.g., deleting its
+    local directories or reporting a step as safe; a restore through the tiers assumes a step number
+    names one state in both tiers (it plans a region from either)."""
     tier = dio.LocalTier(tmp_path / "local" / "{process}")
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
-        mgr.save(0, _full(mesh, 0), items={"data": dio.PerProcess({"history": "old", "pos": 0})}, force=True)
-        mgr.save(4, _full(mesh, 4), items={"data": dio.PerProcess({"history": "old", "pos": 4})}, force=True)
+        mgr.save(0, filled(mesh, 0), items={"data": dio.PerProcess({"history": "old", "pos": 0})}, force=True)
+        mgr.save(4, filled(mesh, 4), items={"data": dio.PerProcess({"history": "old", "pos": 4})}, force=True)
         mgr.wait()
-        mgr.restore(0, _full_target(mesh))  # a rollback: the job goes on from step 0
+        mgr.restore(0, filled_target(mesh))  # a rollback: the job goes on from step 0
         for step in (2, 4):   # refused, as a persistent save would be: the root's step 4 is of the old history
             with pytest.raises(ValueError, match="root holds step 4, of the history before a rollback"):
-                mgr.save(step, _full(mesh, 10 * step), items={"data": dio.PerProcess({"history": "new"})},
+                mgr.save(step, filled(mesh, 10 * step), items={"data": dio.PerProcess({"history": "new"})},
                          local=True)
         assert mgr.local.steps() == [] and mgr.durability(4) == "persisted"
-        persisted = _value(mgr.restore(4, _full_target(mesh)))   # the root's step 4
+        persisted = value_of(mgr.restore(4, filled_target(mesh)))   # the root's step 4
         assert persisted == 4.0
-        restored = mgr.restore(None, _full_target(mesh), durability="persisted")
+        restored = mgr.restore(None, filled_target(mesh), durability="persisted")
         step = mgr.last_tier_restore.step
         item = mgr.item(step, "data")
         # a "persisted" restore gives the persisted state, and its items come from the same save
-        assert (step, _value(restored), item["history"]) == (4, persisted, "old"), (
-            f"restore(durability='persisted') gave step {step} = {_value(restored)} (the root's step {step} is "
+        assert (step, value_of(restored), item["history"]) == (4, persisted, "old"), (
+            f"restore(durability='persisted') gave step {step} = {value_of(restored)} (the root's step {step} is "
             f"{persisted}) with the item of the {item['history']!r} history")
 
 
 def test_a_fresh_start_after_no_step_is_whole_takes_its_local_saves(tmp_path, mesh):
-    """Finding: a manager starts its local save policy after the newest local step any process's
-    directory holds (``check_apart``'s ``newest``), and only a *successful* restore moves that on
-    (``LocalTiers.resume``). When the documented resume pattern (docs/manager.md "Local tier":
-    ``restore(None, target)``, and on FileNotFoundError a fresh start at step 0) finds no step
-    whole -- here the only local step, 8, has a chunk failing its CRC-32C (a RAM-disk bit flip;
-    equally a process whose directory was lost, without replicas) -- the fresh run's local saves
-    are silently skipped up to step 8: ``should_save`` answers False at 2, 4 and 6. Worse, the
-    persistent save of step 0 deletes the stale local step 8 (``drop_from``), so the local tier is
-    left empty, and a preemption at step 7 loses the whole run again (restore raises
-    FileNotFoundError once more).
+    """When the documented resume pattern (docs/manager.md "Local tier": ``restore(None, target)``, and on
+    FileNotFoundError a fresh start at step 0) finds no step whole -- here the only local step, 8, has a
+    chunk failing its CRC-32C (a RAM-disk bit flip; equally a process whose directory was lost, without
+    replicas) -- the fresh run's local save policy starts afresh: ``should_save`` answers True at 2, 4 and
+    6 (not only after the stale step 8), the first save deletes the stale local step, and a preemption at
+    step 7 resumes from the fresh run's local steps.
 
-    Why it matters: the local tier exists to bound the work lost to a preemption; here it
-    silently saves nothing for as many steps as the lost run had reached.
-
-    A fix should start the local save policy afresh once the job does not resume the abandoned
-    local steps: e.g. a restore through the tiers that finds nothing whole resets the last local
-    step (the first save then deletes the stale ones, as after a rollback), or ``drop_from`` moves
-    the last local step back to before the step it drops from."""
+    Why it matters: the local tier exists to bound the work lost to a preemption; it must not save
+    nothing for as many steps as the lost run had reached."""
     sharding = NamedSharding(mesh, P("data", "model"))
     target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
 
@@ -273,8 +221,8 @@ def test_a_new_run_reusing_the_local_path_resumes_the_old_run(tmp_path, mesh):
     path: its local saves are skipped until step 9 and a restore resumes run A's step 8."""
     target, state = one_leaf(mesh)
     local = tmp_path / "local" / "{process}"
-    _train(tmp_path / "a", local, mesh)
-    saved, steps = _train(tmp_path / "b", local, mesh, steps=5, offset=100)
+    train_one_leaf(tmp_path / "a", local, mesh)
+    saved, steps = train_one_leaf(tmp_path / "b", local, mesh, steps=5, offset=100)
     tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
     with dio.CheckpointManager(tmp_path / "b", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
         restored = mgr.restore(None, target)
@@ -290,7 +238,7 @@ def test_a_restore_onto_another_sharding_does_not_delete_newer_local_steps(tmp_p
     resumed; the training job's next restore loses 2 steps."""
     target, state = one_leaf(mesh)
     local = tmp_path / "local" / "{process}"
-    _train(tmp_path / "root", local, mesh)
+    train_one_leaf(tmp_path / "root", local, mesh)
     tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2))
     replicated = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=NamedSharding(mesh, P()))}
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
@@ -303,18 +251,13 @@ def test_a_restore_onto_another_sharding_does_not_delete_newer_local_steps(tmp_p
 
 
 def test_a_job_resumed_on_another_mesh_never_mixes_in_the_abandoned_local_step(tmp_path, mesh):
-    """Finding: a restore through the tiers onto another mesh is taken for an eval copy
-    (``same_layout`` False: no ``LocalTiers.resume``), even when the job resumes training there --
-    the restart on another mesh that docs/design.md "Onto another mesh" supports. Train on mesh A
-    (local steps 0..8, persistent 0, 4, 8; the persistent save of 8 killed before its commit);
-    restart on mesh B with ``restore(None, target_b, durability="persisted")``: step 4. The new
-    history then: the local policy refuses 6 and 8 (not newer than the abandoned 8), and the
-    persistent save of 8 keeps the abandoned local step 8 (``drop_from`` spares "the local step
-    of this history"). The next restart's restore through the tiers picks step 8 and reads it from
-    the abandoned local copy, not from the new history's persistent step 8: silently the wrong
-    history. Fix: a restore that picks a step older than the local tier's last step must make
-    the newer local steps unusable whatever the target's layout (or resume on every layout and
-    let an eval copy say so explicitly)."""
+    """A restore through the tiers onto another mesh that resumes training there (the restart on another
+    mesh docs/design.md "Onto another mesh" supports) makes the newer local steps unusable, as one on the
+    training layout does. Train on mesh A (local steps 0..8, persistent 0, 4, 8; the persistent save of 8
+    killed before its commit); restart on mesh B with ``restore(None, target_b, durability="persisted")``:
+    step 4. The new history's local saves of 6 and 8 go on, its persistent save of 8 replaces the
+    abandoned local step 8, and the next restart's restore of step 8 reads the new history's values,
+    never the abandoned local copy."""
     target, state = one_leaf(mesh)
     mesh_b = jax.make_mesh((2, 4), ("data", "model"))
     sharding_b = NamedSharding(mesh_b, P("data", "model"))
@@ -345,18 +288,12 @@ def test_a_job_resumed_on_another_mesh_never_mixes_in_the_abandoned_local_step(t
 
 
 def test_restore_of_a_named_step_onto_another_mesh_resumes_alike_in_every_process(tmp_path, mesh):
-    """Finding: ``LocalTiers.resumed`` (after ``restore(step, target)`` of a named step) decides
-    per process, so processes disagree. Onto another sharding (the job restarted on another mesh
-    and resumes step 4 there; or an eval copy) a process whose local directory is gone resumes
-    step 4 (``mine and not infos``: "it follows the job"), while its peers, which still have their
-    steps, compare layouts and do not. In a job the process that lost its disk opened with the
-    others' last local step (8, agreed in ``check_apart``); here one process opens with steps up to
-    8 and then loses its directory, the same state. It then answers ``should_save(6)`` True where
-    every peer answers False: different local saves on different processes -- with replicas a
-    ``replicas.send`` collective (and a ``SharedDecisions`` round) only some processes enter (a
-    hang), without them a local step 6 on one process only. Fix: the decision must be the job's,
-    not each process's (compare the target with the layout the peers report, or share process
-    0's answer), as ``tier_restore`` does with ``same_layout`` over the gathered reports."""
+    """After ``restore(step, target)`` of a named step onto another sharding (the job restarted on another
+    mesh resumes step 4 there; or an eval copy), whether it resumed is the job's decision, not each
+    process's: a process whose local directory is gone answers ``should_save`` as its peers that still
+    have their steps do. Processes that disagreed would take different local saves -- with replicas a
+    ``replicas.send`` collective (and a ``SharedDecisions`` round) only some processes enter (a hang),
+    without them a local step on one process only."""
     target, state = one_leaf(mesh)
     eval_sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
     eval_target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=eval_sharding)}

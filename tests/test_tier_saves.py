@@ -36,25 +36,23 @@ def test_replicas_need_peers_and_one_domain_per_process(tmp_path, mesh):
 
 
 def test_local_tier_domains_given_as_a_mapping_become_one_domain_per_process():
-    """LocalTier(domains=...) is documented as "domains[process]: its host" -- which a mapping
-    {process: host} satisfies literally. LocalTier keeps tuple(domains): a dict's *keys*, (0, 1, 2,
-    3), so every process is its own failure domain and the replica of process 0's regions goes to
-    process 1 -- on the same host -- with no error or warning (a lost host then loses them). Fix:
-    take a mapping's values by process (domains[p] for p in range(len)) or refuse it (TypeError)."""
+    """LocalTier(domains=...) is documented as "domains[process]: its host", which a mapping {process:
+    host} satisfies literally: a mapping's values are taken by process, so processes 0 and 1 share
+    host-a and the replica of process 0's regions goes to the other host -- not, as a dict's keys (0, 1,
+    2, 3) would have it, to process 1 on the same host (a lost host would then lose them)."""
     hosts = {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
     try:
         tier = dio.LocalTier("/tmp/unused/{process}", replicas=1, domains=hosts)
     except (TypeError, ValueError):
         return                                                          # refused: fine
-    assert tier.domains == ("host-a", "host-a", "host-b", "host-b"), tier.domains   # is (0, 1, 2, 3)
+    assert tier.domains == ("host-a", "host-a", "host-b", "host-b"), tier.domains   # not its keys (0, 1, 2, 3)
 
 
 def test_local_tier_domains_as_lists_pass_validation_then_crash_when_the_job_opens():
     """LocalTier(domains=[["rack-0", "host-0"], ...]) (a (rack, host) pair per process, e.g. read from a
-    JSON config) is accepted by LocalTier's validation, then the manager's open in a multi-process job
-    fails with a bare "TypeError: unhashable type: 'list'" from replica_orders' Counter (after the
-    processes already met in the tiers-paths room). Fix: convert each domain to a hashable value
-    (lists to tuples) or refuse unhashable domains in LocalTier itself, naming domains."""
+    JSON config) is either refused up front by LocalTier, naming domains, or works: each domain a
+    hashable value (lists to tuples), the replicas going to the other rack/host pair. Never accepted by
+    validation and then failing the job's open with a bare "TypeError: unhashable type: 'list'"."""
     from dispatch_io.manager.tiers import replica_plan
     domains = [["rack-0", "host-0"], ["rack-0", "host-0"], ["rack-1", "host-1"], ["rack-1", "host-1"]]
     try:
@@ -133,14 +131,11 @@ def test_dispatcher_save_checks_copies_before_writing(tmp_path, mesh):
 
 @pytest.mark.parametrize("region", [((1, 3), (0, 4)), ((0, 8), (0, 8))], ids=["straddles-two-shards", "whole-leaf"])
 def test_a_replica_overlapping_own_regions_silently_overwrites_them(tmp_path, mesh, region):
-    """Dispatcher.save(own=True, copies=...) checks each Replica's shape and dtype (copies_by_leaf:
-    "checks them against the plan") but not that its region is one of the leaf's shard regions. A
-    replica whose region overlaps this process's own shards without being one of them (rows 1..3 of
-    a leaf sharded in 2-row shards, or the whole leaf) is planned as one more region (own_plan only
-    skips an *equal* region), its chunks overlap the own ones, and the saved step returns the
-    replica's values (-1 here) in place of the process's real data: silent corruption, no error.
-    Fix: ValueError (naming the key path and region) for a replica region that is not a region of the
-    leaf's sharding, or that overlaps a region this process holds without being equal to it."""
+    """A replica passed to Dispatcher.save(own=True, copies=...) whose region overlaps this process's own
+    shards without being one of them (rows 1..3 of a leaf sharded in 2-row shards, or the whole leaf)
+    is refused (ValueError) or never overwrites them: the saved step returns the process's real data,
+    never the replica's values (-1 here) -- planned as one more region, its chunks would overlap the
+    own ones: silent corruption."""
     from dispatch_io.held import Replica
     w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
     device = jax.devices()[0]
@@ -156,18 +151,14 @@ def test_a_replica_overlapping_own_regions_silently_overwrites_them(tmp_path, me
 
 
 def test_should_save_of_the_restored_step_depends_on_whether_this_host_kept_its_local_dir(tmp_path, mesh):
-    """After restore(None, target) resumes step 8, should_save(8) ("a resumed loop asks again about the
-    step it restored": the persistent policy answers False) is False on a process that kept its local
-    steps but True on a process whose local directory was wiped (a replaced host: LocalTiers._last_step
-    is None there, and resumed() only ever lowers it). should_save promises "Identical on every process
-    of a job": in the job replicas are for (host 0 replaced, hosts 1.. keep local step 8, restored
-    from the replicas), the new host's processes take a local save of step 8 and enter
-    replicas.send's collective alone -- mismatched collectives, a hang -- while the others skip it.
-    (The loop in docs/manager.md starts at step + 1, so it meets this only when it asks about a step at
-    or before a kept local step: here the restored one; after a resume onto another mesh, which
-    resumed() leaves alone, any step up to the newest kept local step.)
-    Fix: a resume of step S sets the local tier's last step to S on every process (whether or not it
-    had local steps), so the local policy's answer depends on the step only."""
+    """After restore(None, target) resumes step 8, should_save(8) ("a resumed loop asks again about the step
+    it restored") is False on a process that kept its local steps and on a process whose local directory
+    was wiped (a replaced host) alike: a resume of step S sets the local tier's last step to S on every
+    process, so the local policy's answer depends on the step only. should_save promises "Identical on
+    every process of a job": in the job replicas are for (host 0 replaced, the others keeping local step
+    8), the new host's processes would otherwise take a local save of step 8 and enter replicas.send's
+    collective alone -- a hang. (The loop in docs/manager.md starts at step + 1, so it meets this only
+    when it asks about a step at or before a kept local step: here the restored one.)"""
     _, state = one_leaf(mesh)
     sharding = NamedSharding(mesh, P("data", "model"))
     target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
