@@ -687,10 +687,10 @@ def test_barrier_timeout_with_a_dispatcher_of_ones_own_is_refused(tmp_path):
 
 
 def test_save_from_the_thread_inside_save_raises_instead_of_deadlocking(tmp_path):
-    """close() raises RuntimeError when called by the thread inside save() (a signal handler, a
-    priority callback); save() itself does not check and blocks forever on its own lock. With
-    the manager now chaining the program's SIGTERM handler -- which in pre-manager loops is
-    often an emergency save -- a SIGTERM during a save hangs the job until SIGKILL."""
+    """save() called by the thread inside save() (a signal handler, a priority callback) raises, as
+    close() does, instead of blocking forever on its own lock: with the manager chaining the program's
+    SIGTERM handler -- which in pre-manager loops is often an emergency save -- a SIGTERM during a save
+    must not hang the job until SIGKILL."""
     try:
         out = subprocess.run([sys.executable, "-c", REENTRANT_SAVE, str(tmp_path / "root")],
                              capture_output=True, text=True, timeout=30)

@@ -377,11 +377,10 @@ def test_a_deeply_nested_item_file_is_a_checkpoint_error(tmp_path):
 
 
 def test_a_step_whose_processes_passed_different_items_is_never_committed_half_there(tmp_path):
-    """Items commit "atomically together", but the step info is process 0's alone: when the
-    processes pass different item names, the step commits listing a PerProcess item that
-    process 1 never wrote, and process 1 finds it "listed but its file is missing (malformed
-    checkpoint)" on resume. The processes should agree on the item names (as they agree on
-    checksums before the commit) and fail the save otherwise, naming the item and processes."""
+    """Items commit "atomically together", and the step info is process 0's alone: when the processes pass
+    different item names, no step is committed that lists a PerProcess item process 1 never wrote (which
+    process 1 would find "listed but its file is missing (malformed checkpoint)" on resume): a step
+    committed is one whose items every process reads."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -401,11 +400,10 @@ def test_a_step_whose_processes_passed_different_items_is_never_committed_half_t
 
 
 def test_step_info_of_a_step_not_yet_committed_on_an_object_store_is_file_not_found(s3_prefix):
-    """On an object store info.json is written just before COMMITTED (and is left behind by a
-    save killed between the two, until a manager on that host cleans up). step_info reads
-    info.json first and only checks the commit when there is none, so a step that is not
-    committed (and may never be) reports info: "a step has its info exactly when committed"
-    (docs/format.md) does not hold for readers."""
+    """On an object store info.json is written just before COMMITTED (and is left behind by a save killed
+    between the two, until a manager on that host cleans up). step_info of a step not committed (and
+    maybe never to be) is FileNotFoundError: "a step has its info exactly when committed" (docs/format.md)
+    holds for readers too."""
     import tensorstore as ts
     from dispatch_io.storage import kvstore_spec
     with dio.CheckpointManager(s3_prefix) as mgr:
@@ -418,9 +416,9 @@ def test_step_info_of_a_step_not_yet_committed_on_an_object_store_is_file_not_fo
 
 
 def test_an_orbax_steps_nan_metric_reads_as_none_and_inspect_json_stays_json(tmp_path, capsys):
-    """StepInfo.metrics is documented "None where it was NaN" (ours are); an Orbax step's NaN
-    metric (Orbax's metrics item holds {"loss": NaN}) comes back as NaN, and
-    ``dispatch-io inspect --json`` prints a bare NaN, which is not JSON (jq, JSON.parse fail)."""
+    """StepInfo.metrics is documented "None where it was NaN": an Orbax step's NaN metric (Orbax's metrics
+    item holds {"loss": NaN}) reads as None too, and ``dispatch-io inspect --json`` stays JSON (never a
+    bare NaN, which jq and JSON.parse refuse)."""
     import orbax.checkpoint as ocp
     from dispatch_io import cli
     options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
@@ -438,12 +436,10 @@ def test_an_orbax_steps_nan_metric_reads_as_none_and_inspect_json_stays_json(tmp
 
 
 def test_step_info_read_while_an_overwrite_is_in_flight_is_not_kept_after_it_commits(tmp_path):
-    """save(step, overwrite=True) drops the cached info of the step right after handing the save
-    to the dispatcher, not when it commits: reading the step's info meanwhile (the loop, or
-    retention of the previous save, which reads every step's info on its own thread) caches
-    the *replaced* step's info for good (directory roots keep the old step listed until the
-    commit), so its metrics feed BestN / best_step stale and inspect-by-manager disagrees with
-    the disk."""
+    """Reading a step's info while save(step, overwrite=True) is in flight (the loop, or retention of the
+    previous save, which reads every step's info on its own thread) does not keep the *replaced* step's
+    info once the overwrite commits: step_info then has the new metrics, so BestN / best_step and
+    inspect-by-manager agree with the disk."""
     import threading
     with dio.CheckpointManager(tmp_path) as mgr:
         mgr.save(5, small_tree(5), items={"data": dio.PerProcess(b"old")}, metrics={"loss": 1.0}).wait()
@@ -460,9 +456,9 @@ def test_step_info_read_while_an_overwrite_is_in_flight_is_not_kept_after_it_com
 
 
 def test_an_orbax_root_on_an_object_store_is_not_silently_empty(tmp_path, s3_prefix):
-    """MaxText keeps its Orbax checkpoints on an object store (gs://). A manager on the same root
-    as an object-store URL once reported no step at all -- latest_step() None, the ported loop
-    starting again from step 0. It lists them (tests/test_orbax_object_stores.py reads them)."""
+    """MaxText keeps its Orbax checkpoints on an object store (gs://). A manager on such a root given as
+    an object-store URL lists its steps -- never no step at all (latest_step() None, a ported loop
+    starting again from step 0). (tests/test_orbax_object_stores.py reads them.)"""
     import orbax.checkpoint as ocp
     import tensorstore as ts
     from dispatch_io.storage import kvstore_spec

@@ -114,19 +114,18 @@ def test_on_steps_of_a_generator_keeps_its_steps():
 
 
 def test_policies_import_as_a_module():
-    """``from dispatch_io import policies as P`` works, but the module paths a user also writes
-    (``import dispatch_io.policies as P``, ``from dispatch_io.policies import LatestN``) do not:
-    ``policies`` is only an attribute of the package (the manager's own error message even
-    says "a dispatch_io.policies policy")."""
+    """``dispatch_io.policies`` is a module: besides ``from dispatch_io import policies as P``, the paths a
+    user also writes (``import dispatch_io.policies as P``, ``from dispatch_io.policies import LatestN``)
+    work -- the manager's own error message says "a dispatch_io.policies policy"."""
     import importlib
     assert importlib.import_module("dispatch_io.policies").LatestN is P.LatestN
 
 
 def test_a_step_decided_again_is_not_answered_from_the_previous_decision():
-    """Decisions were keyed by step number alone. A job that asks about a step a second time
-    (it rolled back to its latest step after a NaN and trains steps 101.. again) got process
-    0's *old* answer on the other processes, while process 0 decided afresh: with
-    EveryNSeconds the processes disagreed and the save waited for the ones that skipped it."""
+    """A job that asks about a step a second time (it rolled back to its latest step after a NaN and
+    trains steps 101.. again) gets process 0's new decision on every process, not its old answer kept by
+    step number: with EveryNSeconds the processes would disagree and the save wait for the ones that
+    skipped it."""
     import threading
     from dispatch_io.multihost.coordination import Room
     from dispatch_io.manager.decisions import SharedDecisions
@@ -147,10 +146,10 @@ def test_a_step_decided_again_is_not_answered_from_the_previous_decision():
 
 
 def test_every_n_seconds_after_a_restart_counts_from_the_last_committed_save(tmp_path):
-    """EveryNSeconds(900) measures from when the manager opened, not from the last save: a job
-    that crashes (OOM, a lost host: no SIGTERM, so no preemption save) more often than every
-    15 minutes never saves by time again, and each restart loses everything since the last
-    step-based save. The last committed step's info has its start time: count from it."""
+    """EveryNSeconds(900) after a restart counts from the last committed step's start time (in its info),
+    not from when the manager opened: a job that crashes (OOM, a lost host: no SIGTERM, so no preemption
+    save) more often than every 15 minutes must still save by time, not lose everything since the last
+    step-based save at each restart."""
     clock = FakeClock()
     with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(10_000) | P.EveryNSeconds(900), clock=clock) as mgr:
         mgr.save(100, small_tree(100), force=True).wait()
@@ -160,10 +159,10 @@ def test_every_n_seconds_after_a_restart_counts_from_the_last_committed_save(tmp
 
 
 def test_should_save_is_false_for_a_step_already_saved(tmp_path):
-    """After a restart a loop that resumes *at* the latest step (Orbax's should_save answers
-    False for any step <= its latest, so ported loops rely on it) is told to save it again, and
-    save() then raises FileExistsError (or ValueError for an older one) in the middle of
-    training. With a save policy, should_save of a step <= the latest committed one is False."""
+    """With a save policy, should_save of a step <= the latest committed one is False: after a restart a
+    loop that resumes *at* the latest step (Orbax's should_save answers False for any step <= its
+    latest, so ported loops rely on it) is not told to save it again, where save() would raise
+    FileExistsError (or ValueError for an older one) in the middle of training."""
     with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(10)) as mgr:
         mgr.save(10, small_tree(10)).wait()
     with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(10)) as mgr:
@@ -172,10 +171,10 @@ def test_should_save_is_false_for_a_step_already_saved(tmp_path):
 
 
 def test_one_malformed_step_info_does_not_stop_retention_of_the_whole_root(tmp_path):
-    """Retention reads every step's info; one unreadable info.json (hand-edited, truncated by a
-    tool, written by a newer version) makes every later retention raise (logged only), so
-    LatestN never deletes anything again and the disk fills. The step with the bad info can be
-    kept, but the others must still be retained as the policy says."""
+    """Retention reads every step's info; one unreadable info.json (hand-edited, truncated by a tool,
+    written by a newer version) does not stop it: the step with the bad info may be kept, but the others
+    are still retained as the policy says (else LatestN would never delete anything again and the disk
+    fill)."""
     with dio.CheckpointManager(tmp_path) as mgr:
         mgr.save(1, small_tree(1)).wait()
     (tmp_path / "1" / "info.json").write_text("{truncated")

@@ -16,6 +16,8 @@ from dispatch_io import policies as P
 
 
 JOB_TIMEOUT = 120
+
+
 AFTER_CLOSE = r"""
 import os, signal, sys, threading, time
 import dispatch_io as dio
@@ -34,6 +36,8 @@ os.kill(os.getpid(), signal.SIGTERM)         # no manager is open: SIGTERM must 
 time.sleep(2)
 print("SURVIVED SIGTERM", flush=True)
 """
+
+
 SIGTERM_WITHOUT_PREEMPTION = r"""
 import os, signal, sys, time
 import numpy as np
@@ -72,21 +76,19 @@ def test_sigterm_between_should_save_and_reached_preemption_never_stops_without_
 
 @pytest.mark.parametrize("mode", ["out-of-order", "closed-from-a-thread"])
 def test_once_every_manager_is_closed_sigterm_ends_the_program_again(tmp_path, mode):
-    """close() puts the program's handler back only if its own is the one installed and it
-    runs on the main thread: closing managers in another order than made (a, b; close a, then
-    b puts a's back), or closing from another thread, leaves a closed manager's handler
-    installed, and SIGTERM is swallowed for the rest of the program."""
+    """Once every manager is closed SIGTERM ends the program again, whether the managers are closed in
+    another order than made (a, b; close a, then b) or from another thread: no closed manager's handler
+    is left installed to swallow SIGTERM for the rest of the program."""
     out = subprocess.run([sys.executable, "-c", AFTER_CLOSE, str(tmp_path), mode],
                          capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert "SURVIVED SIGTERM" not in out.stdout and out.returncode == -signal.SIGTERM, (out.returncode, out.stdout)
 
 
 def test_a_manager_that_never_watches_preemption_does_not_swallow_sigterm(tmp_path):
-    """A loop that never asks reached_preemption (every loop written for the old manager)
-    used to be stopped by SIGTERM; now the manager's handler swallows it and the job runs on
-    until the SIGKILL that follows the grace period, possibly mid-save. Installing the
-    handler when the loop first asks (reached_preemption / should_save) keeps old loops as
-    they were."""
+    """A loop that never asks reached_preemption (every loop written for the old manager) is still stopped
+    by SIGTERM: the manager installs its handler when the loop first asks (reached_preemption /
+    should_save), so it does not swallow the signal and run on until the SIGKILL that follows the grace
+    period, possibly mid-save."""
     out = subprocess.run([sys.executable, "-c", SIGTERM_WITHOUT_PREEMPTION, str(tmp_path / "r")],
                          capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert "SURVIVED SIGTERM" not in out.stdout and out.returncode == -signal.SIGTERM, (out.returncode, out.stdout)

@@ -82,6 +82,8 @@ promotion.write_values = write_values
 mgr.promote(3).wait()
 print("not killed", flush=True)
 """
+
+
 MEMORY = """
 import gc, json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

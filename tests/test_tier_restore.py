@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as sh
-from conftest import one_leaf, same_leaf, train_one_leaf
+from conftest import filled, filled_target, one_leaf, same_leaf, train_one_leaf
 from dispatch_io import policies
 
 
@@ -161,9 +161,10 @@ def test_a_restore_through_the_tiers_reads_each_byte_once_and_a_bad_region_alone
 
 
 def test_flipped_byte_in_local_copy_without_verify_is_detected(tmp_path, mesh):
-    """Issue 28: "Every stored chunk's CRC-32C is checked on the way back; a bad local copy falls
-    back to the next source". Local steps saved with checksums, one bit flipped in a RAM-disk chunk:
-    restore(None, target) (verify defaults to False) returns the flipped float silently."""
+    """Issue 28: "Every stored chunk's CRC-32C is checked on the way back; a bad local copy falls back to
+    the next source". Local steps saved with checksums, one bit flipped in a RAM-disk chunk:
+    restore(None, target) (verify defaults to False) never returns the flipped bytes -- it raises
+    CorruptCheckpointError or restores a sound step bit-exact."""
     target, state = one_leaf(mesh)
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
     d = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
@@ -191,11 +192,10 @@ def test_a_bad_chunk_in_an_older_local_step_is_replaced_by_the_next_source(tmp_p
 
     Why it matters: RAM-disk damage tends to hit several steps at once (a bad DIMM, a filled tmpfs); a
     job that can resume from persistent storage must be able to restart."""
-    sharding = NamedSharding(mesh, P("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
+    target = filled_target(mesh)
 
     def state(value):
-        return {"w": jax.device_put(np.full((64, 16), value, np.float32), sharding)}
+        return filled(mesh, value)
     tier = dio.LocalTier(tmp_path / "local" / "{process}")
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
     with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
@@ -238,8 +238,8 @@ def test_an_unreadable_newest_local_step_is_lost_not_fatal(tmp_path, mesh):
 
 
 def test_garbage_local_info_names_the_file(tmp_path, mesh):
-    """A local step whose info.json is garbage (a torn RAM-disk write): a CheckpointError naming it
-    (or the step skipped), not a bare JSONDecodeError."""
+    """A local step whose info.json is garbage (a torn RAM-disk write) is a CheckpointError naming it (or
+    the step is skipped), never a bare JSONDecodeError."""
     target, _ = one_leaf(mesh)
     local = tmp_path / "local" / "{process}"
     train_one_leaf(tmp_path / "root", local, mesh)
@@ -290,9 +290,9 @@ def test_a_local_step_without_recorded_copies_is_skipped_by_a_default_restore(tm
 
 
 def test_restore_through_the_tiers_takes_the_same_keywords_as_a_restore(tmp_path, mesh, kwargs):
-    """CheckpointManager.restore: "same keywords as Dispatcher.restore". With a local tier,
-    restore(None, target, partial=True) (the params of a train state) or cast=True (another
-    dtype) raise TypeError: LocalTiers.restore() got an unexpected keyword argument."""
+    """CheckpointManager.restore takes the "same keywords as Dispatcher.restore" with a local tier too:
+    restore(None, target, partial=True) (the params of a train state) or cast=True (another dtype)
+    resumes the local step 4 bit-exact, as the root alone restores step 3."""
     _, state = one_leaf(mesh)
     sharding = NamedSharding(mesh, P("data", "model"))
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
@@ -330,9 +330,9 @@ def test_a_restore_through_the_tiers_with_names_ignores_the_local_steps(tmp_path
 
 
 def test_a_tiered_restore_reads_an_orbax_step_with_a_step_prefix(tmp_path, mesh):
-    """The manager lists Orbax steps named with a step_prefix (checkpoint_7) and restore(7) reads
-    it; through the tiers (local tier empty) the persistent pass opens <root>/7 (StepRoot.step_path,
-    not the manager's step_path) and raises FileNotFoundError -- "no checkpoint", so a loop starts
+    """The manager lists Orbax steps named with a step_prefix (checkpoint_7) and restore(7) reads it;
+    through the tiers (local tier empty) the persistent pass opens the same step, so restore(None,
+    target) resumes step 7 -- not FileNotFoundError, which a loop takes for "no checkpoint" and starts
     from scratch."""
     import orbax.checkpoint as ocp
     target, state = one_leaf(mesh)
@@ -380,11 +380,10 @@ def test_one_restored_array_never_mixes_two_histories_of_a_step(tmp_path, mesh):
     local save is refused, see tests/test_tier_rollbacks.py), so a local chunk failing its CRC-32C can
     never make the restore read that region from the root's step 4 and the rest from a local copy: one
     array never comes back with values of both histories (here 4.0 and 40.0)."""
-    sharding = NamedSharding(mesh, P("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
+    target = filled_target(mesh)
 
     def state(value):
-        return {"w": jax.device_put(np.full((64, 16), value, np.float32), sharding)}
+        return filled(mesh, value)
     tier = dio.LocalTier(tmp_path / "local" / "{process}")
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
     with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),

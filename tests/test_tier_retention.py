@@ -11,9 +11,10 @@ from dispatch_io import policies
 
 
 def test_local_retention_by_time_reads_the_local_steps_commit_times(tmp_path, mesh):
-    """LocalTier(keep_policy=EveryNSeconds(3600)): one local step per hour. Local retention builds
-    StepRecord(step) without the commit time its info.json records, so EveryNSeconds keeps none
-    of them and every local step but the latest is deleted (a save killed next leaves nothing)."""
+    """LocalTier(keep_policy=EveryNSeconds(3600)): one local step per hour. Local retention reads the
+    commit time each local step's info.json records, so with saves 4000 s apart every local step is
+    kept (each the first of its window) -- not only the latest (a save killed next would leave
+    nothing)."""
     _, state = one_leaf(mesh)
     now = [0.0]
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2),

@@ -48,8 +48,8 @@ def test_a_local_save_of_a_rolled_back_history_replaces_the_abandoned_local_step
 
 def test_explicit_rollback_then_tiered_restore_mixes_histories(tmp_path, mesh):
     """Train 0..8 (local every 2, persistent every 4); roll back explicitly to step 4 (restore(4)),
-    deleting the persistent steps after it; train a new history 5..9 (state + 100); a restart
-    through the tiers must not resume the abandoned history's local step 8."""
+    deleting the persistent steps after it; train a new history 5..9 (state + 100): a restart through
+    the tiers resumes the new history, never the abandoned history's local step 8."""
     target, state = one_leaf(mesh)
 
     def state_b(step):
@@ -111,11 +111,10 @@ def test_abandoned_local_steps_older_than_the_first_save_after_a_rollback_are_ne
 
     Why it matters: docs/manager.md "Local tier" promises the abandoned history's local steps "are never
     restored over the new one"."""
-    sharding = NamedSharding(mesh, P("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=sharding)}
+    target = filled_target(mesh)
 
     def state(value):
-        return {"w": jax.device_put(np.full((64, 16), value, np.float32), sharding)}
+        return filled(mesh, value)
     tier = dio.LocalTier(tmp_path / "local" / "{process}")
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
     with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
@@ -181,11 +180,7 @@ def test_a_fresh_start_after_no_step_is_whole_takes_its_local_saves(tmp_path, me
 
     Why it matters: the local tier exists to bound the work lost to a preemption; it must not save
     nothing for as many steps as the lost run had reached."""
-    sharding = NamedSharding(mesh, P("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
-
-    def state(step):
-        return {"w": jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64) + step, sharding)}
+    target, state = one_leaf(mesh)
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2),
                          keep_policy=policies.LatestN(1))
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
@@ -217,8 +212,9 @@ def test_a_fresh_start_after_no_step_is_whole_takes_its_local_saves(tmp_path, me
 
 
 def test_a_new_run_reusing_the_local_path_resumes_the_old_run(tmp_path, mesh):
-    """Run A (root a) leaves local steps up to 8 in /dev/shm-like path; run B, a new root, same local
-    path: its local saves are skipped until step 9 and a restore resumes run A's step 8."""
+    """Run A (root a) leaves local steps up to 8 in a /dev/shm-like path; run B, a new root, reuses the
+    same local path for steps 0..4: a restore of run B resumes a step of run B (its values + 100), never
+    run A's step 8 from the local directory it left behind."""
     target, state = one_leaf(mesh)
     local = tmp_path / "local" / "{process}"
     train_one_leaf(tmp_path / "a", local, mesh)
@@ -232,10 +228,9 @@ def test_a_new_run_reusing_the_local_path_resumes_the_old_run(tmp_path, mesh):
 
 
 def test_a_restore_onto_another_sharding_does_not_delete_newer_local_steps(tmp_path, mesh):
-    """Local step 8 is whole, persistent 6 is the newest root step. A restore onto another sharding
-    (an eval copy, replicated) cannot use the local copies (a known gap): it reads step 6 from the
-    root -- and then deletes local steps 6 and 8 as "an abandoned history", though nothing was
-    resumed; the training job's next restore loses 2 steps."""
+    """Local step 8 is whole, persistent 6 is the newest root step. A restore onto another sharding (an
+    eval copy, replicated) resumes nothing, so it leaves local step 8 in place (not "an abandoned
+    history"), and the training job's next restore through the tiers resumes step 8."""
     target, state = one_leaf(mesh)
     local = tmp_path / "local" / "{process}"
     train_one_leaf(tmp_path / "root", local, mesh)

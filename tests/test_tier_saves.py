@@ -64,9 +64,9 @@ def test_local_tier_domains_as_lists_pass_validation_then_crash_when_the_job_ope
 
 
 def test_save_local_true_as_documented(tmp_path, mesh):
-    """LocalTier's doc: save_policy None means "never, unless save(..., local=True)". There is no
-    such keyword: local=True lands in **save_kwargs and, the persistent policy skipping the step,
-    is silently dropped (nothing saved, no error; an unknown keyword is never checked)."""
+    """LocalTier's doc: save_policy None means "never, unless save(..., local=True)": such a save writes
+    the local step (here step 1), rather than the keyword being dropped with the step skipped by the
+    persistent policy (nothing saved, no error)."""
     target, state = one_leaf(mesh)
     tier = dio.LocalTier(tmp_path / "local" / "{process}")   # save_policy None: "never, unless save(..., local=True)"
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(3), local=tier) as mgr:
@@ -76,10 +76,10 @@ def test_save_local_true_as_documented(tmp_path, mesh):
 
 
 def test_a_local_tier_on_an_object_store_url_is_refused_or_works(tmp_path, mesh):
-    """LocalTier("memory://...") is accepted and saves, then restore raises a bare FileNotFoundError
-    on 'memory://loc/0/0/info.json' (open() of a URL) -- the very error that means "no checkpoint,
-    start fresh" to a training loop. Refuse a URL in LocalTier (a local directory only), or read
-    the step info through the Location."""
+    """LocalTier("memory://...") is either refused (a local directory only: ValueError) or works end to
+    end: its local steps are listed and restore(None, target) resumes the newest bit-exact -- never a
+    bare FileNotFoundError on 'memory://loc/0/0/info.json', the very error that means "no checkpoint,
+    start fresh" to a training loop."""
     target, state = one_leaf(mesh)
     try:
         tier = dio.LocalTier(f"memory://{tmp_path.name}/{{process}}", save_policy=policies.EveryNSteps(2))
@@ -159,9 +159,7 @@ def test_should_save_of_the_restored_step_depends_on_whether_this_host_kept_its_
     8), the new host's processes would otherwise take a local save of step 8 and enter replicas.send's
     collective alone -- a hang. (The loop in docs/manager.md starts at step + 1, so it meets this only
     when it asks about a step at or before a kept local step: here the restored one.)"""
-    _, state = one_leaf(mesh)
-    sharding = NamedSharding(mesh, P("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
+    target, state = one_leaf(mesh)
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
         for step in range(9):
