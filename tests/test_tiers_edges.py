@@ -284,3 +284,23 @@ def test_local_retention_by_time_reads_the_local_steps_commit_times(tmp_path, me
                 mgr.save(step, state(step))
                 mgr.wait()
         assert mgr.local.steps() == [2, 4, 6], mgr.local.steps()
+
+
+def test_a_named_step_whose_only_copy_is_corrupt_says_so(tmp_path, mesh):
+    """The loop ``restore(latest_step(), target)`` on a local-only step whose one copy has a flipped
+    byte: no other source has the region, so it cannot be restored -- and the error says why (the
+    copy of ['w'] failed its CRC-32C check), not only that no tier holds it; an older step is whole."""
+    target, state = _setup(mesh)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, progress=False) as d, \
+            dio.CheckpointManager(tmp_path / "root", d, save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        for step in range(1, 5):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+        sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")[(0, 0)], 0)
+        assert mgr.persistent_steps() == [] and mgr.latest_step() == 4   # listed from what the copies record
+        with pytest.raises(FileNotFoundError, match=r"at step 4, .*the local copies of \['w'\] at step 4 failed "
+                                                    r"their CRC-32C check"):
+            mgr.restore(4, target)
+        assert _exact(mgr.restore(None, target), state(2)) and mgr.last_tier_restore.step == 2

@@ -111,6 +111,9 @@ class TierRestore:
             if step is None:  # the job starts afresh: local saves from step 0 on, on every process alike
                 self.local.resume(None)
             lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
+            if step is not None and fill.failed:   # a copy was there: say why it was not used
+                lost += (f"; the local copies of {', '.join(sorted(fill.failed))} at step {step} failed their CRC-32C "
+                         "check or could not be read (logged)")
             which = (f"no step of {self.path} (or its peers') and {persistent_display} holds" if step is None else
                      f"at step {step}, neither {self.path} (nor its peers') nor {persistent_display} holds")
             raise FileNotFoundError(f"{which} every region of the target{lost}" + (
@@ -141,10 +144,13 @@ class TierRestore:
             else:
                 bad = copy.bad(self.dispatcher, checks.before_read(plan, self.process, copy.by_keypath, mine)) \
                     if copy is not None else {}
-            if _drop(reports, plan.step, _gather(fill.room, f"before{attempt}", self.process, bad)):
+            bad = _gather(fill.room, f"before{attempt}", self.process, bad)
+            fill.failed.update(k for found in bad.values() for k in found)
+            if _drop(reports, plan.step, bad):
                 continue   # some copy the plan reads is bad: plan again without it
             found = fill.run(plan, reports, copy)
             left_out = _gather(fill.room, f"after{attempt}", self.process, found)
+            fill.failed.update(k for found in left_out.values() for k in found)
             if not _drop(reports, plan.step, left_out):
                 return plan
             todo, allowed = _redo(todo, left_out), {plan.step}   # those regions again, from the next source
@@ -236,6 +242,7 @@ class _Fill:
         self.outputs_of, self.verify, self.room = outputs_of, verify, room
         self.leaves = [k for k, _ in tree_lib.flatten(target)[0]]
         self.read_local = self.read_persistent = self.received = self.peer_regions = self.persistent_regions = 0
+        self.failed: set[str] = set()   # key paths of which a local copy failed its check (for messages)
         self.restart()
 
     def restart(self):
