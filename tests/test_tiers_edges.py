@@ -304,3 +304,28 @@ def test_a_named_step_whose_only_copy_is_corrupt_says_so(tmp_path, mesh):
                                                     r"their CRC-32C check"):
             mgr.restore(4, target)
         assert _exact(mgr.restore(None, target), state(2)) and mgr.last_tier_restore.step == 2
+
+
+@pytest.mark.parametrize("items", [[], {"c": []}, {"c": {"kind": "json", "crc32c": "yes"}},
+                                   {"d": {"kind": "per_process", "processes": "x"}}],
+                         ids=["list", "entry", "crc-flag", "count"])
+def test_malformed_items_in_a_local_info_are_named_not_a_crash(tmp_path, items):
+    """A local step's info.json whose "items" is not what a local save records (a bit flip on a RAM disk):
+    reading an item of it is a CorruptCheckpointError naming the step's path (was an AttributeError, or a
+    CRC-32C flag of "yes" silently not checked), as the root's step info is checked."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+
+    def manager():
+        return dio.CheckpointManager(tmp_path / "root", dio.LocalDispatcher(checksums=True, progress=False),
+                                     save_policy=policies.EveryNSteps(100), local=tier)
+    with manager() as mgr:
+        mgr.save(2, {"x": np.arange(4)}, items={"c": dio.Json(1), "d": dio.PerProcess(b"x")})
+        mgr.wait()
+        assert mgr.item(2, "d") == b"x"
+    path = tmp_path / "local" / "0" / "2" / "info.json"
+    info = json.loads(path.read_text())
+    path.write_text(json.dumps({**info, "items": items}))
+    with manager() as mgr:
+        for name in ("c", "d"):
+            with pytest.raises(dio.CorruptCheckpointError, match=r"local/0/2: its info's items .*malformed checkpoint"):
+                mgr.item(2, name)
