@@ -329,3 +329,24 @@ def test_malformed_items_in_a_local_info_are_named_not_a_crash(tmp_path, items):
         for name in ("c", "d"):
             with pytest.raises(dio.CorruptCheckpointError, match=r"local/0/2: its info's items .*malformed checkpoint"):
                 mgr.item(2, name)
+
+
+def test_a_region_bad_in_every_source_is_an_error_not_silently_wrong(tmp_path, mesh):
+    """Step 4 in both tiers, saved with checksums; the same chunk flipped in the local copy and in the
+    root: the local region fails its CRC-32C and is filled again from the root -- which must be checked
+    too (a CorruptCheckpointError naming the root's step), not taken unchecked (it returned the flipped
+    float, verify off, for restore(4) and for restore(None) alike). With a sound root it is bit-exact."""
+    target, state = _setup(mesh)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, progress=False) as d, \
+            dio.CheckpointManager(tmp_path / "root", d, save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        for step in range(1, 5):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+        sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")[(0, 0)], 0)
+        assert _exact(mgr.restore(4, target), state(4)) and mgr.last_tier_restore.persistent_regions == 1
+        sh.flip_byte(sh.chunks(tmp_path / "root" / "4", "['w']")[(0, 0)], 0)
+        for step in (4, None):
+            with pytest.raises(dio.CorruptCheckpointError, match=r"root/4: 1 chunk\(s\) do not match their checksums"):
+                mgr.restore(step, target)

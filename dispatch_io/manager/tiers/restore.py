@@ -63,7 +63,8 @@ class TierRestore:
         (tree, :class:`TierRestoreStats`). ``persistent_path(step)``: where the root holds a step.
         ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
         are always checked (``checks``: as they are read; a bad region is replaced by the next source),
-        persistent ones with ``verify``.
+        persistent ones with ``verify``, and always where the root replaces a bad local region
+        (CorruptCheckpointError if it is bad there too).
         ``durability``: the weakest step it may pick (``tiers_plan.eligible``: ``"replicated"`` skips
         local steps some region of which had one copy; ``"persisted"`` picks a persistent step, read
         from local copies where they have it).
@@ -148,7 +149,7 @@ class TierRestore:
             fill.failed.update(k for found in bad.values() for k in found)
             if _drop(reports, plan.step, bad):
                 continue   # some copy the plan reads is bad: plan again without it
-            found = fill.run(plan, reports, copy)
+            found = fill.run(plan, reports, copy, again=todo is not wanted)
             left_out = _gather(fill.room, f"after{attempt}", self.process, found)
             fill.failed.update(k for found in left_out.values() for k in found)
             if not _drop(reports, plan.step, left_out):
@@ -249,12 +250,13 @@ class _Fill:
         """Forget the buffers filled so far (the restore goes on at another step); the counts stay."""
         self.step = self.treedef = self.outputs = self.described = None
 
-    def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None) -> dict:
+    def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
         """Fill the regions ``plan`` routes (every process together): the local pass (if any region
         is read from a local copy: its own regions checked as read), then the persistent pass (if a
-        region needs it). ``reports``: what each process holds (who shares the step's manifest with
-        the processes without a copy). Returns {key path: [region]} of the own regions this process
-        read that failed their check (left out)."""
+        region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
+        its check are not taken unchecked from the root either). ``reports``: what each process holds
+        (who shares the step's manifest with the processes without a copy). Returns {key path: [region]}
+        of the own regions this process read that failed their check (left out)."""
         if plan.step != self.step:
             self.restart()
             self.step = plan.step
@@ -263,7 +265,7 @@ class _Fill:
         if any(r.own or r.kind == tiers_plan.PEER for regions in plan.routes.values() for r in regions.values()):
             self._local(plan, by_leaf, reports, copy, check)
         if plan.regions(tiers_plan.PERSISTENT):
-            self._persistent(plan, by_leaf)
+            self._persistent(plan, by_leaf, self.verify or again)
         self.peer_regions += plan.regions(tiers_plan.PEER)
         self.persistent_regions += plan.regions(tiers_plan.PERSISTENT)
         return check.bad
@@ -283,13 +285,12 @@ class _Fill:
         read, received = restore._pass(reader, self.outputs, display, restore._local_routes(by_leaf), False, check)
         self.read_local, self.received = self.read_local + read, self.received + received
 
-    def _persistent(self, plan, by_leaf: list):
+    def _persistent(self, plan, by_leaf: list, verify: bool):
         restore = self.restore
         opened = open_checkpoint(self.persistent_path(plan.step))
         reader = restore.dispatcher.runner.open_reader(opened.arrays, opened.context)
         treedef, outputs = self.outputs_of(opened.manifest)
-        read, received = restore._pass(reader, outputs, opened.display, restore._persistent_routes(by_leaf),
-                                       self.verify)
+        read, received = restore._pass(reader, outputs, opened.display, restore._persistent_routes(by_leaf), verify)
         self.read_persistent, self.received = self.read_persistent + read, self.received + received
         opened.check_unchanged()
         if self.outputs is None:
