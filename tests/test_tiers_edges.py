@@ -1,5 +1,6 @@
 """The local tier (issue 28, first part): edge cases from an adversarial review (each failed before its fix)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -286,19 +287,28 @@ def test_local_retention_by_time_reads_the_local_steps_commit_times(tmp_path, me
         assert mgr.local.steps() == [2, 4, 6], mgr.local.steps()
 
 
-def test_a_named_step_whose_only_copy_is_corrupt_says_so(tmp_path, mesh):
-    """The loop ``restore(latest_step(), target)`` on a local-only step whose one copy has a flipped
-    byte: no other source has the region, so it cannot be restored -- and the error says why (the
-    copy of ['w'] failed its CRC-32C check), not only that no tier holds it; an older step is whole."""
+@contextlib.contextmanager
+def _local_step_4_flipped(tmp_path, mesh, persist_every: int):
+    """(manager, target, state) after steps 1..4 saved with checksums (local every 2 steps, persistent
+    every ``persist_every``), one byte of the local copy of step 4 flipped."""
     target, state = _setup(mesh)
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
     with dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, progress=False) as d, \
-            dio.CheckpointManager(tmp_path / "root", d, save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+            dio.CheckpointManager(tmp_path / "root", d, save_policy=policies.EveryNSteps(persist_every),
+                                  local=tier) as mgr:
         for step in range(1, 5):
             if mgr.should_save(step):
                 mgr.save(step, state(step))
         mgr.wait()
         sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")[(0, 0)], 0)
+        yield mgr, target, state
+
+
+def test_a_named_step_whose_only_copy_is_corrupt_says_so(tmp_path, mesh):
+    """The loop ``restore(latest_step(), target)`` on a local-only step whose one copy has a flipped
+    byte: no other source has the region, so it cannot be restored -- and the error says why (the
+    copy of ['w'] failed its CRC-32C check), not only that no tier holds it; an older step is whole."""
+    with _local_step_4_flipped(tmp_path, mesh, 100) as (mgr, target, state):
         assert mgr.persistent_steps() == [] and mgr.latest_step() == 4   # listed from what the copies record
         with pytest.raises(FileNotFoundError, match=r"at step 4, .*the local copies of \['w'\] at step 4 failed "
                                                     r"their CRC-32C check"):
@@ -336,15 +346,7 @@ def test_a_region_bad_in_every_source_is_an_error_not_silently_wrong(tmp_path, m
     root: the local region fails its CRC-32C and is filled again from the root -- which must be checked
     too (a CorruptCheckpointError naming the root's step), not taken unchecked (it returned the flipped
     float, verify off, for restore(4) and for restore(None) alike). With a sound root it is bit-exact."""
-    target, state = _setup(mesh)
-    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
-    with dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, progress=False) as d, \
-            dio.CheckpointManager(tmp_path / "root", d, save_policy=policies.EveryNSteps(4), local=tier) as mgr:
-        for step in range(1, 5):
-            if mgr.should_save(step):
-                mgr.save(step, state(step))
-        mgr.wait()
-        sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "4", "['w']")[(0, 0)], 0)
+    with _local_step_4_flipped(tmp_path, mesh, 4) as (mgr, target, state):
         assert _exact(mgr.restore(4, target), state(4)) and mgr.last_tier_restore.persistent_regions == 1
         sh.flip_byte(sh.chunks(tmp_path / "root" / "4", "['w']")[(0, 0)], 0)
         for step in (4, None):
