@@ -352,3 +352,23 @@ def test_a_region_bad_in_every_source_is_an_error_not_silently_wrong(tmp_path, m
         for step in (4, None):
             with pytest.raises(dio.CorruptCheckpointError, match=r"root/4: 1 chunk\(s\) do not match their checksums"):
                 mgr.restore(step, target)
+
+
+@pytest.mark.xfail(strict=True, reason="a region of this process's own local copy that cannot be read (a chunk "
+                   "file lost) fails the whole restore with WorkerError; only CRC-32C mismatches (ReadCheck) and "
+                   "copies read for others (LocalCopy.bad) fall back to the next source")
+def test_a_local_copy_missing_a_chunk_file_falls_back_like_a_corrupt_one(tmp_path, mesh):
+    """Local step 6 (local only) loses one chunk file of its own region (a partly wiped RAM disk); step 4
+    is persisted. As for a chunk that fails its CRC-32C, restore(None, target) must not use that copy:
+    it resumes step 4, bit-exact, instead of raising WorkerError."""
+    target, state = _setup(mesh)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, progress=False, layout="files") as d, \
+            dio.CheckpointManager(tmp_path / "root", d, save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        for step in range(1, 7):
+            if mgr.should_save(step):
+                mgr.save(step, state(step))
+        mgr.wait()
+        os.unlink(sh.chunks(tmp_path / "local" / "0" / "6", "['w']")[(0, 0)].file)
+        restored = mgr.restore(None, target)
+        assert mgr.last_tier_restore.step == 4 and _exact(restored, state(4))
