@@ -372,3 +372,27 @@ def test_a_local_copy_missing_a_chunk_file_falls_back_like_a_corrupt_one(tmp_pat
         os.unlink(sh.chunks(tmp_path / "local" / "0" / "6", "['w']")[(0, 0)].file)
         restored = mgr.restore(None, target)
         assert mgr.last_tier_restore.step == 4 and _exact(restored, state(4))
+
+
+def test_verify_checks_the_items_through_the_tiers_as_from_the_root(tmp_path, mesh):
+    """restore(step, target, verify=True) checks the step's items against their CRC-32Cs without a local
+    tier (steps.verify_items); through the tiers it did not: a flipped byte in an item of a persistent step,
+    or of a local step's copy, restored without a word (verify=True silently narrower with local=)."""
+    target, state = _setup(mesh)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, progress=False) as d, \
+            dio.CheckpointManager(tmp_path / "root", d, save_policy=policies.EveryNSteps(4), local=tier) as mgr:
+        for step in (4, 6):
+            mgr.save(step, state(step), items={"data": dio.PerProcess(bytes(range(64)) * 4)})
+        mgr.wait()
+        assert mgr.persistent_steps() == [4] and mgr.steps() == {4: "persisted", 6: "local"}
+        for folder in (tmp_path / "root" / "4" / mgr.step_info(4).arrays, tmp_path / "local" / "0" / "6" / "arrays"):
+            item = folder / "items" / "data" / "0.json"
+            data = bytearray(item.read_bytes())
+            data[data.index(b'"bytes": "') + 20] ^= 0x01   # still base64, one value different
+            item.write_bytes(bytes(data))
+        for step in (4, 6):
+            assert _exact(mgr.restore(step, target), state(step))   # the state itself is sound
+            with pytest.raises(dio.CorruptCheckpointError, match=rf"item 'data' \(process 0's value\) of step {step} "
+                                                                 r"at .* does not match its CRC-32C"):
+                mgr.restore(step, target, verify=True)

@@ -246,3 +246,12 @@ def read_item(local: "LocalTiers", step: int, name: str, persistent: str):
     location = Location.parse(path)
     return items_lib.read(lambda key: location.read_file(ARRAYS + key), name, entry, step, local.process,
                           local.count, path)[2]
+
+
+def verify_items(local: "LocalTiers", step: int, persistent: str) -> int:
+    """Read and check (against their CRC-32Cs, where saved with them) the item files of this process's
+    copy of local ``step``; how many. Raises as :func:`read_item`."""
+    names = list((local.infos()[0].get(step) or {}).get("items") or ())
+    for name in names:
+        read_item(local, step, name, persistent)
+    return len(names)
