@@ -195,6 +195,9 @@ def test_a_per_process_item_restored_by_another_process_count_names_both(tmp_pat
     (dict(items={"data": b"raw"}), TypeError, r"item 'data' must be dio.Json\(value\) or dio.PerProcess"),
     (dict(items={"data": dio.PerProcess(object())}), ValueError, r"item 'data': object is neither bytes nor a JSON"),
     (dict(items={"cfg": dio.Json(float("nan"))}), ValueError, r"item 'cfg'"),
+    # keys equal as JSON strings: read back, one value would be lost (a "corrupt" item with checksums on)
+    (dict(items={"cfg": dio.Json({1: "a", "1": "b"})}), ValueError, r"item 'cfg': .*does not read back as saved"),
+    (dict(items={"data": dio.PerProcess([{True: 1, "true": 2}])}), ValueError, r"item 'data': .*does not read back"),
     (dict(metrics={"loss": "low"}), TypeError, r"metric 'loss' must be a real number"),
     (dict(metrics={"loss": np.ones(3)}), TypeError, r"metric 'loss'"),
     (dict(metadata={"when": object()}), ValueError, r"metadata must be a JSON value"),
