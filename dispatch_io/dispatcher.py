@@ -48,9 +48,13 @@ NO_SNAPSHOT_PLATFORMS = ("cpu",)
 
 
 class Dispatcher:
-    """Save / restore through a memory-budgeted pipeline, worker code run by ``runner`` (module doc)."""
+    """Save / restore through a memory-budgeted pipeline, worker code run by ``runner`` (module doc).
+    ValueError for a ``LocalRunner`` whose transfer contradicts ``options.host_transfer``."""
 
     def __init__(self, options: Options, runner: Runner):
+        if isinstance(runner, LocalRunner) and options.host_transfer not in (transfer.AUTO, runner.transfer):
+            raise ValueError(f"host_transfer={options.host_transfer!r}, but the runner copies {runner.transfer!r} "
+                             "(LocalRunner(transfer=transfer.resolve(options.host_transfer)))")
         self.options = options
         self.runner = runner
         self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)

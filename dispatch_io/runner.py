@@ -27,7 +27,7 @@ import jax
 import tensorstore as ts
 
 from dispatch_io.plan import Chunk, Plan
-from dispatch_io.transfer import PAGEABLE, copy_chunks_pinned, copy_chunks_to_host
+from dispatch_io.transfer import PAGEABLE, PINNED, copy_chunks_pinned, copy_chunks_to_host
 from dispatch_io.storage import WriteTarget
 from workers import (IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
                      write_regions)
@@ -103,6 +103,9 @@ class LocalRunner:
     ring then only counts their bytes)."""
 
     def __init__(self, settings: IOSettings, threads: IOThreads | None = None, transfer: str = PAGEABLE):
+        if transfer not in (PAGEABLE, PINNED):
+            raise ValueError(f"LocalRunner: transfer must be {PAGEABLE!r} or {PINNED!r} (transfer.resolve gives "
+                             f"one), got {transfer!r}")
         self.settings = settings
         self.threads = threads or IOThreads(settings.threads, "dispatch_io-worker")
         self.transfer = transfer

@@ -6,7 +6,10 @@ import dataclasses
 import errno
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 import types
 
 os.environ["XLA_FLAGS"] = " ".join(
@@ -17,8 +20,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import dispatch_io as dio  # noqa: E402
+from dispatch_io.manager.tiers.plan import as_regions  # noqa: E402
 from s3_server import free_port  # noqa: E402  (one definition, for jobs and servers)
 
 
@@ -312,3 +317,116 @@ def run_job(argv, processes: int, devices: int, extra_env=None, timeout: float =
             pytest.fail(f"process {pid} exited {p.returncode} without a result:\n{out[-2000:]}\n{err[-3000:]}")
         results.append(json.loads(lines[-1][len("RESULT "):]))
     return results
+
+
+def start_job(script: str, args, processes: int = 4, devices: int = 2, barrier_timeout: float | None = None,
+              extra: dict | None = None) -> list[subprocess.Popen]:
+    """Start ``processes`` processes of tests/``script``, each run as ``script PROCESS PORT *args``
+    (``devices`` CPU devices each, see ``child_env``), and return them (outputs piped, as text)."""
+    env, port = child_env(devices, barrier_timeout, extra), free_port()
+    return [subprocess.Popen([sys.executable, os.path.join(TESTS, script), str(i), str(port), *map(str, args)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(processes)]
+
+
+def kill_job(procs):
+    """SIGKILL each process still running (in the order given) and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait()
+
+
+def wait_for(procs, text: str, limit: float = 90) -> list[str]:
+    """Each process's output up to the line ``text`` (failing, with its output, if it ends first or
+    ``limit`` seconds pass)."""
+    deadline, outs = time.monotonic() + limit, []
+    for i, p in enumerate(procs):
+        lines = []
+        while text + "\n" not in lines:
+            line = p.stdout.readline()
+            assert line and time.monotonic() < deadline, \
+                f"process {i} ended before {text!r}:\n{''.join(lines)}\n{p.stderr.read()[-4000:]}"
+            lines.append(line)
+        outs.append("".join(lines))
+    return outs
+
+
+def finish_job(procs, limit: float = 120) -> list[str]:
+    """Each process's output once it exits (all killed after ``limit`` seconds); fails the test,
+    with the output's tail, for a process that exits non-zero."""
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=limit)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    for code, out, err in outs:
+        assert code == 0, out + err[-3000:]
+    return [out for _, out, _ in outs]
+
+
+# ---- the local tier ---------------------------------------------------------------------------------
+
+def one_leaf(mesh):
+    """A state of one leaf ``w`` (256 x 64 float32 over the mesh's data and model axes): its restore
+    target and ``state(step)``, a deterministic function of the step."""
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding)}
+
+    def state(step):
+        return {"w": jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64) + step, sharding)}
+    return target, state
+
+
+def same_leaf(restored, expected) -> bool:
+    """Whether ``restored["w"]`` has exactly the bytes of ``expected["w"]``."""
+    return np.asarray(restored["w"]).tobytes() == np.asarray(expected["w"]).tobytes()
+
+
+# The planners' fixture: a leaf of 4 regions over (data=2, fsdp=4) on 4 processes (regions 0, 1 held
+# by {0, 2}; 2, 3 by {1, 3}) and a replicated leaf.
+R = [((i * 16, i * 16 + 16), (0, 16)) for i in range(4)]
+WANTED = {"['w']": {R[0]: (0, 2), R[1]: (0, 2), R[2]: (1, 3), R[3]: (1, 3)},
+          "['b']": {((0, 32),): (0, 1, 2, 3)}}
+
+
+def held(process):
+    """What ``process`` holds of WANTED (as a local step records it)."""
+    own = [list(map(list, r)) for r, holders in WANTED["['w']"].items() if process in holders]
+    return as_regions({"['w']": own, "['b']": [[[0, 32]]]})
+
+
+def train_one_leaf(root, local, mesh, steps=9, offset=0):
+    """Train ``one_leaf``'s state (+ ``offset``) for ``steps`` steps under a manager of ``root`` saving
+    locally to ``local`` every 2 steps and persistently every 3; returns the steps saved and the
+    local steps left."""
+    target, state = one_leaf(mesh)
+    tier = dio.LocalTier(local, save_policy=dio.policies.EveryNSteps(2))
+    saved = []
+    with dio.CheckpointManager(root, save_policy=dio.policies.EveryNSteps(3), local=tier) as mgr:
+        for step in range(steps):
+            if mgr.should_save(step):
+                mgr.save(step, jax.tree.map(lambda x: x + offset, state(step)))
+                saved.append(step)
+        mgr.wait()
+        return saved, mgr.local.steps()
+
+
+def filled(mesh, value):
+    """A state of one leaf ``w`` (64 x 16 float32 over the data and model axes), every element ``value``."""
+    return {"w": jax.device_put(np.full((64, 16), value, np.float32), NamedSharding(mesh, P("data", "model")))}
+
+
+def filled_target(mesh):
+    """The restore target of ``filled``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), filled(mesh, 0))
+
+
+def value_of(tree) -> float:
+    """The one value every element of ``tree["w"]`` holds (failing if they differ)."""
+    values = np.unique(np.asarray(tree["w"]))
+    assert values.size == 1, values
+    return float(values[0])

@@ -1,4 +1,5 @@
-"""CheckpointManager: numbered steps under one root, retention, leftovers, ordering, donation, copies.
+"""CheckpointManager: numbered steps under one root, retention, leftovers, ordering, donation, copies,
+calls from inside a save.
 
 Every check compares bytes (``assert_trees_bit_equal``) or exact directory listings; anything
 that could hang waits with a timeout so a regression fails instead of blocking the suite.
@@ -21,15 +22,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal, fail_batches_of, hooked_dispatcher
-from dispatch_io.storage import COMMITTED, MANIFEST, WRITING, Marker
+from dispatch_io.storage import COMMITTED, MANIFEST, Marker, WRITING
 from workers import aligned_empty
 
+
 KiB = 1 << 10
+
+
 TIMEOUT = 30
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-# ---- helpers ----------------------------------------------------------------------------------------
 
 def put(mesh, value, *spec):
     return jax.device_put(value, NamedSharding(mesh, P(*spec)))
@@ -117,8 +119,6 @@ def expected_kept(steps, max_to_keep, every):
     return sorted(set(recent) | {s for s in steps if every and s % every == 0})
 
 
-# ---- 1. lifecycle: async saves, retention, foreign entries ---------------------------------------------
-
 def make_foreign_entries(root):
     """Things in the root that are not ours: (name -> content snapshot) to check they survive."""
     os.makedirs(root / "notes")
@@ -139,6 +139,35 @@ def assert_foreign_untouched(root, foreign):
         now = read_all(root / name) if (root / name).is_dir() else (root / name).read_bytes()
         assert now == content, f"{name} was modified"
 
+
+class _SpiedLock:
+    """A lock that calls ``on_enter()`` before each ``with`` acquires it."""
+
+    def __init__(self, lock, on_enter):
+        self.lock, self.on_enter = lock, on_enter
+
+    def __enter__(self):
+        self.on_enter()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+REENTRANT_SAVE = r"""
+import sys
+import numpy as np
+import dispatch_io as dio
+mgr = dio.CheckpointManager(sys.argv[1])
+def priority(keypath, spec):      # runs on the thread inside save(), as a signal handler would
+    mgr.save(2, {"w": np.ones(2)})
+    return dio.Priority.SYNC
+try:
+    mgr.save(1, {"w": np.ones(2)}, priority=priority).wait()
+except Exception as exc:
+    print("RAISED", type(exc).__name__, flush=True)
+mgr.close()
+"""
 
 def test_lifecycle_async_saves_retention_and_foreign_entries(tmp_path, mesh, dispatcher_cls):
     root = tmp_path / "ckpts"
@@ -199,8 +228,6 @@ def test_retention_policy_is_exactly_the_documented_one(tmp_path):
         assert m.steps_to_delete([1, 2, 3, 4, 5]) == []        # no max_to_keep: keep everything
 
 
-# ---- 2. retention after a failed save ---------------------------------------------------------------
-
 @pytest.mark.parametrize("reported_by", ["save", "wait"])
 def test_failed_save_keeps_newest_and_reports_once(tmp_path, mesh, reported_by):
     root = tmp_path / "ckpts"
@@ -255,8 +282,6 @@ def test_close_raises_an_unreported_failure(tmp_path, mesh):
     with pytest.raises(RuntimeError):                    # closed anyway
         manager.save(2, step_tree(mesh, 2))
 
-
-# ---- 3. existing steps ---------------------------------------------------------------------------------
 
 def test_existing_step_raises_and_overwrite_replaces(tmp_path, mesh):
     root = tmp_path / "ckpts"
@@ -314,8 +339,6 @@ def test_a_step_name_with_a_trailing_newline_is_not_a_step(tmp_path):
         manager.wait()
         assert listing(root) == {"4", "5\n"}             # retention left the foreign entry alone
 
-
-# ---- 4. saves never interleave -------------------------------------------------------------------------
 
 def test_next_save_waits_for_the_save_in_flight(tmp_path, mesh):
     root = tmp_path / "ckpts"
@@ -385,20 +408,6 @@ def test_manager_calls_from_a_save_callback_raise_instead_of_deadlocking(tmp_pat
         assert_trees_bit_equal(manager.restore(), {"x": np.arange(4)})
 
 
-class _SpiedLock:
-    """A lock that calls ``on_enter()`` before each ``with`` acquires it."""
-
-    def __init__(self, lock, on_enter):
-        self.lock, self.on_enter = lock, on_enter
-
-    def __enter__(self):
-        self.on_enter()
-        return self.lock.__enter__()
-
-    def __exit__(self, *exc):
-        return self.lock.__exit__(*exc)
-
-
 def test_close_from_another_thread_waits_for_a_save_that_has_begun(tmp_path):
     """close() (e.g. a preemption handler's thread) while save() copies its SYNC leaves: save()
     returns its handle, the step commits and retention runs; a save() after that is refused."""
@@ -459,8 +468,6 @@ def test_close_from_inside_save_on_the_same_thread_raises(tmp_path):
         assert manager.all_steps() == [1]
 
 
-# ---- 5. leftovers of killed saves ----------------------------------------------------------------------
-
 def test_leftovers_are_cleaned_only_when_provably_ours_and_dead(tmp_path, mesh):
     root = tmp_path / "ckpts"
     saved = {}
@@ -510,8 +517,6 @@ def test_leftovers_are_cleaned_only_when_provably_ours_and_dead(tmp_path, mesh):
         for step in (3, 5, 6):
             assert_trees_bit_equal(manager.restore(step), saved[step])
 
-
-# ---- 6. donation after on_transfer_end -----------------------------------------------------------------
 
 def test_donating_each_leaf_after_its_transfer_end(tmp_path, mesh, dispatcher_cls):
     rng = np.random.default_rng(0)
@@ -574,8 +579,6 @@ def test_donating_each_leaf_after_its_transfer_end(tmp_path, mesh, dispatcher_cl
         dispatcher.close()
 
 
-# ---- 7. copies of a step -------------------------------------------------------------------------------
-
 def test_copied_steps_restore_bit_exact(tmp_path, mesh):
     root = tmp_path / "ckpts"
     tree = step_tree(mesh, 3)
@@ -607,8 +610,6 @@ def test_copied_steps_restore_bit_exact(tmp_path, mesh):
         meta = manager.metadata()
         assert meta["w"].shape == (8, 8) and meta["w"].dtype == np.float32
 
-
-# ---- 8. API edge cases ---------------------------------------------------------------------------------
 
 def test_api_edge_cases(tmp_path, mesh):
     root = tmp_path / "a" / "b" / "c"
@@ -683,3 +684,16 @@ def test_barrier_timeout_with_a_dispatcher_of_ones_own_is_refused(tmp_path):
         assert not (tmp_path / "root").exists()          # refused before anything was created
     with dio.CheckpointManager(tmp_path / "own", barrier_timeout=10) as manager:   # the manager's own: applied
         assert manager.dispatcher.options.barrier_timeout == 10
+
+
+def test_save_from_the_thread_inside_save_raises_instead_of_deadlocking(tmp_path):
+    """save() called by the thread inside save() (a signal handler, a priority callback) raises, as
+    close() does, instead of blocking forever on its own lock: with the manager chaining the program's
+    SIGTERM handler -- which in pre-manager loops is often an emergency save -- a SIGTERM during a save
+    must not hang the job until SIGKILL."""
+    try:
+        out = subprocess.run([sys.executable, "-c", REENTRANT_SAVE, str(tmp_path / "root")],
+                             capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("save() called from inside save() deadlocked")
+    assert "RAISED" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -1,5 +1,7 @@
-"""CheckpointManager as a training job uses it: items per step, step info, save policies with an
-injected clock, metric retention on disk, retention off the save path, Orbax Composite roots.
+"""CheckpointManager items and step info: items per step, committed with it and checked (CRC-32C),
+the same items on every process, step info (crafted or malformed info.json a checkpoint error, never
+outside the checkpoint, read consistently while a step is overwritten), Orbax Composite roots (also
+on object stores), ``inspect`` of a root.
 
 Values are compared exactly (bytes for bytes, JSON for JSON); directory listings are exact.
 """
@@ -9,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -19,12 +20,130 @@ import dispatch_io as dio
 from conftest import FakeClock, assert_trees_bit_equal
 from dispatch_io import policies as P
 
+
 TIMEOUT = 60
 
 
 def tree(step):
     return {"w": np.arange(12, dtype=np.float32).reshape(3, 4) + step, "step": step}
 
+
+KILLED_SAVE = r"""
+import os, sys, time, numpy as np
+import dispatch_io as dio
+root = sys.argv[1]
+with dio.CheckpointManager(root) as mgr:
+    mgr.save(1, {"w": np.ones(4)}, items={"data": dio.PerProcess(b"one")}).wait()
+    def stall(keypath):
+        print("WRITING", flush=True)
+        time.sleep(600)
+    mgr.save(2, {"w": np.zeros(1 << 16)}, items={"data": dio.PerProcess(b"two")}, on_write_end=stall)
+    mgr.wait()
+"""
+
+
+def _orbax_composite_root(root, with_grain: bool):
+    import orbax.checkpoint as ocp
+    handlers = {"items": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+    args = {"items": ocp.args.StandardSave({"w": np.arange(6.0), "b": np.int32(3) + np.zeros(2, np.int32)}),
+            "config": ocp.args.JsonSave({"lr": 0.1})}
+    iterator = None
+    if with_grain:
+        import grain
+        import grain.python as gp
+        iterator = iter(grain.MapDataset.range(40).batch(4).to_iter_dataset())
+        next(iterator), next(iterator), next(iterator)
+        handlers["iter"], args["iter"] = gp.PyGrainCheckpointHandler(), gp.PyGrainCheckpointSave(iterator)
+    options = ocp.CheckpointManagerOptions(best_fn=lambda metrics: metrics["loss"], best_mode="min")
+    mgr = ocp.CheckpointManager(str(root), item_names=tuple(handlers), item_handlers=handlers, options=options)
+    mgr.save(7, args=ocp.args.Composite(**args), metrics={"loss": 0.25})
+    mgr.wait_until_finished()
+    mgr.close()
+    return iterator
+
+
+def flip_bit(path, offset: int):
+    """Flip the lowest bit of the byte at ``offset`` of the file at ``path``."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+JOB_TIMEOUT = 120
+
+
+def small_tree(step):
+    return {"w": np.arange(6, dtype=np.float32) + step}
+
+
+def _edit_info(step_dir, **changes):
+    path = step_dir / "info.json"
+    info = json.loads(path.read_bytes())
+    for key, value in changes.items():
+        if key == "items":
+            info["items"].update(value)
+        else:
+            info[key] = value
+    path.write_text(json.dumps(info))
+
+
+def _inf_commit_time(info):
+    info["committed"] = float("inf")
+    return json.dumps(info)
+
+
+def _huge_commit_time(info):
+    info["committed"] = 1e300
+    return json.dumps(info)
+
+
+def _huge_int_metric(info):
+    info["metrics"] = {"loss": 10 ** 400}        # a JSON integer: Python reads it, float() cannot
+    return json.dumps(info)
+
+
+def _deeply_nested_metadata(info):
+    text = json.dumps(info)
+    return text[:-1] + ', "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+UNTRUSTED_INFO = [_inf_commit_time, _huge_commit_time, _huge_int_metric, _deeply_nested_metadata]
+UNTRUSTED_IDS = ["inf-time", "huge-time", "huge-int-metric", "deep-nesting"]
+
+
+def _root_with_info(root, craft):
+    with dio.CheckpointManager(root) as mgr:
+        mgr.save(1, small_tree(1)).wait()
+    path = root / "1" / "info.json"
+    path.write_text(craft(json.loads(path.read_bytes())))
+
+
+ITEMS_DIFFER_JOB = r"""
+import sys
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+import dispatch_io as dio
+process, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", 2, process)
+sharding = NamedSharding(jax.make_mesh((2,), ("data",)), PartitionSpec("data"))
+state = jax.make_array_from_callback((8,), sharding, lambda index: np.arange(8, dtype=np.float32)[index])
+with dio.CheckpointManager(root, barrier_timeout=30) as mgr:
+    # process 1's loader is not set up yet (or it forgot the item): only process 0 passes it
+    items = {"data": dio.PerProcess(b"p0-state")} if process == 0 else {}
+    try:
+        mgr.save(1, state, items=items).wait()
+        mgr.wait()
+        print("SAVED", flush=True)
+    except Exception as exc:
+        print("SAVE FAILED", type(exc).__name__, flush=True)
+    if 1 in mgr.all_steps():
+        try:
+            print("ITEM", mgr.item(1, "data"), flush=True)
+        except Exception as exc:
+            print("ITEM FAILED", type(exc).__name__, str(exc)[:200], flush=True)
+jax.distributed.shutdown()
+"""
 
 def test_items_and_step_info_commit_with_the_step(tmp_path):
     clock = FakeClock()
@@ -76,6 +195,9 @@ def test_a_per_process_item_restored_by_another_process_count_names_both(tmp_pat
     (dict(items={"data": b"raw"}), TypeError, r"item 'data' must be dio.Json\(value\) or dio.PerProcess"),
     (dict(items={"data": dio.PerProcess(object())}), ValueError, r"item 'data': object is neither bytes nor a JSON"),
     (dict(items={"cfg": dio.Json(float("nan"))}), ValueError, r"item 'cfg'"),
+    # keys equal as JSON strings: read back, one value would be lost (a "corrupt" item with checksums on)
+    (dict(items={"cfg": dio.Json({1: "a", "1": "b"})}), ValueError, r"item 'cfg': .*does not read back as saved"),
+    (dict(items={"data": dio.PerProcess([{True: 1, "true": 2}])}), ValueError, r"item 'data': .*does not read back"),
     (dict(metrics={"loss": "low"}), TypeError, r"metric 'loss' must be a real number"),
     (dict(metrics={"loss": np.ones(3)}), TypeError, r"metric 'loss'"),
     (dict(metadata={"when": object()}), ValueError, r"metadata must be a JSON value"),
@@ -85,97 +207,6 @@ def test_bad_items_metrics_or_metadata_fail_before_anything_is_written(tmp_path,
         with pytest.raises(error, match=message):
             mgr.save(1, tree(1), **kwargs)
         assert mgr.all_steps() == [] and os.listdir(tmp_path / "root") == []
-
-
-def test_save_policy_decides_and_force_overrides(tmp_path):
-    clock = FakeClock()
-    with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(10) | P.EveryNSeconds(60), clock=clock) as mgr:
-        decided = []
-        for step in range(1, 31):
-            clock.now += 7                          # 7 s a step: time-based saves every 9 steps
-            if mgr.should_save(step):
-                decided.append(step)
-                assert mgr.save(step, tree(step)) is not None
-            else:
-                assert mgr.save(step, tree(step)) is None     # the policy says no: skipped
-        assert mgr.save(31, tree(31), force=True) is not None  # a forced final save
-        mgr.wait()
-        assert decided == [9, 10, 19, 20, 29, 30]
-        assert mgr.all_steps() == decided + [31]
-
-
-def test_initial_policy_saves_only_into_an_empty_root(tmp_path):
-    with dio.CheckpointManager(tmp_path, save_policy=P.Initial()) as mgr:
-        assert mgr.should_save(0) and not mgr.should_save(0) is False   # one answer per step
-        mgr.save(0, tree(0))
-        assert not mgr.should_save(1)
-    with dio.CheckpointManager(tmp_path, save_policy=P.Initial()) as mgr:
-        assert not mgr.should_save(5)                                    # step 0 is committed
-
-
-def test_best_n_on_disk_keeps_the_best_and_the_latest(tmp_path):
-    losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 0.5, 5: 4.0, 6: 5.0}
-    with dio.CheckpointManager(tmp_path, keep_policy=P.BestN(2, "eval_loss")) as mgr:
-        for step, loss in losses.items():
-            mgr.save(step, tree(step), metrics={"eval_loss": loss})
-        mgr.wait()
-        assert mgr.all_steps() == [2, 4, 6]           # the two best, and the newest (the worst)
-        assert mgr.best_step() == 4 and mgr.best_step("eval_loss", "max") == 6
-    assert sorted(os.listdir(tmp_path)) == ["2", "4", "6"]
-
-
-def test_retention_never_delays_a_save(tmp_path, monkeypatch):
-    """Deleting old steps (slow on object stores) runs on its own thread: the next save starts at once."""
-    release = threading.Event()
-    with dio.CheckpointManager(tmp_path, keep_policy=P.LatestN(1)) as mgr:
-        real_delete = mgr._root.delete
-        deleting = threading.Event()
-
-        def slow_delete(step):
-            deleting.set()
-            assert release.wait(TIMEOUT)
-            real_delete(step)
-
-        monkeypatch.setattr(mgr._root, "delete", slow_delete)
-        mgr.save(1, tree(1)).wait()
-        mgr.save(2, tree(2)).wait()                    # commits; retention of step 1 starts
-        assert deleting.wait(TIMEOUT)
-        handle = mgr.save(3, tree(3))                  # not held up by the stuck delete
-        handle.wait(TIMEOUT)
-        assert 3 in mgr.all_steps() and 1 in mgr.all_steps()
-        release.set()
-        mgr.wait()                                     # waits for the retention too
-        assert mgr.all_steps() == [3]
-
-
-def test_reached_preemption_is_false_without_a_signal_and_true_after_sigterm(tmp_path):
-    previous = []
-    old = signal.signal(signal.SIGTERM, lambda s, f: previous.append(s))
-    try:
-        with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(100) | P.Preemption()) as mgr:
-            assert not mgr.reached_preemption(1) and not mgr.should_save(1)
-            os.kill(os.getpid(), signal.SIGTERM)
-            assert mgr.reached_preemption(2) and mgr.should_save(2)
-            assert previous == [signal.SIGTERM]        # the program's own handler still ran
-        assert signal.getsignal(signal.SIGTERM) is not None and previous == [signal.SIGTERM]
-        os.kill(os.getpid(), signal.SIGTERM)           # put back on close: the program's handler again
-        assert previous == [signal.SIGTERM, signal.SIGTERM]
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-KILLED_SAVE = r"""
-import os, sys, time, numpy as np
-import dispatch_io as dio
-root = sys.argv[1]
-with dio.CheckpointManager(root) as mgr:
-    mgr.save(1, {"w": np.ones(4)}, items={"data": dio.PerProcess(b"one")}).wait()
-    def stall(keypath):
-        print("WRITING", flush=True)
-        time.sleep(600)
-    mgr.save(2, {"w": np.zeros(1 << 16)}, items={"data": dio.PerProcess(b"two")}, on_write_end=stall)
-    mgr.wait()
-"""
 
 
 def test_a_step_killed_while_saving_with_items_is_absent(tmp_path):
@@ -192,26 +223,6 @@ def test_a_step_killed_while_saving_with_items_is_absent(tmp_path):
     with dio.CheckpointManager(root) as mgr:       # opening removes the dead save's leftovers
         assert mgr.all_steps() == [1] and mgr.item(1, "data") == b"one"
     assert sorted(os.listdir(root)) == ["1"]
-
-
-def _orbax_composite_root(root, with_grain: bool):
-    import orbax.checkpoint as ocp
-    handlers = {"items": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
-    args = {"items": ocp.args.StandardSave({"w": np.arange(6.0), "b": np.int32(3) + np.zeros(2, np.int32)}),
-            "config": ocp.args.JsonSave({"lr": 0.1})}
-    iterator = None
-    if with_grain:
-        import grain
-        import grain.python as gp
-        iterator = iter(grain.MapDataset.range(40).batch(4).to_iter_dataset())
-        next(iterator), next(iterator), next(iterator)
-        handlers["iter"], args["iter"] = gp.PyGrainCheckpointHandler(), gp.PyGrainCheckpointSave(iterator)
-    options = ocp.CheckpointManagerOptions(best_fn=lambda metrics: metrics["loss"], best_mode="min")
-    mgr = ocp.CheckpointManager(str(root), item_names=tuple(handlers), item_handlers=handlers, options=options)
-    mgr.save(7, args=ocp.args.Composite(**args), metrics={"loss": 0.25})
-    mgr.wait_until_finished()
-    mgr.close()
-    return iterator
 
 
 @pytest.mark.parametrize("with_grain", [False, True], ids=["json", "grain"])
@@ -255,13 +266,6 @@ def test_inspect_of_a_root_lists_each_steps_info(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "2025-11-24 16:00:00" in table and "loss=0.5" in table and "data(per_process)" in table, table
-
-
-def flip_bit(path, offset: int):
-    """Flip the lowest bit of the byte at ``offset`` of the file at ``path``."""
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def test_items_carry_crc32cs_and_a_flipped_byte_is_named(tmp_path):
@@ -324,28 +328,153 @@ def test_items_on_an_object_store_root_commit_and_go_with_their_step(store_prefi
     assert "2/info.json" in keys and any(k.startswith("2/arrays/") and k.endswith("items/data/0.json") for k in keys)
 
 
-def test_preemption_is_never_reached_and_never_an_error_without_a_service(tmp_path, monkeypatch):
-    """Orbax #3406: jax.distributed running without its preemption service crashed the save
-    policy. Here reached_preemption is False, and no SIGTERM handler is taken over."""
-    from dispatch_io.manager import preemption
-    monkeypatch.setattr(preemption, "_jax_sync_manager", lambda: (object(), None))
-    before = signal.getsignal(signal.SIGTERM)
-    with dio.CheckpointManager(tmp_path, save_policy=P.EveryNSteps(10) | P.Preemption()) as mgr:
-        assert signal.getsignal(signal.SIGTERM) is before
-        assert not mgr.reached_preemption(3) and not mgr.should_save(3) and mgr.should_save(10)
+def test_an_item_name_in_info_json_cannot_read_outside_the_checkpoint(tmp_path):
+    root = tmp_path / "root"
+    with dio.CheckpointManager(root) as mgr:
+        mgr.save(2, small_tree(2), items={"data": dio.Json(1)}).wait()
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    (outside / "value.json").write_text('{"json": "read from outside the step"}')
+    name = "../../../../secret"                  # root/2/arrays/items/<name>/value.json -> tmp_path/secret
+    _edit_info(root / "2", items={name: {"kind": "json"}})
+    with dio.CheckpointManager(root) as mgr:
+        with pytest.raises((dio.CheckpointError, KeyError)):
+            mgr.item(2, name)
 
 
-def test_a_manager_made_off_the_main_thread_works_without_a_sigterm_handler(tmp_path):
-    before, seen = signal.getsignal(signal.SIGTERM), []
-
-    def run():
-        with dio.CheckpointManager(tmp_path) as mgr:
-            seen.append((mgr.reached_preemption(1), signal.getsignal(signal.SIGTERM) is before))
-            mgr.save(1, tree(1), items={"data": dio.Json(1)})
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(TIMEOUT)
-    assert seen == [(False, True)]
+@pytest.mark.parametrize("craft", [_inf_commit_time, _huge_int_metric, _deeply_nested_metadata],
+                         ids=["inf-time", "huge-int-metric", "deep-nesting"])
+def test_crafted_step_info_is_a_checkpoint_error_not_a_library_error(tmp_path, craft):
+    """step_info / best_step / the policies on a step whose info.json is out of range must
+    raise CheckpointError (or ignore the bad value), never OverflowError / RecursionError
+    (which also kill every later retention: EveryNSeconds.keep floors the commit time, BestN
+    calls isfinite on the metric)."""
+    _root_with_info(tmp_path, craft)
     with dio.CheckpointManager(tmp_path) as mgr:
-        assert mgr.item(1, "data") == 1
+        try:
+            info = mgr.step_info(1)
+            mgr.best_step("loss")
+            record = P.StepRecord(1, info.committed, info.metrics)
+            P.EveryNSeconds(60).keep([record], 0.0)
+            P.BestN(1, "loss").keep([record], 0.0)
+        except dio.CheckpointError:
+            pass
+
+
+@pytest.mark.parametrize("craft", UNTRUSTED_INFO, ids=UNTRUSTED_IDS)
+def test_inspect_of_a_root_with_crafted_step_info_is_one_line_exit_2(tmp_path, craft):
+    _root_with_info(tmp_path / "root", craft)
+    out = subprocess.run([sys.executable, "-m", "dispatch_io.cli", "inspect", str(tmp_path / "root")],
+                         capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert out.returncode in (0, 2) and "Traceback" not in out.stderr, (out.returncode, out.stderr[-600:])
+
+
+def test_a_deeply_nested_item_file_is_a_checkpoint_error(tmp_path):
+    with dio.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, small_tree(1), items={"cfg": dio.Json(1)}).wait()
+    (tmp_path / "1" / "arrays" / "items" / "cfg" / "value.json").write_text(
+        '{"json": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with dio.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(dio.CheckpointError):
+            mgr.item(1, "cfg")
+
+
+def test_a_step_whose_processes_passed_different_items_is_never_committed_half_there(tmp_path):
+    """Items commit "atomically together", and the step info is process 0's alone: when the processes pass
+    different item names, no step is committed that lists a PerProcess item process 1 never wrote (which
+    process 1 would find "listed but its file is missing (malformed checkpoint)" on resume): a step
+    committed is one whose items every process reads."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", ITEMS_DIFFER_JOB, str(i), str(port), str(tmp_path / "root")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=JOB_TIMEOUT)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for out in outs:
+        assert "ITEM FAILED" not in out, outs
+
+
+def test_step_info_of_a_step_not_yet_committed_on_an_object_store_is_file_not_found(s3_prefix):
+    """On an object store info.json is written just before COMMITTED (and is left behind by a save killed
+    between the two, until a manager on that host cleans up). step_info of a step not committed (and
+    maybe never to be) is FileNotFoundError: "a step has its info exactly when committed" (docs/format.md)
+    holds for readers too."""
+    import tensorstore as ts
+    from dispatch_io.storage import kvstore_spec
+    with dio.CheckpointManager(s3_prefix) as mgr:
+        mgr.save(1, small_tree(1), metrics={"loss": 1.0}).wait()
+        kv = ts.KvStore.open(kvstore_spec(s3_prefix + "/")).result()
+        kv.write("2/info.json", kv.read("1/info.json").result().value).result()   # step 2 mid-commit
+        assert mgr.all_steps() == [1]
+        with pytest.raises(FileNotFoundError):
+            mgr.step_info(2)
+
+
+def test_an_orbax_steps_nan_metric_reads_as_none_and_inspect_json_stays_json(tmp_path, capsys):
+    """StepInfo.metrics is documented "None where it was NaN": an Orbax step's NaN metric (Orbax's metrics
+    item holds {"loss": NaN}) reads as None too, and ``dispatch-io inspect --json`` stays JSON (never a
+    bare NaN, which jq and JSON.parse refuse)."""
+    import orbax.checkpoint as ocp
+    from dispatch_io import cli
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    orbax_mgr = ocp.CheckpointManager(str(tmp_path), options=options)
+    orbax_mgr.save(7, args=ocp.args.StandardSave({"w": np.arange(3.0)}), metrics={"loss": float("nan")})
+    orbax_mgr.wait_until_finished()
+    orbax_mgr.close()
+    with dio.CheckpointManager(tmp_path) as mgr:
+        assert mgr.step_info(7).metrics == {"loss": None}
+    assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+    json.loads(capsys.readouterr().out, parse_constant=strict)
+
+
+def test_step_info_read_while_an_overwrite_is_in_flight_is_not_kept_after_it_commits(tmp_path):
+    """Reading a step's info while save(step, overwrite=True) is in flight (the loop, or retention of the
+    previous save, which reads every step's info on its own thread) does not keep the *replaced* step's
+    info once the overwrite commits: step_info then has the new metrics, so BestN / best_step and
+    inspect-by-manager agree with the disk."""
+    import threading
+    with dio.CheckpointManager(tmp_path) as mgr:
+        mgr.save(5, small_tree(5), items={"data": dio.PerProcess(b"old")}, metrics={"loss": 1.0}).wait()
+        release = threading.Event()
+        handle = mgr.save(5, small_tree(6), items={"data": dio.PerProcess(b"new")}, metrics={"loss": 2.0},
+                          overwrite=True, on_write_end=lambda keypath: release.wait(JOB_TIMEOUT))
+        try:
+            mgr.step_info(5)                   # while the overwrite is being written
+        finally:
+            release.set()
+        handle.wait()
+        mgr.wait()
+        assert mgr.step_info(5).metrics == {"loss": 2.0}
+
+
+def test_an_orbax_root_on_an_object_store_is_not_silently_empty(tmp_path, s3_prefix):
+    """MaxText keeps its Orbax checkpoints on an object store (gs://). A manager on such a root given as
+    an object-store URL lists its steps -- never no step at all (latest_step() None, a ported loop
+    starting again from step 0). (tests/test_orbax_object_stores.py reads them.)"""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from dispatch_io.storage import kvstore_spec
+    local = tmp_path / "orbax"
+    orbax_mgr = ocp.CheckpointManager(str(local))
+    orbax_mgr.save(7, args=ocp.args.StandardSave({"w": np.arange(6.0)}))
+    orbax_mgr.wait_until_finished()
+    orbax_mgr.close()
+    kv = ts.KvStore.open(kvstore_spec(s3_prefix + "/")).result()
+    for folder, _, names in os.walk(local):            # the same root, as gsutil cp -r would put it
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                kv.write(os.path.relpath(path, local), f.read()).result()
+    with dio.CheckpointManager(s3_prefix) as mgr:
+        assert mgr.all_steps() == [7] and mgr.latest_step() == 7

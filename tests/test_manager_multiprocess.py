@@ -5,47 +5,28 @@ process stops at, having saved the same step; the restarted job resumes after it
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from conftest import finish_job, free_port
+
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(TESTS, "manager_job.py")
+JOB = os.path.join(TESTS, "job_preemption.py")
 LIMIT = 120
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(root, steps, skews):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-    port = _port()
+    port = free_port()
     return [subprocess.Popen([sys.executable, JOB, str(i), str(len(skews)), str(port), str(root), str(steps), str(skew)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for i, skew in enumerate(skews)]
 
 
-def _finish(procs):
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=LIMIT)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            p.kill()
-    for code, out, err in outs:
-        assert code == 0, out + err[-3000:]
-    return [out for _, out, _ in outs]
-
-
 def _saved(out):
     return [int(s) for s in re.findall(r"^saved (\d+)$", out, re.M)]
-
 
 def test_preemption_stops_every_process_at_one_saved_step_and_skewed_clocks_agree(tmp_path):
     root = tmp_path / "root"
@@ -59,7 +40,7 @@ def test_preemption_stops_every_process_at_one_saved_step_and_skewed_clocks_agre
             assert line, "".join(lines) + procs[0].stderr.read()[-3000:]
             lines.append(line)
         procs[1].send_signal(signal.SIGTERM)             # the preemption notice reaches one process
-        outs = _finish(procs)
+        outs = finish_job(procs)
     finally:
         for p in procs:
             p.kill()
@@ -70,7 +51,7 @@ def test_preemption_stops_every_process_at_one_saved_step_and_skewed_clocks_agre
     assert int(stopped[1][1]) == step and 12 <= step < 400, outs
     assert _saved(outs[0]) == _saved(outs[1]) and _saved(outs[0])[-1] == step, outs   # one decision each time
     assert len(_saved(outs[0])) >= 2, outs                                           # time-based ones too
-    resumed = _finish(_start(root, step + 3, skews=[0.0, 0.0]))
+    resumed = finish_job(_start(root, step + 3, skews=[0.0, 0.0]))
     for i, out in enumerate(resumed):
         assert f"resumed {step} item p{i}-s{step} exact True" in out, out
         assert re.findall(r"^step (\d+)$", out, re.M) == [str(s) for s in range(step + 1, step + 3)], out

@@ -50,6 +50,12 @@ def test_auto_is_pinned_only_off_cpu():
         dio.Options(host_transfer="fast")
     with pytest.raises(ValueError, match="host_transfer"):
         dio.ColocatedDispatcher(MiB, **PINNED)
+    # a runner built by hand: a typo is refused, not taken as "pinned"; options it would contradict too
+    settings = dio.Options().io_settings()
+    with pytest.raises(ValueError, match=r"transfer must be 'pageable' or 'pinned'.*'pinnned'"):
+        dio.LocalRunner(settings, transfer="pinnned")
+    with pytest.raises(ValueError, match=r"host_transfer='pinned'.*runner copies 'pageable'"):
+        dio.Dispatcher(dio.Options(**PINNED), dio.LocalRunner(settings))
 
 
 def test_every_dtype_and_key_impl_round_trips_bit_exact(forced, mesh, tmp_path):

@@ -1,6 +1,8 @@
-"""Promotion of a local step to the root (issue 28), and items in local steps: one process, 8 CPU
-devices. Every restore is compared byte for byte with the state saved; promoted chunks are compared
-raw (as stored, through the kvstores) with the local copy's."""
+"""Promotion of a local step to the root (``mgr.promote``, ``LocalTier(promote=True)``), and items
+in local steps: one process, 8 CPU devices. Every restore is compared byte for byte with the state
+saved; promoted chunks are compared raw (as stored, through the kvstores) with the local copy's; a
+damaged or truncated local chunk is never promoted; a failed promotion leaves no step; a promotion
+after a rollback persists only the live history."""
 
 import json
 import os
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -19,10 +22,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as sh
-from dispatch_io import policies
-from dispatch_io import tree as tree_lib
+from conftest import fail_batches_of, filled, filled_target, hooked_dispatcher, value_of
+from dispatch_io import policies, tree as tree_lib
 from dispatch_io.formats.detect import open_checkpoint
-from dispatch_io.manager.tiers.promote_plan import plan_promotion, items_of
+from dispatch_io.manager.tiers.promote_plan import items_of, plan_promotion
 from dispatch_io.manifest import parse as parse_manifest
 from workers.layouts import NODE_CACHE
 
@@ -53,8 +56,82 @@ def _raw_chunks(path) -> dict[str, bytes]:
     return {k.decode(): store.read(k).result().value for k in keys}
 
 
+KILLED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import dispatch_io as dio
+from dispatch_io.manager.tiers import promotion
+tmp = sys.argv[1]
+mesh = jax.make_mesh((4, 2), ("data", "model"))
+w = jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64), NamedSharding(mesh, P("data", "model")))
+dispatcher = dio.LocalDispatcher(host_memory_budget=16 << 10, small_leaf_bytes=0, checksums=True)
+mgr = dio.CheckpointManager(tmp + "/root", dispatcher, local=dio.LocalTier(tmp + "/local/{process}"))
+mgr.local.save(3, {"w": w}).wait()
+real, calls = promotion.write_values, []
+
+
+def write_values(*args):
+    calls.append(1)
+    if len(calls) == 3:       # two batches written, then SIGKILL: mid-promotion
+        os.kill(os.getpid(), 9)
+    return real(*args)
+promotion.write_values = write_values
+mgr.promote(3).wait()
+print("not killed", flush=True)
+"""
+
+
+MEMORY = """
+import gc, json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import dispatch_io as dio
+
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
+
+tmp, budget = sys.argv[1], int(sys.argv[2])
+mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+
+def make(seed):
+    block = lambda index: np.full(tuple(s.stop - s.start for s in index), seed, np.float32)
+    return jax.make_array_from_callback((4096, 4096), NamedSharding(mesh, P("data", "model")), block)
+dispatcher = dio.LocalDispatcher(host_memory_budget=budget, keep_staging_warm=False)
+mgr = dio.CheckpointManager(tmp + "/root", dispatcher, local=dio.LocalTier(tmp + "/local/{process}"))
+tree = {"a": make(1), "b": make(2)}                      # 128 MiB
+mgr.local.save(5, tree).wait()
+del tree
+gc.collect()
+before = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")            # VmHWM := VmRSS
+stats = mgr.promote(5).wait()
+print(json.dumps({"growth": status("VmHWM") - before, "written": stats.bytes_written}))
+"""
+
+
+def _two_leaves(mesh, step):
+    sharded, replicated = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P())
+    return {"w": jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64) * (step + 1), sharded),
+            "b": jax.device_put(np.arange(64, dtype=np.int32) - step, replicated)}
+
+
+def _same_two(restored, expected):
+    for key in expected:
+        assert np.asarray(restored[key]).tobytes() == np.asarray(expected[key]).tobytes(), key
+
+
 @pytest.mark.parametrize("options", [dict(checksums=True), dict(compression="zstd", checksums=True, layout="files")],
                          ids=["ocdbt-crc", "files-zstd"])
+
+
 def test_a_local_step_is_promoted_byte_for_byte_with_its_items(tmp_path, mesh, options):
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
     dispatcher = dio.LocalDispatcher(host_memory_budget=64 << 10, small_leaf_bytes=0, **options)
@@ -178,32 +255,6 @@ def test_the_promotion_plan_writes_each_chunk_once_by_a_holder():
         items_of(5, reports, 2)
 
 
-KILLED = """
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
-import jax, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-import dispatch_io as dio
-from dispatch_io.manager.tiers import promotion
-tmp = sys.argv[1]
-mesh = jax.make_mesh((4, 2), ("data", "model"))
-w = jax.device_put(np.arange(256 * 64, dtype=np.float32).reshape(256, 64), NamedSharding(mesh, P("data", "model")))
-dispatcher = dio.LocalDispatcher(host_memory_budget=16 << 10, small_leaf_bytes=0, checksums=True)
-mgr = dio.CheckpointManager(tmp + "/root", dispatcher, local=dio.LocalTier(tmp + "/local/{process}"))
-mgr.local.save(3, {"w": w}).wait()
-real, calls = promotion.write_values, []
-def write_values(*args):
-    calls.append(1)
-    if len(calls) == 3:       # two batches written, then SIGKILL: mid-promotion
-        os.kill(os.getpid(), 9)
-    return real(*args)
-promotion.write_values = write_values
-mgr.promote(3).wait()
-print("not killed", flush=True)
-"""
-
-
 def test_a_promotion_killed_midway_leaves_no_step_and_can_be_done_again(tmp_path, mesh):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
@@ -246,36 +297,6 @@ def test_local_retention_keeps_a_step_while_it_is_promoted(tmp_path, mesh, monke
         mgr.save(6, _state(mesh, 6))
         mgr.local.wait()
         assert mgr.local.steps() == [6]
-
-
-MEMORY = """
-import gc, json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
-import jax, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-import dispatch_io as dio
-
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
-
-tmp, budget = sys.argv[1], int(sys.argv[2])
-mesh = jax.make_mesh((4, 2), ("data", "model"))
-def make(seed):
-    block = lambda index: np.full(tuple(s.stop - s.start for s in index), seed, np.float32)
-    return jax.make_array_from_callback((4096, 4096), NamedSharding(mesh, P("data", "model")), block)
-dispatcher = dio.LocalDispatcher(host_memory_budget=budget, keep_staging_warm=False)
-mgr = dio.CheckpointManager(tmp + "/root", dispatcher, local=dio.LocalTier(tmp + "/local/{process}"))
-tree = {"a": make(1), "b": make(2)}                      # 128 MiB
-mgr.local.save(5, tree).wait()
-del tree
-gc.collect()
-before = status("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")            # VmHWM := VmRSS
-stats = mgr.promote(5).wait()
-print(json.dumps({"growth": status("VmHWM") - before, "written": stats.bytes_written}))
-"""
 
 
 def test_a_promotion_streams_within_the_budget(tmp_path):
@@ -375,3 +396,166 @@ def test_a_deferred_promotion_after_any_local_failure_unpins_the_step_and_is_rep
     assert promotion.to_report(handle, raised.value) is None
     with pytest.raises(FileNotFoundError):   # the same error to every caller; never started twice
         handle.wait(timeout=1)
+
+
+@pytest.mark.parametrize("layout", ["files", "ocdbt"])
+
+
+def test_a_damaged_compressed_local_chunk_is_not_promoted(tmp_path, mesh, layout):
+    """A damaged local chunk stored compressed (zstd) is not promoted: the promotion decodes compressed
+    chunks that carry a CRC-32C before writing them and fails naming the key path, committing nothing.
+    Why: the root is the durable tier and local retention then deletes the local copy; a promoted
+    unreadable chunk would leave the job's only persisted copy of that step unreadable, with nothing said
+    at promotion time (it would be listed, "persisted", and every restore of it would fail)."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, compression="zstd", layout=layout)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, local=tier) as mgr:
+        mgr.local.save(7, _two_leaves(mesh, 7)).wait()
+        sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "7", "['w']")[(1, 0)], 10)
+        try:
+            with pytest.raises(dio.CheckpointError, match=r"\['w'\]"):
+                mgr.promote(7).wait()
+        finally:
+            try:
+                mgr.wait()
+            except dio.CheckpointError:
+                pass
+        assert mgr.persistent_steps() == [] and mgr.durability(7) != "persisted"
+    dispatcher.close()
+
+
+def test_a_truncated_local_chunk_is_not_promoted_without_checksums(tmp_path, mesh):
+    """With default options (checksums=False, no compression) a local chunk cut short -- the torn write on a
+    full RAM disk, the local tier's failure model -- is not promoted: each raw chunk's length is checked
+    against its stored array's chunk shape and dtype (known from the manifest, so the check is free), and
+    the promotion fails naming the key path, committing nothing (else the step would be listed,
+    "persisted", and unreadable)."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, layout="files")
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, local=tier) as mgr:
+        mgr.local.save(7, _two_leaves(mesh, 7)).wait()
+        value = sh.chunks(tmp_path / "local" / "0" / "7", "['w']")[(1, 0)]
+        os.truncate(value.file, value.length // 2)
+        try:
+            with pytest.raises(dio.CheckpointError, match=r"\['w'\]"):
+                mgr.promote(7).wait()
+        finally:
+            try:
+                mgr.wait()
+            except dio.CheckpointError:
+                pass
+        assert mgr.persistent_steps() == [] and mgr.durability(7) != "persisted"
+    dispatcher.close()
+
+
+def test_a_failed_local_save_with_promote_is_reported_once_and_the_next_save_persists(tmp_path, mesh):
+    """``LocalTier(promote=True)``, the local save of step 1 fails (ENOSPC on the RAM disk): ``mgr.wait()``
+    reports that failure once (the promotion that then finds no local copy adds no second error), and the
+    next, healthy ``save(2)`` goes through to the root. Why: a training loop that logs the failure from
+    wait() and carries on must not crash at an unrelated save that is left half-done (step 2 saved
+    locally, never persisted)."""
+    dispatcher = hooked_dispatcher(dio.LocalDispatcher, write_hook=fail_batches_of(None), small_leaf_bytes=0)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1), promote=True)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(1), local=tier) as mgr:
+        mgr.save(1, _two_leaves(mesh, 1))
+        with pytest.raises(dio.CheckpointError, match="No space left"):
+            mgr.wait()
+        dispatcher.runner.write_hook = None          # the disk was cleaned: the job goes on
+        mgr.save(2, _two_leaves(mesh, 2))
+        mgr.wait()
+        assert mgr.persistent_steps() == [2]
+        _same_two(mgr.restore(2, _two_leaves(mesh, 0)), _two_leaves(mesh, 2))
+    dispatcher.close()
+
+
+def test_the_promote_on_save_handle_honours_wait_timeout(tmp_path, mesh):
+    """The handle ``save()`` returns with ``LocalTier(promote=True)`` (``promotion.Deferred``) honours
+    ``wait(timeout)`` while the local save is in flight: it raises TimeoutError after ``timeout``, as
+    ``SaveHandle.wait`` does, rather than blocking for the whole local save (here 6 s against a 0.5 s
+    timeout). A loop polling ``handle.wait(timeout=...)`` (to log progress, or to bound a preemption grace
+    period) depends on it."""
+    gate = threading.Event()
+
+    def hold(regions):
+        assert gate.wait(60)
+    dispatcher = hooked_dispatcher(dio.LocalDispatcher, write_hook=hold, small_leaf_bytes=0)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1), promote=True)
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(1), local=tier) as mgr:
+        handle = mgr.save(1, _two_leaves(mesh, 1))
+        timer = threading.Timer(6, gate.set)
+        timer.start()
+        began = time.monotonic()
+        try:
+            with pytest.raises(TimeoutError):
+                handle.wait(timeout=0.5)
+            took = time.monotonic() - began
+        finally:
+            gate.set()
+            timer.cancel()
+        assert took < 3, took
+        handle.wait()
+        assert mgr.persistent_steps() == [1]
+    dispatcher.close()
+
+
+def test_the_promote_on_save_handle_names_the_persistent_step(tmp_path, mesh):
+    """With ``LocalTier(promote=True)`` the handle ``save()`` returns has ``path`` = the root's step, as the
+    same save without promote: the handle stands for the persistent save (its ``wait()`` is the
+    promotion's), and code that logs, verifies or uploads ``handle.path`` must not act on the node-local
+    RAM-disk copy, which local retention deletes."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1), promote=True)
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(1), local=tier) as mgr:
+        handle = mgr.save(1, _two_leaves(mesh, 1))
+        handle.wait()
+        assert handle.path == os.fspath(tmp_path / "root" / "1")
+
+
+def test_save_with_promote_raises_file_exists_before_writing(tmp_path, mesh):
+    """``save()`` raises FileExistsError "before anything is written" for a step the root already holds
+    (without overwrite) with ``LocalTier(promote=True)`` too, as without promote: ``save(2, ..., force=True)``
+    neither overwrites the local copy of step 2 with a state that differs from the root's nor defers the
+    error to a later, unrelated ``wait()``/``save()`` (a resumed loop re-saving its restored step relies on
+    save() to refuse)."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(1), promote=True)
+    with dio.CheckpointManager(tmp_path / "root", local=tier) as mgr:
+        mgr.save(2, _two_leaves(mesh, 2), local=False)
+        mgr.wait()
+        assert mgr.persistent_steps() == [2]
+        try:
+            with pytest.raises(FileExistsError):
+                mgr.save(2, _two_leaves(mesh, 5), force=True)
+        finally:
+            try:
+                mgr.wait()
+            except FileExistsError:
+                pass
+        _same_two(mgr.restore(2, _two_leaves(mesh, 0)), _two_leaves(mesh, 2))
+
+
+def test_promote_after_a_rollback_does_not_persist_the_abandoned_history(tmp_path, mesh):
+    """After a rollback (``restore(0, target)`` with local steps 2 and 4 of the history being abandoned),
+    ``promote(4)`` does not persist the abandoned local step 4 into the root (docs/manager.md "Local tier":
+    the abandoned local steps "are never restored over the new one"). Persisting it would let a restart's
+    ``restore(None, target)`` resume the abandoned history over the new one's step 2, and refuse the new
+    history's own persistent save of step 4 (FileExistsError).
+
+    Why it matters: a promotion is how a job persists "the local step it has"; after a rollback (a loss
+    spike, a bad batch) the step it would promote by habit is the one the rollback was meant to discard,
+    and the mistake would only show after the next crash."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        mgr.save(0, filled(mesh, 0), force=True)
+        mgr.save(2, filled(mesh, 2), local=True)
+        mgr.save(4, filled(mesh, 4), local=True)
+        mgr.wait()
+        mgr.restore(0, filled_target(mesh))           # the rollback: steps 2 and 4 are abandoned
+        try:
+            mgr.promote(4).wait()
+        except ValueError:
+            return                              # refused: the step is of the abandoned history
+        mgr.save(2, filled(mesh, 20), local=True)   # the new history (its first save drops the old local steps)
+        mgr.wait()
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        restored = mgr.restore(None, filled_target(mesh))
+        assert (mgr.last_tier_restore.step, value_of(restored)) == (2, 20.0), (
+            f"the restart resumed step {mgr.last_tier_restore.step} = {value_of(restored)}: the abandoned history")

@@ -215,7 +215,7 @@ class ObjectOutput:
             if not replaceable(held):
                 raise ValueError(f"{dst} holds files that are not a checkpoint this export writes: it is not replaced")
             for name in unlist:
-                self.location._wait(self.kv.write(name, None), f"delete {name}")
+                self.location.wait(self.kv.write(name, None), f"delete {name}")
             self.abort()
 
     def kvstore(self, sub: str = "") -> dict:
@@ -223,7 +223,7 @@ class ObjectOutput:
         return self.location.arrays_kvstore(sub)
 
     def write(self, name: str, data: bytes):
-        self.location._wait(self.kv.write(name, data), f"write {name}")
+        self.location.wait(self.kv.write(name, data), f"write {name}")
 
     def commit(self, files: list[tuple[str, bytes]]):
         """Write ``files`` (name, bytes), in order, last: the export is then visible."""
@@ -231,7 +231,7 @@ class ObjectOutput:
             self.write(name, data)
 
     def abort(self):
-        self.location._wait(self.kv.delete_range(ts.KvStore.KeyRange()), "delete what was written")
+        self.location.wait(self.kv.delete_range(ts.KvStore.KeyRange()), "delete what was written")
 
 
 def is_local(dst) -> bool:

@@ -126,11 +126,7 @@ def parse(data: bytes | None, step: int | None, where: str) -> StepInfo:
     try:
         info = json.loads(data)
         ok = (isinstance(info, dict) and info.get("format") == FORMAT and info.get("version") == VERSION
-              and isinstance(info.get("metrics"), dict) and isinstance(info.get("items"), dict)
-              and all(isinstance(name, str) and NAME.fullmatch(name) and isinstance(e, dict)
-                      and (e.get("kind") == "json" or (e.get("kind") == "per_process" and _count(e.get("processes"))))
-                      and isinstance(e.get("crc32c", False), bool)
-                      for name, e in info["items"].items())
+              and isinstance(info.get("metrics"), dict) and items_ok(info.get("items"))
               and all(v is None or _finite(v) for v in info["metrics"].values())
               and all(info.get(k) is None or (_finite(info[k]) and 0 <= info[k] <= _LAST_SECOND)
                       for k in ("started", "committed"))
@@ -150,6 +146,15 @@ def parse(data: bytes | None, step: int | None, where: str) -> StepInfo:
     return StepInfo(info["step"] if step is None else step, info["started"], info["committed"], metrics, info.get("metadata"),
                     {name: e["kind"] for name, e in info["items"].items()}, info["processes"],
                     info.get("dispatch_io"), info["arrays"], info["items"], info.get("durability"))
+
+
+def items_ok(items) -> bool:
+    """Whether ``items`` is a step info's ``"items"`` as :func:`make` writes it: {name: {"kind": "json"
+    or "per_process" (with its "processes" count), "crc32c": a bool if there}}, names as items makes them."""
+    return isinstance(items, dict) and all(
+        isinstance(name, str) and NAME.fullmatch(name) and isinstance(e, dict)
+        and (e.get("kind") == "json" or (e.get("kind") == "per_process" and _count(e.get("processes"))))
+        and isinstance(e.get("crc32c", False), bool) for name, e in items.items())
 
 
 def _count(value) -> bool:

@@ -67,6 +67,9 @@ def _encode(name: str, value, checksums: bool) -> bytes:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"item {name!r}: {type(value).__name__} is neither bytes nor a JSON value "
                              f"({exc})") from None
+        if json.dumps(json.loads(content)).encode() != content:   # two keys alike as JSON strings: one lost
+            raise ValueError(f"item {name!r}: its JSON text does not read back as saved (two keys of one object are "
+                             "the same JSON string, e.g. 1 and '1')")
         stored = {"json": value}
     if checksums:
         stored["crc32c"] = _crc(content)

@@ -93,14 +93,21 @@ class StepReads:
         ``step`` if given (local, persistent or both: FileNotFoundError if no tier holds it whole), else the
         newest step of at least ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``:
         :meth:`durability`; without a target: ValueError). Without a local tier, or a step named without a
-        target: from the root (the newest persistent step for None; ``verify=True`` checks its items too:
-        ``steps.verify_items``)."""
+        target: from the root (the newest persistent step for None). ``verify=True`` checks the restored step's
+        items too (``steps.verify_items``; a local step's: this process's copy's)."""
         self._check_usable("restore")
         tiers_plan.check_durability(durability)
         if self.local is not None and item is None and (target is not None or step is None):
+            persistent = self.persistent_steps()
             tree, self.last_tier_restore = self.local.restore(
-                target, self.persistent_steps(), lambda s: self._pytree_path(s, None), self.root,
+                target, persistent, lambda s: self._pytree_path(s, None), self.root,
                 durability=durability, step=None if step is None else step_number(step), **restore_kwargs)
+            if restore_kwargs.get("verify"):  # its items too, as from the root: the root's, else this process's copy's
+                restored = self.last_tier_restore.step
+                if restored in persistent:
+                    steps.verify_items(self.step_path(restored), restored)
+                else:
+                    local_steps.verify_items(self.local, restored, self.root)
             return tree
         step = self._resolve(step)
         tree = self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)

@@ -133,7 +133,7 @@ class KvFolder(Folder):
     def keys(self) -> list[str]:
         """Every key under the folder, relative to it (listed on first use)."""
         if self._keys is None:
-            self._keys = [k.decode() for k in self.location._wait(self._kv().list(), f"list {self.display}")]
+            self._keys = [k.decode() for k in self.location.wait(self._kv().list(), f"list {self.display}")]
         return self._keys
 
     def child(self, name: str) -> "KvFolder":
@@ -172,7 +172,7 @@ class KvFolder(Folder):
         kv = self._kv()
         if larger_than(kv, name, limit):
             raise ValueError(f"is larger than {limit} bytes")
-        result = self.location._wait(kv.read(name), f"read {self.sub}{name}")
+        result = self.location.wait(kv.read(name), f"read {self.sub}{name}")
         if result.state != "value":
             raise FileNotFoundError(f"{self.display}/{name}: no such file")
         return bytes(result.value)

@@ -129,7 +129,7 @@ class KvLocation(Location):
         """The kvstore at this prefix (or at ``sub`` under it, ``sub`` ending in ``/``)."""
         return ts.KvStore.open(child_spec(self.spec, sub), context=self._own_context).result()
 
-    def _wait(self, future, what: str):
+    def wait(self, future, what: str):
         """A store operation's result; its failure (unreachable, denied, retries exhausted) as a
         CheckpointError naming the checkpoint."""
         try:
@@ -138,11 +138,11 @@ class KvLocation(Location):
             raise CheckpointError(f"{self.display}: could not {what}: {brief_error(exc)}") from exc
 
     def _get(self, key: str) -> bytes | None:
-        result = self._wait(self.open_kv().read(key), f"read {key}")
+        result = self.wait(self.open_kv().read(key), f"read {key}")
         return bytes(result.value) if result.state == "value" else None
 
     def _keys(self) -> list[str]:
-        return [k.decode() for k in self._wait(self.open_kv().list(), "list its keys")]
+        return [k.decode() for k in self.wait(self.open_kv().list(), "list its keys")]
 
     @property
     def key(self) -> str:
@@ -253,10 +253,10 @@ class KvWrite(WriteTarget):
     def _write_if_absent(self, key: str, value: bytes) -> bool:
         """Write ``key`` only if it does not exist (a conditional write: atomic where the store
         has them); False if another writer got there first."""
-        current = self.location._wait(self.kv.read(key), f"read {key}")
+        current = self.location.wait(self.kv.read(key), f"read {key}")
         if current.state == "value":
             return False
-        stamp = self.location._wait(self.kv.write(key, value, if_equal=current.stamp.generation), f"write {key}")
+        stamp = self.location.wait(self.kv.write(key, value, if_equal=current.stamp.generation), f"write {key}")
         return bool(stamp.generation)  # empty: the condition failed
 
     def _still_ours(self) -> bool:
@@ -282,8 +282,8 @@ class KvWrite(WriteTarget):
         self._committing = True
         self._files = tuple(files or ())
         for name, data in (files or {}).items():
-            self.location._wait(self.kv.write(name, data), f"write {name}")
-        self.location._wait(self.kv.write(MANIFEST, manifest), f"write {MANIFEST}")
+            self.location.wait(self.kv.write(name, data), f"write {name}")
+        self.location.wait(self.kv.write(MANIFEST, manifest), f"write {MANIFEST}")
         if not self._write_if_absent(COMMITTED, Marker.new().encode()):
             self._committing = False  # that COMMITTED is not ours to remove
             raise CheckpointError(f"another save committed {where} while this one was committing; nothing was committed")

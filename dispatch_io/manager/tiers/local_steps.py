@@ -20,7 +20,8 @@ from absl import logging
 
 from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io.multihost.coordination import open_room
-from dispatch_io.errors import BarrierTimeoutError
+from dispatch_io.errors import BarrierTimeoutError, CorruptCheckpointError
+from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager import policies
 from dispatch_io.manifest import ARRAYS
@@ -234,10 +235,23 @@ def read_item(local: "LocalTiers", step: int, name: str, persistent: str):
                                 f"local copy of it at {path} (lost with its local directory?): its items are gone with "
                                 "that copy; resume from a step whose items survive (a persistent one: restore(step, "
                                 "target)), or start the items afresh")
-    entry = info.get("items", {}).get(name)
+    entries = info.get("items", {})
+    if not info_lib.items_ok(entries):   # a bit flip on a RAM disk, a torn write
+        raise CorruptCheckpointError(f"{path}: its info's items are not what a local save records (malformed "
+                                     "checkpoint)", path=path)
+    entry = entries.get(name)
     if entry is None:
         raise KeyError(f"local step {step} at {path} has no item {name!r} "
-                       f"(it has: {', '.join(sorted(info.get('items', {}))) or 'none'})")
+                       f"(it has: {', '.join(sorted(entries)) or 'none'})")
     location = Location.parse(path)
     return items_lib.read(lambda key: location.read_file(ARRAYS + key), name, entry, step, local.process,
                           local.count, path)[2]
+
+
+def verify_items(local: "LocalTiers", step: int, persistent: str) -> int:
+    """Read and check (against their CRC-32Cs, where saved with them) the item files of this process's
+    copy of local ``step``; how many. Raises as :func:`read_item`."""
+    names = list((local.infos()[0].get(step) or {}).get("items") or ())
+    for name in names:
+        read_item(local, step, name, persistent)
+    return len(names)

@@ -63,7 +63,8 @@ class TierRestore:
         (tree, :class:`TierRestoreStats`). ``persistent_path(step)``: where the root holds a step.
         ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
         are always checked (``checks``: as they are read; a bad region is replaced by the next source),
-        persistent ones with ``verify``.
+        persistent ones with ``verify``, and always where the root replaces a bad local region
+        (CorruptCheckpointError if it is bad there too).
         ``durability``: the weakest step it may pick (``tiers_plan.eligible``: ``"replicated"`` skips
         local steps some region of which had one copy; ``"persisted"`` picks a persistent step, read
         from local copies where they have it).
@@ -111,6 +112,9 @@ class TierRestore:
             if step is None:  # the job starts afresh: local saves from step 0 on, on every process alike
                 self.local.resume(None)
             lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
+            if step is not None and fill.failed:   # a copy was there: say why it was not used
+                lost += (f"; the local copies of {', '.join(sorted(fill.failed))} at step {step} failed their CRC-32C "
+                         "check or could not be read (logged)")
             which = (f"no step of {self.path} (or its peers') and {persistent_display} holds" if step is None else
                      f"at step {step}, neither {self.path} (nor its peers') nor {persistent_display} holds")
             raise FileNotFoundError(f"{which} every region of the target{lost}" + (
@@ -141,10 +145,13 @@ class TierRestore:
             else:
                 bad = copy.bad(self.dispatcher, checks.before_read(plan, self.process, copy.by_keypath, mine)) \
                     if copy is not None else {}
-            if _drop(reports, plan.step, _gather(fill.room, f"before{attempt}", self.process, bad)):
+            bad = _gather(fill.room, f"before{attempt}", self.process, bad)
+            fill.failed.update(k for found in bad.values() for k in found)
+            if _drop(reports, plan.step, bad):
                 continue   # some copy the plan reads is bad: plan again without it
-            found = fill.run(plan, reports, copy)
+            found = fill.run(plan, reports, copy, again=todo is not wanted)
             left_out = _gather(fill.room, f"after{attempt}", self.process, found)
+            fill.failed.update(k for found in left_out.values() for k in found)
             if not _drop(reports, plan.step, left_out):
                 return plan
             todo, allowed = _redo(todo, left_out), {plan.step}   # those regions again, from the next source
@@ -236,18 +243,20 @@ class _Fill:
         self.outputs_of, self.verify, self.room = outputs_of, verify, room
         self.leaves = [k for k, _ in tree_lib.flatten(target)[0]]
         self.read_local = self.read_persistent = self.received = self.peer_regions = self.persistent_regions = 0
+        self.failed: set[str] = set()   # key paths of which a local copy failed its check (for messages)
         self.restart()
 
     def restart(self):
         """Forget the buffers filled so far (the restore goes on at another step); the counts stay."""
         self.step = self.treedef = self.outputs = self.described = None
 
-    def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None) -> dict:
+    def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
         """Fill the regions ``plan`` routes (every process together): the local pass (if any region
         is read from a local copy: its own regions checked as read), then the persistent pass (if a
-        region needs it). ``reports``: what each process holds (who shares the step's manifest with
-        the processes without a copy). Returns {key path: [region]} of the own regions this process
-        read that failed their check (left out)."""
+        region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
+        its check are not taken unchecked from the root either). ``reports``: what each process holds
+        (who shares the step's manifest with the processes without a copy). Returns {key path: [region]}
+        of the own regions this process read that failed their check (left out)."""
         if plan.step != self.step:
             self.restart()
             self.step = plan.step
@@ -256,7 +265,7 @@ class _Fill:
         if any(r.own or r.kind == tiers_plan.PEER for regions in plan.routes.values() for r in regions.values()):
             self._local(plan, by_leaf, reports, copy, check)
         if plan.regions(tiers_plan.PERSISTENT):
-            self._persistent(plan, by_leaf)
+            self._persistent(plan, by_leaf, self.verify or again)
         self.peer_regions += plan.regions(tiers_plan.PEER)
         self.persistent_regions += plan.regions(tiers_plan.PERSISTENT)
         return check.bad
@@ -276,13 +285,12 @@ class _Fill:
         read, received = restore._pass(reader, self.outputs, display, restore._local_routes(by_leaf), False, check)
         self.read_local, self.received = self.read_local + read, self.received + received
 
-    def _persistent(self, plan, by_leaf: list):
+    def _persistent(self, plan, by_leaf: list, verify: bool):
         restore = self.restore
         opened = open_checkpoint(self.persistent_path(plan.step))
         reader = restore.dispatcher.runner.open_reader(opened.arrays, opened.context)
         treedef, outputs = self.outputs_of(opened.manifest)
-        read, received = restore._pass(reader, outputs, opened.display, restore._persistent_routes(by_leaf),
-                                       self.verify)
+        read, received = restore._pass(reader, outputs, opened.display, restore._persistent_routes(by_leaf), verify)
         self.read_persistent, self.received = self.read_persistent + read, self.received + received
         opened.check_unchanged()
         if self.outputs is None:

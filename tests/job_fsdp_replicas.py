@@ -1,7 +1,7 @@
 """One process of a 4-process x 2-CPU-device pure-FSDP job whose local tier keeps one replica
-(run by tests/test_replicas.py).
+(run by tests/test_tier_lost_hosts.py).
 
-    python replicas_job.py PROCESS PORT ROOT LOCAL MODE
+    python job_fsdp_replicas.py PROCESS PORT ROOT LOCAL MODE
 
 Mesh (fsdp=8): every region of w, m and k is held by one process; s by process 0 alone; b by
 all. ``LocalTier(replicas=1, domains=(0, 0, 1, 1))``: processes 0, 1 share a host, as do 2, 3,
@@ -75,7 +75,7 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 mgr.save(step, state_at(step))
         mgr.wait()
         print(f"local steps {mgr.local.steps()}", flush=True)
-        time.sleep(600)  # killed here (replicas_job's clock mode ends here)
+        time.sleep(600)  # killed here (job_fsdp_replicas's clock mode ends here)
     if mode == "train":
         for step in range(10):
             print(f"step {step}", flush=True)

@@ -1,8 +1,8 @@
-"""One process of a 2-process x 1-CPU-device job (run by tests/test_tiers_interplay.py): local saves
+"""One process of a 2-process x 1-CPU-device job (run by tests/test_tier_retention.py): local saves
 every 2 steps, kept by ``LocalTier(keep_policy=EveryNSeconds(100))``, each process's commit times 2 s
 apart (process 0's clock 1 s behind, process 1's 1 s ahead: one save a little slower than the other).
 
-    python tiers_interplay_job.py PROCESS PORT ROOT LOCAL
+    python job_local_retention.py PROCESS PORT ROOT LOCAL
 
 Prints ``local steps [...]`` once steps 0..13 are saved (or ``refused: ...`` where the manager refuses the
 tier: a build that refuses a clock-reading local keep policy in a multi-process job)."""

@@ -1,6 +1,6 @@
 """One process of a multi-process CheckpointManager job (run by tests/test_manager_multiprocess.py).
 
-    python manager_job.py PROCESS_ID NUM_PROCESSES PORT ROOT STEPS CLOCK_SKEW
+    python job_preemption.py PROCESS_ID NUM_PROCESSES PORT ROOT STEPS CLOCK_SKEW
 
 Trains a toy state (a global array over one CPU device per process) with a save policy that
 reads the clock (every 0.5 s, this process's clock skewed by CLOCK_SKEW seconds) and

@@ -1,6 +1,6 @@
-"""One process of a 4-process x 2-CPU-device job with a local tier (run by tests/test_tiers.py).
+"""One process of a 4-process x 2-CPU-device job with a local tier (run by the local tier's multi-process tests).
 
-    python tiers_job.py PROCESS PORT ROOT LOCAL MODE
+    python job_local_tier.py PROCESS PORT ROOT LOCAL MODE
 
 Mesh (data=2, fsdp=4): process p holds fsdp regions 2(p % 2), 2(p % 2) + 1, so processes
 {0, 2} and {1, 3} hold the same regions. The state is a deterministic function of the step.

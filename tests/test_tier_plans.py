@@ -1,23 +1,16 @@
-"""The local tier's restore planner on plain data (no devices, no IO): which step, and where each
-region of it comes from."""
+"""The local tier's pure planners on plain data (no devices, no IO): which step a restore takes and
+where each region of it comes from, which steps are whole, where replicas go and which leaves need
+them, and how leaves travel in rows."""
 
-from dispatch_io.manager.tiers.plan import PEER, PERSISTENT, Route, TierPlan, as_regions, plan_restore
+import pytest
 
-# A leaf of 4 regions over (data=2, fsdp=4) on 4 processes: regions 0, 1 held by {0, 2}; 2, 3 by {1, 3}.
-R = [((i * 16, i * 16 + 16), (0, 16)) for i in range(4)]
-WANTED = {"['w']": {R[0]: (0, 2), R[1]: (0, 2), R[2]: (1, 3), R[3]: (1, 3)},
-          "['b']": {((0, 32),): (0, 1, 2, 3)}}
-
-
-def held(process):
-    """What ``process`` holds of WANTED (as a local step records it)."""
-    own = [list(map(list, r)) for r, holders in WANTED["['w']"].items() if process in holders]
-    return as_regions({"['w']": own, "['b']": [[[0, 32]]]})
+from conftest import R, WANTED, held
+from dispatch_io.manager.tiers import plan as tiers_plan, replica_plan
+from dispatch_io.manager.tiers.plan import PEER, PERSISTENT, Route, TierPlan, plan_restore
 
 
 def reports(steps_of):
     return {p: {s: held(p) for s in steps} for p, steps in steps_of.items()}
-
 
 def test_every_holder_with_its_own_copy_reads_it_and_nothing_travels():
     plan = plan_restore(WANTED, reports({p: [2, 4] for p in range(4)}), persistent_steps=[0])
@@ -107,3 +100,58 @@ def test_a_target_on_another_mesh_is_cut_from_the_copies_that_make_it_up():
     one = {p: {8: {"['w']": {R[0]} if p == 0 else set()}} for p in range(4)}
     assert plan_restore({"['w']": {W[0]: (0,)}}, one, []) is None          # R[1] kept nowhere
     assert plan_restore({"['w']": {W[0]: (0,)}}, one, [6]).routes["['w']"][W[0]].kind == PERSISTENT
+
+
+def test_whole_steps_are_those_every_region_of_which_some_process_holds():
+    half = lambda lo, hi: {"held": {"w": [[[lo, hi], [0, 4]]]}, "shapes": {"w": [8, 4]}}  # noqa: E731
+    reports = {0: {5: half(0, 4), 7: half(0, 4), 9: half(0, 4)}, 1: {5: half(4, 8), 9: {"held": {}}},
+               2: {7: {"held": {"w": [[[4, 6], [0, 4]], [[6, 8], [0, 4]]]}}}}   # 7: regions of two meshes
+    assert tiers_plan.whole_steps(reports, [3]) == {3: "persisted", 5: "local", 7: "local"}
+    assert tiers_plan.whole_steps({0: {4: {"held": {"w": [[[0, 8], [0, 4]]]}}}}, []) == {}   # no shapes recorded
+    assert tiers_plan.whole_steps({0: {4: {**half(0, 8), "shapes": {"w": ["8", 4]}}}}, [1]) == {1: "persisted"}
+    copied = {p: {4: {**half(0, 8), "copies": n}} for p, n in ((0, 2), (1, 3))}   # the fewest copies recorded
+    assert tiers_plan.whole_steps(copied, []) == {4: "replicated 2"}
+
+
+@pytest.mark.parametrize("domains, expected", [
+    ((0, 0, 1, 1), [(2, 3, 0, 1)]),                       # the other host
+    (("a", "b", "a", "b"), [(1, 0, 3, 2)]),               # domains interleaved by process index
+    ((0, 1, 2, 3), [(1, 2, 3, 0)]),                       # one process per host: the next one
+    ((7, 7, 7, 7), [(1, 2, 3, 0)]),                       # one host: another process at least
+])
+def test_replica_orders_put_each_copy_in_another_domain(domains, expected):
+    assert replica_plan.replica_orders(domains, 1) == expected
+
+
+def test_replica_orders_for_two_replicas_use_distinct_processes_and_refuse_too_few():
+    orders = replica_plan.replica_orders((0, 0, 1, 1, 2, 2), 2)
+    for p in range(6):
+        places = {p} | {order[p] for order in orders}
+        assert len(places) == 3 and len({(0, 0, 1, 1, 2, 2)[q] for q in places}) == 3, orders
+    with pytest.raises(ValueError, match="replicas=2.*3 processes.*has 2"):
+        replica_plan.replica_orders((0, 1), 2)
+
+
+def test_replicas_needed_counts_data_parallel_replicas():
+    orders = replica_plan.replica_orders((0, 0, 1, 1), 1)
+    assert replica_plan.replicas_needed([{0, 2}, {1, 3}], orders, 1) == 0      # data=2: already two holders
+    assert replica_plan.replicas_needed([{0}, {1}, {2}, {3}], orders, 1) == 1  # pure FSDP: one copy each
+    assert replica_plan.replicas_needed([{0, 1, 2, 3}], orders, 1) == 0        # replicated everywhere
+    # A region whose only holders are swapped by the order gains nothing from it: reported, not hidden.
+    assert replica_plan.replicas_needed([{0, 2}], orders, 2) == 1
+
+
+def test_leaves_travel_in_rows_of_one_dtype_within_the_row_budget():
+    """``replicas._groups``: one group per dtype while the row fits; a larger leaf travels alone."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dispatch_io.manager.tiers.replicas import _groups
+
+    def leaf(name, dtype, width):
+        return SimpleNamespace(keypath=name, data=SimpleNamespace(dtype=np.dtype(dtype)), width=width)
+
+    leaves = [leaf("a", "f4", 10), leaf("b", "i4", 10), leaf("c", "f4", 10), leaf("d", "f4", 100), leaf("e", "f4", 1)]
+    assert [[x.keypath for x in g] for g in _groups(leaves, row_bytes=80)] == [["a", "c"], ["d"], ["e"], ["b"]]
+    assert [[x.keypath for x in g] for g in _groups(leaves, row_bytes=1 << 20)] == [["a", "c", "d", "e"], ["b"]]

@@ -1,9 +1,9 @@
-"""One process of a 4-process x 2-CPU-device job (run by tests/test_replicas_edges.py) whose data
+"""One process of a 4-process x 2-CPU-device job (run by tests/test_tier_lost_hosts.py) whose data
 parallelism stays within a host: hosts ``domains=(0, 0, 1, 1)``; mesh (fsdp=2, data=2, model=2)
 laid out host, process in host, device in process, so each region of ``w`` (sharded over fsdp and
 model, replicated over data) is held by the two processes of one host.
 
-    python replicas_edges_job.py PROCESS PORT ROOT LOCAL MODE
+    python job_replicas_in_one_host.py PROCESS PORT ROOT LOCAL MODE
 
 MODE ``save``: one local save (step 2) with ``LocalTier(replicas=1, domains=(0, 0, 1, 1))``;
 prints ``saved 2 copies C domains D``. MODE ``resume``: restores through the tiers and prints
