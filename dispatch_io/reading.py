@@ -30,21 +30,23 @@ from dispatch_io.errors import CheckpointError, CorruptCheckpointError, WorkerEr
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.progress import Progress
 from dispatch_io.restore import DEVICE, HOST, Output, finish, output_regions
-from workers import ReadItem, Region, brief_error, numpy_dtype
+from workers import ChunkError, ReadItem, Region, brief_error, numpy_dtype
 
 EAGER_CHUNKS = 1 << 16   # a verify of more chunks makes its batches as it reads (exact progress below)
 
 
 def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futures.Future],
               consume: Callable[[list, object], None], size: Callable[[list], int], progress: Progress,
-              phase: str, failure: Callable[[BaseException, list], BaseException], totals: tuple | None = None):
+              phase: str, failure: Callable[[BaseException, list], BaseException], totals: tuple | None = None,
+              again: Callable[[BaseException, list], object] | None = None):
     """Run ``batches`` through ``submit`` (a future per batch), at most two in flight, and hand
     each batch's result to ``consume`` in order; count each on ``progress`` (as ``phase``).
 
     Raises ``failure(exc, batch)`` (chained to ``exc``) for the first batch that fails, and
     what ``consume`` raises as it is, once nothing submitted is still running. ``batches`` may
     be an iterator (made as it is consumed) where ``totals`` gives (batches, bytes) for the
-    progress ahead."""
+    progress ahead. ``again(exc, batch)``, if given, is asked first for a failed batch's result
+    another way (consumed in its place); what it raises is the batch's failure."""
     if totals is None:
         batches = list(batches)
         totals = len(batches), sum(map(size, batches))
@@ -61,7 +63,12 @@ def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futur
             return
         batch, future = in_flight.popleft()
         try:
-            result = future.result()
+            try:
+                result = future.result()
+            except Exception as exc:  # noqa: BLE001 - raised below unless ``again`` gets the result
+                if again is None:
+                    raise
+                result = again(exc, batch)
         except Exception as exc:  # noqa: BLE001 - each caller says what a failed batch means
             concurrent.futures.wait([f for _, f in in_flight])
             raise failure(exc, batch) from exc
@@ -135,7 +142,10 @@ def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, b
     (host arrays, or arrays on a colocated CPU device), batches of at most ``batch_limit``
     bytes, two in flight; counted on ``progress`` as ``read``. ``on_batch(bytes read so far)``
     is called after each batch. ``check(out, region, array)``, if given, sees each region as it is
-    read: one it says False to is left out (its buffer is not kept).
+    read: one it says False to is left out (its buffer is not kept). With ``check``, a region that
+    cannot be read is left out too, not the whole read failed: where a batch fails with a
+    ``ChunkError``, its regions are read again one by one (:func:`each_alone`), and one whose own read
+    fails with a ``ChunkError`` is shown to ``check`` with that error as its ``array``.
 
     ``place``: every device result is put on its devices (:func:`finish`) as soon as its last
     region is read -- the host-to-device transfers of one batch run while the next batch is
@@ -151,7 +161,7 @@ def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, b
         placed = []
         for (out, region, item), array in zip(batch, arrays):
             done += item.nbytes
-            if check is not None and not check(out, region, array):
+            if check is not None and (not check(out, region, array) or isinstance(array, ChunkError)):
                 continue
             out.buffers[region] = array
             if out.whole or (place and out.where == DEVICE and len(out.buffers) == len(out.regions)):
@@ -162,7 +172,26 @@ def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, b
 
     pipelined(batches, lambda batch: reader.read([item for _, _, item in batch]), consume,
               lambda batch: sum(item.nbytes for _, _, item in batch), progress, "read",
-              lambda exc, batch: read_failure(exc, batch[0][2].keypath, progress.path))
+              lambda exc, batch: read_failure(exc, batch[0][2].keypath, progress.path),
+              again=None if check is None else lambda exc, batch: each_alone(reader, [i for _, _, i in batch], exc))
+
+
+def each_alone(reader, items: list, exc: BaseException) -> list:
+    """The result of a read of ``items`` that failed with ``exc``, each item read again alone: its
+    array, or the ``ChunkError`` its own read failed with (the region cannot be read: a chunk lost or
+    damaged). Raises ``exc`` if it is no ``ChunkError``, and what a read alone fails with otherwise
+    (once every read alone has ended)."""
+    if not isinstance(exc, ChunkError):
+        raise exc
+    futures = [reader.read([item]) for item in items]
+    concurrent.futures.wait(futures)
+    found = []
+    for future in futures:
+        error = future.exception()
+        if error is not None and not isinstance(error, ChunkError):
+            raise error
+        found.append(error or future.result()[0])
+    return found
 
 
 def read_failure(exc: BaseException, keypath: str, display: str) -> WorkerError:

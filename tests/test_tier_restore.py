@@ -469,9 +469,6 @@ def test_a_region_bad_in_every_source_is_an_error_not_silently_wrong(tmp_path, m
                 mgr.restore(step, target)
 
 
-@pytest.mark.xfail(strict=True, reason="a region of this process's own local copy that cannot be read (a chunk "
-                   "file lost) fails the whole restore with WorkerError; only CRC-32C mismatches (ReadCheck) and "
-                   "copies read for others (LocalCopy.bad) fall back to the next source")
 def test_a_local_copy_missing_a_chunk_file_falls_back_like_a_corrupt_one(tmp_path, mesh):
     """Local step 6 (local only) loses one chunk file of its own region (a partly wiped RAM disk); step 4
     is persisted. As for a chunk that fails its CRC-32C, restore(None, target) must not use that copy:

@@ -6,8 +6,8 @@ A restore through the tiers checks:
 * **its own regions as it reads them** (:class:`ReadCheck`, called by ``reading.read_regions`` for each
   region read): a local save chunks each region within its bounds, so once a region is in memory so is
   every chunk of it, and its CRC-32C is computed there -- nothing is read twice. A region with a bad
-  chunk is not used: the restore gets that region alone from the next source (a peer's copy, then the
-  root);
+  chunk, or one that cannot be read (a chunk file lost from a partly wiped RAM disk), is not used: the
+  restore gets that region alone from the next source (a peer's copy, then the root);
 * **before the read**, what it cannot check that way (:func:`before_read`, :meth:`LocalCopy.bad`): the
   copies it reads for other processes (they leave in rows before anyone could check them), and own
   regions whose chunks cross the region's bounds or are converted as read (``cast=True``).
@@ -26,7 +26,7 @@ from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io.progress import Progress
-from workers import crc32c, numpy_dtype
+from workers import ChunkError, crc32c, numpy_dtype
 
 
 def checkable(out: restore_lib.Output, region) -> bool:
@@ -43,14 +43,17 @@ def checkable(out: restore_lib.Output, region) -> bool:
 class ReadCheck:
     """``check(out, region, array)`` for ``reading.read_regions``: True if every stored chunk of the
     region just read (``array``: its buffer) matches its CRC-32C (or the region is one
-    :func:`before_read` checked); else the region is recorded in :attr:`bad` ({key path: [region]}),
-    logged, and False (the read leaves it out)."""
+    :func:`before_read` checked); else -- or if it could not be read (``array``: the ``ChunkError``
+    its read failed with) -- the region is recorded in :attr:`bad` ({key path: [region]}), logged,
+    and False (the read leaves it out)."""
 
     def __init__(self, display: str, copy: "LocalCopy | None"):
         self.display, self.copy = display, copy
         self.bad: dict[str, list] = {}
 
     def __call__(self, out: restore_lib.Output, region, array) -> bool:
+        if isinstance(array, ChunkError):
+            return self._leave_out(out, region, f"{self.display}: cannot read {array}")
         if not checkable(out, region):
             return True
         data, bounds, wrong = np.asarray(array), out.stored_bounds(region), []
@@ -63,8 +66,10 @@ class ReadCheck:
             if self.copy is not None:  # checked: a later plan reading it for others need not read it again
                 self.copy.checked.add((out.saved.keypath, region))
             return True
-        logging.warning("dispatch_io: a region of the local copy is not used: %s",
-                        reading.mismatches(self.display, wrong))
+        return self._leave_out(out, region, reading.mismatches(self.display, wrong))
+
+    def _leave_out(self, out: restore_lib.Output, region, problem) -> bool:
+        logging.warning("dispatch_io: a region of the local copy is not used: %s", problem)
         self.bad.setdefault(out.saved.keypath, []).append([list(b) for b in region])
         return False
 
