@@ -172,13 +172,11 @@ def test_the_command_line_exports_to_an_object_store(source, store_prefix):
     assert cli.main(["verify", f"{store_prefix}/orbax"]) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="an Orbax export to an object store killed before its _METADATA leaves "
-                   "OCDBT files that overwrite=True refuses to replace ('not a checkpoint this export writes'); "
-                   "a local export leaves only a hidden temporary sibling")
 def test_an_orbax_export_killed_before_its_commit_is_replaced_by_the_next(source, store_prefix, monkeypatch):
     """A killed export (simulated: the write of _METADATA fails and nothing is cleaned up, as after a
     SIGKILL) leaves the arrays' files at the prefix and no commit file: no reader sees a checkpoint
-    there, and an export again with overwrite=True must replace them."""
+    there, and an export again with overwrite=True must replace them (its marker, written first,
+    says they are an export's). A prefix of foreign objects is still refused and left as it was."""
     url = f"{store_prefix}/item"
     write, abort = exporting.ObjectOutput.write, exporting.ObjectOutput.abort
 
@@ -191,8 +189,15 @@ def test_an_orbax_export_killed_before_its_commit_is_replaced_by_the_next(source
     with dio.LocalDispatcher(host_memory_budget=256 * KiB) as d:
         with pytest.raises(dio.CheckpointError, match="injected"):
             d.convert(source, url, to="orbax")
-        assert keys(url) and "_METADATA" not in keys(url)
+        assert exporting.IN_PROGRESS in keys(url) and "_METADATA" not in keys(url)
         monkeypatch.setattr(exporting.ObjectOutput, "write", write)
         monkeypatch.setattr(exporting.ObjectOutput, "abort", abort)
         d.convert(source, url, to="orbax", overwrite=True)
         assert_trees_bit_equal(d.restore(url), d.restore(source))
+        assert exporting.IN_PROGRESS not in keys(url) and "commit_success.txt" in keys(url)
+
+        foreign = f"{store_prefix}/foreign"
+        ts.KvStore.open(kvstore_spec(foreign)).result().write("notes.txt", b"mine").result()
+        with pytest.raises(ValueError, match="not a checkpoint this export writes"):
+            d.convert(source, foreign, to="orbax", overwrite=True)
+        assert keys(foreign) == ["notes.txt"]

@@ -6,9 +6,10 @@ An export is a stream: every leaf of the source is read in pieces of whole leadi
 batch read while the previous one is written, so host memory stays within the budget however
 large the leaves. A local output is written into a temporary sibling of the destination and
 renamed into place only once complete (:class:`LocalOutput`); an object-store prefix has no rename,
-so its files are written where they belong and the export is committed by the one file its
-readers look for first, written last (:class:`ObjectOutput`). A failure leaves nothing at the
-destination either way.
+so its files are written where they belong, between a marker written first and removed last
+(:data:`IN_PROGRESS`), and the export is committed by the one file its readers look for first,
+written last (:class:`ObjectOutput`). A failure leaves nothing at the destination either way; a
+killed export leaves its marker, which lets the next export replace what it left.
 """
 
 from __future__ import annotations
@@ -193,30 +194,54 @@ class LocalOutput:
         _remove(self.tmp)
 
 
+# An export to an object store writes this object first and deletes it last: while it is there,
+# everything under the prefix is that export's (begun on an empty or replaceable prefix), so an
+# export killed before its commit leaves a prefix that the next one may replace.
+IN_PROGRESS = ".dispatch_io-export-in-progress"
+_IN_PROGRESS_TEXT = b"dispatch_io: an export in progress; everything under this prefix is its own\n"
+
+
+def in_progress(folder: Folder) -> bool:
+    """Whether ``folder`` holds the :data:`IN_PROGRESS` marker of an export (one not committed):
+    an object of that name and of its text (a larger one is not it)."""
+    if not folder.is_file(IN_PROGRESS):
+        return False
+    try:
+        return folder.read(IN_PROGRESS, len(_IN_PROGRESS_TEXT)) == _IN_PROGRESS_TEXT
+    except ValueError:   # larger than the marker's text: an object of the user's
+        return False
+
+
 class ObjectOutput:
     """An export to the object-store prefix ``dst`` (``s3://``, ``gs://``): files are whole
     objects written at their final keys (:meth:`write`, or TensorStore through :meth:`kvstore`),
     and :meth:`commit` writes the commit files last -- the ones a reader looks for first -- so a
     reader sees the export whole or not at all.
 
-    Raises FileExistsError if anything is under ``dst`` and not ``overwrite``; ValueError unless
-    ``replaceable(folder)`` says what is there is an export's. A replaced export loses its
-    ``unlist`` files first (it is no longer seen), then everything under ``dst``. :meth:`abort`
-    removes everything under ``dst`` (by then, only what this export wrote)."""
+    The :data:`IN_PROGRESS` marker is written first and deleted last (after the commit files, or
+    after everything else on :meth:`abort`), so a prefix is never left without it while it holds
+    an uncommitted export's files. Raises FileExistsError if anything is under ``dst`` and not
+    ``overwrite``; ValueError unless what is there is an uncommitted export (its marker) or
+    ``replaceable(folder)`` says it is an export's. A replaced export loses its ``unlist`` files
+    first (it is no longer seen), then everything under ``dst``. :meth:`abort` removes everything
+    under ``dst`` (by then, only what this export wrote)."""
 
     def __init__(self, dst: str, overwrite: bool, replaceable: Callable[[Folder], bool], unlist: tuple[str, ...]):
         self.location: KvLocation = Location.parse(dst)
         self.display = self.location.display
         self.kv = self.location.open_kv()
         held = Folder.open(dst)
-        if held.exists():
+        replacing = held.exists()
+        if replacing:
             if not overwrite:
                 raise FileExistsError(f"{dst} exists (pass overwrite=True to replace it)")
-            if not replaceable(held):
+            if not (in_progress(held) or replaceable(held)):
                 raise ValueError(f"{dst} holds files that are not a checkpoint this export writes: it is not replaced")
+        self.write(IN_PROGRESS, _IN_PROGRESS_TEXT)   # before anything is deleted: a kill from here on is replaceable
+        if replacing:
             for name in unlist:
-                self.location.wait(self.kv.write(name, None), f"delete {name}")
-            self.abort()
+                self._delete(name)
+            self._clear()
 
     def kvstore(self, sub: str = "") -> dict:
         """The kvstore spec of ``sub`` (``""`` or ending in ``/``) under the destination."""
@@ -226,12 +251,23 @@ class ObjectOutput:
         self.location.wait(self.kv.write(name, data), f"write {name}")
 
     def commit(self, files: list[tuple[str, bytes]]):
-        """Write ``files`` (name, bytes), in order, last: the export is then visible."""
+        """Write ``files`` (name, bytes), in order, last: the export is then visible; then delete
+        the :data:`IN_PROGRESS` marker (an export always commits, if with no files)."""
         for name, data in files:
             self.write(name, data)
+        self._delete(IN_PROGRESS)
 
     def abort(self):
-        self.location.wait(self.kv.delete_range(ts.KvStore.KeyRange()), "delete what was written")
+        self._clear()
+        self._delete(IN_PROGRESS)
+
+    def _delete(self, name: str):
+        self.location.wait(self.kv.write(name, None), f"delete {name}")
+
+    def _clear(self):
+        """Delete everything under the destination but the :data:`IN_PROGRESS` marker."""
+        for keys in (ts.KvStore.KeyRange("", IN_PROGRESS), ts.KvStore.KeyRange(IN_PROGRESS + "\0")):
+            self.location.wait(self.kv.delete_range(keys), "delete what was written")
 
 
 def is_local(dst) -> bool:

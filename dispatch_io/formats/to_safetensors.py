@@ -160,8 +160,8 @@ def export(session, source, dst, *, overwrite: bool, names, skip: bool, max_shar
                 with open(os.path.join(output.tmp, INDEX), "wb") as f:
                     f.write(index)
             output.commit()
-        elif index is not None:
-            output.commit([(INDEX, index)])   # the shards are all written: the index makes them a set
+        else:   # the shards are all written: the index makes them a set (one shard: it is whole already)
+            output.commit([] if index is None else [(INDEX, index)])
     except BaseException:
         output.abort()
         raise
