@@ -68,7 +68,7 @@ def test_safetensors_export_to_an_object_store_is_sharded_within_the_budget_and_
         stats = d.convert(source, url, to="safetensors")
         assert len(stats.files) == 9 and stats.files[-1] == "model.safetensors.index.json", stats.files
         assert keys(url) == sorted(stats.files)
-        expected = dio.LocalDispatcher().restore(source)
+        expected = d.restore(source)
         assert_trees_bit_equal(d.restore(url), by_name(expected))
         download(url, tmp_path / "hf")
         tensors = {}

@@ -268,6 +268,7 @@ def test_resource_use_is_flat_across_saves(tmp_path, dispatcher_cls):
 def test_close_waits_for_saves_in_flight_then_refuses_new_work(tmp_path, mesh, dispatcher_cls):
     tree = {"w": put(mesh, np.arange(64 * 64, dtype=np.float32).reshape(64, 64), "data", "model"), "step": 1}
     gate = threading.Event()
+    before = set(threading.enumerate())   # another test's leftovers are not this dispatcher's
     d = dispatcher_cls(host_memory_budget=16 * KiB)
     handle = d.save(tmp_path / "ckpt", tree, priority=lambda k, s: dio.Priority.LOW,
                     on_transfer_end=lambda k: gate.wait(TIMEOUT))
@@ -280,7 +281,7 @@ def test_close_waits_for_saves_in_flight_then_refuses_new_work(tmp_path, mesh, d
     assert not closer.is_alive() and handle.done()
     handle.wait(0)
     assert d._ring._buffer is None                      # staging freed
-    assert not any(t.name.startswith("dispatch_io") for t in threading.enumerate())
+    assert not any(t.name.startswith("dispatch_io") for t in set(threading.enumerate()) - before)
     with pytest.raises(RuntimeError, match="after close"):
         d.save(tmp_path / "later", tree)
     with pytest.raises(RuntimeError, match="after close"):
