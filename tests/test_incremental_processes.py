@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from test_manager_multiprocess import LIMIT, _port
+from conftest import free_port
+from test_manager_multiprocess import LIMIT
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "incremental_job.py")
 
@@ -15,7 +16,7 @@ JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "incremental_job.
 def test_two_processes_each_decide_for_their_chunks(tmp_path):
     root = tmp_path / "root"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-    port = _port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, JOB, str(i), "2", str(port), str(root)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = []
