@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import os
 import threading
 import weakref
 
@@ -35,6 +34,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.sources import Sources
 from dispatch_io.staging import aligned
 from dispatch_io.storage import COMMITTED, STEP, Location, StepRoot
+from workers import host_cpus
 
 FILE = "incremental/p{}.json"
 
@@ -204,7 +204,7 @@ def _digests(plan, leaves: list, wanted: list[int], cache: DigestCache, how) -> 
         return [(i, cache.get(leaves[plan.chunks[i].leaf], (plan.chunks[i].region, how.__name__),
                               lambda i=i: _digest(sources, plan.chunks[i], how))) for i in share]
 
-    threads = max(1, min(8, os.cpu_count() or 1, len(wanted)))
+    threads = max(1, min(8, host_cpus(), len(wanted)))
     if threads == 1:
         return dict(run(wanted))
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dispatch_io-digest") as pool:
