@@ -27,7 +27,7 @@ import re
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.errors import CheckpointError
 from dispatch_io.validate import malformed
-from workers import numpy_dtype
+from workers import brief_error, numpy_dtype
 from dispatch_io.storage import MANIFEST, Location, Marker
 
 REFERENCES = "references"
@@ -155,7 +155,7 @@ def resolve(manifest, doc: dict, location: Location):
             origin_doc = read_doc(origin, origin.display) if found == commit else None
             origin_manifest = manifest_lib.parse(origin_doc, origin.display) if origin_doc else None
         except (CheckpointError, OSError, ValueError) as exc:
-            raise malformed(where, f"references step {step}, which cannot be read: {type(exc).__name__}: {exc}") from exc
+            raise malformed(where, f"references step {step}, which cannot be read: {type(exc).__name__}: {brief_error(exc)}") from exc
         if origin_manifest is None:
             raise malformed(where, f"references step {step} (commit {commit}), which is missing"
                               f"{'' if found is None else ' (another save is there)'}")

@@ -24,6 +24,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.manager.info import StepInfo, metric
 from dispatch_io.storage import COMMITTED, MANIFEST, MAX_MANIFEST_BYTES
 from dispatch_io.storage.folders import Folder
+from workers import brief_error
 
 _GRAIN_FILE = re.compile(r"process_([0-9]+)-of-([0-9]+)\.json")
 _METRICS = "metrics"   # the item Orbax's manager stores a step's metrics in (a JSON item)
@@ -50,7 +51,7 @@ def _step_metadata(step: Folder) -> dict:
     try:
         found = orbax.read_json(step, orbax.STEP_METADATA)
     except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{step.display}: Orbax's {orbax.STEP_METADATA} cannot be read ({exc})") from None
+        raise CheckpointError(f"{step.display}: Orbax's {orbax.STEP_METADATA} cannot be read ({brief_error(exc)})") from None
     if not isinstance(found, dict):
         raise CheckpointError(f"{step.display}: Orbax's {orbax.STEP_METADATA} is not a JSON object "
                               "(malformed checkpoint)")
@@ -104,7 +105,7 @@ def item(path: str, name: str, process: int, processes: int):
         try:
             return orbax.read_json(folder, _json_file(folder))
         except (OSError, ValueError, RecursionError) as exc:
-            raise CheckpointError(f"{where}: the JSON item cannot be read ({exc})") from None
+            raise CheckpointError(f"{where}: the JSON item cannot be read ({brief_error(exc)})") from None
     if kind == "grain":
         counts = {int(m.group(2)) for m in map(_GRAIN_FILE.fullmatch, folder.names()) if m}
         if counts != {processes}:
@@ -113,7 +114,7 @@ def item(path: str, name: str, process: int, processes: int):
         try:
             return folder.read(f"process_{process}-of-{processes}.json", MAX_MANIFEST_BYTES)
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{where}: process {process}'s Grain state cannot be read ({exc})") from None
+            raise CheckpointError(f"{where}: process {process}'s Grain state cannot be read ({brief_error(exc)})") from None
     raise CheckpointError(f"item {name!r} of {path} is {'a PyTree item: restore(step, item=' + repr(name) + ')' if kind == 'pytree' else f'of a kind dispatch_io does not read ({kind})'}")
 
 
