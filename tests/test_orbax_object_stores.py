@@ -173,3 +173,32 @@ def test_untrusted_orbax_metadata_on_an_object_store_is_bounded(orbax_ckpts, obj
     kv.write("_METADATA", json.dumps(meta).encode()).result()
     with pytest.raises(dio.CorruptCheckpointError, match=r"\['params'\]\['\.\./\.\./escape'\]"):
         dio.metadata(crafted)
+
+
+def test_a_file_grown_after_its_size_was_probed_is_refused(orbax_ckpts, s3_prefix, monkeypatch):
+    """The probe one byte past the bound saw a small file; the file read after it is larger
+    (replaced in between): it is refused by its length, never handed on."""
+    import dispatch_io.formats.orbax as orbax_lib
+    import dispatch_io.storage.folders as folders
+    _, paths = orbax_ckpts
+    url = f"{s3_prefix}/grown"
+    upload(paths["ocdbt-zarr3"], url)
+    size = len(ts.KvStore.open(kvstore_spec(url)).result().read("_METADATA").result().value)
+    monkeypatch.setattr(orbax_lib, "MAX_MANIFEST_BYTES", size - 1)
+    monkeypatch.setattr(folders, "larger_than", lambda kv, key, limit: False)  # as before the replacement
+    with pytest.raises(dio.CorruptCheckpointError, match=f"_METADATA is larger than {size - 1} bytes"):
+        dio.metadata(url)
+
+
+def test_a_listing_with_more_keys_than_the_cap_is_refused(orbax_ckpts, s3_prefix, monkeypatch):
+    """A prefix holding more keys than ``MAX_LISTED_KEYS`` is refused, naming the prefix and the
+    cap; one holding exactly as many is read."""
+    import dispatch_io.storage.folders as folders
+    _, paths = orbax_ckpts
+    url = f"{s3_prefix}/many"
+    keys = upload(paths["ocdbt-zarr3"], url)
+    monkeypatch.setattr(folders, "MAX_LISTED_KEYS", len(keys) - 1)
+    with pytest.raises(dio.CheckpointError, match=f"{url}: {len(keys)} keys .* more than the {len(keys) - 1}"):
+        dio.metadata(url)
+    monkeypatch.setattr(folders, "MAX_LISTED_KEYS", len(keys))
+    assert dio.metadata(url)

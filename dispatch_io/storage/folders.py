@@ -5,7 +5,8 @@ Object stores have no directories: a prefix's "children" are the first path comp
 keys under it. A :class:`KvFolder` lists the keys under the folder it was opened at once (one
 listing, however many questions are asked of it and of its sub-folders) and answers from that.
 Files are read with a bound: one larger than ``limit`` is refused before it is read whole,
-as :func:`~dispatch_io.storage.directory.read_regular` does for local files.
+as :func:`~dispatch_io.storage.directory.read_regular` does for local files, and a listing
+with more than :data:`MAX_LISTED_KEYS` keys is refused.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ import os
 
 import tensorstore as ts
 
+from dispatch_io.errors import CheckpointError
 from dispatch_io.storage import DirectoryLocation, Location
 from dispatch_io.storage.directory import links_outside, read_regular
 from dispatch_io.storage.objectstore import KvLocation, child_spec, larger_than
+
+# The most keys a folder's listing may hold: a zarr3 Orbax checkpoint has a key per chunk (a
+# large model's run: tens of thousands per step); millions under one prefix is not a checkpoint
+# to read, and every question asked of the folder would walk them all.
+MAX_LISTED_KEYS = 1 << 20
 
 
 class Folder:
@@ -60,8 +67,9 @@ class Folder:
 
     def read(self, name: str, limit: int) -> bytes:
         """The bytes of file ``name``. FileNotFoundError if there is none; ValueError if it is
-        not a regular file or holds more than ``limit`` bytes (found before it is read); OSError
-        (a ``CheckpointError`` from an object store) if it cannot be read."""
+        not a regular file or holds more than ``limit`` bytes (found before it is read whole;
+        on an object store, one replaced by a larger file after that is refused once read);
+        OSError (a ``CheckpointError`` from an object store) if it cannot be read."""
         raise NotImplementedError
 
     def stamp(self, name: str):
@@ -131,9 +139,14 @@ class KvFolder(Folder):
         self._keys, self._up = keys, up
 
     def keys(self) -> list[str]:
-        """Every key under the folder, relative to it (listed on first use)."""
+        """Every key under the folder, relative to it (listed on first use). CheckpointError if
+        the store fails or holds more than :data:`MAX_LISTED_KEYS` keys under it."""
         if self._keys is None:
-            self._keys = [k.decode() for k in self.location.wait(self._kv().list(), f"list {self.display}")]
+            listed = self.location.wait(self._kv().list(), f"list {self.display}")
+            if len(listed) > MAX_LISTED_KEYS:
+                raise CheckpointError(f"{self.display}: {len(listed)} keys are stored under it, more than the "
+                                      f"{MAX_LISTED_KEYS} a folder read as a checkpoint may hold")
+            self._keys = [k.decode() for k in listed]
         return self._keys
 
     def child(self, name: str) -> "KvFolder":
@@ -170,11 +183,13 @@ class KvFolder(Folder):
 
     def read(self, name: str, limit: int) -> bytes:
         kv = self._kv()
-        if larger_than(kv, name, limit):
+        if larger_than(kv, name, limit):   # one byte past the bound is asked for, not the whole
             raise ValueError(f"is larger than {limit} bytes")
         result = self.location.wait(kv.read(name), f"read {self.sub}{name}")
         if result.state != "value":
             raise FileNotFoundError(f"{self.display}/{name}: no such file")
+        if len(result.value) > limit:   # replaced by a larger one since the probe
+            raise ValueError(f"is larger than {limit} bytes")
         return bytes(result.value)
 
     def stamp(self, name: str):
