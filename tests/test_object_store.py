@@ -156,6 +156,27 @@ def test_manager_on_object_stores_lists_retains_and_cleans_up(store_prefix, mesh
         assert again.all_steps() == [0, 2, 3, 4] and again.latest_step() == 4
 
 
+def test_all_steps_lists_an_object_store_root_once(s3_server, s3_prefix, mesh, monkeypatch):
+    """One LIST request per ``all_steps()`` (its steps and Orbax's answered from one listing),
+    counted at a proxy in front of moto."""
+    proxy = FaultyProxy(s3_server.port)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        tree = make_tree(mesh)
+        with dio.LocalDispatcher(host_memory_budget=MiB) as d, dio.CheckpointManager(f"{s3_prefix}/run", d) as manager:
+            for step in (1, 2):
+                manager.save(step, tree)
+            manager.wait()
+            with proxy.lock:
+                proxy.requests.clear()
+            assert manager.all_steps() == [1, 2]
+            with proxy.lock:
+                lists = [path for method, path in proxy.requests if method == "GET" and "list-type=" in path]
+            assert len(lists) == 1, lists
+    finally:
+        proxy.stop()
+
+
 def test_concurrent_saves_to_one_prefix_have_exactly_one_winner(store_prefix, mesh):
     """Four saves to one prefix started at once, each with its own dispatcher: the conditional
     writes of the claim and the commit marker (412 on GCS, on S3 ``If-None-Match``) let exactly

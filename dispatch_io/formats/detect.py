@@ -71,8 +71,9 @@ def orbax_item(path) -> Folder | None:
 
 def committed_steps(root: StepRoot) -> list[int]:
     """Every committed step under a manager's ``root`` (a directory or an object-store prefix):
-    dispatch_io's and Orbax's, ascending."""
-    return sorted(set(root.committed_steps()) | set(orbax.committed_steps(Folder.open(root.display))))
+    dispatch_io's and Orbax's, ascending, from one listing of the root."""
+    folder = Folder.open(root.display)
+    return sorted(set(root.committed_steps(folder)) | set(orbax.committed_steps(folder)))
 
 
 def step_path(root: StepRoot, step: int) -> str:

@@ -187,8 +187,11 @@ class StepRoot:
         """The path of ``step``'s checkpoint (for ``Location.parse``)."""
         raise NotImplementedError
 
-    def committed_steps(self) -> list[int]:
-        """Committed dispatch_io checkpoints with step names, ascending."""
+    def committed_steps(self, listed: "Folder | None" = None) -> list[int]:
+        """Committed dispatch_io checkpoints with step names, ascending. ``listed``: this root
+        opened as a :class:`~dispatch_io.storage.folders.Folder`, whose listing is used instead
+        of a listing of its own (on an object store one LIST answers this and a reader of the
+        Orbax steps beside ours)."""
         raise NotImplementedError
 
     def delete(self, step: int):

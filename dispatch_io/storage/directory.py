@@ -309,8 +309,9 @@ class DirectoryRoot(StepRoot):
     def step_path(self, step: int) -> str:
         return os.path.join(self.root, str(step))
 
-    def committed_steps(self) -> list[int]:
-        return sorted(int(name) for name in os.listdir(self.root)
+    def committed_steps(self, listed=None) -> list[int]:
+        names = os.listdir(self.root) if listed is None else listed.names()
+        return sorted(int(name) for name in names
                       if STEP.match(name) and _is_checkpoint(os.path.join(self.root, name)))
 
     def delete(self, step: int):

@@ -323,11 +323,13 @@ class KvRoot(StepRoot):
     def step_path(self, step: int) -> str:
         return f"{self.url}{step}"
 
-    def step_keys(self) -> dict[int, set[str]]:
-        """Every step-named prefix and the keys under it (relative to it), ours or not."""
+    def step_keys(self, listed=None) -> dict[int, set[str]]:
+        """Every step-named prefix and the keys under it (relative to it), ours or not: listed,
+        or from ``listed`` (this root as a :class:`~dispatch_io.storage.folders.KvFolder`)."""
+        keys = [k.decode() for k in self.kv.list().result()] if listed is None else listed.keys()
         steps: dict[int, set[str]] = {}
-        for key in self.kv.list().result():
-            name, _, rest = key.decode().partition("/")
+        for key in keys:
+            name, _, rest = key.partition("/")
             if STEP.match(name) and rest:
                 steps.setdefault(int(name), set()).add(rest)
         return steps
@@ -337,8 +339,8 @@ class KvRoot(StepRoot):
         reads = [self.kv.read(key) for key in keys]  # in flight together
         return [Marker.parse(bytes(r.value) if r.state == "value" else None) for r in (f.result() for f in reads)]
 
-    def committed_steps(self) -> list[int]:
-        candidates = [step for step, keys in self.step_keys().items() if {COMMITTED, MANIFEST} <= keys]
+    def committed_steps(self, listed=None) -> list[int]:
+        candidates = [step for step, keys in self.step_keys(listed).items() if {COMMITTED, MANIFEST} <= keys]
         markers = self._read_all([f"{step}/{COMMITTED}" for step in candidates])
         return sorted(step for step, marker in zip(candidates, markers) if marker.ours)
 
