@@ -21,47 +21,16 @@ import sys
 import time
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io import policies
+from job_states import JobState
 
 process, port, root, local, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
 mesh = jax.make_mesh((8,), ("fsdp",))
-SOLO = NamedSharding(Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("x",)), P("x"))
-SPECS = {"w": ((64, 16), np.float32, P("fsdp", None)), "m": ((16, 64), np.int32, P(None, "fsdp")),
-         "b": ((32,), np.float32, P()), "s": ((8, 4), np.float32, None), "k": ((8, 2), np.uint32, P("fsdp"))}
-
-
-def sharding(spec):
-    return SOLO if spec is None else NamedSharding(mesh, spec)
-
-
-def value(name, step):
-    shape, dtype, _ = SPECS[name]
-    return (np.arange(np.prod(shape)).reshape(shape) * 7 + step * 1000 + len(name)).astype(dtype)
-
-
-def state_at(step):
-    state = {name: jax.make_array_from_callback(shape, sharding(spec), lambda i, n=name: value(n, step)[i],
-                                                dtype=dtype) for name, (shape, dtype, spec) in SPECS.items()}
-    state["k"] = jax.random.wrap_key_data(state["k"], impl="threefry2x32")   # PRNG keys (8,), one per device
-    return state
-
-
-def stored(name, array):
-    return jax.random.key_data(array) if name == "k" else array
-
-
-if mode == "reshard":
-    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
-          for name, (shape, dtype, spec) in SPECS.items() if name != "k"}
-target["k"] = jax.ShapeDtypeStruct((8,), jax.random.key(0, impl="threefry2x32").dtype, sharding=sharding(P("fsdp")))
-if mode == "reshard":
-    mesh = jax.make_mesh((8,), ("fsdp",))   # the state saved is on the training mesh
+STATE = JobState(keys=True)
+target = STATE.target(jax.make_mesh((2, 4), ("data", "fsdp")) if mode == "reshard" else mesh)
 now = [0.0]   # MODE clock: each process's clock, at 10 s a step -- process 1's runs twice as fast
 local_policy = policies.EveryNSeconds(25) if mode == "clock" else policies.EveryNSteps(2)
 tier = dio.LocalTier(local, save_policy=local_policy, replicas=1, domains=(0, 0, 1, 1))
@@ -72,7 +41,7 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
         for step in range(12):
             now[0] = 1e9 + step * (20 if process == 1 else 10)
             if mgr.should_save(step):
-                mgr.save(step, state_at(step))
+                mgr.save(step, STATE.state_at(mesh, step))
         mgr.wait()
         print(f"local steps {mgr.local.steps()}", flush=True)
         time.sleep(600)  # killed here (job_fsdp_replicas's clock mode ends here)
@@ -80,21 +49,19 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
         for step in range(10):
             print(f"step {step}", flush=True)
             if mgr.should_save(step):
-                mgr.save(step, state_at(step))
+                mgr.save(step, STATE.state_at(mesh, step))
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
     restored = mgr.restore(None, target)
     s = mgr.last_tier_restore
-    exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
-                for name, array in restored.items() for shard in stored(name, array).addressable_shards)
+    exact = STATE.exact(restored, s.step)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
           f"received {s.bytes_received}", flush=True)
     if mode == "promote":  # from the copies that survive (replicas included), each chunk by one of them
         written = mgr.promote(s.step).wait().bytes_written
         restored = mgr.restore(s.step, target)
-        exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
-                    for name, array in restored.items() for shard in stored(name, array).addressable_shards)
+        exact = STATE.exact(restored, s.step)
         print(f"promoted {s.step} exact {exact} written {written}", flush=True)
 print("done", flush=True)
 dispatcher.close()

@@ -25,39 +25,15 @@ import sys
 import time
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io import policies
+from job_states import JobState, matches
 
 process, port, root, local, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
 mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-SPECS = {"w": ((64, 16), np.float32, P("fsdp", None)), "m": ((16, 64), np.int32, P(None, "fsdp")),
-         "b": ((32,), np.float32, P()), "s": ((8, 4), np.float32, None)}
-if os.environ.get("DIO_TEST_TIERS_SHARED") == "1":
-    del SPECS["s"]
-
-
-# "s" is held by process 0 alone (on its two devices): no peer has a copy of it.
-SOLO = NamedSharding(jax.sharding.Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("x",)), P("x"))
-
-
-def sharding(spec):
-    return SOLO if spec is None else NamedSharding(mesh, spec)
-
-
-def value(name, step):
-    shape, dtype, _ = SPECS[name]
-    return (np.arange(np.prod(shape)).reshape(shape) * 7 + step * 1000 + len(name)).astype(dtype)
-
-
-def state_at(step):
-    return {name: jax.make_array_from_callback(shape, sharding(spec), lambda i, n=name: value(n, step)[i], dtype=dtype)
-            for name, (shape, dtype, spec) in SPECS.items()}
-
-
+STATE = JobState(solo=os.environ.get("DIO_TEST_TIERS_SHARED") != "1")
 LAST = 12   # loop modes: the last step
 
 
@@ -67,19 +43,18 @@ def update(x, step):
 
 
 train_step = jax.jit(lambda state, step: {k: update(v, step) for k, v in state.items()}, static_argnums=1)
-init = state_at(0)
+init = STATE.state_at(mesh, 0)
 
 
 def trained(last):
     """The state after steps 0..last, uninterrupted, on the host (numpy)."""
-    state = {name: value(name, 0) for name in SPECS}
+    state = {name: STATE.value(name, 0) for name in STATE.specs}
     for step in range(last + 1):
         state = {k: update(v, step) for k, v in state.items()}
     return state
 
 
-target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(spec))
-          for name, (shape, dtype, spec) in SPECS.items()}
+target = STATE.target(mesh)
 tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(3), promote=mode == "die")
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier) as mgr:
@@ -89,7 +64,7 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
             if mgr.should_save(step):
                 dies = mode == "die" and step == 10 and process == 1
                 # SIGKILL from the IO thread, once the first leaf is copied: mid-save, before its commit
-                mgr.save(step, state_at(step), on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None,
+                mgr.save(step, STATE.state_at(mesh, step), on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None,
                          items={"cfg": dio.Json({"step": step})})
                 mgr.wait()
                 print(f"saved {step}", flush=True)
@@ -110,9 +85,7 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
             print(f"step {step}", flush=True)
             if mode == "loop9" and step == 9:
                 time.sleep(600)  # killed here
-        expected = trained(LAST)
-        exact = all(np.asarray(shard.data).tobytes() == expected[name][shard.index].tobytes()
-                    for name, array in state.items() for shard in array.addressable_shards)
+        exact = matches(state, trained(LAST))
         print(f"final {LAST} exact {exact}", flush=True)
     if mode == "stall":  # process 3 never comes to the restore; the others must name it, not hang
         if process == 3:
@@ -127,8 +100,7 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
         for _ in range(2):  # two restores in a row: the same step, the same bytes
             restored = mgr.restore(None, target, verify=True)
             s = mgr.last_tier_restore
-            exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
-                        for name, array in restored.items() for shard in array.addressable_shards)
+            exact = STATE.exact(restored, s.step)
             assert again is None or again == (s, exact), (again, s, exact)
             again = (s, exact)
         print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
@@ -137,8 +109,7 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
         if mode == "promote":  # the step from the local copies to the root, each chunk by one holder
             written = mgr.promote(s.step).wait().bytes_written
             restored = mgr.restore(s.step, target)
-            exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
-                        for name, array in restored.items() for shard in array.addressable_shards)
+            exact = STATE.exact(restored, s.step)
             print(f"promoted {s.step} exact {exact} written {written} cfg {mgr.item(s.step, 'cfg')['step']}", flush=True)
 print("done", flush=True)
 dispatcher.close()
