@@ -13,13 +13,14 @@ at every moment. A failure anywhere stops new copies, waits for writes already h
 
 The driver is given what it works with -- a :class:`SaveJob` (what to save), a runner, a commit
 object (``multihost.commit``), the staging ring, a completion callback -- and never calls back up.
+Its end, once every batch is written (agree, the leader's manifest, commit), is
+:mod:`dispatch_io.save_commit`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import threading
 import time
 from typing import Callable, Mapping
@@ -28,9 +29,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from dispatch_io import collector
-from dispatch_io import manifest as manifest_lib
 from dispatch_io import progress as progress_lib
+from dispatch_io import save_commit as commit_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.batches import Batch, Priority
 from dispatch_io.errors import CheckpointError, WorkerError
@@ -38,8 +38,7 @@ from dispatch_io.plan import Plan
 from dispatch_io.progress import SaveStats
 from dispatch_io.sources import Sources
 from dispatch_io.staging import StagingRing
-from dispatch_io.storage import INFO
-from workers import ChunkError, IOSettings, Region, brief_error, finish_arrays, write_files
+from workers import ChunkError, IOSettings, Region, brief_error, write_files
 
 
 def check_callbacks(**callbacks):
@@ -242,7 +241,7 @@ class SaveRun:
             self._settle(writes)
             self._attach_files()
             t0 = time.perf_counter()
-            self._commit()
+            commit_lib.commit(job, self.commit, self.settings, self._error, self._checksums)
             done = time.perf_counter()
             stats = SaveStats(
                 path=job.display, bytes_written=self._bytes, batches=len(job.batches),
@@ -279,39 +278,6 @@ class SaveRun:
                 write_files(target.kvstore, target.context, dict(files))
             except Exception as exc:  # noqa: BLE001 - fails the save, naming this worker
                 self._fail(self._worker_error(f"writing {', '.join(files)}", exc))
-
-    def _info_files(self) -> dict[str, bytes] | None:
-        """The leader's attached info file, stamped with the commit time."""
-        info = self.job.attachments.info
-        if info is None:
-            return None
-        stamped = {**info, "committed": self.job.attachments.clock(), "arrays": self.commit.target.arrays}
-        return {INFO: json.dumps(stamped, allow_nan=False).encode()}
-
-    def _commit(self):
-        """Agree with the other processes (every one contributes its chunks' checksums); the
-        leader then puts the arrays in their final form (metadata stored, writer databases merged) and writes
-        the manifest that describes them. Raises (after removing the save) if anything failed."""
-        checksums = self.commit.agree(self._error, self._checksums)
-        try:
-            manifest = files = None
-            if self.commit.leader:
-                try:
-                    target = self.commit.target
-                    finish_arrays(target.kvstore, self.settings.layout, self.job.plan.arrays,
-                                  self.settings.compression, target.context)
-                    with collector.paused():
-                        manifest = manifest_lib.build(
-                            self.job.plan, self.job.scalars, checksums, self.settings.layout, arrays=target.arrays,
-                            compression=self.settings.compression,
-                            described=self.job.describe() if self.job.describe else None,
-                            amend=self.job.amend and (lambda doc: self.job.amend(doc, target)))
-                    files = self._info_files()
-                except BaseException as exc:  # noqa: BLE001 - every process must hear of it
-                    self.commit.fail(exc)
-            self.commit.commit(manifest, fsync=self.settings.fsync, files=files)
-        finally:
-            self.commit.end()
 
     def _blocked_seconds(self) -> float:
         """How long save() blocked its caller: measured there once it returned; if the save
