@@ -58,10 +58,8 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
     exact = STATE.exact(restored, s.step)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
           f"received {s.bytes_received}", flush=True)
-    if mode == "promote":  # from the copies that survive (replicas included), each chunk by one of them
-        written = mgr.promote(s.step).wait().bytes_written
-        restored = mgr.restore(s.step, target)
-        exact = STATE.exact(restored, s.step)
+    if mode == "promote":  # from the copies that survive, replicas included
+        written, exact = STATE.promoted(mgr, s.step, target)
         print(f"promoted {s.step} exact {exact} written {written}", flush=True)
 print("done", flush=True)
 dispatcher.close()

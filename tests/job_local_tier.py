@@ -106,10 +106,8 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
         print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
               f"received {s.bytes_received} peer_regions {s.peer_regions} persistent_regions {s.persistent_regions}",
               flush=True)
-        if mode == "promote":  # the step from the local copies to the root, each chunk by one holder
-            written = mgr.promote(s.step).wait().bytes_written
-            restored = mgr.restore(s.step, target)
-            exact = STATE.exact(restored, s.step)
+        if mode == "promote":
+            written, exact = STATE.promoted(mgr, s.step, target)
             print(f"promoted {s.step} exact {exact} written {written} cfg {mgr.item(s.step, 'cfg')['step']}", flush=True)
 print("done", flush=True)
 dispatcher.close()

@@ -58,6 +58,13 @@ class JobState:
         """Whether every shard this process holds of ``restored`` has the bytes of ``step``'s state."""
         return matches(restored, {name: self.value(name, step) for name in self.specs})
 
+    def promoted(self, mgr, step: int, target) -> tuple[int, bool]:
+        """Promote ``step`` (from the local copies that survive, each chunk by one holder) to
+        ``mgr``'s root and restore it from there onto ``target``: (bytes this process wrote,
+        whether what it restored is exact)."""
+        written = mgr.promote(step).wait().bytes_written
+        return written, self.exact(mgr.restore(step, target), step)
+
 
 def sharding(mesh, spec):
     """``spec`` over ``mesh``; None: process 0's devices alone."""
