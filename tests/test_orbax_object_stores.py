@@ -175,19 +175,57 @@ def test_untrusted_orbax_metadata_on_an_object_store_is_bounded(orbax_ckpts, obj
         dio.metadata(crafted)
 
 
-def test_a_file_grown_after_its_size_was_probed_is_refused(orbax_ckpts, s3_prefix, monkeypatch):
-    """The probe one byte past the bound saw a small file; the file read after it is larger
-    (replaced in between): it is refused by its length, never handed on."""
+class ReplacedAfterProbe:
+    """A kvstore (the real one underneath) whose value at ``key`` is replaced by ``bigger`` right
+    after the first read of the byte one past ``limit`` (a bounded read's probe) is answered."""
+
+    def __init__(self, kv, key: str, limit: int, bigger: bytes):
+        self.kv, self.key, self.limit, self.bigger, self.replaced = kv, key, limit, bigger, False
+
+    def read(self, key, byte_range=None, **kwargs):
+        future = self.kv.read(key, byte_range=byte_range, **kwargs)
+        if key == self.key and byte_range == slice(self.limit, self.limit + 1) and not self.replaced:
+            try:
+                future.result()
+            except ValueError:  # out of range: the value held no more than limit bytes
+                pass
+            self.kv.write(key, self.bigger).result()
+            self.replaced = True
+        return future
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+
+@pytest.mark.parametrize("which", ["orbax", "ours"])
+def test_a_file_replaced_by_a_larger_one_after_its_probe_is_refused(orbax_ckpts, s3_prefix, mesh, monkeypatch, which):
+    """Orbax's _METADATA (a KvFolder) and our manifest.json (KvLocation.read_manifest): the probe
+    one byte past the bound finds a small file, which is then replaced by a larger one (valid
+    JSON still): the read refuses it by its length, naming the file and the bound."""
     import dispatch_io.formats.orbax as orbax_lib
-    import dispatch_io.storage.folders as folders
-    _, paths = orbax_ckpts
-    url = f"{s3_prefix}/grown"
-    upload(paths["ocdbt-zarr3"], url)
-    size = len(ts.KvStore.open(kvstore_spec(url)).result().read("_METADATA").result().value)
-    monkeypatch.setattr(orbax_lib, "MAX_MANIFEST_BYTES", size - 1)
-    monkeypatch.setattr(folders, "larger_than", lambda kv, key, limit: False)  # as before the replacement
-    with pytest.raises(dio.CorruptCheckpointError, match=f"_METADATA is larger than {size - 1} bytes"):
+    import dispatch_io.storage.objectstore as objectstore
+    url = f"{s3_prefix}/{which}"
+    if which == "orbax":
+        upload(orbax_ckpts[1]["ocdbt-zarr3"], url)
+        key, module = "_METADATA", orbax_lib
+    else:
+        with dio.LocalDispatcher() as d:
+            d.save(url, {"w": np.arange(64, dtype=np.float32)}).wait()
+        key, module = "manifest.json", objectstore
+    original = bytes(ts.KvStore.open(kvstore_spec(url)).result().read(key).result().value)
+    monkeypatch.setattr(module, "MAX_MANIFEST_BYTES", len(original))
+    probed = []
+    real_open = objectstore.KvLocation.open_kv
+
+    def open_kv(location, sub=""):
+        store = ReplacedAfterProbe(real_open(location, sub), key, len(original), original + b" " * 64)
+        probed.append(store)
+        return store
+
+    monkeypatch.setattr(objectstore.KvLocation, "open_kv", open_kv)
+    with pytest.raises(dio.CorruptCheckpointError, match=f"{key} is larger than {len(original)} bytes"):
         dio.metadata(url)
+    assert any(store.replaced for store in probed)
 
 
 def test_a_listing_with_more_keys_than_the_cap_is_refused(orbax_ckpts, s3_prefix, monkeypatch):

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import tensorstore as ts
 
 from dispatch_io.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from dispatch_io.storage.folders import Folder
 
 # The keys of a checkpoint (relative to its path). ARRAYS is the default folder of the arrays (a
 # manifest names another one when a save wrote its arrays elsewhere).
@@ -187,7 +190,7 @@ class StepRoot:
         """The path of ``step``'s checkpoint (for ``Location.parse``)."""
         raise NotImplementedError
 
-    def committed_steps(self, listed: "Folder | None" = None) -> list[int]:
+    def committed_steps(self, listed: Folder | None = None) -> list[int]:
         """Committed dispatch_io checkpoints with step names, ascending. ``listed``: this root
         opened as a :class:`~dispatch_io.storage.folders.Folder`, whose listing is used instead
         of a listing of its own (on an object store one LIST answers this and a reader of the

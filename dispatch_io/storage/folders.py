@@ -18,7 +18,7 @@ import tensorstore as ts
 from dispatch_io.errors import CheckpointError
 from dispatch_io.storage import DirectoryLocation, Location
 from dispatch_io.storage.directory import links_outside, read_regular
-from dispatch_io.storage.objectstore import KvLocation, child_spec, larger_than
+from dispatch_io.storage.objectstore import KvLocation, child_spec
 
 # The most keys a folder's listing may hold: a zarr3 Orbax checkpoint has a key per chunk (a
 # large model's run: tens of thousands per step); millions under one prefix is not a checkpoint
@@ -182,15 +182,10 @@ class KvFolder(Folder):
         return self.location.open_kv(self.sub)
 
     def read(self, name: str, limit: int) -> bytes:
-        kv = self._kv()
-        if larger_than(kv, name, limit):   # one byte past the bound is asked for, not the whole
-            raise ValueError(f"is larger than {limit} bytes")
-        result = self.location.wait(kv.read(name), f"read {self.sub}{name}")
-        if result.state != "value":
+        data = self.location.read_bounded(name, limit, self.sub)
+        if data is None:
             raise FileNotFoundError(f"{self.display}/{name}: no such file")
-        if len(result.value) > limit:   # replaced by a larger one since the probe
-            raise ValueError(f"is larger than {limit} bytes")
-        return bytes(result.value)
+        return data
 
     def stamp(self, name: str):
         try:  # its first byte: the generation, without the rest

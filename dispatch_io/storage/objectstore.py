@@ -69,15 +69,6 @@ def child_spec(spec: dict, key: str) -> dict:
     return {**spec, "path": spec.get("path", "") + key}
 
 
-def larger_than(kv: ts.KvStore, key: str, limit: int) -> bool:
-    """Whether the value at ``key`` holds more than ``limit`` bytes, told by reading one byte past
-    the bound (never the whole of it). False also where it cannot be read: the read that follows says."""
-    try:
-        return kv.read(key, byte_range=slice(limit, limit + 1)).result().state == "value"
-    except ValueError:  # OUT_OF_RANGE: no larger than that
-        return False
-
-
 def is_own_key(key: str) -> bool:
     """A key (relative to a checkpoint prefix) that a dispatch_io save or delete writes."""
     return key in (MANIFEST, COMMITTED, WRITING, DELETING, INFO) or key.startswith(ARRAYS)
@@ -137,6 +128,24 @@ class KvLocation(Location):
         except ValueError as exc:
             raise CheckpointError(f"{self.display}: could not {what}: {brief_error(exc)}") from exc
 
+    def read_bounded(self, key: str, limit: int, sub: str = "") -> bytes | None:
+        """The value at ``key`` (under ``sub``, ``""`` or ending in ``/``); None if there is none.
+
+        ValueError if it holds more than ``limit`` bytes: one byte past the bound is asked for
+        first, so a larger value is never read whole, and a value replaced by a larger one
+        after that is refused by its length once read. (TensorStore's byte ranges are exact --
+        a range past the end of a shorter value is an error -- so no single ranged read returns
+        a value of unknown length up to the bound.) CheckpointError if the store fails."""
+        kv = self.open_kv(sub)
+        try:
+            larger = kv.read(key, byte_range=slice(limit, limit + 1)).result().state == "value"
+        except ValueError:  # OUT_OF_RANGE: no larger (any other failure: the read below says)
+            larger = False
+        result = None if larger else self.wait(kv.read(key), f"read {sub}{key}")
+        if larger or result.state == "value" and len(result.value) > limit:
+            raise ValueError(f"is larger than {limit} bytes")
+        return bytes(result.value) if result.state == "value" else None
+
     def _get(self, key: str) -> bytes | None:
         result = self.wait(self.open_kv().read(key), f"read {key}")
         return bytes(result.value) if result.state == "value" else None
@@ -168,10 +177,11 @@ class KvLocation(Location):
             raise IncompleteCheckpointError(f"{self.display} holds no committed checkpoint (no {COMMITTED} marker): "
                                             "the save failed, was interrupted, is still running, or this is not a "
                                             "dispatch_io checkpoint")
-        if larger_than(self.open_kv(), MANIFEST, MAX_MANIFEST_BYTES):  # refused before it is read whole
-            raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} is larger than "
-                                         f"{MAX_MANIFEST_BYTES} bytes", path=self.display)
-        manifest = self._get(MANIFEST)
+        try:
+            manifest = self.read_bounded(MANIFEST, MAX_MANIFEST_BYTES)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} {exc}",
+                                         path=self.display) from None
         self.check_commit_marker(marker)  # not a manifest an overwrite wrote meanwhile
         try:
             return json.loads(manifest)
