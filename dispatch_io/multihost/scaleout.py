@@ -40,8 +40,10 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import itertools
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -52,7 +54,7 @@ from dispatch_io.multihost.delivery import HEADER, Round, plan_delivery
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
 from dispatch_io.plan import device_regions
 from dispatch_io.progress import Progress
-from dispatch_io.reading import pipelined, read_failure, read_regions, verify_stored
+from dispatch_io.reading import RegionReads, each_alone, pipelined, read_failure, verify_stored
 from dispatch_io.restore import HOST, Output, output_regions
 from dispatch_io.staging import aligned
 from workers import aligned_empty
@@ -255,7 +257,9 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
     BarrierTimeoutError naming the processes that stopped making progress, ValueError where
     the processes planned different restores. ``routes``: see :func:`plan_split` (``progress.path``
     then names the restore alike in every process: its coordination keys derive from it). ``check``: as
-    ``reading.read_regions``, for the regions this process reads for itself alone."""
+    ``reading.read_regions``, for the regions this process reads for itself alone, and
+    ``check(out, region, array, stored bounds)`` for each piece it reads for a round (one it says False
+    to, or whose read fails with a ``ChunkError``, is not sent: the caller fills that region again)."""
     with _ONE_AT_A_TIME:
         return _fill(reader, outputs, options, progress, verify, times, routes, check)
 
@@ -281,9 +285,8 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
                           [(out, out.stored_bounds(region)) for out, region in split.local],
                           options.read_batch_bytes, progress, on_batch=report)
         times.append(time.perf_counter())
-        exchanged = _rounds(reader, outputs, split.rounds, room, progress, upcoming)
-        read_regions(reader, split.local, options.chunk_bytes, options.read_batch_bytes, progress, on_batch=report,
-                     check=check)
+        local = RegionReads(reader, split.local, options.chunk_bytes, options.read_batch_bytes, display, report, check)
+        exchanged = _rounds(reader, outputs, split.rounds, local, room, progress, upcoming, check)
     except BaseException as exc:
         if not isinstance(exc, PeerFailure):  # the first failure is the one every process reports
             room.set("failed", {"process": process, "keypath": getattr(exc, "keypath", None),
@@ -298,9 +301,12 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
     return exchanged
 
 
-def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress, upcoming: list) -> Exchanged:
-    """Run the rounds (see the module doc); returns what this process exchanged.
-    ``upcoming[0]``: the next round this process has not said it is ready for."""
+def _rounds(reader, outputs: list, rounds: list, local: RegionReads, room: Room, progress: Progress, upcoming: list,
+            check=None) -> Exchanged:
+    """Run the rounds (see the module doc) and, between them, read this process's own regions
+    (``local``: its reads go on while a round waits for the others or is exchanged); returns what
+    this process exchanged. ``upcoming[0]``: the next round this process has not said it is ready
+    for. ``check``: as :func:`fill_outputs`."""
     process, display = room.process, progress.path
     devices = carriers(room.count)
     useful = received = sent = 0
@@ -324,9 +330,11 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
             row[:HEADER] = _header(room, k)
         offset = starts[process]
         for piece, array in zip(round_.row(process), arrays):
-            data = np.asarray(array).reshape(-1).view(np.uint8)
-            row[offset:offset + data.size] = data
-            offset += aligned(data.size)
+            # checked in memory; a bad piece is not sent (its region is filled again, from the next source)
+            if check is None or check(outputs[piece.output], piece.region, array, piece.stored.bounds):
+                data = np.asarray(array).reshape(-1).view(np.uint8)
+                row[offset:offset + data.size] = data
+            offset += aligned(piece.nbytes)
         room.set(f"ready/{k}/{process}", True)
         upcoming[0] = k + 1
         _proceed(room, k, display)
@@ -351,6 +359,18 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
         got, gave = round_.traffic(process)
         received, sent = received + got, sent + gave
 
-    pipelined(rounds, submit, consume, lambda r: sum(p.nbytes for p in r.row(process)), progress, "broadcast",
-              lambda exc, r: read_failure(exc, r.row(process)[0].item.keypath, display))
+    def again(exc, round_: Round):   # with a check, a piece that cannot be read is left out (as a bad one)
+        if check is None:
+            raise exc
+        return each_alone(reader, [p.item for p in round_.row(process)], exc)
+
+    # One loop: round k, then a batch of this process's own regions, and so on -- each with its own calls.
+    rounds_calls = types.SimpleNamespace(submit=submit, consume=consume, again=again,
+                                         size=lambda r: sum(p.nbytes for p in r.row(process)),
+                                         failure=lambda exc, r: read_failure(exc, r.row(process)[0].item.keypath, display))
+    work = [(calls, item) for pair in itertools.zip_longest(rounds, local.batches)
+            for calls, item in zip((rounds_calls, local), pair) if item is not None]
+    pipelined(work, lambda w: w[0].submit(w[1]), lambda w, result: w[0].consume(w[1], result),
+              lambda w: w[0].size(w[1]), progress, "read", lambda exc, w: w[0].failure(exc, w[1]),
+              again=lambda exc, w: w[0].again(exc, w[1]))
     return Exchanged(useful, received, sent)
