@@ -9,7 +9,8 @@ so the replica of what process p holds goes to process (p + 2) % 4, on the other
 
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each waited for);
 prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores through the
-tiers and prints ``resumed STEP exact BOOL local L persistent P received R``; MODE ``reshard``
+tiers (twice) and prints ``resumed STEP exact BOOL local L persistent P received R rchar C`` (C: bytes the
+second restore read, from ``/proc/self/io``); MODE ``reshard``
 likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions. MODE
 ``clock``: local saves by ``EveryNSeconds(25)`` with clocks that disagree (process 1's twice as
 fast); prints ``local steps [...]``. MODE ``promote``: as
@@ -32,7 +33,8 @@ jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
 mesh = jax.make_mesh((8,), ("fsdp",))
 SOLO = NamedSharding(Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("x",)), P("x"))
 SPECS = {"w": ((64, 16), np.float32, P("fsdp", None)), "m": ((16, 64), np.int32, P(None, "fsdp")),
-         "b": ((32,), np.float32, P()), "s": ((8, 4), np.float32, None), "k": ((8, 2), np.uint32, P("fsdp"))}
+         "b": ((32,), np.float32, P()), "s": ((8, 4), np.float32, None), "k": ((8, 2), np.uint32, P("fsdp")),
+         "big": ((4096, 256), np.float32, P("fsdp", None))}   # 4 MiB: bytes read per process are measurable
 
 
 def sharding(spec):
@@ -84,12 +86,17 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
-    restored = mgr.restore(None, target)
+    for _ in range(2):  # the second restore's bytes read from /proc/self/io (the first reads modules as well)
+        with open("/proc/self/io") as f:
+            rchar = -int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
+        restored = mgr.restore(None, target)
+        with open("/proc/self/io") as f:
+            rchar += int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
     s = mgr.last_tier_restore
     exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
                 for name, array in restored.items() for shard in stored(name, array).addressable_shards)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
-          f"received {s.bytes_received}", flush=True)
+          f"received {s.bytes_received} rchar {rchar}", flush=True)
     if mode == "promote":  # from the copies that survive (replicas included), each chunk by one of them
         written = mgr.promote(s.step).wait().bytes_written
         restored = mgr.restore(s.step, target)
