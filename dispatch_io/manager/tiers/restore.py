@@ -215,7 +215,7 @@ class TierRestore:
     def _pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None) -> tuple[int, int]:
         """Fill the regions ``routes`` give this checkpoint (every process together); returns
         (bytes this process read into the result -- not counting a verify's reads -- bytes it
-        received from others). ``check``: as ``reading.read_regions``, for its own regions."""
+        received from others). ``check``: as ``scaleout.fill_outputs``, for what it reads of its copy."""
         options = self.dispatcher.options
         progress = Progress("restore", display, enabled=options.progress)
         try:
@@ -252,7 +252,7 @@ class _Fill:
 
     def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
         """Fill the regions ``plan`` routes (every process together): the local pass (if any region
-        is read from a local copy: its own regions checked as read), then the persistent pass (if a
+        is read from a local copy: what each process reads of its copy checked as read), then the persistent pass (if a
         region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
         its check are not taken unchecked from the root either). ``reports``: what each process holds
         (who shares the step's manifest with the processes without a copy). Returns {key path: [region]}
