@@ -97,13 +97,16 @@ def needed_regions(outputs: list, only: Callable | None = None) -> list[tuple[Ou
 def read_pieces(out: Output, region, chunk_limit: int, part=None) -> list[tuple[Region, tuple]]:
     """The stored pieces filling ``region`` of the result ``out`` (or only its sub-region
     ``part``): (stored region, bounds in the region's buffer) pairs, each at most ``chunk_limit``
-    bytes, cut from the leading axes -- or one per stored chunk where those are larger."""
+    bytes, cut from the leading axes -- or one per stored chunk where those are larger. Where the
+    span read starts and ends on stored chunk bounds, each piece is whole stored chunks (a chunk
+    is never decoded for two pieces, and a piece's CRC-32Cs can be checked in memory)."""
     saved = out.saved
     full = out.stored_bounds(region)
     span = full if part is None else out.stored_bounds(part)
     itemsize = np.dtype(out.dtype).itemsize
     pieces = []
-    if math.prod(saved.stored.chunk_shape) * itemsize > chunk_limit:
+    chunk = saved.stored.chunk_shape
+    if math.prod(chunk) * itemsize > chunk_limit:
         # Stored chunks over the limit (other writers' checkpoints) are decoded whole whatever
         # is read of them: one piece per stored chunk, so each is decoded once, not per piece.
         for _, cell in stored_cells(saved.stored, span):
@@ -111,7 +114,8 @@ def read_pieces(out: Output, region, chunk_limit: int, part=None) -> list[tuple[
             local = tuple((a - lo, b - lo) for (a, b), (lo, _) in zip(bounds, full))
             pieces.append((Region(saved.stored, bounds, saved.keypath), local))
         return pieces
-    for cut in _cuts(tuple(hi - lo for lo, hi in span), itemsize, chunk_limit):
+    whole = all(lo % c == 0 and (hi % c == 0 or hi == n) for (lo, hi), c, n in zip(span, chunk, saved.stored.shape))
+    for cut in _cuts(tuple(hi - lo for lo, hi in span), itemsize, chunk_limit, chunk if whole else None):
         bounds = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(span, cut))
         local = tuple((a - lo, b - lo) for (a, b), (lo, _) in zip(bounds, full))
         pieces.append((Region(saved.stored, bounds, saved.keypath), local))
@@ -119,10 +123,14 @@ def read_pieces(out: Output, region, chunk_limit: int, part=None) -> list[tuple[
 
 
 @functools.lru_cache(maxsize=1024)
-def _cuts(shape: tuple, itemsize: int, chunk_limit: int) -> tuple:
-    """The bounds of the pieces of at most ``chunk_limit`` bytes a buffer of ``shape`` is read in
-    (cached: a model's regions have few shapes, and a job's plan cuts every region of it)."""
-    step = storage_chunk_shape(shape, itemsize, chunk_limit)
+def _cuts(shape: tuple, itemsize: int, chunk_limit: int, unit: tuple | None = None) -> tuple:
+    """The bounds of the pieces of at most ``chunk_limit`` bytes a buffer of ``shape`` is read in,
+    each a whole number of ``unit`` blocks (stored chunks; the last ones along an axis may be cut
+    by its end) where given (cached: a model's regions have few shapes, and a job's plan cuts every
+    region of it)."""
+    unit = unit or (1,) * len(shape)
+    blocks = tuple(-(-n // u) for n, u in zip(shape, unit))
+    step = tuple(k * u for k, u in zip(storage_chunk_shape(blocks, itemsize * math.prod(unit), chunk_limit), unit))
     return tuple(tuple((s, min(s + k, n)) for s, k, n in zip(starts, step, shape))
                  for starts in itertools.product(*[range(0, n, s) for n, s in zip(shape, step)]))
 
@@ -152,28 +160,53 @@ def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, b
     read (JAX orders each device's transfers: one stream per device), and each batch's are
     awaited before another read is submitted, so the host holds at most two batches. Without it
     only ``whole`` results are placed early (the caller may still add to the others' buffers)."""
-    work = [(out, region, read_item(out, region, chunk_limit)) for out, region in wanted]
-    batches = [items for items, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
-    done = 0
+    reads = RegionReads(reader, wanted, chunk_limit, batch_limit, progress.path, on_batch, check, place)
+    pipelined(reads.batches, reads.submit, reads.consume, reads.size, progress, "read", reads.failure,
+              again=reads.again)
 
-    def consume(batch, arrays):
-        nonlocal done
+
+class RegionReads:
+    """:func:`read_regions`' work, batch by batch (``batches``), and the calls :func:`pipelined` runs
+    it with -- for a caller that runs these batches in a pipelined loop of its own, between other work
+    (``scaleout``: between its rounds). Arguments as :func:`read_regions` (``display``: the checkpoint,
+    in errors)."""
+
+    def __init__(self, reader, wanted: list, chunk_limit: int, batch_limit: int, display: str,
+                 on_batch: Callable[[int], None] | None = None, check: Callable | None = None, place: bool = False):
+        self.reader, self.display, self.on_batch, self.check, self.place = reader, display, on_batch, check, place
+        work = [(out, region, read_item(out, region, chunk_limit)) for out, region in wanted]
+        self.batches = [items for items, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
+        self.done = 0   # bytes read so far
+
+    def submit(self, batch) -> concurrent.futures.Future:
+        return self.reader.read([item for _, _, item in batch])
+
+    @staticmethod
+    def size(batch) -> int:
+        return sum(item.nbytes for _, _, item in batch)
+
+    def consume(self, batch, arrays):
         placed = []
         for (out, region, item), array in zip(batch, arrays):
-            done += item.nbytes
-            if check is not None and (not check(out, region, array) or isinstance(array, ChunkError)):
+            self.done += item.nbytes
+            if self.check is not None and (not self.check(out, region, array) or isinstance(array, ChunkError)):
                 continue
             out.buffers[region] = array
-            if out.whole or (place and out.where == DEVICE and len(out.buffers) == len(out.regions)):
+            if out.whole or (self.place and out.where == DEVICE and len(out.buffers) == len(out.regions)):
                 placed.append(finish(out))
         jax.block_until_ready(placed)  # their host buffers are free before the next read is submitted
-        if on_batch is not None:
-            on_batch(done)
+        if self.on_batch is not None:
+            self.on_batch(self.done)
 
-    pipelined(batches, lambda batch: reader.read([item for _, _, item in batch]), consume,
-              lambda batch: sum(item.nbytes for _, _, item in batch), progress, "read",
-              lambda exc, batch: read_failure(exc, batch[0][2].keypath, progress.path),
-              again=None if check is None else lambda exc, batch: each_alone(reader, [i for _, _, i in batch], exc))
+    def failure(self, exc: BaseException, batch) -> WorkerError:
+        return read_failure(exc, batch[0][2].keypath, self.display)
+
+    def again(self, exc: BaseException, batch) -> list:
+        """A failed batch read again region by region where ``check`` is given (:func:`each_alone`);
+        else ``exc`` raised."""
+        if self.check is None:
+            raise exc
+        return each_alone(self.reader, [item for _, _, item in batch], exc)
 
 
 def each_alone(reader, items: list, exc: BaseException) -> list:

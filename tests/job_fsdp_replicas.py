@@ -9,7 +9,8 @@ so the replica of what process p holds goes to process (p + 2) % 4, on the other
 
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each waited for);
 prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores through the
-tiers and prints ``resumed STEP exact BOOL local L persistent P received R``; MODE ``reshard``
+tiers (twice) and prints ``resumed STEP exact BOOL local L persistent P received R rchar C`` (C: bytes the
+second restore read, from ``/proc/self/io``); MODE ``reshard``
 likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions. MODE
 ``clock``: local saves by ``EveryNSeconds(25)`` with clocks that disagree (process 1's twice as
 fast); prints ``local steps [...]``. MODE ``promote``: as
@@ -29,7 +30,7 @@ from job_states import JobState
 process, port, root, local, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
 mesh = jax.make_mesh((8,), ("fsdp",))
-STATE = JobState(keys=True)
+STATE = JobState(keys=True, big=True)
 target = STATE.target(jax.make_mesh((2, 4), ("data", "fsdp")) if mode == "reshard" else mesh)
 now = [0.0]   # MODE clock: each process's clock, at 10 s a step -- process 1's runs twice as fast
 local_policy = policies.EveryNSeconds(25) if mode == "clock" else policies.EveryNSteps(2)
@@ -53,11 +54,16 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
-    restored = mgr.restore(None, target)
+    for _ in range(2):  # the second restore's bytes read from /proc/self/io (the first reads modules as well)
+        with open("/proc/self/io") as f:
+            rchar = -int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
+        restored = mgr.restore(None, target)
+        with open("/proc/self/io") as f:
+            rchar += int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
     s = mgr.last_tier_restore
     exact = STATE.exact(restored, s.step)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
-          f"received {s.bytes_received}", flush=True)
+          f"received {s.bytes_received} rchar {rchar}", flush=True)
     if mode == "promote":  # from the copies that survive, replicas included
         written, exact = STATE.promoted(mgr, s.step, target)
         print(f"promoted {s.step} exact {exact} written {written}", flush=True)

@@ -16,21 +16,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 _LEAVES = {"w": ((64, 16), np.float32, P("fsdp", None)), "m": ((16, 64), np.int32, P(None, "fsdp")),
            "b": ((32,), np.float32, P()), "s": ((8, 4), np.float32, None)}
 _KEYS = ((8, 2), np.uint32, P("fsdp"))
+_BIG = ((4096, 256), np.float32, P("fsdp", None))   # 4 MiB: the bytes a process reads are measurable
 _IMPL = "threefry2x32"
 
 
 @dataclasses.dataclass(frozen=True)
 class JobState:
-    """The leaves of the state: ``solo`` keeps ``s`` (process 0's alone), ``keys`` adds ``k``."""
+    """The leaves of the state: ``solo`` keeps ``s`` (process 0's alone), ``keys`` adds ``k``,
+    ``big`` a 4 MiB ``big`` (sharded by rows)."""
 
     solo: bool = True
     keys: bool = False
+    big: bool = False
 
     @property
     def specs(self) -> dict:
         """{name: (shape, dtype, partition spec; None: process 0's devices)} of the stored leaves."""
         specs = {n: v for n, v in _LEAVES.items() if self.solo or n != "s"}
-        return {**specs, "k": _KEYS} if self.keys else specs
+        return {**specs, **({"k": _KEYS} if self.keys else {}), **({"big": _BIG} if self.big else {})}
 
     def value(self, name: str, step: int) -> np.ndarray:
         """Leaf ``name`` (for ``k``: its key data) at ``step``, on the host."""

@@ -124,6 +124,24 @@ def test_a_round_where_few_members_have_pieces_is_summed():
     _check(plan, shared, 16)
 
 
+def test_a_lost_copy_travels_one_way_in_pieces_of_whole_stored_chunks():
+    """The local tier's reads for a process that lost its copy (``readers=``: one holder of each group
+    of two may read): each round's row goes to the other holder alone, nothing comes back; and each
+    piece is whole stored chunks (checked in memory as it is read), though the chunk limit would cut
+    the stored chunks (6 rows, 1.5 KiB) across."""
+    out = leaf("w", (48, 64), (6, 64))
+    holders = {((0, 24), (0, 64)): (0, 1), ((24, 48), (0, 64)): (2, 3)}
+    readers = {(0, region): (1,) if procs == (0, 1) else (2,) for region, procs in holders.items()}
+    plan = plan_delivery([(0, out, holders)], 4, 2 * KiB, 8 * KiB, readers)
+    assert plan.rounds and all(r.sent for r in plan.rounds)
+    for r in plan.rounds:
+        assert [r.traffic(p) for p in range(4)] == [(r.width, 0), (0, r.width), (0, r.width), (r.width, 0)]
+        for piece in (p for row in r.rows.values() for p in row):
+            (lo, hi), _ = piece.stored.bounds
+            assert lo % 6 == 0 and hi % 6 == 0 and hi - lo <= 6, piece.stored.bounds
+    _check(plan, [(0, out, holders)], 4)
+
+
 def test_every_process_plans_the_same():
     make = lambda: [(0, leaf("w", (256, 64), (16, 64)), fsdp_holders(256, 4, 2))]  # noqa: E731
     assert plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest == plan_delivery(make(), 8, 4 * KiB, 64 * KiB).digest

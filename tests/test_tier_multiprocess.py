@@ -46,7 +46,7 @@ def _resumed(outs):
     return [(int(m[1]), m[2] == "True", int(m[3]), int(m[4]), int(m[5]), int(m[6]), int(m[7])) for m in found]
 
 
-SHARE = (64 * 16 * 4 + 16 * 64 * 4 + 8 * 2 * 4) // 4                      # w, m, k: a quarter each process
+SHARE = (64 * 16 * 4 + 16 * 64 * 4 + 8 * 2 * 4 + 4096 * 256 * 4) // 4     # w, m, k, big: a quarter each process
 B, S = 32 * 4, 8 * 4 * 4                                                      # b (everywhere), s (process 0's)
 B, S = 32 * 4, 8 * 4 * 4                                                      # b (everywhere), s (process 0's)
 
@@ -57,10 +57,11 @@ def _start_fsdp(root, local, mode):
 
 
 def _resumed_fsdp(outs):
-    found = [re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+)$", out, re.M)
-             for out in outs]
+    """Per process (step, exact, local, persistent, received, bytes read by its second restore)."""
+    found = [re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+) rchar (\d+)$",
+                       out, re.M) for out in outs]
     assert all(found), outs
-    return [(int(m[1]), m[2] == "True", int(m[3]), int(m[4]), int(m[5])) for m in found]
+    return [(int(m[1]), m[2] == "True", int(m[3]), int(m[4]), int(m[5]), int(m[6])) for m in found]
 
 
 def _run_in_one_host(root, local, mode):
@@ -277,8 +278,10 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     assert sum(r[3] for r in results) == 0, results                          # nothing from persistent storage
     assert results[0][2] == results[1][2] == 0, results                      # 0 and 1 receive all they hold:
     assert results[0][4] == SHARE + B + S and results[1][4] == SHARE + B, results
-    # 2 and 3 read their own regions and the replicas of 0's and 1's (each region once; b once for both)
+    # 2 and 3 read their own regions and the replicas of 0's and 1's (each region once; b once for both),
+    # each byte once: the replicas read for 0 and 1 are checked in memory as they are read (from /proc/self/io)
     assert results[2][2] + results[3][2] == 2 * (SHARE + B) + 2 * SHARE + S, results
+    assert all(0.95 * r[2] <= r[5] <= 1.05 * r[2] for r in results[2:]), results
     # ... and step 8 is then promoted to the root from 2's and 3's copies alone (theirs and the replicas),
     # each chunk written once: 0 and 1 write nothing; the root's step 8 restores exactly.
     promoted = [re.search(r"^promoted 8 exact True written (\d+)$", out, re.M) for out in outs]
@@ -289,13 +292,16 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     # are read from the root.
     shutil.rmtree(str(local).replace("{process}", "3"))
     # and a flipped byte in process 2's replica of one of process 0's w regions (rows 0..8): a restore
-    # with every own copy intact leaves replicas unchecked, but one that reads them checks them first
+    # with every own copy intact leaves replicas unchecked; one that reads them checks them as it reads them
+    # for process 0 (in memory: no pass before) and does not send the bad one
     sh.flip_byte(sh.chunks(tmp_path / "local" / "2" / "8", "['w']")[(0, 0)])
     results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "resume")))
     print("per process (step, exact, local, persistent, received):", results)
     assert all(r[:2] == (8, True) for r in results), results
     # from the root: processes 1's and 3's shares (no copy left), and the one bad replica region (8 x 16 x 4 B)
     assert [r[3] for r in results] == [8 * 16 * 4, SHARE, 0, SHARE], results
+    assert results[2][2] == 2 * SHARE + B + S and 0.95 * results[2][2] <= results[2][5] <= 1.05 * results[2][2], \
+        results   # process 2 read its copy once: its own regions, process 0's replicas, s and b
 
 
 def test_a_clock_policy_with_replicas_takes_the_same_local_saves_everywhere(tmp_path):

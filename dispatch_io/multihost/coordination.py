@@ -102,6 +102,11 @@ class Room:
                 raise
             return decided
 
+    def arrive(self, key: str) -> bool:
+        """Count this process in under ``key`` (each process once); True for exactly one process: the
+        last of the ``count`` to arrive (an atomic increment on the service)."""
+        return self.client.key_value_increment(f"{self.prefix}/{key}", 1) == self.count
+
     def entries(self, directory: str) -> dict[int, object]:
         """{process: value} of what the processes published as ``directory/<process>``."""
         found = self.client.key_value_dir_get(f"{self.prefix}/{directory}/")
@@ -141,7 +146,9 @@ class Room:
                                       processes=[0], barrier=f"{self.prefix}/{phase}") from exc
 
     def gather(self, phase: str, *, doing: str | None = None, check=None, together: bool = True) -> dict[int, object]:
-        """Wait until every process has published ``phase/<process>``; returns {process: value}.
+        """Wait until every process has published ``phase/<process>`` (each calls it once, after
+        publishing); returns {process: value}. The last to arrive says so, ending the others' waits
+        at once (between polls of the entries, which also catch a last arrival that never says so).
 
         The deadline moves while a missing process still publishes ``progress/<process>``.
         ``check()`` (optional) is called while waiting and raises to end the wait early (e.g.
@@ -150,6 +157,8 @@ class Room:
         message (default: reach the phase)."""
         deadline = time.monotonic() + self.timeout
         last_progress, pause = None, 0.002
+        if self.arrive(f"arrived/{phase}"):   # the last to arrive wakes the others' waits below
+            self.set(f"complete/{phase}", True)
         while True:
             entries = self.entries(phase)
             if len(entries) == self.count:
@@ -165,7 +174,7 @@ class Room:
                     f"process(es) {missing} did not {doing or f'reach {phase!r} of'} {self.what} "
                     f"and made no progress for {self.timeout:g} s",
                     processes=missing, barrier=f"{self.prefix}/{phase}")
-            time.sleep(pause)
+            self.wait_for(f"complete/{phase}", pause)   # the service holds it until the last arrives
             pause = min(pause * 2, 0.2)
         if together:
             self.barrier(phase)

@@ -25,7 +25,8 @@ into rows of at most ``batch_limit / S`` bytes: a round's gathered rows (S of th
 whatever the number of processes. A round where few members of a group have pieces
 (small replicated leaves: norms, biases) is *summed* over the group instead: one row per group,
 each member's pieces at their own offsets, the others adding zeros -- 2 (S - 1) / S of that row
-moves per process, rather than S - 1 mostly empty rows. A piece larger than the share (a stored
+moves per process, rather than S - 1 mostly empty rows. In groups of two where one member reads
+(the holder of a lost process's copy), the row is *sent* one way: the other member sends nothing. A piece larger than the share (a stored
 chunk over the chunk limit, read whole so that it is read once) travels one per row: gathered in
 groups of two, summed one per group and round in larger ones.
 """
@@ -83,7 +84,9 @@ class Round:
     HEADER (written by the group's first member), then its members' pieces one member after the
     other; each member writes its own part, the others zeros, and the group sums them: cheaper
     than a gather where few members have pieces (2 (S - 1) / S of the row moves per process
-    instead of S - 1 rows)."""
+    instead of S - 1 rows). ``sent`` (groups of two, one member reading in each active group): the
+    reader's row goes to the other member alone, who sends nothing back (a gather would send
+    its unused row too)."""
 
     index: int
     groups: tuple[tuple[int, ...], ...]
@@ -91,6 +94,7 @@ class Round:
     width: int
     summed: bool = False
     group_of: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    sent: bool = False
 
     def row(self, process: int) -> tuple:
         """The pieces ``process`` reads and sends in this round."""
@@ -117,12 +121,22 @@ class Round:
     def takes_part(self, process: int) -> bool:
         return any(p in self.rows for p in self.group_of[process])
 
+    @functools.cached_property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """A ``sent`` round's (sender, receiver), as positions in the (active group, member) grid."""
+        return tuple((2 * g + group.index(reader), 2 * g + 1 - group.index(reader))
+                     for g, group in enumerate(self.active) for reader in group if reader in self.rows)
+
     def traffic(self, process: int) -> tuple[int, int]:
         """(bytes ``process`` receives, bytes it sends) in this round, whole rows: a gather
         sends its row to the S - 1 others of its group and receives theirs; a sum over a group
-        (a ring all-reduce) sends and receives 2 (S - 1) / S of the row; a group in which
-        nobody reads this round, nothing."""
-        return (_moved(len(self.groups[0]), self.width, self.summed) if self.takes_part(process) else 0,) * 2
+        (a ring all-reduce) sends and receives 2 (S - 1) / S of the row; a sent row goes one way;
+        a group in which nobody reads this round, nothing."""
+        if not self.takes_part(process):
+            return 0, 0
+        if self.sent:
+            return (0, self.width) if process in self.rows else (self.width, 0)
+        return (_moved(len(self.groups[0]), self.width, self.summed),) * 2
 
 
 def _row_bytes(pieces) -> int:
@@ -212,7 +226,7 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
         rounds += _rounds(groups, pieces, max(64, batch_limit // len(groups[0])), len(rounds))
     # With the share: processes with different budgets would cut different rounds.
     digest = hashlib.sha256(repr((batch_limit, [(i, out.saved.keypath) for i, out, _ in shared], [
-        (r.groups, r.width, r.summed, [(p, [(x.output, x.region, x.local, x.dtype) for x in row])
+        (r.groups, r.width, r.summed, r.sent, [(p, [(x.output, x.region, x.local, x.dtype) for x in row])
                                        for p, row in sorted(r.rows.items())]) for r in rounds])).encode()).hexdigest()
     return Delivery(rounds, digest)
 
@@ -228,7 +242,8 @@ def _round(index: int, groups: tuple, rows: dict, group_of: dict, summed: bool |
     joined = width(HEADER + max(totals.values()))
     if summed is None:
         summed = _moved(members, joined, True) < _moved(members, gathered, False)
-    return Round(index, groups, rows, joined if summed else gathered, summed, group_of)
+    sent = members == 2 and not summed and len(totals) == len(rows)   # one reader in each group reading
+    return Round(index, groups, rows, joined if summed else gathered, summed, group_of, sent)
 
 
 def _rounds(groups: tuple, pieces: list[list[Piece]], share: int, first: int) -> list[Round]:

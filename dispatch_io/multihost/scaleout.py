@@ -17,18 +17,23 @@ first write wins): "go" when every process is ready, else a reported failure or 
 that made no progress for ``barrier_timeout`` -- so either every process enters the round's
 collective or none does, and each raises the same error. Then one jitted reshard over one
 device per process, a ``(groups, members, width)`` array sharded one row per process ->
-sharded by group (:func:`gather`: an all-gather within each group; gloo on CPU, NVLink / ICI
+sharded by group (``rows.gather``: an all-gather within each group; gloo on CPU, NVLink / ICI
 on accelerators), gives each process the rows of its group; the headers are checked (a
 collective crossed by another thread's fails loudly, never silently); each process copies out
-the pieces of the regions it holds. The next round's reads run while a round is exchanged. A
-round where few members of a group have pieces is summed over the group instead
-(:func:`group_sum`: each member writes its part of one row, the others add zeros), as is a
-piece over a process's share in a group of more than two.
+the pieces of the regions it holds. The next round's reads run while a round is exchanged, and
+the regions this process holds alone are read between the rounds, one batch after each (so they
+are read while a round waits for the others). A round where few members of a group have pieces
+is summed over the group instead (``rows.group_sum``: each member writes its part of one row, the
+others add zeros), as is a piece over a process's share in a group of more than two; in groups of
+two where one member reads, its row is sent to the other alone (``rows.send``, a collective
+permute: the other sends nothing back). The last process to be ready decides "go" (an atomic
+count on the service), so a round does not wait for a poll.
 
-Bounds, per process: host memory holds at most two rounds' reads and one gathered round
-(``read_batch_bytes`` each, plus padding) beyond the restored arrays; device memory on the
-carrying device one round's row and its gathered copy. A stored chunk larger than the share
-costs about four times its size while it is sent.
+Bounds, per process: host memory holds at most two reads in flight (a round's pieces, or a batch
+of its own regions, which are restored arrays) and one gathered round (``read_batch_bytes`` each,
+plus padding) beyond the restored arrays; device memory on the carrying device one round's row and
+its gathered copy. A stored chunk larger than the share costs about four times its size while it
+is sent.
 
 Every process must restore the same checkpoint onto the same target (same shardings), in the
 same order: the plans are compared first, and processes that planned differently all raise.
@@ -38,21 +43,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
+import itertools
 import threading
 import time
+import types
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dispatch_io.multihost.coordination import Room, open_room
 from dispatch_io.multihost.delivery import HEADER, Round, plan_delivery
+from dispatch_io.multihost.rows import carriers, gather, group_sum, send
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
 from dispatch_io.plan import device_regions
 from dispatch_io.progress import Progress
-from dispatch_io.reading import pipelined, read_failure, read_regions, verify_stored
+from dispatch_io.reading import RegionReads, each_alone, pipelined, read_failure, verify_stored
 from dispatch_io.restore import HOST, Output, output_regions
 from dispatch_io.staging import aligned
 from workers import aligned_empty
@@ -116,46 +122,6 @@ def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_
     return Split(local, plan.rounds, plan.digest)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _reshard(rows, sharding):
-    return jax.lax.with_sharding_constraint(rows, sharding)
-
-
-def carriers(count: int) -> list:
-    """The device of each process that carries its rows: its first."""
-    return [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(count)]
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _sum_rows(rows, sharding):
-    return jax.lax.with_sharding_constraint(rows.sum(1, dtype=rows.dtype), sharding)
-
-
-def _rows(row: np.ndarray, groups: tuple, devices: list):
-    """(this process's ``row`` as its element of a (groups, members, len) array, one row per
-    device of ``devices`` laid out as ``groups``; the mesh)."""
-    mesh = Mesh(np.array([[devices[p] for p in group] for group in groups]), ("group", "member"))
-    mine = jax.device_put(row[None, None], devices[jax.process_index()])
-    sharding = NamedSharding(mesh, PartitionSpec("group", "member"))
-    return jax.make_array_from_single_device_arrays((len(groups), len(groups[0]), row.size), sharding, [mine]), mesh
-
-
-def gather(row: np.ndarray, groups: tuple, devices: list) -> np.ndarray:
-    """The ``row`` of every process of this process's group (uint8, the same length everywhere),
-    as a (members, len) host array in group order, through ``devices`` (:func:`carriers`): an
-    all-gather within each of ``groups`` (a partition of the processes into groups of one
-    size); every process calls it together."""
-    rows, mesh = _rows(row, groups, devices)
-    return np.asarray(_reshard(rows, NamedSharding(mesh, PartitionSpec("group"))).addressable_data(0))[0]
-
-
-def group_sum(row: np.ndarray, groups: tuple, devices: list) -> np.ndarray:
-    """The sum of the ``row`` of each process of this process's group (uint8, each member's part
-    at its own offsets and zeros elsewhere: the parts joined, in every member), as :func:`gather`."""
-    rows, mesh = _rows(row, groups, devices)
-    return np.asarray(_sum_rows(rows, NamedSharding(mesh, PartitionSpec("group"))).addressable_data(0))[0]
-
-
 class PeerFailure(WorkerError):
     """Another process of the job failed its part of a restore (so this one fails too)."""
 
@@ -185,10 +151,13 @@ def _decision(room: Room, k: int) -> str:
     progress for the timeout. The first decision published wins (``Room.decide``), so every
     process acts on the same one: all enter the collective, or none does.
 
-    The leader watches (its polls read every process's entries); the others wait on the
-    service for the decision, and watch too only if none comes within the timeout: a round
-    costs each of them two operations, not polls of P entries. (So a stalled leader is named
-    after up to twice the timeout.)"""
+    The last process to be ready decides ``GO`` (an atomic count on the service: no poll's delay).
+    The leader watches too (its polls read every process's entries, between waits on the
+    service for the decision); the others wait on the service for the decision, and watch too
+    only if none comes within the timeout: a round costs each of them three operations, not polls
+    of P entries. (So a stalled leader is named after up to twice the timeout.)"""
+    if room.arrive(f"ready_count/{k}"):   # this process's ready/{k} entry is published: the last one
+        room.decide(f"decision/{k}", GO)
     if not room.leader:
         decided = room.wait_for(f"decision/{k}", room.timeout)
         if decided is not None:
@@ -210,7 +179,7 @@ def _decision(room: Room, k: int) -> str:
             elif time.monotonic() > deadline:
                 missing = sorted(set(range(room.count)) - set(ready))
                 room.decide(f"decision/{k}", {"missing": missing})
-            time.sleep(pause)
+            room.wait_for(f"decision/{k}", pause)
             pause = min(pause * 2, 0.1)
 
 
@@ -255,7 +224,9 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
     BarrierTimeoutError naming the processes that stopped making progress, ValueError where
     the processes planned different restores. ``routes``: see :func:`plan_split` (``progress.path``
     then names the restore alike in every process: its coordination keys derive from it). ``check``: as
-    ``reading.read_regions``, for the regions this process reads for itself alone."""
+    ``reading.read_regions``, for the regions this process reads for itself alone, and
+    ``check(out, region, array, stored bounds)`` for each piece it reads for a round (one it says False
+    to, or whose read fails with a ``ChunkError``, is not sent: the caller fills that region again)."""
     with _ONE_AT_A_TIME:
         return _fill(reader, outputs, options, progress, verify, times, routes, check)
 
@@ -281,9 +252,8 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
                           [(out, out.stored_bounds(region)) for out, region in split.local],
                           options.read_batch_bytes, progress, on_batch=report)
         times.append(time.perf_counter())
-        exchanged = _rounds(reader, outputs, split.rounds, room, progress, upcoming)
-        read_regions(reader, split.local, options.chunk_bytes, options.read_batch_bytes, progress, on_batch=report,
-                     check=check)
+        local = RegionReads(reader, split.local, options.chunk_bytes, options.read_batch_bytes, display, report, check)
+        exchanged = _rounds(reader, outputs, split.rounds, local, room, progress, upcoming, check)
     except BaseException as exc:
         if not isinstance(exc, PeerFailure):  # the first failure is the one every process reports
             room.set("failed", {"process": process, "keypath": getattr(exc, "keypath", None),
@@ -298,9 +268,12 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
     return exchanged
 
 
-def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress, upcoming: list) -> Exchanged:
-    """Run the rounds (see the module doc); returns what this process exchanged.
-    ``upcoming[0]``: the next round this process has not said it is ready for."""
+def _rounds(reader, outputs: list, rounds: list, local: RegionReads, room: Room, progress: Progress, upcoming: list,
+            check=None) -> Exchanged:
+    """Run the rounds (see the module doc) and, between them, read this process's own regions
+    (``local``: its reads go on while a round waits for the others or is exchanged); returns what
+    this process exchanged. ``upcoming[0]``: the next round this process has not said it is ready
+    for. ``check``: as :func:`fill_outputs`."""
     process, display = room.process, progress.path
     devices = carriers(room.count)
     useful = received = sent = 0
@@ -324,9 +297,11 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
             row[:HEADER] = _header(room, k)
         offset = starts[process]
         for piece, array in zip(round_.row(process), arrays):
-            data = np.asarray(array).reshape(-1).view(np.uint8)
-            row[offset:offset + data.size] = data
-            offset += aligned(data.size)
+            # checked in memory; a bad piece is not sent (its region is filled again, from the next source)
+            if check is None or check(outputs[piece.output], piece.region, array, piece.stored.bounds):
+                data = np.asarray(array).reshape(-1).view(np.uint8)
+                row[offset:offset + data.size] = data
+            offset += aligned(piece.nbytes)
         room.set(f"ready/{k}/{process}", True)
         upcoming[0] = k + 1
         _proceed(room, k, display)
@@ -334,6 +309,10 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
             return
         if round_.summed:
             table = dict.fromkeys(group, group_sum(row, round_.active, devices))
+        elif round_.sent:   # a holder's row to the other member alone
+            reader = next(p for p in group if round_.row(p))
+            incoming = send(row, round_.active, devices, round_.pairs)
+            table = {reader: row if reader == process else incoming}
         else:
             table = dict(zip(group, gather(row, round_.active, devices)))
         if not all((r[:HEADER] == _header(room, k)).all() for r in table.values()):
@@ -351,6 +330,18 @@ def _rounds(reader, outputs: list, rounds: list, room: Room, progress: Progress,
         got, gave = round_.traffic(process)
         received, sent = received + got, sent + gave
 
-    pipelined(rounds, submit, consume, lambda r: sum(p.nbytes for p in r.row(process)), progress, "broadcast",
-              lambda exc, r: read_failure(exc, r.row(process)[0].item.keypath, display))
+    def again(exc, round_: Round):   # with a check, a piece that cannot be read is left out (as a bad one)
+        if check is None:
+            raise exc
+        return each_alone(reader, [p.item for p in round_.row(process)], exc)
+
+    # One loop: round k, then a batch of this process's own regions, and so on -- each with its own calls.
+    rounds_calls = types.SimpleNamespace(submit=submit, consume=consume, again=again,
+                                         size=lambda r: sum(p.nbytes for p in r.row(process)),
+                                         failure=lambda exc, r: read_failure(exc, r.row(process)[0].item.keypath, display))
+    work = [(calls, item) for pair in itertools.zip_longest(rounds, local.batches)
+            for calls, item in zip((rounds_calls, local), pair) if item is not None]
+    pipelined(work, lambda w: w[0].submit(w[1]), lambda w, result: w[0].consume(w[1], result),
+              lambda w: w[0].size(w[1]), progress, "read", lambda exc, w: w[0].failure(exc, w[1]),
+              again=lambda exc, w: w[0].again(exc, w[1]))
     return Exchanged(useful, received, sent)

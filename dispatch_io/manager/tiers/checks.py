@@ -3,14 +3,17 @@
 A local step saved with checksums records the CRC-32C of every stored chunk (its bytes as stored).
 A restore through the tiers checks:
 
-* **its own regions as it reads them** (:class:`ReadCheck`, called by ``reading.read_regions`` for each
-  region read): a local save chunks each region within its bounds, so once a region is in memory so is
-  every chunk of it, and its CRC-32C is computed there -- nothing is read twice. A region with a bad
-  chunk, or one that cannot be read (a chunk file lost from a partly wiped RAM disk), is not used: the
-  restore gets that region alone from the next source (a peer's copy, then the root);
-* **before the read**, what it cannot check that way (:func:`before_read`, :meth:`LocalCopy.bad`): the
-  copies it reads for other processes (they leave in rows before anyone could check them), and own
-  regions whose chunks cross the region's bounds or are converted as read (``cast=True``).
+* **what it reads, as it reads it** (:class:`ReadCheck`): its own regions (called by
+  ``reading.read_regions`` for each region read) and the pieces of the regions it reads for other
+  processes (called by ``scaleout`` for each piece, before it goes into a round's row). A local
+  save chunks each region within its bounds, and ``reading.read_pieces`` cuts such a region along
+  its stored chunks, so what is in memory is whole chunks: their CRC-32Cs are computed there --
+  nothing is read twice. A region with a bad chunk, or one that cannot be read (a chunk file lost
+  from a partly wiped RAM disk), is not used (a bad piece is not sent): the restore gets that region
+  alone from the next source (a peer's copy, then the root), for every process it was read for;
+* **before the read**, what it cannot check that way (:func:`before_read`, :meth:`LocalCopy.bad`):
+  the parts of regions cut from copies of another mesh's regions, and regions whose chunks cross
+  the region's bounds or are converted as read (``cast=True``).
 """
 
 from __future__ import annotations
@@ -41,45 +44,55 @@ def checkable(out: restore_lib.Output, region) -> bool:
 
 
 class ReadCheck:
-    """``check(out, region, array)`` for ``reading.read_regions``: True if every stored chunk of the
-    region just read (``array``: its buffer) matches its CRC-32C (or the region is one
-    :func:`before_read` checked); else -- or if it could not be read (``array``: the ``ChunkError``
+    """``check(out, region, array, stored=None)`` for ``reading.read_regions`` (a region read whole)
+    and ``scaleout`` (a piece of it: ``stored``, its stored bounds). True if every stored chunk of
+    what was just read (``array``: its buffer) matches its CRC-32C, or it is something
+    :func:`before_read` checked; else -- or if it could not be read (``array``: the ``ChunkError``
     its read failed with) -- the region is recorded in :attr:`bad` ({key path: [region]}), logged,
-    and False (the read leaves it out)."""
+    and False (the read leaves it out). ``held``: {key path: set of regions} this process's copy
+    holds at the step; a piece of another region (a part of a held one) was checked before the read."""
 
-    def __init__(self, display: str, copy: "LocalCopy | None"):
-        self.display, self.copy = display, copy
+    def __init__(self, display: str, copy: "LocalCopy | None", held: dict | None = None):
+        self.display, self.copy, self.held = display, copy, held or {}
         self.bad: dict[str, list] = {}
 
-    def __call__(self, out: restore_lib.Output, region, array) -> bool:
+    def __call__(self, out: restore_lib.Output, region, array, stored=None) -> bool:
+        keypath = out.saved.keypath
+        if stored is not None and region not in self.held.get(keypath, ()):
+            if isinstance(array, ChunkError):   # checked before the read, unreadable now: nothing to fall back on
+                raise reading.read_failure(array, keypath, self.display)
+            return True
         if isinstance(array, ChunkError):
             return self._leave_out(out, region, f"{self.display}: cannot read {array}")
         if not checkable(out, region):
             return True
-        data, bounds, wrong = np.asarray(array), out.stored_bounds(region), []
+        data, bounds, wrong = np.asarray(array), out.stored_bounds(region) if stored is None else stored, []
+        # a cell reaching past ``bounds`` (a piece cut across chunks) reads short and fails: never passed unchecked
         for grid, cell in reading.stored_cells(out.saved.stored, bounds):
             crc = crc32c(data[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(cell, bounds))])
             expected = out.saved.checksums.get(tuple(grid))
             if crc != expected:
-                wrong.append((out.saved.keypath, grid, cell, expected, crc))
+                wrong.append((keypath, grid, cell, expected, crc))
         if not wrong:
-            if self.copy is not None:  # checked: a later plan reading it for others need not read it again
-                self.copy.checked.add((out.saved.keypath, region))
+            if self.copy is not None and stored is None:  # checked: a later plan reading it for others need not
+                self.copy.checked.add((keypath, region))
             return True
         return self._leave_out(out, region, reading.mismatches(self.display, wrong))
 
     def _leave_out(self, out: restore_lib.Output, region, problem) -> bool:
         logging.warning("dispatch_io: a region of the local copy is not used: %s", problem)
-        self.bad.setdefault(out.saved.keypath, []).append([list(b) for b in region])
+        found = self.bad.setdefault(out.saved.keypath, [])
+        if [list(b) for b in region] not in found:   # one entry per region, however many of its pieces failed
+            found.append([list(b) for b in region])
         return False
 
 
 def before_read(plan: tiers_plan.TierPlan, process: int, outputs: dict, held: dict) -> list[tuple]:
     """(output, region to check, the held region it is part of) for every copy ``process`` reads at
-    ``plan.step`` that it cannot check in memory as it reads it: the regions it reads for others
-    (a peer route's reader; any part of a region cut from copies, which any holder of the part may
-    read) and its own regions :func:`checkable` says no to. ``outputs``: {saved key path: Output} of
-    its copy; ``held``: {key path: set of regions} it holds at the step."""
+    ``plan.step`` that it cannot check in memory as it reads it: any part of a region cut from copies
+    (which any holder of the part may read), and the regions it reads for itself or others that
+    :func:`checkable` says no to. ``outputs``: {saved key path: Output} of its copy; ``held``: {key
+    path: set of regions} it holds at the step."""
     found = []
     for keypath, routes in plan.routes.items():
         out = outputs.get(keypath)
@@ -89,9 +102,7 @@ def before_read(plan: tiers_plan.TierPlan, process: int, outputs: dict, held: di
             if route.parts:
                 found += [(out, part, mine) for part, procs in route.parts if process in procs
                           for mine in held.get(keypath, ()) if _inside(part, mine)]
-            elif route.kind == tiers_plan.PEER and route.reader == process:
-                found.append((out, region, region))
-            elif process in route.own and not checkable(out, region):
+            elif (process in route.own or route.reader == process) and not checkable(out, region):
                 found.append((out, region, region))
     return found
 

@@ -4,10 +4,10 @@
 plans with the pure ``tiers_plan.plan_restore`` and fills the target in at most two scale-out passes
 (:class:`_Fill`): the local copies (each holder reads its own; the holders without one receive a
 peer's), then the persistent step for the regions no process has. Each byte of a local copy is read
-once: its own regions are checked against their CRC-32Cs as they are read (``checks``), and a region
-that fails is filled again alone, from the next source, in one more pass; only the copies a process
-reads for others (and regions that cannot be checked in memory) are checked before the read. See
-docs/design.md "Tiers"."""
+once: what a process reads (its own regions, and the copies it reads for others) is checked against
+the CRC-32Cs as it is read (``checks``), and a region that fails is filled again alone, from the next
+source, for every process it was read for, in one more pass; only what cannot be checked in memory
+is checked before the read. See docs/design.md "Tiers"."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ class TierRestore:
             fill.failed.update(k for found in left_out.values() for k in found)
             if not _drop(reports, plan.step, left_out):
                 return plan
-            todo, allowed = _redo(todo, left_out), {plan.step}   # those regions again, from the next source
+            todo, allowed = _redo(todo, left_out, plan.routes), {plan.step}   # again, from the next source
 
     def _saved_keypaths(self, target, names, newest: int | None, persistent_steps, persistent_path) -> dict:
         """{target key path: the saved key path it reads} under ``names`` (``restore(names=...)``;
@@ -215,7 +215,7 @@ class TierRestore:
     def _pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None) -> tuple[int, int]:
         """Fill the regions ``routes`` give this checkpoint (every process together); returns
         (bytes this process read into the result -- not counting a verify's reads -- bytes it
-        received from others). ``check``: as ``reading.read_regions``, for its own regions."""
+        received from others). ``check``: as ``scaleout.fill_outputs``, for what it reads of its copy."""
         options = self.dispatcher.options
         progress = Progress("restore", display, enabled=options.progress)
         try:
@@ -252,7 +252,7 @@ class _Fill:
 
     def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
         """Fill the regions ``plan`` routes (every process together): the local pass (if any region
-        is read from a local copy: its own regions checked as read), then the persistent pass (if a
+        is read from a local copy: what each process reads of its copy checked as read), then the persistent pass (if a
         region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
         its check are not taken unchecked from the root either). ``reports``: what each process holds
         (who shares the step's manifest with the processes without a copy). Returns {key path: [region]}
@@ -261,7 +261,8 @@ class _Fill:
             self.restart()
             self.step = plan.step
         by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
-        check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy)
+        check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy,
+                                 reports[self.restore.process].get(plan.step))
         if any(r.own or r.kind == tiers_plan.PEER for regions in plan.routes.values() for r in regions.values()):
             self._local(plan, by_leaf, reports, copy, check)
         if plan.regions(tiers_plan.PERSISTENT):
@@ -333,14 +334,19 @@ def _drop(reports: dict, step: int, bad: dict) -> bool:
     return dropped
 
 
-def _redo(todo: dict, left_out: dict) -> dict:
-    """{key path: {region: the processes whose read of it failed its check}} of ``todo`` (what a
-    pass fills again), from ``left_out`` (process -> {key path: [region as JSON]})."""
+def _redo(todo: dict, left_out: dict, routes: dict) -> dict:
+    """{key path: {region: the processes that fill it again}} of ``todo`` (what a pass fills again),
+    from ``left_out`` (process -> {key path: [region as JSON]}, what each found bad in its copy) and
+    the pass's ``routes``: a holder that left its own region out, and the receivers of a region its
+    peer route's reader found bad (the reader did not send it)."""
     found = {p: tiers_plan.as_regions(regions) for p, regions in left_out.items()}
     redo: dict = {}
     for keypath, regions in todo.items():
         for region, holders in regions.items():
-            who = tuple(p for p in holders if region in found.get(p, {}).get(keypath, ()))
+            bad = {p for p, held in found.items() if region in held.get(keypath, ())}
+            route = routes.get(keypath, {}).get(region)
+            sent_bad = route is not None and route.reader in bad
+            who = tuple(p for p in holders if p in bad or (sent_bad and p in route.receivers))
             if who:
                 redo.setdefault(keypath, {})[region] = who
     return redo
