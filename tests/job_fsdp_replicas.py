@@ -14,6 +14,10 @@ likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved r
 ``clock``: local saves by ``EveryNSeconds(25)`` with clocks that disagree (process 1's twice as
 fast); prints ``local steps [...]``. MODE ``promote``: as
 ``resume``, then promotes that step to the root and restores it from there: ``promoted STEP exact BOOL written W``.
+
+With ``DIO_TEST_PARITY=K`` the tier keeps parity of groups of K instead of the replica
+(``LocalTier(parity=K)``); ``resume`` then first prints ``steps {step: durability}`` (the job's
+listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` (TierRestoreStats).
 """
 
 import os
@@ -64,7 +68,8 @@ if mode == "reshard":
     mesh = jax.make_mesh((8,), ("fsdp",))   # the state saved is on the training mesh
 now = [0.0]   # MODE clock: each process's clock, at 10 s a step -- process 1's runs twice as fast
 local_policy = policies.EveryNSeconds(25) if mode == "clock" else policies.EveryNSteps(2)
-tier = dio.LocalTier(local, save_policy=local_policy, replicas=1, domains=(0, 0, 1, 1))
+parity = int(os.environ.get("DIO_TEST_PARITY", 0))
+tier = dio.LocalTier(local, save_policy=local_policy, replicas=0 if parity else 1, parity=parity, domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier,
                            clock=lambda: now[0]) as mgr:
@@ -84,12 +89,16 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
+    if parity:
+        print(f"steps {mgr.steps()}", flush=True)
     restored = mgr.restore(None, target)
     s = mgr.last_tier_restore
     exact = all(np.array_equal(np.asarray(shard.data), value(name, s.step)[shard.index])
                 for name, array in restored.items() for shard in stored(name, array).addressable_shards)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
           f"received {s.bytes_received}", flush=True)
+    if parity:
+        print(f"regions peer {s.peer_regions} persistent {s.persistent_regions}", flush=True)
     if mode == "promote":  # from the copies that survive (replicas included), each chunk by one of them
         written = mgr.promote(s.step).wait().bytes_written
         restored = mgr.restore(s.step, target)

@@ -79,9 +79,7 @@ class TierRestore:
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
         infos, unreadable = self.local.infos()
         held = {str(s): info["held"] for s, info in infos.items()}
-        # the copies each step recorded (one where it recorded none or nonsense: the weakest durability)
-        copies = {str(s): info["copies"] if type(info.get("copies")) is int and info["copies"] >= 1 else 1
-                  for s, info in infos.items()}
+        copies = {str(s): tiers_plan.copies_of(info) for s, info in infos.items()}   # as durability= counts them
         newest = max(infos, default=None)
         room = saved_as = None
         if self.count > 1:
