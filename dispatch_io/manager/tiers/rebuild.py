@@ -1,0 +1,236 @@
+"""Parity in the local tier, the restore side: a lost process's regions rebuilt from its peers.
+
+A restore through the tiers gathers, with what each process holds, each step's parity section
+(``parity_plan``); :func:`augment` adds to the reports the regions parity can rebuild
+(``parity_plan.rebuilt_steps``): the lost process then "holds" them, and the plan routes them as
+its own. When a plan picks such a step, :func:`run` (every process together, once per step):
+
+* each holder of a lost process's piece ``j`` reads its parity rows (``<step>/parity``), each
+  other member of that group its own protected regions (its local copy), every read checked
+  against its CRC-32C as it is read (``checks.mismatched``), and XORs its piece into its slot of
+  one row of bytes (zeros elsewhere);
+* the rows travel over the devices (``scaleout.gather``: an all-gather over the job's carriers),
+  and each lost process XORs them together: its rows back, from which it cuts its regions by its
+  recorded layout and serves them from memory (:class:`RebuiltCopy`, a ``runner.Reader`` of them:
+  simpler than writing them to disk first, and nothing is read twice).
+
+A rebuilt region is not checked against a peer's manifest (its CRC-32Cs are of the peer's chunks):
+what it is rebuilt from was checked as read. A bad parity row or member region loses only the
+regions with a byte in the pieces it feeds (``parity_plan.hit``): they are reported bad, and the
+restore takes them from the next source (the root), or an older step.
+
+Costs: the members of a lost process's groups read their own regions once more than a restore
+reads them; every process holds the job's row (the lost processes' rows, padded) once per process
+while it is gathered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from absl import logging
+
+from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
+from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.manager.tiers import checks, local_steps, parity_plan
+from dispatch_io.manager.tiers.parity import PARITY, row_name
+from dispatch_io.manifest import parse as parse_manifest
+from dispatch_io.multihost import scaleout
+from dispatch_io.storage import Location
+from workers import ChunkError, ReadItem, Region, aligned_empty, crc32c, numpy_dtype
+
+
+def augment(gathered: dict, reports: dict, count: int) -> tuple[dict, dict]:
+    """Add to ``reports`` (process -> {step: {key path: set of regions}}) the regions parity rebuilds;
+    returns ({step: {lost process: {key path: regions}}}, {step: {process: its parity section}}).
+    ``gathered``: process -> {"held": {step: held JSON}, "parity": {step: local_steps.parity_report}}."""
+    by_process = {p: {int(s): {"held": held, **r.get("parity", {}).get(s, {})} for s, held in r["held"].items()}
+                  for p, r in gathered.items()}
+    lost = parity_plan.rebuilt_steps(by_process, count)
+    sections = {}
+    for step, rebuilt in lost.items():
+        sections[step] = {p: steps[step]["parity"] for p, steps in by_process.items()
+                          if step in steps and isinstance(steps[step].get("parity"), dict)}
+        for p, regions in rebuilt.items():
+            reports.setdefault(p, {})[step] = {k: set(v) for k, v in regions.items()}
+    return lost, sections
+
+
+@dataclasses.dataclass
+class RebuiltCopy(checks.LocalCopy):
+    """A lost process's copy of a step, rebuilt in memory: ``regions`` {key path: {stored bounds:
+    array}}; its manifest (``opened.manifest``) is a peer's without checksums (not of these bytes)."""
+
+    regions: dict = dataclasses.field(default_factory=dict)
+
+    def open_reader(self, runner):
+        return _MemoryReader(self.regions)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+    manifest: object
+
+
+class _MemoryReader:
+    """A ``runner.Reader`` of regions held in memory ({key path: {stored bounds: array}})."""
+
+    def __init__(self, regions: dict):
+        self._regions = regions
+
+    def _source(self, region: Region) -> np.ndarray:
+        for bounds, array in self._regions.get(region.keypath, {}).items():
+            if all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(region.bounds, bounds)):
+                return array[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(region.bounds, bounds))]
+        raise ChunkError(region.keypath, region.bounds, KeyError("not rebuilt"))
+
+    def read(self, items):
+        out = []
+        for item in items:
+            buffer = aligned_empty(item.shape, numpy_dtype(item.dtype))
+            for region, local in item.pieces:
+                buffer[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)] = self._source(region)
+            out.append(buffer)
+        return _done(out)
+
+    def checksums(self, regions):
+        return _done([crc32c(np.ascontiguousarray(self._source(region))) for region in regions])
+
+    def close(self):
+        pass
+
+
+def _done(value) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _read_checked(path: str, runner, wanted: list[tuple[str, tuple]]) -> dict:
+    """{(key path, stored bounds): array, or None if it cannot be read or fails its CRC-32C (logged)}
+    of the checkpoint at ``path`` (all None if it cannot be opened)."""
+    try:
+        opened = open_checkpoint(path)
+    except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
+        logging.warning("dispatch_io: %s is not used to rebuild a lost process: %s", path, exc)
+        return dict.fromkeys(wanted)
+    reader, found = runner.open_reader(opened.arrays, opened.context), {}
+    try:
+        for keypath, bounds in wanted:
+            saved = opened.manifest.by_keypath.get(keypath)
+            try:
+                if saved is None or saved.stored is None:
+                    raise KeyError(f"{keypath} is not in it")
+                shape = tuple(hi - lo for lo, hi in bounds)
+                item = ReadItem(((Region(saved.stored, bounds, keypath), tuple((0, n) for n in shape)),), shape,
+                                saved.stored.dtype)
+                array = reader.read([item]).result()[0]
+                wrong = checks.mismatched(saved, bounds, array) if saved.checksums else []
+                if wrong:
+                    raise CorruptCheckpointError(f"{len(wrong)} chunk(s) do not match their CRC-32C", keypath=keypath)
+                found[(keypath, bounds)] = array
+            except (KeyError, ChunkError, CorruptCheckpointError) as exc:
+                logging.warning("dispatch_io: %s %s of %s is not used to rebuild a lost process: %s", keypath,
+                                [list(b) for b in bounds], path, exc)
+                found[(keypath, bounds)] = None
+    finally:
+        reader.close()
+    return found
+
+
+def _stored(region, trail) -> tuple:
+    return tuple(tuple(b) for b in region) + tuple((0, n) for n in trail)
+
+
+def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
+        outputs_of) -> tuple[RebuiltCopy | None, dict]:
+    """Rebuild the ``lost`` processes' regions of ``step`` (every process together; see the module
+    doc). ``sections``: {process: its parity section}; ``having``: the processes with a copy of their
+    own; ``outputs_of(manifest)``: the restore's (treedef, outputs). Returns (this process's :class:`RebuiltCopy` if it is lost, else None; {key path: [region
+    as JSON]} of its regions that could not be rebuilt)."""
+    me, count = restore.process, restore.count
+    first = sections[min(sections)]
+    order, k, groups = tuple(first["ring"]), first["k"], first["groups"]
+    devices = len(first["layouts"][str(min(sections))][0])
+    layout = {p: next(s["layouts"][str(p)] for s in sections.values() if str(p) in s["layouts"]) for p in lost}
+    slots, size = {}, 0
+    for p in sorted(lost):
+        for g, group in enumerate(groups):
+            for i in range(devices):
+                slots[(p, g, i)], size = size, size + group["W"]
+    path = restore._root.step_path(step)
+    runner = restore.dispatcher.runner
+    mine = sections.get(me)
+    holding = [(p, j) for p in sorted(lost) for j, holder, _ in parity_plan.sources(order, k, p) if holder == me]
+    parts = [(p, j, i) for p in sorted(lost) for j, holder, others in parity_plan.sources(order, k, p)
+             for m, i in others if m == me]
+    row, bad = np.zeros(size, np.uint8), []
+    if holding:
+        names = [(row_name(g, i), ((0, 1), (0, groups[g]["W"] // k))) for g in range(len(groups)) for i in range(devices)]
+        rows = _read_checked(os.path.join(path, PARITY), runner, [(f"['{n}']", b) for n, b in names])
+        for p, j in holding:
+            for g, group in enumerate(groups):
+                width = group["W"] // k
+                for i in range(devices):
+                    data = rows[(f"['{row_name(g, i)}']", ((0, 1), (0, width)))]
+                    if data is None:
+                        bad.append((p, g, i, j))
+                        continue
+                    start = slots[(p, g, i)] + j * width
+                    row[start:start + width] ^= np.asarray(data).reshape(-1)
+    if parts and mine is not None:
+        own = mine["layouts"][str(me)]
+        wanted = {(kp, _stored(region, group["trail"][group["leaves"].index(kp)]))
+                  for g, group in enumerate(groups) for i in range(devices)
+                  for kp, region, _, _ in parity_plan.spans(group, own[g][i])}
+        read = _read_checked(path, runner, sorted(wanted))
+        for g, group in enumerate(groups):
+            width = group["W"] // k
+            for i in range(devices):
+                full, broken = np.zeros(group["W"], np.uint8), set()
+                for kp, region, offset, nbytes in parity_plan.spans(group, own[g][i]):
+                    data = read[(kp, _stored(region, group["trail"][group["leaves"].index(kp)]))]
+                    if data is None:
+                        broken |= {j for j in range(k) if offset < (j + 1) * width and j * width < offset + nbytes}
+                        continue
+                    full[offset:offset + nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                for p, j, piece in parts:
+                    if piece in broken:
+                        bad.append((p, g, i, j))
+                        continue
+                    start = slots[(p, g, i)] + j * width
+                    row[start:start + width] ^= full[piece * width:(piece + 1) * width]
+    manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
+    room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
+    bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
+    gathered = scaleout.gather(row, (tuple(range(count)),), scaleout.carriers(count))
+    if me not in lost:
+        return None, {}
+    data = np.bitwise_xor.reduce(gathered, axis=0)
+    failed: dict[str, list] = {}
+    regions: dict = {}
+    for g, group in enumerate(groups):
+        for i in range(devices):
+            pieces = {j for p, gg, ii, j in bad if (p, gg, ii) == (me, g, i)}
+            lose = set(parity_plan.hit(group, layout[me][g][i], k, pieces))
+            start = slots[(me, g, i)]
+            for kp, region, offset, nbytes in parity_plan.spans(group, layout[me][g][i]):
+                if (kp, region) in lose:
+                    failed.setdefault(kp, []).append([list(b) for b in region])
+                    continue
+                index = group["leaves"].index(kp)
+                shape = tuple(hi - lo for lo, hi in region) + tuple(group["trail"][index])
+                array = data[start + offset:start + offset + nbytes].view(numpy_dtype(group["dtypes"][index]))
+                regions.setdefault(kp, {})[_stored(region, group["trail"][index])] = array.reshape(shape)
+    described = parse_manifest(manifest, path)
+    described = dataclasses.replace(described, leaves=tuple(dataclasses.replace(leaf, checksums=None)
+                                                            for leaf in described.leaves))
+    copy = RebuiltCopy(_Opened(described), regions=regions)
+    copy.treedef, copy.outputs = outputs_of(described)
+    logging.info("dispatch_io: process %d's regions of local step %d rebuilt from parity (%d left out)", me, step,
+                 sum(len(v) for v in failed.values()))
+    return copy, failed
