@@ -1,0 +1,78 @@
+"""Parity in the local tier, in a real 4-process x 2-device pure-FSDP job (tests/job_fsdp_replicas.py
+with ``LocalTier(parity=2)``), killed for real, every restore compared byte for byte: each process
+keeps its share and 1/k of a row of parity; a process's local directory wiped, the job resumes its
+newest local step from the survivors' copies and parity with nothing read from the root; a flipped
+byte in a parity row sends only the regions it covers to the root."""
+
+import json
+import re
+import shutil
+
+import storage_helpers as sh
+from conftest import finish_job, kill_job, start_job, wait_for
+
+from dispatch_io.manager.tiers import parity_plan
+
+PARITY = {"DIO_TEST_PARITY": "2"}
+SHARE = (64 * 16 * 4 + 16 * 64 * 4 + 8 * 2 * 4) // 4    # w, m, k: a quarter on each process
+B, S = 32 * 4, 8 * 4 * 4                                  # b (everywhere), s (process 0's alone)
+
+
+def _run(root, local, mode):
+    outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode], extra=PARITY))
+    found = [(re.search(r"^steps (.*)$", out, re.M),
+              re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+)$", out, re.M),
+              re.search(r"^regions peer (\d+) persistent (\d+)$", out, re.M)) for out in outs]
+    assert all(all(f) for f in found), outs
+    return [(s[1], int(r[1]), r[2] == "True", int(r[3]), int(r[4]), int(r[5]), int(g[1]), int(g[2]))
+            for s, r, g in found]
+
+
+def _stored_bytes(path, keypaths):
+    return sum(v.length for keypath in keypaths for v in sh.chunks(path, keypath).values())
+
+
+def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    procs = start_job("job_fsdp_replicas.py", [root, local, "train"], extra=PARITY)
+    try:
+        for out in wait_for(procs, "step 9"):
+            assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
+    finally:
+        kill_job(procs)
+    info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
+    assert [(i["copies"], i["durability"]) for i in info] == [(1, "parity 2")] * 4, info
+    section = info[1]["parity"]
+    assert (section["k"], section["ring"]) == (2, [0, 2, 1, 3])     # domains (0, 0, 1, 1) interleaved
+    assert sorted(section["layouts"]) == ["0", "1", "3"]   # itself and the 2 it covers (positions 3, 0)
+    # Storage per process: its share, and its parity rows: W / k per device (W: its row, each leaf padded
+    # to its largest shard) -- about half its share here, against a full copy with replicas=1.
+    for p in range(4):
+        step = tmp_path / "local" / str(p) / "8"
+        own = _stored_bytes(step, ["['w']", "['m']", "['k']"])
+        rows = _stored_bytes(step / "parity", [f"['g0d{i}']" for i in range(2)])
+        assert own == SHARE and rows == parity_plan.storage(info[p]["parity"], 2) == (8 + 512 + 64 + 512) // 2 * 2
+        print(f"process {p}: share {own} B, parity {rows} B: {(own + rows) / own:.2f}x")
+        assert 1.4 < (own + rows) / own < 1.6
+    # Process 1's host is gone with its disk: the job lists step 8 as whole (parity rebuilds 1's regions),
+    # resumes it bit-exact, and reads nothing from the root.
+    shutil.rmtree(str(local).replace("{process}", "1"))
+    results = _run(root, local, "resume")
+    print("per process (steps, step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[0] == "{0: 'persisted', 2: 'parity 2', 4: 'parity 2', 6: 'persisted', 8: 'parity 2'}"
+               for r in results), results
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[1][3] == SHARE and results[1][5] == B, results    # 1: its share rebuilt, b from a peer
+    assert [r[3] for r in results] == [SHARE + B + S, SHARE, SHARE + B, SHARE + B], results
+    # A flipped byte in process 2's parity row of device position 0 at step 6 (persisted too; step 8 gone):
+    # process 2 covers piece 0 of process 1's rows (k's and m's bytes there), so process 1's k and m regions
+    # of its first device come from the root, the rest is rebuilt.
+    for p in (0, 2, 3):
+        shutil.rmtree(tmp_path / "local" / str(p) / "8")
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "2" / "6" / "parity", "['g0d0']")[(0, 0)])
+    results = _run(root, local, "resume")
+    print("per process (steps, step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[1:3] == (6, True) for r in results), results
+    assert [r[4] for r in results] == [0, 2 * 4 + 16 * 8 * 4, 0, 0], results   # k[2:3] and m[:, 16:24]
+    assert all(r[7] == 2 for r in results), results
+    assert results[1][3] == SHARE - 2 * 4 - 16 * 8 * 4, results
