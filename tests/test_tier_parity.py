@@ -9,7 +9,8 @@ import re
 import shutil
 
 import storage_helpers as sh
-from conftest import finish_job, kill_job, start_job, wait_for
+from conftest import finish_job, start_job
+from test_tier_multiprocess import train_fsdp
 
 from dispatch_io.manager.tiers import parity_plan
 
@@ -19,6 +20,8 @@ B, S = 32 * 4, 8 * 4 * 4                                  # b (everywhere), s (p
 
 
 def _run(root, local, mode):
+    """Run job_fsdp_replicas.py with parity to its end: each process's (listing, step, exact, bytes local,
+    persistent, received, regions from peers, from the root)."""
     outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode], extra=PARITY))
     found = [(re.search(r"^steps (.*)$", out, re.M),
               re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+)$", out, re.M),
@@ -34,12 +37,7 @@ def _stored_bytes(path, keypaths):
 
 def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
-    procs = start_job("job_fsdp_replicas.py", [root, local, "train"], extra=PARITY)
-    try:
-        for out in wait_for(procs, "step 9"):
-            assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
-    finally:
-        kill_job(procs)
+    train_fsdp(root, local, PARITY)
     info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
     assert [(i["copies"], i["durability"]) for i in info] == [(1, "parity 2")] * 4, info
     section = info[1]["parity"]

@@ -231,11 +231,13 @@ def check_save_keywords(dispatcher, save_kwargs: dict):
 
 def durability(local: "LocalTiers | None", step: int, persistent_steps) -> str | None:
     """``"persisted"`` if ``step`` is among ``persistent_steps``, else, if this process's local tier
-    ``local`` has it, ``"replicated k"`` or ``"local"`` (``tiers_plan.durability`` of its copies); None."""
+    ``local`` has it, ``"replicated k"``, ``"parity k"`` or ``"local"`` (``tiers_plan.durability`` of its
+    copies and parity); None."""
     if step in persistent_steps:
         return "persisted"
     info = local.infos()[0].get(step) if local is not None else None
-    return None if info is None else tiers_plan.durability(info.get("copies"), False)
+    parity = info.get("parity") if info is not None and isinstance(info.get("parity"), dict) else {}
+    return None if info is None else tiers_plan.durability(info.get("copies"), False, parity.get("k"))
 
 
 def read_item(local: "LocalTiers", step: int, name: str, persistent: str):

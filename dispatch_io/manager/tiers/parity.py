@@ -78,7 +78,7 @@ def encode(tree, order: tuple, k: int, domains, row_bytes: int = rows.ROW_BYTES)
     arrays, groups = {}, rows.groups(leaves, row_bytes, by_dtype=False)
     for g, group in enumerate(groups):
         total = sum(leaf.nbytes for leaf in group)
-        width = -(-total // k)
+        width = _row_bytes(group, k) // k
         shards = [{s.device: s.data for s in leaf.data.addressable_shards} for leaf in group]
         mine = [rows.row(group, d, shards, by_bytes=True, pad=width * k - total) for d in by_process[me]]
         parity = [None] * len(mine)
@@ -93,7 +93,7 @@ def encode(tree, order: tuple, k: int, domains, row_bytes: int = rows.ROW_BYTES)
                 parity[i] = shard.data if parity[i] is None else _xor(parity[i], shard.data)
         for i, data in enumerate(parity):
             arrays[row_name(g, i)] = data
-    return arrays, record(groups, order, k, by_process, width_of=lambda group: -(-sum(x.nbytes for x in group) // k) * k)
+    return arrays, record(groups, order, k, by_process)
 
 
 def row_name(group: int, device: int) -> str:
@@ -101,7 +101,12 @@ def row_name(group: int, device: int) -> str:
     return f"g{group}d{device}"
 
 
-def record(groups: list, order: tuple, k: int, by_process: dict, width_of) -> dict:
+def _row_bytes(group: list, k: int) -> int:
+    """``W``: the bytes of a row of ``group`` (its leaves' widths), padded to a multiple of ``k``."""
+    return -(-sum(leaf.nbytes for leaf in group) // k) * k
+
+
+def record(groups: list, order: tuple, k: int, by_process: dict) -> dict:
     """The step info's ``"parity"`` section (see ``parity_plan``): ``k``, the ring, the groups (leaves,
     byte offsets and widths, item sizes, key-data trailing dimensions, ``W``), and the layouts of this
     process and of the ``k`` it covers."""
@@ -113,7 +118,7 @@ def record(groups: list, order: tuple, k: int, by_process: dict, width_of) -> di
                           "widths": [leaf.nbytes for leaf in group],
                           "itemsize": [leaf.data.dtype.itemsize for leaf in group],
                           "dtypes": [leaf.data.dtype.name for leaf in group],
-                          "trail": [list(leaf.data.shape[leaf.ndim:]) for leaf in group], "W": width_of(group)})
+                          "trail": [list(leaf.data.shape[leaf.ndim:]) for leaf in group], "W": _row_bytes(group, k)})
 
     def layout(p):
         return [[[None if d not in leaf.places else [list(b) for b in leaf.places[d][:leaf.ndim]] for leaf in group]

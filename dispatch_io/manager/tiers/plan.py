@@ -243,8 +243,8 @@ def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) 
     (:func:`durability` of the fewest copies any process recorded for it).
 
     ``reports``: process -> {step: {"held": {key path: [region, ...]} (:func:`local_record`'s JSON),
-    "shapes": {key path: shape}, "copies": int, "parity": its parity section, if any}}. A local step is whole if, for every leaf of the
-    shapes any process recorded, the regions all processes hold make up the whole leaf (:func:`_cover`:
+    "shapes": {key path: shape}, "copies": int, "parity": its parity section, if any}}. A local step is
+    whole if, for every leaf of the shapes any process recorded, the regions all processes hold make up the whole leaf (:func:`_cover`:
     on any mesh); a step no process recorded shapes for is not listed (a restore with a target still
     finds it)."""
     steps = {step: durability(None, True) for step in persistent_steps}

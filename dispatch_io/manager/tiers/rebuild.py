@@ -142,90 +142,109 @@ def _read_checked(path: str, runner, wanted: list[tuple[str, tuple]]) -> dict:
     return found
 
 
-def _stored(region, trail) -> tuple:
-    return tuple(tuple(b) for b in region) + tuple((0, n) for n in trail)
+def _stored(group: dict, keypath: str, region) -> tuple:
+    """The stored bounds of ``region`` of ``keypath`` (a leaf of ``group``): PRNG keys' data has more dimensions."""
+    return tuple(tuple(b) for b in region) + tuple((0, n) for n in group["trail"][group["leaves"].index(keypath)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """The job's row of one rebuild: a slot of ``W`` bytes per (lost process, row group, device
+    position); each process XORs its pieces into the slots, zeros elsewhere."""
+
+    k: int
+    groups: list
+    devices: int
+    slots: dict       # (lost process, group, device position) -> its slot's offset
+    size: int
+
+    @classmethod
+    def of(cls, k: int, groups: list, devices: int, lost) -> "_Row":
+        slots, size = {}, 0
+        for p in sorted(lost):
+            for g, group in enumerate(groups):
+                for i in range(devices):
+                    slots[(p, g, i)], size = size, size + group["W"]
+        return cls(k, groups, devices, slots, size)
+
+    def cells(self):
+        """(group index, group, device position, piece width) of every row of a process."""
+        for g, group in enumerate(self.groups):
+            for i in range(self.devices):
+                yield g, group, i, group["W"] // self.k
+
+    def add(self, row: np.ndarray, lost: int, g: int, i: int, j: int, piece: np.ndarray):
+        """XOR ``piece`` into piece ``j`` of ``lost``'s slot (group ``g``, device position ``i``) of ``row``."""
+        start = self.slots[(lost, g, i)] + j * piece.size
+        row[start:start + piece.size] ^= piece
+
+
+def _holder_part(row: np.ndarray, layout: _Row, path: str, runner, holding: list) -> list:
+    """XOR this process's parity rows (``<path>/parity``, CRC-checked) into ``row`` for the pieces it
+    holds (``holding``: (lost process, piece j)); the (lost, group, device, j) of those it could not read."""
+    wanted = {(g, i): (f"['{row_name(g, i)}']", ((0, 1), (0, width))) for g, _, i, width in layout.cells()}
+    rows, bad = _read_checked(os.path.join(path, PARITY), runner, sorted(wanted.values())), []
+    for p, j in holding:
+        for g, _, i, _ in layout.cells():
+            data = rows[wanted[(g, i)]]
+            if data is None:
+                bad.append((p, g, i, j))
+            else:
+                layout.add(row, p, g, i, j, np.asarray(data).reshape(-1))
+    return bad
+
+
+def _member_part(row: np.ndarray, layout: _Row, path: str, runner, own: list, parts: list) -> list:
+    """XOR this process's own pieces (its rows, packed from its own regions by its layout ``own``, read
+    from its copy at ``path``, CRC-checked) into ``row`` (``parts``: (lost process, piece j of theirs,
+    piece of this process's row)); the (lost, group, device, j) of those with a byte it could not read."""
+    wanted = {(kp, _stored(group, kp, region)) for g, group, i, _ in layout.cells()
+              for kp, region, _, _ in parity_plan.spans(group, own[g][i])}
+    read, bad = _read_checked(path, runner, sorted(wanted)), []
+    for g, group, i, width in layout.cells():
+        full, broken = np.zeros(group["W"], np.uint8), set()
+        for kp, region, offset, nbytes in parity_plan.spans(group, own[g][i]):
+            data = read[(kp, _stored(group, kp, region))]
+            if data is None:
+                broken |= {j for j in range(layout.k) if offset < (j + 1) * width and j * width < offset + nbytes}
+            else:
+                full[offset:offset + nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        for p, j, piece in parts:
+            if piece in broken:
+                bad.append((p, g, i, j))
+            else:
+                layout.add(row, p, g, i, j, full[piece * width:(piece + 1) * width])
+    return bad
 
 
 def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
         outputs_of) -> tuple[RebuiltCopy | None, dict]:
     """Rebuild the ``lost`` processes' regions of ``step`` (every process together; see the module
-    doc). ``sections``: {process: its parity section}; ``having``: the processes with a copy of their
-    own; ``outputs_of(manifest)``: the restore's (treedef, outputs). Returns (this process's :class:`RebuiltCopy` if it is lost, else None; {key path: [region
-    as JSON]} of its regions that could not be rebuilt)."""
+    doc). ``sections``: {process: its parity section}; ``having``: the processes with a copy of
+    their own; ``outputs_of(manifest)``: the restore's (treedef, outputs). Returns (this process's
+    :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
+    could not be rebuilt)."""
     me, count = restore.process, restore.count
     first = sections[min(sections)]
     order, k, groups = tuple(first["ring"]), first["k"], first["groups"]
-    devices = len(first["layouts"][str(min(sections))][0])
-    layout = {p: next(s["layouts"][str(p)] for s in sections.values() if str(p) in s["layouts"]) for p in lost}
-    slots, size = {}, 0
-    for p in sorted(lost):
-        for g, group in enumerate(groups):
-            for i in range(devices):
-                slots[(p, g, i)], size = size, size + group["W"]
-    path = restore._root.step_path(step)
-    runner = restore.dispatcher.runner
-    mine = sections.get(me)
-    holding = [(p, j) for p in sorted(lost) for j, holder, _ in parity_plan.sources(order, k, p) if holder == me]
-    parts = [(p, j, i) for p in sorted(lost) for j, holder, others in parity_plan.sources(order, k, p)
-             for m, i in others if m == me]
-    row, bad = np.zeros(size, np.uint8), []
+    layout = _Row.of(k, groups, len(first["layouts"][str(min(sections))][0]), lost)
+    path, runner = restore._root.step_path(step), restore.dispatcher.runner
+    sources = [(p, j, holder, others) for p in sorted(lost) for j, holder, others in parity_plan.sources(order, k, p)]
+    holding = [(p, j) for p, j, holder, _ in sources if holder == me]
+    parts = [(p, j, i) for p, j, _, others in sources for m, i in others if m == me]
+    row, bad = np.zeros(layout.size, np.uint8), []
     if holding:
-        names = [(row_name(g, i), ((0, 1), (0, groups[g]["W"] // k))) for g in range(len(groups)) for i in range(devices)]
-        rows = _read_checked(os.path.join(path, PARITY), runner, [(f"['{n}']", b) for n, b in names])
-        for p, j in holding:
-            for g, group in enumerate(groups):
-                width = group["W"] // k
-                for i in range(devices):
-                    data = rows[(f"['{row_name(g, i)}']", ((0, 1), (0, width)))]
-                    if data is None:
-                        bad.append((p, g, i, j))
-                        continue
-                    start = slots[(p, g, i)] + j * width
-                    row[start:start + width] ^= np.asarray(data).reshape(-1)
-    if parts and mine is not None:
-        own = mine["layouts"][str(me)]
-        wanted = {(kp, _stored(region, group["trail"][group["leaves"].index(kp)]))
-                  for g, group in enumerate(groups) for i in range(devices)
-                  for kp, region, _, _ in parity_plan.spans(group, own[g][i])}
-        read = _read_checked(path, runner, sorted(wanted))
-        for g, group in enumerate(groups):
-            width = group["W"] // k
-            for i in range(devices):
-                full, broken = np.zeros(group["W"], np.uint8), set()
-                for kp, region, offset, nbytes in parity_plan.spans(group, own[g][i]):
-                    data = read[(kp, _stored(region, group["trail"][group["leaves"].index(kp)]))]
-                    if data is None:
-                        broken |= {j for j in range(k) if offset < (j + 1) * width and j * width < offset + nbytes}
-                        continue
-                    full[offset:offset + nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-                for p, j, piece in parts:
-                    if piece in broken:
-                        bad.append((p, g, i, j))
-                        continue
-                    start = slots[(p, g, i)] + j * width
-                    row[start:start + width] ^= full[piece * width:(piece + 1) * width]
+        bad += _holder_part(row, layout, path, runner, holding)
+    if parts:
+        bad += _member_part(row, layout, path, runner, sections[me]["layouts"][str(me)], parts)
     manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
     room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
     bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
     gathered = scaleout.gather(row, (tuple(range(count)),), scaleout.carriers(count))
     if me not in lost:
         return None, {}
-    data = np.bitwise_xor.reduce(gathered, axis=0)
-    failed: dict[str, list] = {}
-    regions: dict = {}
-    for g, group in enumerate(groups):
-        for i in range(devices):
-            pieces = {j for p, gg, ii, j in bad if (p, gg, ii) == (me, g, i)}
-            lose = set(parity_plan.hit(group, layout[me][g][i], k, pieces))
-            start = slots[(me, g, i)]
-            for kp, region, offset, nbytes in parity_plan.spans(group, layout[me][g][i]):
-                if (kp, region) in lose:
-                    failed.setdefault(kp, []).append([list(b) for b in region])
-                    continue
-                index = group["leaves"].index(kp)
-                shape = tuple(hi - lo for lo, hi in region) + tuple(group["trail"][index])
-                array = data[start + offset:start + offset + nbytes].view(numpy_dtype(group["dtypes"][index]))
-                regions.setdefault(kp, {})[_stored(region, group["trail"][index])] = array.reshape(shape)
+    mine = next(s["layouts"][str(me)] for s in sections.values() if str(me) in s["layouts"])
+    regions, failed = _cut(np.bitwise_xor.reduce(gathered, axis=0), layout, me, mine, bad)
     described = parse_manifest(manifest, path)
     described = dataclasses.replace(described, leaves=tuple(dataclasses.replace(leaf, checksums=None)
                                                             for leaf in described.leaves))
@@ -234,3 +253,22 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     logging.info("dispatch_io: process %d's regions of local step %d rebuilt from parity (%d left out)", me, step,
                  sum(len(v) for v in failed.values()))
     return copy, failed
+
+
+def _cut(data: np.ndarray, layout: _Row, me: int, mine: list, bad: list) -> tuple[dict, dict]:
+    """({key path: {stored bounds: array}} of this lost process's regions cut out of its rebuilt rows
+    ``data`` by its layout ``mine``, {key path: [region as JSON]} of those with a byte in a bad piece)."""
+    regions, failed = {}, {}
+    for g, group, i, _ in layout.cells():
+        pieces = {j for p, gg, ii, j in bad if (p, gg, ii) == (me, g, i)}
+        lose = set(parity_plan.hit(group, mine[g][i], layout.k, pieces))
+        start = layout.slots[(me, g, i)]
+        for kp, region, offset, nbytes in parity_plan.spans(group, mine[g][i]):
+            if (kp, region) in lose:
+                failed.setdefault(kp, []).append([list(b) for b in region])
+                continue
+            stored = _stored(group, kp, region)
+            dtype = numpy_dtype(group["dtypes"][group["leaves"].index(kp)])
+            array = data[start + offset:start + offset + nbytes].view(dtype)
+            regions.setdefault(kp, {})[stored] = array.reshape(tuple(hi - lo for lo, hi in stored))
+    return regions, failed
