@@ -94,3 +94,11 @@ def test_choices_it_cannot_keep_are_refused_by_name():
     with pytest.raises(ValueError, match="at least 5 processes"):
         pp.check(4, 4)
     assert pp.check(3, 4) == 3
+    import dispatch_io as dio
+    with pytest.raises(ValueError, match="replicas=1"):
+        dio.LocalTier("/tmp/local/{process}", parity=1)
+    with pytest.raises(ValueError, match="choose one"):
+        dio.LocalTier("/tmp/local/{process}", parity=2, replicas=1)
+    with pytest.raises(ValueError, match="an integer >= 2"):
+        dio.LocalTier("/tmp/local/{process}", parity="2")
+    assert dio.LocalTier("/tmp/local/{process}", parity=None).parity is None   # no parity, as parity=0

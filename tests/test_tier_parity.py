@@ -17,6 +17,7 @@ from dispatch_io.manager.tiers import parity_plan
 PARITY = {"DIO_TEST_PARITY": "2"}
 SHARE = (64 * 16 * 4 + 16 * 64 * 4 + 8 * 2 * 4) // 4    # w, m, k: a quarter on each process
 B, S = 32 * 4, 8 * 4 * 4                                  # b (everywhere), s (process 0's alone)
+ROWS = (8 + 512 + 64 + 512) * 2     # a process's rows: k, m, s, w each padded to its largest shard; 2 devices
 
 
 def _run(root, local, mode):
@@ -49,18 +50,20 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
         step = tmp_path / "local" / str(p) / "8"
         own = _stored_bytes(step, ["['w']", "['m']", "['k']"])
         rows = _stored_bytes(step / "parity", [f"['g0d{i}']" for i in range(2)])
-        assert own == SHARE and rows == parity_plan.storage(info[p]["parity"], 2) == (8 + 512 + 64 + 512) // 2 * 2
+        assert own == SHARE and rows == parity_plan.storage(info[p]["parity"], 2) == ROWS // 2
         print(f"process {p}: share {own} B, parity {rows} B: {(own + rows) / own:.2f}x")
         assert 1.4 < (own + rows) / own < 1.6
     # Process 1's host is gone with its disk: the job lists step 8 as whole (parity rebuilds 1's regions),
-    # resumes it bit-exact, and reads nothing from the root.
+    # resumes it bit-exact, and reads nothing from the root. The rebuild's row (process 1's rows, each
+    # process's pieces XORed in) is all-gathered: every process receives the 3 others'.
     shutil.rmtree(str(local).replace("{process}", "1"))
     results = _run(root, local, "resume")
     print("per process (steps, step, exact, local, persistent, received, peer regions, persistent regions):", results)
     assert all(r[0] == "{0: 'persisted', 2: 'parity 2', 4: 'parity 2', 6: 'persisted', 8: 'parity 2'}"
                for r in results), results
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
-    assert results[1][3] == SHARE and results[1][5] == B, results    # 1: its share rebuilt, b from a peer
+    assert results[1][3] == SHARE, results                            # 1: its share rebuilt (read from memory),
+    assert [r[5] for r in results] == [3 * ROWS + B * (p == 1) for p in range(4)], results  # b from a peer
     assert [r[3] for r in results] == [SHARE + B + S, SHARE, SHARE + B, SHARE + B], results
     # A flipped byte in process 2's parity row of device position 0 at step 6 (persisted too; step 8 gone):
     # process 2 covers piece 0 of process 1's rows (k's and m's bytes there), so process 1's k and m regions

@@ -28,9 +28,10 @@ from typing import Mapping, Sequence
 from dispatch_io.manager.tiers import plan as tiers_plan
 
 
-def check(k, count: int, replicas: int = 0) -> int:
-    """``k`` if a job of ``count`` processes can keep parity of groups of ``k`` (an integer >= 2,
-    ``k + 1 <= count``, no replicas too); ValueError naming what to choose otherwise."""
+def check(k, count: int | None, replicas: int = 0) -> int:
+    """``k`` if a job of ``count`` processes (None: not known yet) can keep parity of groups of
+    ``k`` (an integer >= 2, ``k + 1 <= count``, no replicas too); ValueError naming what to choose
+    otherwise."""
     if type(k) is not int or k < 2:
         raise ValueError(f"LocalTier(parity={k!r}): an integer >= 2, the processes a parity row covers "
                          "(for a full copy of each region, parity=1 would be replicas=1: use that)")
@@ -38,7 +39,7 @@ def check(k, count: int, replicas: int = 0) -> int:
         raise ValueError(f"LocalTier(parity={k}, replicas={replicas}): choose one -- replicas (full copies: "
                          "survive any `replicas` lost processes) or parity (one lost process per group, at 1/k "
                          "the storage)")
-    if count < k + 1:
+    if count is not None and count < k + 1:
         raise ValueError(f"LocalTier(parity={k}) needs at least {k + 1} processes (each parity row covers {k} "
                          f"others); the job has {count}: use a smaller parity, or replicas=1")
     return k

@@ -218,12 +218,12 @@ def _member_part(row: np.ndarray, layout: _Row, path: str, runner, own: list, pa
 
 
 def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
-        outputs_of) -> tuple[RebuiltCopy | None, dict]:
+        outputs_of) -> tuple[RebuiltCopy | None, dict, int]:
     """Rebuild the ``lost`` processes' regions of ``step`` (every process together; see the module
     doc). ``sections``: {process: its parity section}; ``having``: the processes with a copy of
     their own; ``outputs_of(manifest)``: the restore's (treedef, outputs). Returns (this process's
     :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
-    could not be rebuilt)."""
+    could not be rebuilt; the bytes it received from the others)."""
     me, count = restore.process, restore.count
     first = sections[min(sections)]
     order, k, groups = tuple(first["ring"]), first["k"], first["groups"]
@@ -241,8 +241,9 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
     bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
     gathered = scaleout.gather(row, (tuple(range(count)),), scaleout.carriers(count))
+    received = (count - 1) * layout.size
     if me not in lost:
-        return None, {}
+        return None, {}, received
     mine = next(s["layouts"][str(me)] for s in sections.values() if str(me) in s["layouts"])
     regions, failed = _cut(np.bitwise_xor.reduce(gathered, axis=0), layout, me, mine, bad)
     described = parse_manifest(manifest, path)
@@ -252,7 +253,7 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     copy.treedef, copy.outputs = outputs_of(described)
     logging.info("dispatch_io: process %d's regions of local step %d rebuilt from parity (%d left out)", me, step,
                  sum(len(v) for v in failed.values()))
-    return copy, failed
+    return copy, failed, received
 
 
 def _cut(data: np.ndarray, layout: _Row, me: int, mine: list, bad: list) -> tuple[dict, dict]:

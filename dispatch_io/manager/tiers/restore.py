@@ -33,7 +33,8 @@ from dispatch_io.storage import Location
 class TierRestoreStats:
     """What a restore through the tiers did, in this process: the step, how many regions came
     from a peer / persistent storage (job-wide), and the bytes this process read from its own
-    local copy, read from persistent storage, and received from other processes."""
+    local copy (a process rebuilt from parity: from its rebuilt copy, in memory), read from persistent
+    storage, and received from other processes (a parity rebuild's rows too)."""
 
     step: int
     peer_regions: int
@@ -167,7 +168,8 @@ class TierRestore:
             return {}
         self.rebuilt[step] = set(lost)
         having = sorted(p for p, steps in reports.items() if step in steps and p not in lost)
-        copy, bad = rebuild.run(self, step, lost, self._sections[step], having, fill.room, fill.outputs_of)
+        copy, bad, received = rebuild.run(self, step, lost, self._sections[step], having, fill.room, fill.outputs_of)
+        fill.received += received
         if copy is not None:
             self._copies[step] = copy
         return bad

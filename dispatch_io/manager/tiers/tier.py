@@ -75,7 +75,7 @@ class LocalTier:
         policies.check(self.keep_policy, "keep")
         policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
         if self.parity:   # 0 / None: no parity
-            parity_plan.check(self.parity, self.parity + 1, self.replicas)
+            parity_plan.check(self.parity, None, self.replicas)   # the job's size: when a manager opens
         if self.domains is not None:
             object.__setattr__(self, "domains", replicas.domains_of(self.domains))
 
