@@ -9,10 +9,12 @@ its own. When a plan picks such a step, :func:`run` (every process together, onc
   other member of that group its own protected regions (its local copy), every read checked
   against its CRC-32C as it is read (``checks.mismatched``), and XORs its piece into its slot of
   one row of bytes (zeros elsewhere);
-* the rows travel over the devices (``scaleout.gather``: an all-gather over the job's carriers),
-  and each lost process XORs them together: its rows back, from which it cuts its regions by its
-  recorded layout and serves them from memory (:class:`RebuiltCopy`, a ``runner.Reader`` of them:
-  simpler than writing them to disk first, and nothing is read twice).
+* the rows travel over the devices, one round per ring offset between a lost process and the
+  processes that feed it (at most ``2k - 1``; :func:`_shift`: a permuted ``jax.device_put`` of one
+  row per process, each sending its pieces for the process that many places back), and each lost
+  process XORs what it receives: its rows back, from which it cuts its regions by its recorded
+  layout and serves them from memory (:class:`RebuiltCopy`, a ``runner.Reader`` of them: simpler
+  than writing them to disk first, and nothing is read twice).
 
 A rebuilt region is not checked against a peer's manifest (its CRC-32Cs are of the peer's chunks):
 what it is rebuilt from was checked as read. A bad parity row or member region loses only the
@@ -20,8 +22,8 @@ regions with a byte in the pieces it feeds (``parity_plan.hit``): they are repor
 restore takes them from the next source (the root), or an older step.
 
 Costs: the members of a lost process's groups read their own regions once more than a restore
-reads them; every process holds the job's row (the lost processes' rows, padded) once per process
-while it is gathered.
+reads them; each round moves one row (a process's rows: its protected share, padded) per process,
+whatever the job's size; a process feeding several lost processes holds a row for each.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from absl import logging
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import checks, local_steps, parity_plan
+from dispatch_io.manager.tiers import rows as rows_lib
 from dispatch_io.manager.tiers.parity import PARITY, row_name
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.multihost import scaleout
@@ -148,73 +151,82 @@ def _stored(group: dict, keypath: str, region) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Row:
-    """The job's row of one rebuild: a slot of ``W`` bytes per (lost process, row group, device
-    position); each process XORs its pieces into the slots, zeros elsewhere."""
+class _Rows:
+    """A process's rows laid out in one buffer of bytes: a slot of ``W`` bytes per (row group, device
+    position), each cut into ``k`` pieces."""
 
     k: int
     groups: list
     devices: int
-    slots: dict       # (lost process, group, device position) -> its slot's offset
-    size: int
-
-    @classmethod
-    def of(cls, k: int, groups: list, devices: int, lost) -> "_Row":
-        slots, size = {}, 0
-        for p in sorted(lost):
-            for g, group in enumerate(groups):
-                for i in range(devices):
-                    slots[(p, g, i)], size = size, size + group["W"]
-        return cls(k, groups, devices, slots, size)
 
     def cells(self):
-        """(group index, group, device position, piece width) of every row of a process."""
+        """(group index, group, device position, offset of its slot, piece width) of every row."""
+        offset = 0
         for g, group in enumerate(self.groups):
             for i in range(self.devices):
-                yield g, group, i, group["W"] // self.k
+                yield g, group, i, offset, group["W"] // self.k
+                offset += group["W"]
 
-    def add(self, row: np.ndarray, lost: int, g: int, i: int, j: int, piece: np.ndarray):
-        """XOR ``piece`` into piece ``j`` of ``lost``'s slot (group ``g``, device position ``i``) of ``row``."""
-        start = self.slots[(lost, g, i)] + j * piece.size
+    @property
+    def size(self) -> int:
+        return sum(group["W"] for group in self.groups) * self.devices
+
+    def add(self, row: np.ndarray, offset: int, j: int, piece: np.ndarray):
+        """XOR ``piece`` into piece ``j`` of the slot at ``offset`` of ``row``."""
+        start = offset + j * piece.size
         row[start:start + piece.size] ^= piece
 
 
-def _holder_part(row: np.ndarray, layout: _Row, path: str, runner, holding: list) -> list:
-    """XOR this process's parity rows (``<path>/parity``, CRC-checked) into ``row`` for the pieces it
-    holds (``holding``: (lost process, piece j)); the (lost, group, device, j) of those it could not read."""
-    wanted = {(g, i): (f"['{row_name(g, i)}']", ((0, 1), (0, width))) for g, _, i, width in layout.cells()}
-    rows, bad = _read_checked(os.path.join(path, PARITY), runner, sorted(wanted.values())), []
+def _holder_part(out: dict, rows: _Rows, path: str, runner, holding: list) -> list:
+    """XOR this process's parity rows (``<path>/parity``, CRC-checked) into ``out`` ({lost process: its
+    rows}) for the pieces it holds (``holding``: (lost process, piece j)); the (lost, group, device, j)
+    of those it could not read."""
+    wanted = {(g, i): (f"['{row_name(g, i)}']", ((0, 1), (0, width))) for g, _, i, _, width in rows.cells()}
+    read, bad = _read_checked(os.path.join(path, PARITY), runner, sorted(wanted.values())), []
     for p, j in holding:
-        for g, _, i, _ in layout.cells():
-            data = rows[wanted[(g, i)]]
+        for g, _, i, offset, _ in rows.cells():
+            data = read[wanted[(g, i)]]
             if data is None:
                 bad.append((p, g, i, j))
             else:
-                layout.add(row, p, g, i, j, np.asarray(data).reshape(-1))
+                rows.add(out[p], offset, j, np.asarray(data).reshape(-1))
     return bad
 
 
-def _member_part(row: np.ndarray, layout: _Row, path: str, runner, own: list, parts: list) -> list:
+def _member_part(out: dict, rows: _Rows, path: str, runner, own: list, parts: list) -> list:
     """XOR this process's own pieces (its rows, packed from its own regions by its layout ``own``, read
-    from its copy at ``path``, CRC-checked) into ``row`` (``parts``: (lost process, piece j of theirs,
-    piece of this process's row)); the (lost, group, device, j) of those with a byte it could not read."""
-    wanted = {(kp, _stored(group, kp, region)) for g, group, i, _ in layout.cells()
+    from its copy at ``path``, CRC-checked) into ``out`` ({lost process: its rows}; ``parts``: (lost
+    process, piece j of theirs, piece of this process's row)); the (lost, group, device, j) of those with
+    a byte it could not read."""
+    wanted = {(kp, _stored(group, kp, region)) for g, group, i, _, _ in rows.cells()
               for kp, region, _, _ in parity_plan.spans(group, own[g][i])}
     read, bad = _read_checked(path, runner, sorted(wanted)), []
-    for g, group, i, width in layout.cells():
+    for g, group, i, offset, width in rows.cells():
         full, broken = np.zeros(group["W"], np.uint8), set()
-        for kp, region, offset, nbytes in parity_plan.spans(group, own[g][i]):
+        for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]):
             data = read[(kp, _stored(group, kp, region))]
             if data is None:
-                broken |= {j for j in range(layout.k) if offset < (j + 1) * width and j * width < offset + nbytes}
+                broken |= {j for j in range(rows.k) if start < (j + 1) * width and j * width < start + nbytes}
             else:
-                full[offset:offset + nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                full[start:start + nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         for p, j, piece in parts:
             if piece in broken:
                 bad.append((p, g, i, j))
             else:
-                layout.add(row, p, g, i, j, full[piece * width:(piece + 1) * width])
+                rows.add(out[p], offset, j, full[piece * width:(piece + 1) * width])
     return bad
+
+
+def _shift(row: np.ndarray, order: tuple, d: int) -> np.ndarray:
+    """Every process's ``row`` sent to the process ``d`` places back in the ring ``order``, over the
+    devices (one permuted ``jax.device_put`` of a row per process's first device: a collective
+    permute); the row this process receives. Every process calls it together."""
+    carriers, n = scaleout.carriers(len(order)), len(order)
+    position = {p: t for t, p in enumerate(order)}
+    mine = jax.device_put(row[None], carriers[jax.process_index()])
+    sent = jax.make_array_from_single_device_arrays((n, row.size), rows_lib.sharding(carriers), [mine])
+    moved = jax.device_put(sent, rows_lib.sharding([carriers[order[(position[p] - d) % n]] for p in range(n)]))
+    return np.asarray(moved.addressable_shards[0].data)[0]
 
 
 def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
@@ -224,28 +236,35 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     their own; ``outputs_of(manifest)``: the restore's (treedef, outputs). Returns (this process's
     :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
     could not be rebuilt; the bytes it received from the others)."""
-    me, count = restore.process, restore.count
+    me = restore.process
     first = sections[min(sections)]
-    order, k, groups = tuple(first["ring"]), first["k"], first["groups"]
-    layout = _Row.of(k, groups, len(first["layouts"][str(min(sections))][0]), lost)
+    order, k = tuple(first["ring"]), first["k"]
+    layout = _Rows(k, first["groups"], len(first["layouts"][str(min(sections))][0]))
     path, runner = restore._root.step_path(step), restore.dispatcher.runner
     sources = [(p, j, holder, others) for p in sorted(lost) for j, holder, others in parity_plan.sources(order, k, p)]
     holding = [(p, j) for p, j, holder, _ in sources if holder == me]
     parts = [(p, j, i) for p, j, _, others in sources for m, i in others if m == me]
-    row, bad = np.zeros(layout.size, np.uint8), []
-    if holding:
-        bad += _holder_part(row, layout, path, runner, holding)
+    out = {p: np.zeros(layout.size, np.uint8) for p in {p for p, *_ in holding + parts}}
+    bad = _holder_part(out, layout, path, runner, holding) if holding else []
     if parts:
-        bad += _member_part(row, layout, path, runner, sections[me]["layouts"][str(me)], parts)
+        bad += _member_part(out, layout, path, runner, sections[me]["layouts"][str(me)], parts)
     manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
     room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
     bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
-    gathered = scaleout.gather(row, (tuple(range(count)),), scaleout.carriers(count))
-    received = (count - 1) * layout.size
-    if me not in lost:
-        return None, {}, received
+    # One round per ring offset between a lost process and a process contributing to it (at most 2k - 1):
+    # each process sends its pieces for the process d places back (zeros if none), a lost one XORs them.
+    position, n = {p: t for t, p in enumerate(order)}, len(order)
+    offsets = sorted({(position[c] - position[p]) % n for p, _, holder, others in sources
+                      for c in (holder, *(m for m, _ in others))})
+    data = np.zeros(layout.size, np.uint8) if me in lost else None
+    for d in offsets:
+        received = _shift(out.get(order[(position[me] - d) % n], np.zeros(layout.size, np.uint8)), order, d)
+        if data is not None:
+            np.bitwise_xor(data, received, out=data)
+    if data is None:
+        return None, {}, len(offsets) * layout.size
     mine = next(s["layouts"][str(me)] for s in sections.values() if str(me) in s["layouts"])
-    regions, failed = _cut(np.bitwise_xor.reduce(gathered, axis=0), layout, me, mine, bad)
+    regions, failed = _cut(data, layout, me, mine, bad)
     described = parse_manifest(manifest, path)
     described = dataclasses.replace(described, leaves=tuple(dataclasses.replace(leaf, checksums=None)
                                                             for leaf in described.leaves))
@@ -253,23 +272,22 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     copy.treedef, copy.outputs = outputs_of(described)
     logging.info("dispatch_io: process %d's regions of local step %d rebuilt from parity (%d left out)", me, step,
                  sum(len(v) for v in failed.values()))
-    return copy, failed, received
+    return copy, failed, len(offsets) * layout.size
 
 
-def _cut(data: np.ndarray, layout: _Row, me: int, mine: list, bad: list) -> tuple[dict, dict]:
+def _cut(data: np.ndarray, rows: _Rows, me: int, mine: list, bad: list) -> tuple[dict, dict]:
     """({key path: {stored bounds: array}} of this lost process's regions cut out of its rebuilt rows
     ``data`` by its layout ``mine``, {key path: [region as JSON]} of those with a byte in a bad piece)."""
     regions, failed = {}, {}
-    for g, group, i, _ in layout.cells():
+    for g, group, i, slot, _ in rows.cells():
         pieces = {j for p, gg, ii, j in bad if (p, gg, ii) == (me, g, i)}
-        lose = set(parity_plan.hit(group, mine[g][i], layout.k, pieces))
-        start = layout.slots[(me, g, i)]
+        lose = set(parity_plan.hit(group, mine[g][i], rows.k, pieces))
         for kp, region, offset, nbytes in parity_plan.spans(group, mine[g][i]):
             if (kp, region) in lose:
                 failed.setdefault(kp, []).append([list(b) for b in region])
                 continue
             stored = _stored(group, kp, region)
             dtype = numpy_dtype(group["dtypes"][group["leaves"].index(kp)])
-            array = data[start + offset:start + offset + nbytes].view(dtype)
+            array = data[slot + offset:slot + offset + nbytes].view(dtype)
             regions.setdefault(kp, {})[stored] = array.reshape(tuple(hi - lo for lo, hi in stored))
     return regions, failed
