@@ -102,3 +102,11 @@ def test_choices_it_cannot_keep_are_refused_by_name():
     with pytest.raises(ValueError, match="an integer >= 2"):
         dio.LocalTier("/tmp/local/{process}", parity="2")
     assert dio.LocalTier("/tmp/local/{process}", parity=None).parity is None   # no parity, as parity=0
+
+
+def test_a_step_whose_parity_did_not_commit_everywhere_is_not_called_parity():
+    reports = {p: {8: {**r, "held": {"w": [[[2 * p, 2 * p + 2]]]}, "shapes": {"w": [8]}, "copies": 1}}
+               for p, r in _reports(4, 2, set(), committed={0, 1, 2}).items()}
+    assert tiers_plan.whole_steps(reports, []) == {8: "local"}
+    reports[3][8]["committed"] = True
+    assert tiers_plan.whole_steps(reports, []) == {8: "parity 2"}

@@ -243,9 +243,10 @@ def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) 
     (:func:`durability` of the fewest copies any process recorded for it).
 
     ``reports``: process -> {step: {"held": {key path: [region, ...]} (:func:`local_record`'s JSON),
-    "shapes": {key path: shape}, "copies": int, "parity": its parity section, if any}}. A local step is
-    whole if, for every leaf of the shapes any process recorded, the regions all processes hold make up the whole leaf (:func:`_cover`:
-    on any mesh); a step no process recorded shapes for is not listed (a restore with a target still
+    "shapes": {key path: shape}, "copies": int, "parity": its parity section, if any, "committed": whether
+    its parity rows are}} (``"parity k"`` only where every process's are). A local step is whole if,
+    for every leaf of the shapes any process recorded, the regions all processes hold make up the
+    whole leaf (:func:`_cover`: on any mesh); a step no process recorded shapes for is not listed (a restore with a target still
     finds it)."""
     steps = {step: durability(None, True) for step in persistent_steps}
     local = collections.defaultdict(dict)   # step -> {process: its report}
@@ -261,7 +262,7 @@ def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) 
                 and all(_cover(tuple((0, n) for n in shape), {p: h.get(keypath, ()) for p, h in held.items()})
                         for keypath, shape in shapes.items()):
             copies = [r.get("copies") for r in by_process.values()]
-            parity = [r.get("parity") for r in by_process.values()]
+            parity = [r.get("parity") if r.get("committed", True) else None for r in by_process.values()]
             steps[step] = durability(min((c for c in copies if type(c) is int), default=None)
                                      if all(type(c) is int for c in copies) else None, False,
                                      parity[0].get("k") if all(isinstance(x, Mapping) for x in parity) else None)
