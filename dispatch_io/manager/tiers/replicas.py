@@ -93,8 +93,8 @@ def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple[int,
 
 def decisions(tier, count: int, timeout: float) -> SharedDecisions:
     """The local save decisions: process 0's, shared, for a clock-reading save policy with
-    replicas (every process must send its copies at the same steps: each ``send`` is a
-    collective) or with a clock-reading keep policy (each save's time is process 0's, shared in
+    replicas or parity (every process must send its copies or pieces at the same steps: each
+    ``send`` / ``parity.encode`` is a collective) or with a clock-reading keep policy (each save's time is process 0's, shared in
     save order: ``decisions.SharedClock``); else each process's own, the same everywhere by construction."""
     policy, keep = tier.save_policy, tier.keep_policy
     agreed = tier.replicas or tier.parity or (keep is not None and keep.uses_clock)
