@@ -2,7 +2,8 @@
 with ``LocalTier(parity=2)``), killed for real, every restore compared byte for byte: each process
 keeps its share and 1/k of a row of parity; a process's local directory wiped, the job resumes its
 newest local step from the survivors' copies and parity with nothing read from the root; a flipped
-byte in a parity row sends only the regions it covers to the root."""
+byte in a parity row, or in a member's own region, sends only the rebuilt regions it feeds (and that
+member's region) to the root."""
 
 import json
 import re
@@ -65,15 +66,20 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
     assert results[1][3] == SHARE, results                            # 1: its share rebuilt (read from memory),
     assert [r[5] for r in results] == [3 * ROWS + B * (p == 1) for p in range(4)], results  # b from a peer
     assert [r[3] for r in results] == [SHARE + B + S, SHARE, SHARE + B, SHARE + B], results
-    # A flipped byte in process 2's parity row of device position 0 at step 6 (persisted too; step 8 gone):
+    # At step 6 (persisted too; step 8 gone), a flipped byte in process 2's parity row of device position 0:
     # process 2 covers piece 0 of process 1's rows (k's and m's bytes there), so process 1's k and m regions
-    # of its first device come from the root, the rest is rebuilt.
+    # of its first device come from the root; and one in process 3's own w region of its second device,
+    # which feeds piece 0 of process 1's rows there (through process 2's group): k and m of process 1's
+    # second device from the root too -- and that w region of process 3's (its own read fails its check).
+    # The rest of process 1's share is rebuilt.
     for p in (0, 2, 3):
         shutil.rmtree(tmp_path / "local" / str(p) / "8")
     sh.flip_byte(sh.chunks(tmp_path / "local" / "2" / "6" / "parity", "['g0d0']")[(0, 0)])
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "3" / "6", "['w']")[(7, 0)])    # rows 56:64, process 3's device 7
     results = _run(root, local, "resume")
     print("per process (steps, step, exact, local, persistent, received, peer regions, persistent regions):", results)
     assert all(r[1:3] == (6, True) for r in results), results
-    assert [r[4] for r in results] == [0, 2 * 4 + 16 * 8 * 4, 0, 0], results   # k[2:3] and m[:, 16:24]
-    assert all(r[7] == 2 for r in results), results
-    assert results[1][3] == SHARE - 2 * 4 - 16 * 8 * 4, results
+    km = 2 * 4 + 16 * 8 * 4                                  # a device's k[i:i+1] and m[:, 8i:8i+8]
+    assert [r[4] for r in results] == [0, 2 * km, 0, 8 * 16 * 4], results
+    assert all(r[7] == 5 for r in results), results
+    assert results[1][3] == SHARE - 2 * km, results
