@@ -55,8 +55,7 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
         print(f"process {p}: share {own} B, parity {rows} B: {(own + rows) / own:.2f}x")
         assert 1.4 < (own + rows) / own < 1.6
     # Process 1's host is gone with its disk: the job lists step 8 as whole (parity rebuilds 1's regions),
-    # resumes it bit-exact, and reads nothing from the root. The rebuild's row (process 1's rows, each
-    # process's pieces XORed in) is all-gathered: every process receives the 3 others'.
+    # resumes it bit-exact, and reads nothing from the root.
     shutil.rmtree(str(local).replace("{process}", "1"))
     results = _run(root, local, "resume")
     print("per process (steps, step, exact, local, persistent, received, peer regions, persistent regions):", results)
@@ -64,7 +63,8 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
                for r in results), results
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
     assert results[1][3] == SHARE, results                            # 1: its share rebuilt (read from memory),
-    assert [r[5] for r in results] == [3 * ROWS + B * (p == 1) for p in range(4)], results  # b from a peer
+    # 1 receives its rows' pieces from the 3 others, one round each (each swaps back 1's row of zeros), b from a peer
+    assert [r[5] for r in results] == [ROWS, 3 * ROWS + B, ROWS, ROWS], results
     assert [r[3] for r in results] == [SHARE + B + S, SHARE, SHARE + B, SHARE + B], results
     # At step 6 (persisted too; step 8 gone), a flipped byte in process 2's parity row of device position 0:
     # process 2 covers piece 0 of process 1's rows (k's and m's bytes there), so process 1's k and m regions

@@ -10,9 +10,9 @@ its own. When a plan picks such a step, :func:`run` (every process together, onc
   against its CRC-32C as it is read (``checks.mismatched``), and XORs its piece into its slot of
   one row of bytes (zeros elsewhere);
 * the rows travel over the devices, one round per ring offset between a lost process and the
-  processes that feed it (at most ``2k - 1``; :func:`_shift`: a permuted ``jax.device_put`` of one
-  row per process, each sending its pieces for the process that many places back), and each lost
-  process XORs what it receives: its rows back, from which it cuts its regions by its recorded
+  processes that feed it (at most ``2k - 1``; :func:`_swap`: in each round the process that many
+  places on swaps rows with the lost one -- a permuted ``jax.device_put`` among those two alone),
+  and each lost process XORs what it receives: its rows back, from which it cuts its regions by its recorded
   layout and serves them from memory (:class:`RebuiltCopy`, a ``runner.Reader`` of them: simpler
   than writing them to disk first, and nothing is read twice).
 
@@ -22,8 +22,8 @@ regions with a byte in the pieces it feeds (``parity_plan.hit``): they are repor
 restore takes them from the next source (the root), or an older step.
 
 Costs: the members of a lost process's groups read their own regions once more than a restore
-reads them; each round moves one row (a process's rows: its protected share, padded) per process,
-whatever the job's size; a process feeding several lost processes holds a row for each.
+reads them; each round moves two rows (a lost process's rows: its protected share, padded) per
+lost process, whatever the job's size; a process feeding several lost processes holds a row for each.
 """
 
 from __future__ import annotations
@@ -217,15 +217,17 @@ def _member_part(out: dict, rows: _Rows, path: str, runner, own: list, parts: li
     return bad
 
 
-def _shift(row: np.ndarray, order: tuple, d: int) -> np.ndarray:
-    """Every process's ``row`` sent to the process ``d`` places back in the ring ``order``, over the
-    devices (one permuted ``jax.device_put`` of a row per process's first device: a collective
-    permute); the row this process receives. Every process calls it together."""
-    carriers, n = scaleout.carriers(len(order)), len(order)
-    position = {p: t for t, p in enumerate(order)}
+def _swap(row: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
+    """Each (sender, receiver) of ``pairs`` (disjoint) swaps its ``row`` with the other, over their
+    first devices (one permuted ``jax.device_put`` of a row per process of the pairs: a collective
+    permute among them alone); the row this process receives. The processes of ``pairs`` call it
+    together; the others take no part."""
+    carriers = scaleout.carriers(jax.process_count())
+    order = [p for pair in pairs for p in pair]
     mine = jax.device_put(row[None], carriers[jax.process_index()])
-    sent = jax.make_array_from_single_device_arrays((n, row.size), rows_lib.sharding(carriers), [mine])
-    moved = jax.device_put(sent, rows_lib.sharding([carriers[order[(position[p] - d) % n]] for p in range(n)]))
+    sent = jax.make_array_from_single_device_arrays((len(order), row.size), rows_lib.sharding(
+        [carriers[p] for p in order]), [mine])
+    moved = jax.device_put(sent, rows_lib.sharding([carriers[p] for a, b in pairs for p in (b, a)]))
     return np.asarray(moved.addressable_shards[0].data)[0]
 
 
@@ -251,18 +253,25 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
     room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
     bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
-    # One round per ring offset between a lost process and a process contributing to it (at most 2k - 1):
-    # each process sends its pieces for the process d places back (zeros if none), a lost one XORs them.
+    # One round per ring offset d between a lost process and a process feeding it (at most 2k - 1): the
+    # process d places on sends its pieces to the lost one, which XORs them (the pairs of a round are disjoint).
     position, n = {p: t for t, p in enumerate(order)}, len(order)
-    offsets = sorted({(position[c] - position[p]) % n for p, _, holder, others in sources
-                      for c in (holder, *(m for m, _ in others))})
-    data = np.zeros(layout.size, np.uint8) if me in lost else None
-    for d in offsets:
-        received = _shift(out.get(order[(position[me] - d) % n], np.zeros(layout.size, np.uint8)), order, d)
+    rounds: dict = {}
+    for p, _, holder, others in sources:
+        for c in (holder, *(m for m, _ in others)):
+            rounds.setdefault((position[c] - position[p]) % n, set()).add((c, p))
+    data, received = np.zeros(layout.size, np.uint8) if me in lost else None, 0
+    for d in sorted(rounds):
+        pairs = sorted(rounds[d])
+        partner = next((a if b == me else b for a, b in pairs if me in (a, b)), None)
+        if partner is None:
+            continue
+        got = _swap(out.get(partner, np.zeros(layout.size, np.uint8)), pairs)
+        received += got.size
         if data is not None:
-            np.bitwise_xor(data, received, out=data)
+            np.bitwise_xor(data, got, out=data)
     if data is None:
-        return None, {}, len(offsets) * layout.size
+        return None, {}, received
     mine = next(s["layouts"][str(me)] for s in sections.values() if str(me) in s["layouts"])
     regions, failed = _cut(data, layout, me, mine, bad)
     described = parse_manifest(manifest, path)
@@ -272,7 +281,7 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     copy.treedef, copy.outputs = outputs_of(described)
     logging.info("dispatch_io: process %d's regions of local step %d rebuilt from parity (%d left out)", me, step,
                  sum(len(v) for v in failed.values()))
-    return copy, failed, len(offsets) * layout.size
+    return copy, failed, received
 
 
 def _cut(data: np.ndarray, rows: _Rows, me: int, mine: list, bad: list) -> tuple[dict, dict]:
