@@ -7,13 +7,13 @@ its own. When a plan picks such a step, :func:`run` (every process together, onc
 
 * each holder of a lost process's piece ``j`` reads its parity rows (``<step>/parity``), each
   other member of that group its own protected regions (its local copy), every read checked
-  against its CRC-32C as it is read (``checks.mismatched``), and XORs its piece into its slot of
-  one row of bytes (zeros elsewhere);
+  against its CRC-32C as it is read (``checks.mismatched``), and XORs its pieces into a row (the
+  lost process's rows, zeros elsewhere) per lost process it feeds;
 * the rows travel over the devices, one round per ring offset between a lost process and the
   processes that feed it (at most ``2k - 1``; :func:`_swap`: in each round the process that many
-  places on swaps rows with the lost one -- a permuted ``jax.device_put`` among those two alone),
-  and each lost process XORs what it receives: its rows back, from which it cuts its regions by its recorded
-  layout and serves them from memory (:class:`RebuiltCopy`, a ``runner.Reader`` of them: simpler
+  places on swaps rows with the lost one -- a permuted ``jax.device_put`` among the round's pairs
+  alone), and each lost process XORs what it receives: its rows back, from which it cuts its
+  regions by its recorded layout and serves them from memory (:class:`RebuiltCopy`, a ``runner.Reader`` of them: simpler
   than writing them to disk first, and nothing is read twice).
 
 A rebuilt region is not checked against a peer's manifest (its CRC-32Cs are of the peer's chunks):
