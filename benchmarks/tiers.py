@@ -1,6 +1,6 @@
 """Multi-tier benchmark: a real multi-process job with a local tier beside a persistent root.
 
-    python benchmarks/tiers.py --mib 1024 --reps 3 [--mesh 2,4] [--replicas 0] [--priority sync]
+    python benchmarks/tiers.py --mib 1024 --reps 3 [--mesh 2,4] [--replicas 0 | --parity K] [--priority sync]
 
 A ``jax.distributed`` job of ``--processes`` processes x 2 CPU devices on this machine, mesh
 (data, fsdp) (``--mesh``; default 2,4: each region is held by the 2 processes of its data
@@ -26,7 +26,10 @@ service before each timed call (after one untimed save of each kind):
 
 ``--replicas N`` passes ``replicas=N`` and ``domains=`` (``--domains``; default: hosts of 2
 processes, 0,0,1,1, so process 1's copies go to the other host) to ``LocalTier``, only when N > 0;
-a build that refuses them is reported and nothing is run. The processes share this machine's
+a build that refuses them is reported and nothing is run. ``--parity K`` passes ``parity=K``
+(and ``domains=``) instead: with ``--mesh 1,8`` (pure FSDP, every region on one process) it
+compares the storage, save and restore after a lost process of parity with ``--replicas 1``
+(parity needs K + 1 processes: K = 4 needs ``--processes 5``). The processes share this machine's
 disk and cores, so the local tier's advantage of independent disks per host does not show here:
 the bytes per source are what carries over to a cluster, the seconds are this machine's. Raw per-process results go to stdout as JSON lines, medians
 [min-max] over the repetitions (wall: the slowest process's) as Markdown tables.
@@ -102,6 +105,7 @@ def child(args):
                                      barrier_timeout=600, progress=False)
     local_path = os.path.join(args.local_dir, "{process}")
     extra = {"replicas": args.replicas, "domains": args.domains} if args.replicas > 0 else {}
+    extra = {"parity": args.parity, "domains": args.domains} if args.parity > 0 else extra
     persist_never = policies.EveryNSteps(10 ** 9)   # steps 1..: only force=True saves persistently
 
     def manager(local):
@@ -168,7 +172,8 @@ def main():
     parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
     parser.add_argument("--mesh", default="2,4", help="data,fsdp (their product: processes x devices)")
     parser.add_argument("--replicas", type=int, default=0, help="LocalTier(replicas=N), passed only when N > 0")
-    parser.add_argument("--domains", default="", help="with --replicas: the failure domain of each process, "
+    parser.add_argument("--parity", type=int, default=0, help="LocalTier(parity=K), passed only when K > 0")
+    parser.add_argument("--domains", default="", help="with --replicas / --parity: the failure domain of each process, "
                         "comma-separated (default: hosts of 2 processes, 0,0,1,1)")
     parser.add_argument("--mib", type=int, default=1024, help="state size (logical, every region once)")
     parser.add_argument("--budget-mib", type=int, default=256, help="host memory budget of each process")
@@ -194,13 +199,14 @@ def main():
         return child(args)
     if len(args.mesh) != 2 or args.mesh[0] * args.mesh[1] != args.processes * args.devices:
         parser.error(f"--mesh {args.mesh}: data x fsdp must be processes x devices = {args.processes * args.devices}")
-    if args.replicas > 0:
+    if args.replicas > 0 or args.parity > 0:
         sys.path.insert(0, ROOT)
         import dispatch_io as dio
+        chosen = {"replicas": args.replicas} if args.replicas > 0 else {"parity": args.parity}
         try:
-            dio.LocalTier(os.path.join(args.dir, "local", "{process}"), replicas=args.replicas, domains=args.domains)
+            dio.LocalTier(os.path.join(args.dir, "local", "{process}"), domains=args.domains, **chosen)
         except (TypeError, ValueError) as exc:
-            print(f"replicas={args.replicas}: skipped, this build refuses it: {exc}")
+            print(f"{chosen}: skipped, this build refuses it: {exc}")
             return
     for scratch in (args.dir, args.local_dir):
         shutil.rmtree(scratch, ignore_errors=True)
@@ -208,7 +214,7 @@ def main():
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     command = [sys.executable, __file__, "--child", "--port", str(free_port()),
                "--checksums" if args.checksums else "--no-checksums"] + [
-        a for name in ("processes", "devices", "replicas", "mib", "budget_mib", "priority", "reps", "dir",
+        a for name in ("processes", "devices", "replicas", "parity", "mib", "budget_mib", "priority", "reps", "dir",
                                   "local_dir")
         for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))] + [
         "--mesh", ",".join(map(str, args.mesh)), "--domains", ",".join(args.domains)]
@@ -233,8 +239,8 @@ LABELS = {"tiers_whole": "through the tiers, no copy lost", "tiers": "through th
 def report(results, args, seconds):
     data, fsdp = args.mesh
     print(f"\n{args.processes} processes x {args.devices} CPU devices, mesh (data={data}, fsdp={fsdp}), "
-          f"{args.mib} MiB state, replicas={args.replicas}"
-          f"{' domains ' + ','.join(args.domains) if args.replicas else ''}, budget {args.budget_mib} MiB/process, "
+          f"{args.mib} MiB state, replicas={args.replicas}, parity={args.parity}"
+          f"{' domains ' + ','.join(args.domains) if args.replicas or args.parity else ''}, budget {args.budget_mib} MiB/process, "
           f"priority {args.priority}, checksums {args.checksums}, {args.reps} reps, {seconds:.0f} s in all")
     print("\n| save | blocked s (slowest process) | wall s to committed (slowest process) |\n|---|---|---|")
     for kind in ("local", "persistent"):

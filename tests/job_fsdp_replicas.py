@@ -15,6 +15,10 @@ likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved r
 ``clock``: local saves by ``EveryNSeconds(25)`` with clocks that disagree (process 1's twice as
 fast); prints ``local steps [...]``. MODE ``promote``: as
 ``resume``, then promotes that step to the root and restores it from there: ``promoted STEP exact BOOL written W``.
+
+With ``DIO_TEST_PARITY=K`` the tier keeps parity of groups of K instead of the replica
+(``LocalTier(parity=K)``); ``resume`` then first prints ``steps {step: durability}`` (the job's
+listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` (TierRestoreStats).
 """
 
 import os
@@ -30,11 +34,12 @@ from job_states import JobState
 process, port, root, local, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
 mesh = jax.make_mesh((8,), ("fsdp",))
-STATE = JobState(keys=True, big=True)
-target = STATE.target(jax.make_mesh((2, 4), ("data", "fsdp")) if mode == "reshard" else mesh)
 now = [0.0]   # MODE clock: each process's clock, at 10 s a step -- process 1's runs twice as fast
 local_policy = policies.EveryNSeconds(25) if mode == "clock" else policies.EveryNSteps(2)
-tier = dio.LocalTier(local, save_policy=local_policy, replicas=1, domains=(0, 0, 1, 1))
+parity = int(os.environ.get("DIO_TEST_PARITY", 0))
+STATE = JobState(keys=True, big=not parity)   # big: bytes read measurable (replicas); parity's tests count small leaves
+target = STATE.target(jax.make_mesh((2, 4), ("data", "fsdp")) if mode == "reshard" else mesh)
+tier = dio.LocalTier(local, save_policy=local_policy, replicas=0 if parity else 1, parity=parity, domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier,
                            clock=lambda: now[0]) as mgr:
@@ -54,6 +59,8 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 mgr.wait()
                 print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
+    if parity:
+        print(f"steps {mgr.steps()}", flush=True)
     for _ in range(2):  # the second restore's bytes read from /proc/self/io (the first reads modules as well)
         with open("/proc/self/io") as f:
             rchar = -int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
@@ -64,6 +71,8 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
     exact = STATE.exact(restored, s.step)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
           f"received {s.bytes_received} rchar {rchar}", flush=True)
+    if parity:
+        print(f"regions peer {s.peer_regions} persistent {s.persistent_regions}", flush=True)
     if mode == "promote":  # from the copies that survive, replicas included
         written, exact = STATE.promoted(mgr, s.step, target)
         print(f"promoted {s.step} exact {exact} written {written}", flush=True)

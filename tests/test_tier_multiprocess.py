@@ -51,9 +51,19 @@ B, S = 32 * 4, 8 * 4 * 4                                                      # 
 B, S = 32 * 4, 8 * 4 * 4                                                      # b (everywhere), s (process 0's)
 
 
-def _start_fsdp(root, local, mode):
-    """The 4 processes of job_fsdp_replicas.py."""
-    return start_job("job_fsdp_replicas.py", [root, local, mode])
+def _start_fsdp(root, local, mode, extra=None):
+    """The 4 processes of job_fsdp_replicas.py (``extra``: environment, e.g. DIO_TEST_PARITY)."""
+    return start_job("job_fsdp_replicas.py", [root, local, mode], extra=extra)
+
+
+def train_fsdp(root, local, extra=None):
+    """job_fsdp_replicas.py to step 9 (local saves 0, 2, .., 8; persistent 0, 6), then SIGKILL every process."""
+    procs = _start_fsdp(root, local, "train", extra)
+    try:
+        for out in wait_for(procs, "step 9"):
+            assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
+    finally:
+        kill_job(procs)
 
 
 def _resumed_fsdp(outs):
@@ -252,12 +262,7 @@ def test_processes_sharing_one_local_path_are_told_or_kept_apart(tmp_path):
 
 def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
-    procs = _start_fsdp(root, local, "train")
-    try:
-        for out in wait_for(procs, "step 9"):
-            assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
-    finally:
-        kill_job(procs)
+    train_fsdp(root, local)
     info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
     assert [(i["copies"], i["domains"], i["durability"]) for i in info] == [(2, 2, "replicated 2")] * 4, info
     # Process 2 keeps process 0's regions (the replica goes to the other host), s (process 0's alone) too.

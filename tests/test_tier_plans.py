@@ -142,16 +142,21 @@ def test_replicas_needed_counts_data_parallel_replicas():
 
 
 def test_leaves_travel_in_rows_of_one_dtype_within_the_row_budget():
-    """``replicas._groups``: one group per dtype while the row fits; a larger leaf travels alone."""
+    """``rows.groups``: one group per dtype while the row fits; a larger leaf travels alone; rows of
+    bytes (parity's) take every dtype."""
     from types import SimpleNamespace
 
     import numpy as np
 
-    from dispatch_io.manager.tiers.replicas import _groups
+    from dispatch_io.manager.tiers.rows import Leaf, groups
 
     def leaf(name, dtype, width):
-        return SimpleNamespace(keypath=name, data=SimpleNamespace(dtype=np.dtype(dtype)), width=width)
+        return Leaf(name, SimpleNamespace(dtype=np.dtype(dtype)), {}, width, 1, 1)
+
+    def _groups(leaves, row_bytes, by_dtype=True):
+        return groups(leaves, row_bytes, by_dtype)
 
     leaves = [leaf("a", "f4", 10), leaf("b", "i4", 10), leaf("c", "f4", 10), leaf("d", "f4", 100), leaf("e", "f4", 1)]
     assert [[x.keypath for x in g] for g in _groups(leaves, row_bytes=80)] == [["a", "c"], ["d"], ["e"], ["b"]]
     assert [[x.keypath for x in g] for g in _groups(leaves, row_bytes=1 << 20)] == [["a", "c", "d", "e"], ["b"]]
+    assert [[x.keypath for x in g] for g in _groups(leaves, 80, by_dtype=False)] == [["a", "b"], ["c"], ["d"], ["e"]]

@@ -4,9 +4,13 @@ Pure plans first, then the runtime that uses them:
 
 * ``plan``: what a local step records holding; where a restore reads each region (pure);
 * ``replica_plan``: which peers keep copies of which regions (pure);
+* ``parity_plan``: who keeps the XOR of whose pieces, and what a lost process is rebuilt from (pure);
 * ``promote_plan``: a persistent step assembled from the local copies (pure);
 * ``local_steps``: what local steps hold on disk, and the job-wide view of them;
+* ``rows``: packing shards of many leaves into rows that travel in one collective;
 * ``replicas``: moving regions to the peers that keep their copies;
+* ``parity``: making each process's parity rows on the devices at a local save;
+* ``rebuild``: a lost process's regions rebuilt from its peers' copies and parity;
 * ``restore``: a restore mixing the tiers (own copy, a peer's, persistent storage);
 * ``checks``: a restore's CRC-32C checks of local copies (in memory as they are read);
 * ``promotion``: turning a local step into a persistent one without the devices;

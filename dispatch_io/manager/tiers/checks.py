@@ -66,13 +66,8 @@ class ReadCheck:
             return self._leave_out(out, region, f"{self.display}: cannot read {array}")
         if not checkable(out, region):
             return True
-        data, bounds, wrong = np.asarray(array), out.stored_bounds(region) if stored is None else stored, []
         # a cell reaching past ``bounds`` (a piece cut across chunks) reads short and fails: never passed unchecked
-        for grid, cell in reading.stored_cells(out.saved.stored, bounds):
-            crc = crc32c(data[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(cell, bounds))])
-            expected = out.saved.checksums.get(tuple(grid))
-            if crc != expected:
-                wrong.append((keypath, grid, cell, expected, crc))
+        wrong = mismatched(out.saved, out.stored_bounds(region) if stored is None else stored, array)
         if not wrong:
             if self.copy is not None and stored is None:  # checked: a later plan reading it for others need not
                 self.copy.checked.add((keypath, region))
@@ -85,6 +80,19 @@ class ReadCheck:
         if [list(b) for b in region] not in found:   # one entry per region, however many of its pieces failed
             found.append([list(b) for b in region])
         return False
+
+
+def mismatched(saved, bounds, array) -> list[tuple]:
+    """(key path, grid index, stored region, saved CRC-32C, read CRC-32C) of each stored chunk of
+    ``saved`` (a manifest's leaf, with checksums; its chunks inside ``bounds``) whose bytes in
+    ``array`` (the stored region ``bounds``, just read) do not match its CRC-32C."""
+    data, wrong = np.asarray(array), []
+    for grid, cell in reading.stored_cells(saved.stored, bounds):
+        crc = crc32c(data[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(cell, bounds))])
+        expected = saved.checksums.get(tuple(grid))
+        if crc != expected:
+            wrong.append((saved.keypath, grid, cell, expected, crc))
+    return wrong
 
 
 def before_read(plan: tiers_plan.TierPlan, process: int, outputs: dict, held: dict) -> list[tuple]:
@@ -139,6 +147,10 @@ class LocalCopy:
             return cls(None)
         return cls(opened, *outputs_of(opened.manifest))
 
+    def open_reader(self, runner):
+        """A reader of this copy's arrays (``runner.open_reader``)."""
+        return runner.open_reader(self.opened.arrays, self.opened.context)
+
     def bad(self, dispatcher, wanted: list[tuple]) -> dict[str, list]:
         """{key path: [held region]} of the ``wanted`` (:func:`before_read`) a stored chunk of which
         fails its CRC-32C or cannot be read (logged); each region checked once per restore. A copy
@@ -146,7 +158,7 @@ class LocalCopy:
         wanted = [w for w in wanted if (w[0].saved.keypath, w[1]) not in self.checked]
         if not wanted or not self.opened.manifest.has_checksums:  # saved without checksums: nothing to check against
             return {}
-        reader = dispatcher.runner.open_reader(self.opened.arrays, self.opened.context)
+        reader = self.open_reader(dispatcher.runner)
         progress = Progress("verify", self.opened.display, enabled=False)
         found: dict[str, list] = {}
         try:

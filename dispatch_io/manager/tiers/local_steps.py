@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from absl import logging
 
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager.tiers import parity_plan, plan as tiers_plan
+from dispatch_io.manager.tiers.parity import PARITY
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import BarrierTimeoutError, CorruptCheckpointError
 from dispatch_io.manager import info as info_lib
@@ -123,8 +124,8 @@ def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, s
     hold, with process 0's listing of the root, so every process gets the same list (as
     ``should_save`` answers alike). BarrierTimeoutError naming a process that does not come."""
     infos = local.infos()[0]
-    mine = {str(step): {"held": info["held"], "shapes": info.get("shapes"), "copies": info.get("copies")}
-            for step, info in infos.items()}
+    mine = {str(step): {"held": info["held"], "shapes": info.get("shapes"), "copies": info.get("copies"),
+                        **parity_report(local.root, step, info)} for step, info in infos.items()}
     if local.count == 1:
         return tiers_plan.whole_steps({local.process: infos}, persistent_steps)
     template = local.tier.process_path("{process}")
@@ -136,8 +137,22 @@ def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, s
     gathered = room.gather("held")
     persistent = room.from_leader("persistent")
     room.close()
-    return tiers_plan.whole_steps({p: {int(s): r for s, r in held.items()} for p, held in gathered.items()},
-                                  persistent)
+    reports = {p: {int(s): r for s, r in held.items()} for p, held in gathered.items()}
+    for step, lost in parity_plan.rebuilt_steps(reports, local.count).items():   # parity rebuilds them
+        present = next(held[step] for held in reports.values() if step in held)
+        for p, regions in lost.items():
+            reports.setdefault(p, {})[step] = {**present, "held": {k: [[list(b) for b in r] for r in sorted(v)]
+                                                                   for k, v in regions.items()}}
+    return tiers_plan.whole_steps(reports, persistent)
+
+
+def parity_report(root: StepRoot, step: int, info: dict) -> dict:
+    """What local ``step`` (``info``: its info) tells the job of its parity: {"parity": its section
+    (``parity_plan``), "committed": whether its parity rows are}, or {} without parity."""
+    if not isinstance(info.get("parity"), dict):
+        return {}
+    path = os.path.join(root.step_path(step), PARITY)
+    return {"parity": info["parity"], "committed": Location.parse(path).is_committed()}
 
 
 def check_apart(template: str, path: str, process: int, count: int, timeout: float,
@@ -216,11 +231,13 @@ def check_save_keywords(dispatcher, save_kwargs: dict):
 
 def durability(local: "LocalTiers | None", step: int, persistent_steps) -> str | None:
     """``"persisted"`` if ``step`` is among ``persistent_steps``, else, if this process's local tier
-    ``local`` has it, ``"replicated k"`` or ``"local"`` (``tiers_plan.durability`` of its copies); None."""
+    ``local`` has it, ``"replicated k"``, ``"parity k"`` or ``"local"`` (``tiers_plan.durability`` of its
+    copies and parity); None."""
     if step in persistent_steps:
         return "persisted"
     info = local.infos()[0].get(step) if local is not None else None
-    return None if info is None else tiers_plan.durability(info.get("copies"), False)
+    parity = info.get("parity") if info is not None and isinstance(info.get("parity"), dict) else {}
+    return None if info is None else tiers_plan.durability(info.get("copies"), False, parity.get("k"))
 
 
 def read_item(local: "LocalTiers", step: int, name: str, persistent: str):

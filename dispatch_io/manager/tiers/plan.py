@@ -44,7 +44,7 @@ def _json(region) -> list:
 
 
 def local_record(tree, process: int, count: int, moves: Mapping[str, Sequence[tuple]] | None = None,
-                 domains=None) -> dict:
+                 domains=None, parity: Mapping | None = None) -> dict:
     """What a local step of ``tree`` saved by ``process`` (of ``count``) records in its info, from
     the shardings alone (one pass over the leaves, no device data): ``"sharded"`` {key path:
     [region, ...]} its devices hold (host leaves: every process), ``"held"`` the same with the
@@ -54,7 +54,8 @@ def local_record(tree, process: int, count: int, moves: Mapping[str, Sequence[tu
     processes / failure domains (``domains[process]``; None: one per process) holding any region
     once every process saved it -- k copies survive any k - 1 lost processes, in k domains any
     k - 1 lost hosts --, ``"durability"`` (:func:`durability`) and ``"shapes"`` {key path: the leaf's
-    logical shape}, so the job can tell a step whole without a target (:func:`whole_steps`)."""
+    logical shape}, so the job can tell a step whole without a target (:func:`whole_steps`);
+    ``"parity"``: the step's parity section (``parity_plan``), if it keeps parity rows."""
     domains = list(range(count)) if domains is None else domains
     sharded: dict[str, list] = {}
     held: dict[str, list] = {}
@@ -71,17 +72,30 @@ def local_record(tree, process: int, count: int, moves: Mapping[str, Sequence[tu
                 held.setdefault(keypath, []).append(_json(region))
             if every is not None:
                 copies, spread = min(copies, len(every)), min(spread, len({domains[p] for p in every}))
-    return {"copies": copies, "domains": spread, "durability": durability(copies, False), "sharded": sharded,
-            "held": held, "shapes": shapes}
+    k = parity["k"] if parity else None
+    return {"copies": copies, "domains": spread, "durability": durability(copies, False, k), "sharded": sharded,
+            "held": held, "shapes": shapes, **({"parity": parity} if parity else {})}
 
 
-def durability(copies, persisted: bool) -> str:
+def durability(copies, persisted: bool, parity: int | None = None) -> str:
     """A step's durability, as its step info states it: ``"persisted"`` (committed in the
     persistent root), ``"replicated k"`` (only local, every region held by ``k >= 2`` processes:
-    any ``k - 1`` lost processes lose nothing) or ``"local"`` (some region held by one process)."""
+    any ``k - 1`` lost processes lose nothing), ``"parity k"`` (some region held by one process,
+    covered by parity of groups of ``k``: one lost process per group loses nothing) or ``"local"``
+    (some region held by one process)."""
     if persisted:
         return "persisted"
-    return f"replicated {copies}" if isinstance(copies, int) and copies > 1 else "local"
+    if isinstance(copies, int) and copies > 1:
+        return f"replicated {copies}"
+    return f"parity {parity}" if parity else "local"
+
+
+def copies_of(info: Mapping) -> int:
+    """The copies a restore's required durability counts for a local step's ``info``: its recorded
+    ``"copies"`` (1 where it records none or nonsense), or 2 for a step with parity -- it survives a
+    lost process (one per parity group), which is what requiring ``"replicated"`` asks for."""
+    copies = info.get("copies") if type(info.get("copies")) is int and info["copies"] >= 1 else 1
+    return 2 if copies < 2 and isinstance(info.get("parity"), Mapping) else copies
 
 
 def check_durability(require) -> str:
@@ -95,7 +109,8 @@ def check_durability(require) -> str:
 def eligible(require: str, persistent_steps, copies: Mapping[int, int]) -> set[int]:
     """The steps a restore requiring durability ``require`` may pick: every persistent step, and
     the local steps whose recorded ``copies`` (step -> the fewest processes holding a region)
-    meet it (``"local"``: all; ``"replicated"``: 2 or more; ``"persisted"``: none)."""
+    meet it (``"local"``: all; ``"replicated"``: 2 or more -- parity steps count 2, :func:`copies_of`;
+    ``"persisted"``: none)."""
     least = {"local": 1, "replicated": 2}.get(check_durability(require))
     return set(persistent_steps) | {s for s, n in copies.items() if least is not None and n >= least}
 
@@ -228,9 +243,10 @@ def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) 
     (:func:`durability` of the fewest copies any process recorded for it).
 
     ``reports``: process -> {step: {"held": {key path: [region, ...]} (:func:`local_record`'s JSON),
-    "shapes": {key path: shape}, "copies": int}}. A local step is whole if, for every leaf of the
-    shapes any process recorded, the regions all processes hold make up the whole leaf (:func:`_cover`:
-    on any mesh); a step no process recorded shapes for is not listed (a restore with a target still
+    "shapes": {key path: shape}, "copies": int, "parity": its parity section, if any, "committed": whether
+    its parity rows are}} (``"parity k"`` only where every process's are). A local step is whole if,
+    for every leaf of the shapes any process recorded, the regions all processes hold make up the
+    whole leaf (:func:`_cover`: on any mesh); a step no process recorded shapes for is not listed (a restore with a target still
     finds it)."""
     steps = {step: durability(None, True) for step in persistent_steps}
     local = collections.defaultdict(dict)   # step -> {process: its report}
@@ -246,6 +262,8 @@ def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) 
                 and all(_cover(tuple((0, n) for n in shape), {p: h.get(keypath, ()) for p, h in held.items()})
                         for keypath, shape in shapes.items()):
             copies = [r.get("copies") for r in by_process.values()]
+            parity = [r.get("parity") if r.get("committed", True) else None for r in by_process.values()]
             steps[step] = durability(min((c for c in copies if type(c) is int), default=None)
-                                     if all(type(c) is int for c in copies) else None, False)
+                                     if all(type(c) is int for c in copies) else None, False,
+                                     parity[0].get("k") if all(isinstance(x, Mapping) for x in parity) else None)
     return dict(sorted(steps.items()))

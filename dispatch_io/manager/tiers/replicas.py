@@ -18,7 +18,7 @@ FSDP state, a leaf on one process's devices) is lost with that process. With
 The move is device to device over the interconnect (gloo on CPU, ICI / NVLink on
 accelerators), one collective per replica and group of leaves of one dtype: each device packs
 its shards of the group, flattened and padded to their leaf's largest shard, into one row (of
-at most about :data:`ROW_BYTES`) of an array over all the job's devices, and ``jax.device_put``
+at most about ``rows.ROW_BYTES``) of an array over all the job's devices, and ``jax.device_put``
 onto the same devices permuted delivers each row to its peer -- whatever the leaves' shardings,
 even a leaf on a subset of the devices. Packing and unpacking are one jitted call per device.
 All of it is dispatched asynchronously by the thread calling ``save``, in the same order on
@@ -32,22 +32,17 @@ flight (about three rows) and the received regions until the save has staged the
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
-import math
 from typing import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dispatch_io.manager.tiers import replica_plan
+from dispatch_io.manager.tiers import parity_plan, replica_plan, rows
 from dispatch_io import tree as tree_lib
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.manager.decisions import SharedDecisions
-from dispatch_io.plan import device_regions, index_region
+from dispatch_io.plan import device_regions
 from dispatch_io.held import Replica
 
 
@@ -73,18 +68,22 @@ def domains_of(domains) -> tuple:
 def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple[int, ...]]]:
     """(the failure domain of each process, the replica permutations) of ``tier`` in a job of
     ``count`` processes whose host names are ``hosts``. No permutations for ``replicas=0``.
-    ValueError for domains not one per process, too few processes for the replicas, or
-    processes with different numbers of devices."""
+    ValueError for domains not one per process, too few processes for the replicas or the
+    parity (``parity_plan.check``), or, with either, processes with different numbers of devices."""
     domains = list(tier.domains) if tier.domains is not None else list(hosts)
     if len(domains) != count:
         raise ValueError(f"LocalTier(domains=...) names {len(domains)} failure domains for a job of {count} "
                          "processes: give one per process (domains[process])")
-    if not tier.replicas:
+    if not tier.replicas and not tier.parity:
         return domains, []
     counts = collections.Counter(d.process_index for d in jax.devices())
     if len(set(counts.values())) > 1:  # a shard goes to the device in the same place on the peer
-        raise ValueError(f"LocalTier(replicas={tier.replicas}) needs the same number of devices in every "
+        which = f"replicas={tier.replicas}" if tier.replicas else f"parity={tier.parity}"
+        raise ValueError(f"LocalTier({which}) needs the same number of devices in every "
                          f"process; this job has {dict(sorted(counts.items()))} (process: devices)")
+    if not tier.replicas:
+        parity_plan.check(tier.parity, count)
+        return domains, []
     orders = replica_plan.replica_orders(domains, tier.replicas)
     if len(set(domains)) == 1:
         logging.warning("dispatch_io: every process of the job is in one failure domain (%s): the local tier's "
@@ -94,35 +93,19 @@ def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple[int,
 
 def decisions(tier, count: int, timeout: float) -> SharedDecisions:
     """The local save decisions: process 0's, shared, for a clock-reading save policy with
-    replicas (every process must send its copies at the same steps: each ``send`` is a
-    collective) or with a clock-reading keep policy (each save's time is process 0's, shared in
+    replicas or parity (every process must send its copies or pieces at the same steps: each
+    ``send`` / ``parity.encode`` is a collective) or with a clock-reading keep policy (each save's time is process 0's, shared in
     save order: ``decisions.SharedClock``); else each process's own, the same everywhere by construction."""
     policy, keep = tier.save_policy, tier.keep_policy
-    agreed = tier.replicas or (keep is not None and keep.uses_clock)
+    agreed = tier.replicas or tier.parity or (keep is not None and keep.uses_clock)
     if count > 1 and agreed and policy is not None and policy.uses_clock:
         template = tier.process_path("{process}")
         return SharedDecisions(open_room("tiers-decisions", template, f"the local tier {template}", timeout))
     return SharedDecisions(None)
 
 
-ROW_BYTES = 64 << 20   # the most one device sends in one collective: bounds the transient device memory
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """A leaf to send: its values as stored (PRNG keys as key data), each device's region of it
-    (stored shape), its largest shard in elements, how many of the orders it needs."""
-
-    keypath: str
-    data: jax.Array
-    places: dict
-    width: int
-    needed: int
-    ndim: int       # the leaf's (logical) dimensions: a PRNG key's data has more
-
-
 def send(tree, orders: list[tuple[int, ...]], replicas: int, domains,
-         row_bytes: int = ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
+         row_bytes: int = rows.ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(moves, copies) of the array leaves of ``tree`` whose regions fewer than ``replicas + 1``
     processes hold: ``moves`` {key path: the orders each was sent by}, ``copies`` {key path:
     (:class:`~dispatch_io.held.Replica`, ...)}: the regions of other processes this
@@ -137,36 +120,17 @@ def send(tree, orders: list[tuple[int, ...]], replicas: int, domains,
         needed = replica_plan.replicas_needed(holders, orders, replicas, domains)
         if needed:
             moves[keypath] = tuple(orders[:needed])
-            data = jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
-            places = {d: index_region(i, data.shape) for d, i in data.sharding.devices_indices_map(data.shape).items()}
-            width = max(math.prod(hi - lo for lo, hi in region) for region in places.values())
-            leaves.append(_Leaf(keypath, data, places, width, needed, leaf.ndim))
+            leaves.append(rows.leaf(keypath, leaf, needed))
     copies = collections.defaultdict(list)
     devices = sorted(jax.devices(), key=lambda d: d.id)
     for j, order in enumerate(orders):
-        for group in _groups([leaf for leaf in leaves if leaf.needed > j], row_bytes):
+        for group in rows.groups([leaf for leaf in leaves if leaf.needed > j], row_bytes):
             for keypath, replica in _exchange(group, order, devices):
                 copies[keypath].append(replica)
     return moves, {keypath: tuple(received) for keypath, received in copies.items()}
 
 
-def _groups(leaves: list[_Leaf], row_bytes: int) -> list[list[_Leaf]]:
-    """``leaves`` in runs of one dtype whose rows (their widths together) fit ``row_bytes`` (a
-    larger leaf travels alone)."""
-    groups: list[list[_Leaf]] = []
-    for dtype in dict.fromkeys(leaf.data.dtype for leaf in leaves):
-        size = row_bytes
-        for leaf in (leaf for leaf in leaves if leaf.data.dtype == dtype):
-            nbytes = leaf.width * dtype.itemsize
-            if size + nbytes > row_bytes:
-                groups.append([])
-                size = 0
-            groups[-1].append(leaf)
-            size += nbytes
-    return groups
-
-
-def _exchange(group: list[_Leaf], order: tuple[int, ...], devices: list) -> list[tuple[str, Replica]]:
+def _exchange(group: list[rows.Leaf], order: tuple[int, ...], devices: list) -> list[tuple[str, Replica]]:
     """Send each shard of the ``group``'s leaves from its device to the device in the same place
     on process ``order[p]``: each device's shards, flattened, padded to their leaf's width and
     packed in one row of an array over all ``devices``, ``device_put`` onto those devices permuted
@@ -175,16 +139,12 @@ def _exchange(group: list[_Leaf], order: tuple[int, ...], devices: list) -> list
     by_process = collections.defaultdict(list)
     for d in devices:
         by_process[d.process_index].append(d)
-    widths, dtype = tuple(leaf.width for leaf in group), group[0].data.dtype
+    widths = tuple(leaf.width for leaf in group)
     shards = [{s.device: s.data for s in leaf.data.addressable_shards} for leaf in group]
-    rows = []
-    for d in by_process[jax.process_index()]:
-        present = tuple(d in held for held in shards)
-        rows.append(_pack([held[d] for held in shards if d in held], widths=widths, present=present, dtype=dtype)
-                    if any(present) else jax.device_put(np.zeros((1, sum(widths)), dtype), d))
-    packed = jax.make_array_from_single_device_arrays((len(devices), sum(widths)), _rows(devices), rows)
-    moved = jax.device_put(packed, _rows([by_process[order[d.process_index]][by_process[d.process_index].index(d)]
-                                          for d in devices]))
+    mine = [rows.row(group, d, shards) for d in by_process[jax.process_index()]]
+    packed = jax.make_array_from_single_device_arrays((len(devices), sum(widths)), rows.sharding(devices), mine)
+    moved = jax.device_put(packed, rows.sharding([by_process[order[d.process_index]][by_process[d.process_index].index(d)]
+                                                  for d in devices]))
     own = [{leaf.places[d] for d in held} for leaf, held in zip(group, shards)]
     offsets = np.cumsum((0,) + widths)
     received, seen = [], set()
@@ -194,30 +154,6 @@ def _exchange(group: list[_Leaf], order: tuple[int, ...], devices: list) -> list
                   if source in leaf.places and leaf.places[source] not in own[i] and (i, leaf.places[source]) not in seen]
         seen.update(wanted)
         spans = tuple((int(offsets[i]), tuple(hi - lo for lo, hi in region)) for i, region in wanted)
-        for (i, region), data in zip(wanted, _unpack(shard.data, spans=spans) if spans else ()):
+        for (i, region), data in zip(wanted, rows.unpack(shard.data, spans=spans) if spans else ()):
             received.append((group[i].keypath, Replica(shard.device, region[:group[i].ndim], data)))
     return received
-
-
-@functools.partial(jax.jit, static_argnames=("widths", "present", "dtype"))
-def _pack(shards, *, widths, present, dtype):
-    """One device's row: its shards flattened, each padded to its leaf's width (zeros for leaves
-    it holds no shard of)."""
-    shards, parts = iter(shards), []
-    for width, held in zip(widths, present):
-        if held:
-            flat = next(shards).reshape(-1)
-            parts.append(jnp.pad(flat, (0, width - flat.size)))
-        else:
-            parts.append(jnp.zeros(width, dtype))
-    return jnp.concatenate(parts)[None]
-
-
-@functools.partial(jax.jit, static_argnames=("spans",))
-def _unpack(row, *, spans):
-    """The regions ``spans`` ((offset, shape), ...) cut out of one received row."""
-    return tuple(row[0, offset:offset + math.prod(shape)].reshape(shape) for offset, shape in spans)
-
-
-def _rows(devices: list) -> NamedSharding:
-    return NamedSharding(Mesh(np.array(devices), ("rows",)), PartitionSpec("rows"))

@@ -23,7 +23,7 @@ from dispatch_io import tree as tree_lib
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
-from dispatch_io.manager.tiers import checks, local_steps
+from dispatch_io.manager.tiers import checks, local_steps, rebuild
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.progress import Progress
 from dispatch_io.storage import Location
@@ -33,7 +33,8 @@ from dispatch_io.storage import Location
 class TierRestoreStats:
     """What a restore through the tiers did, in this process: the step, how many regions came
     from a peer / persistent storage (job-wide), and the bytes this process read from its own
-    local copy, read from persistent storage, and received from other processes."""
+    local copy (a process rebuilt from parity: from its rebuilt copy, in memory), read from persistent
+    storage, and received from other processes (a parity rebuild's rows too)."""
 
     step: int
     peer_regions: int
@@ -50,6 +51,7 @@ class TierRestore:
         self.local, self.tier, self.dispatcher = local, local.tier, local.dispatcher
         self.process, self.count, self.path, self._root = local.process, local.count, local.path, local.root
         self._copies: dict[int, checks.LocalCopy] = {}   # this process's copy of each step the plans picked
+        self._lost, self._sections, self.rebuilt = {}, {}, {}   # parity: rebuild.augment's; {step: processes rebuilt}
 
     def _copy(self, step: int, outputs_of) -> checks.LocalCopy:
         if step not in self._copies:
@@ -79,9 +81,7 @@ class TierRestore:
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
         infos, unreadable = self.local.infos()
         held = {str(s): info["held"] for s, info in infos.items()}
-        # the copies each step recorded (one where it recorded none or nonsense: the weakest durability)
-        copies = {str(s): info["copies"] if type(info.get("copies")) is int and info["copies"] >= 1 else 1
-                  for s, info in infos.items()}
+        copies = {str(s): tiers_plan.copies_of(info) for s, info in infos.items()}   # as durability= counts them
         newest = max(infos, default=None)
         room = saved_as = None
         if self.count > 1:
@@ -90,8 +90,10 @@ class TierRestore:
             if room.leader:  # one listing of the root, one reading of names=, for every process
                 room.set("persistent", list(persistent_steps))
                 room.set("saved_as", self._saved_keypaths(target, names, newest, persistent_steps, persistent_path))
-        gathered = _gather(room, "held", self.process, {"held": held, "copies": copies})
+        parity = {str(s): local_steps.parity_report(self._root, s, info) for s, info in infos.items()}
+        gathered = _gather(room, "held", self.process, {"held": held, "copies": copies, "parity": parity})
         reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
+        self._lost, self._sections = rebuild.augment(gathered, reports, self.count)   # what parity rebuilds
         if room is not None:
             persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
         if saved_as is None:
@@ -138,6 +140,7 @@ class TierRestore:
             if plan is None:
                 return None
             attempt += 1
+            rebuilt_bad = self._rebuild(plan.step, fill, reports)
             mine = reports[self.process].get(plan.step)
             copy = self._copy(plan.step, fill.outputs_of) if mine is not None else None
             if copy is not None and copy.opened is None:   # its copy cannot be opened: lost to this process
@@ -145,7 +148,7 @@ class TierRestore:
             else:
                 bad = copy.bad(self.dispatcher, checks.before_read(plan, self.process, copy.by_keypath, mine)) \
                     if copy is not None else {}
-            bad = _gather(fill.room, f"before{attempt}", self.process, bad)
+            bad = _gather(fill.room, f"before{attempt}", self.process, {**bad, **rebuilt_bad})
             fill.failed.update(k for found in bad.values() for k in found)
             if _drop(reports, plan.step, bad):
                 continue   # some copy the plan reads is bad: plan again without it
@@ -155,6 +158,21 @@ class TierRestore:
             if not _drop(reports, plan.step, left_out):
                 return plan
             todo, allowed = _redo(todo, left_out, plan.routes), {plan.step}   # again, from the next source
+
+    def _rebuild(self, step: int, fill: "_Fill", reports: dict) -> dict:
+        """Rebuild the regions lost processes hold at ``step`` through parity (``rebuild.run``: every
+        process together, once per step; this process's rebuilt copy, if it is lost, becomes its copy).
+        {key path: [region]} of its rebuilt regions that could not be rebuilt."""
+        lost = self._lost.pop(step, None)
+        if lost is None:
+            return {}
+        self.rebuilt[step] = set(lost)
+        having = sorted(p for p, steps in reports.items() if step in steps and p not in lost)
+        copy, bad, received = rebuild.run(self, step, lost, self._sections[step], having, fill.room, fill.outputs_of)
+        fill.received += received
+        if copy is not None:
+            self._copies[step] = copy
+        return bad
 
     def _saved_keypaths(self, target, names, newest: int | None, persistent_steps, persistent_path) -> dict:
         """{target key path: the saved key path it reads} under ``names`` (``restore(names=...)``;
@@ -276,12 +294,14 @@ class _Fill:
         own = copy is not None and copy.opened is not None
         if self.described is None:  # a process without a copy plans with a peer's manifest, shared once per step
             shared = local_steps.share_manifest(
-                self.room, plan.step, sorted(p for p, steps in reports.items() if plan.step in steps), restore.process,
+                self.room, plan.step, sorted(p for p, steps in reports.items()
+                                             if plan.step in steps and p not in restore.rebuilt.get(plan.step, ())),
+                restore.process,
                 lambda: Location.parse(restore._root.step_path(plan.step)).read_manifest()) if self.room else None
             self.described = copy.opened.manifest if own else parse_manifest(shared, restore._root.step_path(plan.step))
         if self.outputs is None:
             self.treedef, self.outputs = (copy.treedef, copy.outputs) if own else self.outputs_of(self.described)
-        reader = restore.dispatcher.runner.open_reader(copy.opened.arrays, copy.opened.context) if own else None
+        reader = copy.open_reader(restore.dispatcher.runner) if own else None
         display = f"local step {plan.step} of {restore.tier.process_path('{process}')}"
         read, received = restore._pass(reader, self.outputs, display, restore._local_routes(by_leaf), False, check)
         self.read_local, self.received = self.read_local + read, self.received + received

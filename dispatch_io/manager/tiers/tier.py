@@ -26,7 +26,7 @@ from dispatch_io.manager import policies, retention
 from dispatch_io.manager.decisions import SharedClock
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.manager.tiers import local_steps
-from dispatch_io.manager.tiers import replicas
+from dispatch_io.manager.tiers import parity, parity_plan, replicas
 from dispatch_io.manager.tiers import restore as tier_restore
 from dispatch_io.save import Attachments, SaveHandle
 from dispatch_io.storage import StepRoot
@@ -50,7 +50,12 @@ class LocalTier:
     peer processes at each local save (one ``jax.device_put`` per leaf onto the devices of a
     peer: the interconnect's collectives) and saved there. ``domains``: the failure domain of
     each process (``domains[process]``: its host, rack...); copies go to other domains first.
-    None: each process's host name."""
+    None: each process's host name.
+    ``parity``: instead of replicas, keep on each process the XOR of ``k = parity`` other
+    processes' protected bytes (``parity_plan``): the regions one process alone holds survive
+    one lost process per parity group at (1 + 1/k)x local storage (``replicas=1``: 2x). Needs
+    ``k >= 2``, at least ``k + 1`` processes with the same number of devices each, and no
+    ``replicas``; 0 or None: no parity."""
 
     path: str
     save_policy: policies.Policy | None = None
@@ -58,6 +63,7 @@ class LocalTier:
     promote: bool = False
     replicas: int = 0
     domains: tuple | None = None
+    parity: int | None = 0
 
     def __post_init__(self):
         if not isinstance(self.path, (str, os.PathLike)):
@@ -68,6 +74,8 @@ class LocalTier:
         policies.check(self.save_policy, "save")
         policies.check(self.keep_policy, "keep")
         policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
+        if self.parity:   # 0 / None: no parity
+            parity_plan.check(self.parity, None, self.replicas)   # the job's size: when a manager opens
         if self.domains is not None:
             object.__setattr__(self, "domains", replicas.domains_of(self.domains))
 
@@ -88,6 +96,7 @@ class LocalTiers:
         hosts, self._last_step = local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
                                                          dispatcher.options.barrier_timeout, newest)
         self.domains, self._orders = replicas.placement(tier, hosts, count)
+        self._ring = parity.placement(tier.parity, self.domains, count) if tier.parity else None
         self._decisions = replicas.decisions(tier, count, dispatcher.options.barrier_timeout)
         self._times = self._shared_clock()
         self.root.remove_leftovers()
@@ -141,23 +150,33 @@ class LocalTiers:
         metrics and metadata); retention of local steps follows its commit, on the tier's thread."""
         self.wait()
         moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
+        rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
         started = self._times.time_of(step)
         agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
         info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
-                **agreed, **tiers_plan.local_record(tree, self.process, self.count, moves, self.domains),
+                **agreed, **tiers_plan.local_record(tree, self.process, self.count, moves, self.domains, section),
                 **(described or {})}
         handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
                                       attachments=Attachments(files or {}, info=info, clock=self._clock), **save_kwargs)
         self._last_step, self._last_save, self._afresh = step, info["started"], False
         with self._lock:
-            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"))
+            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows)
         return handle
 
-    def _finish(self, handle: SaveHandle, now: float | None):
-        """On the tier's thread: wait for the save (its failure is raised by :meth:`wait`), then
-        delete the local steps the keep policy drops (logged, never raised: the save committed).
-        ``now``: the save's job-wide time, if agreed (the policy then sees the same on every process)."""
+    def _finish(self, handle: SaveHandle, now: float | None, step: int, rows: dict):
+        """On the tier's thread: wait for the save (its failure is raised by :meth:`wait`), save its
+        parity ``rows`` (``parity.encode``) as the step's nested checkpoint (a failure is logged: the
+        step then has no parity from this process), then delete the local steps the keep policy drops
+        (logged, never raised: the save committed). ``now``: the save's job-wide time, if agreed (the
+        policy then sees the same on every process)."""
         handle.wait()
+        if rows:
+            try:
+                self.dispatcher.save(os.path.join(self.root.step_path(step), parity.PARITY), rows, own=True,
+                                     overwrite=True).wait()
+            except Exception:  # noqa: BLE001 - logged; the step stands, without parity from this process
+                logging.exception("dispatch_io: the parity rows of local step %s were not saved",
+                                  self.root.step_path(step))
         if self.tier.keep_policy is None:
             return
         try:

@@ -1,0 +1,165 @@
+"""Parity in the local tier (pure): which process keeps the XOR of which pieces, and what a lost
+process's regions can be rebuilt from.
+
+With ``LocalTier(parity=k)``, the regions one process alone holds survive one lost process per
+parity group at (1 + 1/k)x local storage (``replicas=1``: 2x). The processes stand in a **ring**
+(:func:`ring`: failure domains interleaved, so neighbours are on other hosts while the domains
+allow), positions ``t = 0..n-1``. Each device's protected bytes form a **row** (``rows.py``;
+per device position ``i``: the index of the device among its process's devices sorted by id):
+the bytes of every protected leaf's shard there, each padded to the leaf's largest shard, the row
+padded to a multiple of ``k`` and cut into ``k`` pieces of ``W / k`` bytes. The process at
+position ``t`` holds the **parity row** ``P_t = XOR_j piece j of the row of position t + j + 1``
+(:func:`members`). So each piece of each process is covered once, by a holder that is not in the
+group it covers (``k <= n - 1``); a lost process at ``p`` has its piece ``j`` back as ``P_{p-j-1}``
+XOR the pieces of the ``k - 1`` other members of that group (:func:`sources`).
+
+What a step records (its info's ``"parity"`` section, ``parity.record``): ``k``, the ``ring``,
+the row ``groups`` (each: the leaves, their byte ``offsets`` and ``widths`` in the row, their
+``itemsize`` and key-data ``trail`` dimensions, ``W``), and the ``layouts`` -- per process (itself
+and the ``k`` members it covers), per group and device position, the region of each leaf that
+device holds (JSON, None where it holds none) -- so a lost process's layout survives on its holders.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from dispatch_io.manager.tiers import plan as tiers_plan
+
+
+def check(k, count: int | None, replicas: int = 0) -> int:
+    """``k`` if a job of ``count`` processes (None: not known yet) can keep parity of groups of
+    ``k`` (an integer >= 2, ``k + 1 <= count``, no replicas too); ValueError naming what to choose
+    otherwise."""
+    if type(k) is not int or k < 2:
+        raise ValueError(f"LocalTier(parity={k!r}): an integer >= 2, the processes a parity row covers "
+                         "(for a full copy of each region, parity=1 would be replicas=1: use that)")
+    if replicas:
+        raise ValueError(f"LocalTier(parity={k}, replicas={replicas}): choose one -- replicas (full copies: "
+                         "survive any `replicas` lost processes) or parity (one lost process per group, at 1/k "
+                         "the storage)")
+    if count is not None and count < k + 1:
+        raise ValueError(f"LocalTier(parity={k}) needs at least {k + 1} processes (each parity row covers {k} "
+                         f"others); the job has {count}: use a smaller parity, or replicas=1")
+    return k
+
+
+def ring(domains: Sequence) -> tuple[int, ...]:
+    """The processes in ring order: round-robin over the failure domains (``domains[process]``),
+    in the order each first appears, so consecutive positions are in other domains while every
+    domain has processes left."""
+    by_domain: dict = {}
+    for p, domain in enumerate(domains):
+        by_domain.setdefault(domain, []).append(p)
+    queues, order = list(by_domain.values()), []
+    while any(queues):
+        for queue in queues:
+            if queue:
+                order.append(queue.pop(0))
+    return tuple(order)
+
+
+def members(order: Sequence[int], k: int) -> dict[int, tuple[int, ...]]:
+    """{holder: the ``k`` processes whose pieces its parity row covers}: ``members[h][j]`` is the
+    process at position ``pos(h) + j + 1`` (its piece ``j`` is in ``h``'s row)."""
+    n = len(order)
+    return {h: tuple(order[(t + j + 1) % n] for j in range(k)) for t, h in enumerate(order)}
+
+
+def sources(order: Sequence[int], k: int, lost: int) -> list[tuple[int, int, tuple]]:
+    """How ``lost``'s pieces come back: for each piece ``j``, (j, its holder, ((member, the piece
+    of that member's row in the holder's parity), ...) of the ``k - 1`` other members)."""
+    covered = members(order, k)
+    n, t = len(order), list(order).index(lost)
+    found = []
+    for j in range(k):
+        holder = order[(t - j - 1) % n]
+        found.append((j, holder, tuple((m, i) for i, m in enumerate(covered[holder]) if i != j)))
+    return found
+
+
+def storage(section: Mapping, own: int) -> int:
+    """The bytes of parity rows a process keeps for a step (``section``: its ``"parity"`` record,
+    ``own``: its devices): ``W / k`` per group and device -- (1 + 1/k)x its share, with the share."""
+    return sum(group["W"] // section["k"] for group in section["groups"]) * own
+
+
+def _regions(section: Mapping, process: int) -> dict[str, set] | None:
+    """{key path: regions} that ``process``'s protected rows hold, by its recorded layout (None if
+    ``section`` records none for it)."""
+    layout = section.get("layouts", {}).get(str(process))
+    if layout is None:
+        return None
+    found: dict[str, set] = {}
+    for group, by_device in zip(section["groups"], layout):
+        for regions in by_device:
+            for keypath, region in zip(group["leaves"], regions):
+                if region is not None:
+                    found.setdefault(keypath, set()).add(tuple(tuple(b) for b in region))
+    return found
+
+
+def rebuildable(reports: Mapping[int, Mapping], count: int) -> dict[int, dict[str, set]]:
+    """{lost process: {key path: regions}} of the processes without a copy of a step whose
+    protected regions parity rebuilds. ``reports``: {process: {"held": {key path: set of regions},
+    "parity": its step's parity section, or None, "committed": whether its parity rows are}} of
+    the processes with a copy (of ``count``). A lost process is rebuilt when every holder of its
+    pieces has committed parity rows and every other member of those groups holds its own
+    protected regions (the regions its own layout records); one lost process per group."""
+    sections = {p: r["parity"] for p, r in reports.items() if isinstance(r.get("parity"), Mapping)}
+    if not sections:
+        return {}
+    first = sections[min(sections)]
+    order, k = tuple(first["ring"]), first["k"]
+    if sorted(order) != list(range(count)):
+        return {}
+    found = {}
+    for lost in (p for p in range(count) if p not in reports):
+        layout = next((_regions(s, lost) for s in sections.values() if _regions(s, lost) is not None), None)
+        if layout is None:
+            continue
+        whole = True
+        for _, holder, others in sources(order, k, lost):
+            if not reports.get(holder, {}).get("committed") or holder not in sections:
+                whole = False
+            for member, _ in others:
+                own = _regions(sections.get(member, {}), member)
+                held = reports.get(member, {}).get("held", {})
+                if own is None or any(not regions <= set(held.get(kp, ())) for kp, regions in own.items()):
+                    whole = False
+        if whole:
+            found[lost] = layout
+    return found
+
+
+def spans(group: Mapping, regions: Sequence) -> list[tuple[str, tuple, int, int]]:
+    """(key path, region, byte offset in the row, bytes) of each leaf of ``group`` a device holds
+    (``regions``: its layout there, a region or None per leaf)."""
+    found = []
+    for keypath, region, offset, itemsize, trail in zip(group["leaves"], regions, group["offsets"],
+                                                        group["itemsize"], group["trail"]):
+        if region is not None:
+            region = tuple(tuple(b) for b in region)
+            found.append((keypath, region, offset, math.prod(hi - lo for lo, hi in region) * math.prod(trail) * itemsize))
+    return found
+
+
+def hit(group: Mapping, regions: Sequence, k: int, pieces: set) -> list[tuple[str, tuple]]:
+    """(key path, region) of the leaves in ``regions`` (as :func:`spans`) with a byte in one of the
+    ``pieces`` (indices ``j``) of ``group``'s row: what a bad piece loses."""
+    width = group["W"] // k
+    return [(keypath, region) for keypath, region, offset, nbytes in spans(group, regions)
+            if nbytes and any(offset < (j + 1) * width and j * width < offset + nbytes for j in pieces)]
+
+
+def rebuilt_steps(reports: Mapping[int, Mapping[int, Mapping]], count: int) -> dict[int, dict[int, dict[str, set]]]:
+    """{step: {lost process: {key path: regions}}} parity rebuilds (:func:`rebuildable`), from each
+    process's reports: {process: {step: {"held": {key path: [region, ...]} (JSON), "parity": the
+    step's parity section or None, "committed": whether its parity rows are}}}."""
+    by_step: dict = {}
+    for p, steps in reports.items():
+        for step, report in steps.items():
+            by_step.setdefault(step, {})[p] = {**report, "held": tiers_plan.as_regions(report.get("held") or {})}
+    found = {step: rebuildable(present, count) for step, present in by_step.items()}
+    return {step: lost for step, lost in found.items() if lost}

@@ -1,0 +1,302 @@
+"""Parity in the local tier, the restore side: a lost process's regions rebuilt from its peers.
+
+A restore through the tiers gathers, with what each process holds, each step's parity section
+(``parity_plan``); :func:`augment` adds to the reports the regions parity can rebuild
+(``parity_plan.rebuilt_steps``): the lost process then "holds" them, and the plan routes them as
+its own. When a plan picks such a step, :func:`run` (every process together, once per step):
+
+* each holder of a lost process's piece ``j`` reads its parity rows (``<step>/parity``), each
+  other member of that group its own protected regions (its local copy), every read checked
+  against its CRC-32C as it is read (``checks.mismatched``), and XORs its pieces into a row (the
+  lost process's rows, zeros elsewhere) per lost process it feeds;
+* the rows travel over the devices, one round per ring offset between a lost process and the
+  processes that feed it (at most ``2k - 1``; :func:`_swap`: in each round the process that many
+  places on swaps rows with the lost one -- a permuted ``jax.device_put`` among the round's pairs
+  alone), and each lost process XORs what it receives: its rows back, from which it cuts its
+  regions by its recorded layout and serves them from memory (:class:`RebuiltCopy`, a ``runner.Reader`` of them: simpler
+  than writing them to disk first, and nothing is read twice).
+
+A rebuilt region is not checked against a peer's manifest (its CRC-32Cs are of the peer's chunks):
+what it is rebuilt from was checked as read. A bad parity row or member region loses only the
+regions with a byte in the pieces it feeds (``parity_plan.hit``): they are reported bad, and the
+restore takes them from the next source (the root), or an older step.
+
+Costs: the members of a lost process's groups read their own regions once more than a restore
+reads them; each round moves two rows (a lost process's rows: its protected share, padded) per
+lost process, whatever the job's size; a process feeding several lost processes holds a row for each.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from absl import logging
+
+from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
+from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.manager.tiers import checks, local_steps, parity_plan
+from dispatch_io.manager.tiers import rows as rows_lib
+from dispatch_io.manager.tiers.parity import PARITY, row_name
+from dispatch_io.manifest import parse as parse_manifest
+from dispatch_io.multihost import scaleout
+from dispatch_io.storage import Location
+from workers import ChunkError, ReadItem, Region, aligned_empty, crc32c, numpy_dtype
+
+
+def augment(gathered: dict, reports: dict, count: int) -> tuple[dict, dict]:
+    """Add to ``reports`` (process -> {step: {key path: set of regions}}) the regions parity rebuilds;
+    returns ({step: {lost process: {key path: regions}}}, {step: {process: its parity section}}).
+    ``gathered``: process -> {"held": {step: held JSON}, "parity": {step: local_steps.parity_report}}."""
+    by_process = {p: {int(s): {"held": held, **r.get("parity", {}).get(s, {})} for s, held in r["held"].items()}
+                  for p, r in gathered.items()}
+    lost = parity_plan.rebuilt_steps(by_process, count)
+    sections = {}
+    for step, rebuilt in lost.items():
+        sections[step] = {p: steps[step]["parity"] for p, steps in by_process.items()
+                          if step in steps and isinstance(steps[step].get("parity"), dict)}
+        for p, regions in rebuilt.items():
+            reports.setdefault(p, {})[step] = {k: set(v) for k, v in regions.items()}
+    return lost, sections
+
+
+@dataclasses.dataclass
+class RebuiltCopy(checks.LocalCopy):
+    """A lost process's copy of a step, rebuilt in memory: ``regions`` {key path: {stored bounds:
+    array}}; its manifest (``opened.manifest``) is a peer's without checksums (not of these bytes)."""
+
+    regions: dict = dataclasses.field(default_factory=dict)
+
+    def open_reader(self, runner):
+        return _MemoryReader(self.regions)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+    manifest: object
+
+
+class _MemoryReader:
+    """A ``runner.Reader`` of regions held in memory ({key path: {stored bounds: array}})."""
+
+    def __init__(self, regions: dict):
+        self._regions = regions
+
+    def _source(self, region: Region) -> np.ndarray:
+        for bounds, array in self._regions.get(region.keypath, {}).items():
+            if all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(region.bounds, bounds)):
+                return array[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(region.bounds, bounds))]
+        raise ChunkError(region.keypath, region.bounds, KeyError("not rebuilt"))
+
+    def read(self, items):
+        out = []
+        for item in items:
+            buffer = aligned_empty(item.shape, numpy_dtype(item.dtype))
+            for region, local in item.pieces:
+                buffer[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)] = self._source(region)
+            out.append(buffer)
+        return _done(out)
+
+    def checksums(self, regions):
+        return _done([crc32c(np.ascontiguousarray(self._source(region))) for region in regions])
+
+    def close(self):
+        pass
+
+
+def _done(value) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _read_checked(path: str, runner, wanted: list[tuple[str, tuple]]) -> dict:
+    """{(key path, stored bounds): array, or None if it cannot be read or fails its CRC-32C (logged)}
+    of the checkpoint at ``path`` (all None if it cannot be opened)."""
+    try:
+        opened = open_checkpoint(path)
+    except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
+        logging.warning("dispatch_io: %s is not used to rebuild a lost process: %s", path, exc)
+        return dict.fromkeys(wanted)
+    reader, found = runner.open_reader(opened.arrays, opened.context), {}
+    try:
+        for keypath, bounds in wanted:
+            saved = opened.manifest.by_keypath.get(keypath)
+            try:
+                if saved is None or saved.stored is None:
+                    raise KeyError(f"{keypath} is not in it")
+                shape = tuple(hi - lo for lo, hi in bounds)
+                item = ReadItem(((Region(saved.stored, bounds, keypath), tuple((0, n) for n in shape)),), shape,
+                                saved.stored.dtype)
+                array = reader.read([item]).result()[0]
+                wrong = checks.mismatched(saved, bounds, array) if saved.checksums else []
+                if wrong:
+                    raise CorruptCheckpointError(f"{len(wrong)} chunk(s) do not match their CRC-32C", keypath=keypath)
+                found[(keypath, bounds)] = array
+            except (KeyError, ChunkError, CorruptCheckpointError) as exc:
+                logging.warning("dispatch_io: %s %s of %s is not used to rebuild a lost process: %s", keypath,
+                                [list(b) for b in bounds], path, exc)
+                found[(keypath, bounds)] = None
+    finally:
+        reader.close()
+    return found
+
+
+def _stored(group: dict, keypath: str, region) -> tuple:
+    """The stored bounds of ``region`` of ``keypath`` (a leaf of ``group``): PRNG keys' data has more dimensions."""
+    return tuple(tuple(b) for b in region) + tuple((0, n) for n in group["trail"][group["leaves"].index(keypath)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """A process's rows laid out in one buffer of bytes: a slot of ``W`` bytes per (row group, device
+    position), each cut into ``k`` pieces."""
+
+    k: int
+    groups: list
+    devices: int
+
+    def cells(self):
+        """(group index, group, device position, offset of its slot, piece width) of every row."""
+        offset = 0
+        for g, group in enumerate(self.groups):
+            for i in range(self.devices):
+                yield g, group, i, offset, group["W"] // self.k
+                offset += group["W"]
+
+    @property
+    def size(self) -> int:
+        return sum(group["W"] for group in self.groups) * self.devices
+
+    def add(self, row: np.ndarray, offset: int, j: int, piece: np.ndarray):
+        """XOR ``piece`` into piece ``j`` of the slot at ``offset`` of ``row``."""
+        start = offset + j * piece.size
+        row[start:start + piece.size] ^= piece
+
+
+def _holder_part(out: dict, rows: _Rows, path: str, runner, holding: list) -> list:
+    """XOR this process's parity rows (``<path>/parity``, CRC-checked) into ``out`` ({lost process: its
+    rows}) for the pieces it holds (``holding``: (lost process, piece j)); the (lost, group, device, j)
+    of those it could not read."""
+    wanted = {(g, i): (f"['{row_name(g, i)}']", ((0, 1), (0, width))) for g, _, i, _, width in rows.cells()}
+    read, bad = _read_checked(os.path.join(path, PARITY), runner, sorted(wanted.values())), []
+    for p, j in holding:
+        for g, _, i, offset, _ in rows.cells():
+            data = read[wanted[(g, i)]]
+            if data is None:
+                bad.append((p, g, i, j))
+            else:
+                rows.add(out[p], offset, j, np.asarray(data).reshape(-1))
+    return bad
+
+
+def _member_part(out: dict, rows: _Rows, path: str, runner, own: list, parts: list) -> list:
+    """XOR this process's own pieces (its rows, packed from its own regions by its layout ``own``, read
+    from its copy at ``path``, CRC-checked) into ``out`` ({lost process: its rows}; ``parts``: (lost
+    process, piece j of theirs, piece of this process's row)); the (lost, group, device, j) of those with
+    a byte it could not read."""
+    wanted = {(kp, _stored(group, kp, region)) for g, group, i, _, _ in rows.cells()
+              for kp, region, _, _ in parity_plan.spans(group, own[g][i])}
+    read, bad = _read_checked(path, runner, sorted(wanted)), []
+    for g, group, i, offset, width in rows.cells():
+        full, broken = np.zeros(group["W"], np.uint8), set()
+        for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]):
+            data = read[(kp, _stored(group, kp, region))]
+            if data is None:
+                broken |= {j for j in range(rows.k) if start < (j + 1) * width and j * width < start + nbytes}
+            else:
+                full[start:start + nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        for p, j, piece in parts:
+            if piece in broken:
+                bad.append((p, g, i, j))
+            else:
+                rows.add(out[p], offset, j, full[piece * width:(piece + 1) * width])
+    return bad
+
+
+def _swap(row: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
+    """Each (sender, receiver) of ``pairs`` (disjoint) swaps its ``row`` with the other, over their
+    first devices (one permuted ``jax.device_put`` of a row per process of the pairs: a collective
+    permute among them alone); the row this process receives. The processes of ``pairs`` call it
+    together; the others take no part."""
+    carriers = scaleout.carriers(jax.process_count())
+    order = [p for pair in pairs for p in pair]
+    mine = jax.device_put(row[None], carriers[jax.process_index()])
+    sent = jax.make_array_from_single_device_arrays((len(order), row.size), rows_lib.sharding(
+        [carriers[p] for p in order]), [mine])
+    moved = jax.device_put(sent, rows_lib.sharding([carriers[p] for a, b in pairs for p in (b, a)]))
+    return np.asarray(moved.addressable_shards[0].data)[0]
+
+
+def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
+        outputs_of) -> tuple[RebuiltCopy | None, dict, int]:
+    """Rebuild the ``lost`` processes' regions of ``step`` (every process together; see the module
+    doc). ``sections``: {process: its parity section}; ``having``: the processes with a copy of
+    their own; ``outputs_of(manifest)``: the restore's (treedef, outputs). Returns (this process's
+    :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
+    could not be rebuilt; the bytes it received from the others)."""
+    me = restore.process
+    first = sections[min(sections)]
+    order, k = tuple(first["ring"]), first["k"]
+    layout = _Rows(k, first["groups"], len(first["layouts"][str(min(sections))][0]))
+    path, runner = restore._root.step_path(step), restore.dispatcher.runner
+    sources = [(p, j, holder, others) for p in sorted(lost) for j, holder, others in parity_plan.sources(order, k, p)]
+    holding = [(p, j) for p, j, holder, _ in sources if holder == me]
+    parts = [(p, j, i) for p, j, _, others in sources for m, i in others if m == me]
+    out = {p: np.zeros(layout.size, np.uint8) for p in {p for p, *_ in holding + parts}}
+    bad = _holder_part(out, layout, path, runner, holding) if holding else []
+    if parts:
+        bad += _member_part(out, layout, path, runner, sections[me]["layouts"][str(me)], parts)
+    manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
+    room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
+    bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
+    # One round per ring offset d between a lost process and a process feeding it (at most 2k - 1): the
+    # process d places on sends its pieces to the lost one, which XORs them (the pairs of a round are disjoint).
+    position, n = {p: t for t, p in enumerate(order)}, len(order)
+    rounds: dict = {}
+    for p, _, holder, others in sources:
+        for c in (holder, *(m for m, _ in others)):
+            rounds.setdefault((position[c] - position[p]) % n, set()).add((c, p))
+    data, received = np.zeros(layout.size, np.uint8) if me in lost else None, 0
+    for d in sorted(rounds):
+        pairs = sorted(rounds[d])
+        partner = next((a if b == me else b for a, b in pairs if me in (a, b)), None)
+        if partner is None:
+            continue
+        got = _swap(out.get(partner, np.zeros(layout.size, np.uint8)), pairs)
+        received += got.size
+        if data is not None:
+            np.bitwise_xor(data, got, out=data)
+    if data is None:
+        return None, {}, received
+    mine = next(s["layouts"][str(me)] for s in sections.values() if str(me) in s["layouts"])
+    regions, failed = _cut(data, layout, me, mine, bad)
+    described = parse_manifest(manifest, path)
+    described = dataclasses.replace(described, leaves=tuple(dataclasses.replace(leaf, checksums=None)
+                                                            for leaf in described.leaves))
+    copy = RebuiltCopy(_Opened(described), regions=regions)
+    copy.treedef, copy.outputs = outputs_of(described)
+    logging.info("dispatch_io: process %d's regions of local step %d rebuilt from parity (%d left out)", me, step,
+                 sum(len(v) for v in failed.values()))
+    return copy, failed, received
+
+
+def _cut(data: np.ndarray, rows: _Rows, me: int, mine: list, bad: list) -> tuple[dict, dict]:
+    """({key path: {stored bounds: array}} of this lost process's regions cut out of its rebuilt rows
+    ``data`` by its layout ``mine``, {key path: [region as JSON]} of those with a byte in a bad piece)."""
+    regions, failed = {}, {}
+    for g, group, i, slot, _ in rows.cells():
+        pieces = {j for p, gg, ii, j in bad if (p, gg, ii) == (me, g, i)}
+        lose = set(parity_plan.hit(group, mine[g][i], rows.k, pieces))
+        for kp, region, offset, nbytes in parity_plan.spans(group, mine[g][i]):
+            if (kp, region) in lose:
+                failed.setdefault(kp, []).append([list(b) for b in region])
+                continue
+            stored = _stored(group, kp, region)
+            dtype = numpy_dtype(group["dtypes"][group["leaves"].index(kp)])
+            array = data[slot + offset:slot + offset + nbytes].view(dtype)
+            regions.setdefault(kp, {})[stored] = array.reshape(tuple(hi - lo for lo, hi in stored))
+    return regions, failed

@@ -1,0 +1,112 @@
+"""Parity in the local tier, its pure plan (no devices, no IO): the ring, who covers whose pieces,
+what a lost process is rebuilt from, which lost processes can be rebuilt, and what it costs."""
+
+import collections
+
+import pytest
+
+from dispatch_io.manager.tiers import parity_plan as pp
+from dispatch_io.manager.tiers import plan as tiers_plan
+
+
+def test_the_ring_interleaves_failure_domains():
+    assert pp.ring((0, 0, 1, 1)) == (0, 2, 1, 3)
+    assert pp.ring(("a", "a", "a", "b", "b", "c")) == (0, 3, 5, 1, 4, 2)
+    assert pp.ring(range(5)) == (0, 1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("n", range(3, 8))
+def test_every_piece_of_every_process_is_covered_once_by_a_holder_outside_its_group(n):
+    for k in range(2, n):
+        order = pp.ring([p % 2 for p in range(n)])
+        covered = pp.members(order, k)
+        pieces = collections.Counter((m, j) for h, group in covered.items() for j, m in enumerate(group))
+        assert set(pieces) == {(p, j) for p in range(n) for j in range(k)} and set(pieces.values()) == {1}
+        assert all(h not in group and len(set(group)) == k for h, group in covered.items())
+        for lost in range(n):   # piece j of a lost process: its holder's row minus the k - 1 other members' pieces
+            for j, holder, others in pp.sources(order, k, lost):
+                assert covered[holder][j] == lost and lost not in [m for m, _ in others]
+                assert sorted([j] + [i for _, i in others]) == list(range(k))
+                assert all(covered[holder][i] == m for m, i in others)
+
+
+def _section(order, k, holder, regions):
+    """The parity section process ``holder`` records: one group of one leaf, one device each."""
+    group = {"leaves": ["w"], "offsets": [0], "widths": [8], "itemsize": [4], "trail": [[]], "W": 8}
+    covered = pp.members(order, k)[holder]
+    return {"k": k, "ring": list(order), "groups": [group],
+            "layouts": {str(p): [[[regions[p]]]] for p in (holder, *covered)}}
+
+
+def _reports(n, k, lost, committed=None):
+    order = tuple(range(n))
+    regions = {p: [[2 * p, 2 * p + 2]] for p in range(n)}
+    return {p: {"held": {"w": {((2 * p, 2 * p + 2),)}}, "parity": _section(order, k, p, regions),
+                "committed": committed is None or p in committed}
+            for p in range(n) if p not in lost}
+
+
+def test_one_lost_process_is_rebuilt_two_in_one_group_are_not_two_in_different_groups_are():
+    assert pp.rebuildable(_reports(4, 2, {1}), 4) == {1: {"w": {((2, 4),)}}}
+    assert pp.rebuildable(_reports(4, 2, {1, 2}), 4) == {}           # 2 is in a group covering 1's pieces
+    assert pp.rebuildable(_reports(4, 3, {0, 2}), 4) == {}
+    # n = 6, k = 2: process 0 is rebuilt from 5, 4 (holders) and 1, 5 (members); 3 from 2, 1 and 4, 2
+    assert pp.rebuildable(_reports(6, 2, {0, 3}), 6) == {0: {"w": {((0, 2),)}}, 3: {"w": {((6, 8),)}}}
+    assert pp.rebuildable(_reports(6, 2, {0, 1}), 6) == {}
+    # a holder whose parity rows did not commit: its pieces are gone
+    assert pp.rebuildable(_reports(4, 2, {1}, committed={2, 3}), 4) == {}
+    assert pp.rebuildable(_reports(4, 2, {1}, committed={0, 3}), 4) == {1: {"w": {((2, 4),)}}}
+    # a member that lost its own region (a bad chunk dropped it): the group cannot be XORed out
+    reports = _reports(4, 2, {1})
+    reports[2]["held"] = {}
+    assert pp.rebuildable(reports, 4) == {}
+
+
+def test_rebuilt_steps_make_a_step_whole_with_its_parity_durability():
+    reports = {p: {8: {**r, "held": {"w": [[[2 * p, 2 * p + 2]]]}, "shapes": {"w": [8]}, "copies": 1}}
+               for p, r in _reports(4, 2, {1}).items()}
+    rebuilt = pp.rebuilt_steps(reports, 4)
+    assert rebuilt == {8: {1: {"w": {((2, 4),)}}}}
+    assert tiers_plan.whole_steps(reports, []) == {}                  # without the rebuild: w[2:4] is lost
+    reports[1] = {8: {**reports[0][8], "held": {"w": [[[2, 4]]]}}}
+    assert tiers_plan.whole_steps(reports, []) == {8: "parity 2"}
+    assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of(reports[0][8])}) == {8}
+    assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of({"copies": 1})}) == set()
+
+
+def test_storage_per_process_is_its_share_and_one_kth_of_its_rows():
+    group = {"leaves": ["a", "b"], "offsets": [0, 40], "widths": [40, 24], "itemsize": [4, 2], "trail": [[], [2]],
+             "W": 64}
+    section = {"k": 2, "ring": [0, 1, 2], "groups": [group, {**group, "W": 30}]}
+    assert pp.storage(section, own=2) == (64 // 2 + 30 // 2) * 2
+    # what a bad piece loses: the leaves with a byte in it
+    regions = [[[0, 10]], [[0, 3]]]      # a: 10 x 4 bytes at 0; b: 3 x 2 x 2 bytes at 40
+    assert pp.spans(group, regions) == [("a", ((0, 10),), 0, 40), ("b", ((0, 3),), 40, 12)]
+    assert pp.hit(group, regions, 2, {0}) == [("a", ((0, 10),))]
+    assert pp.hit(group, regions, 2, {1}) == [("a", ((0, 10),)), ("b", ((0, 3),))]
+
+
+def test_choices_it_cannot_keep_are_refused_by_name():
+    with pytest.raises(ValueError, match="replicas=1"):
+        pp.check(1, 4)
+    with pytest.raises(ValueError, match="choose one"):
+        pp.check(2, 4, replicas=1)
+    with pytest.raises(ValueError, match="at least 5 processes"):
+        pp.check(4, 4)
+    assert pp.check(3, 4) == 3
+    import dispatch_io as dio
+    with pytest.raises(ValueError, match="replicas=1"):
+        dio.LocalTier("/tmp/local/{process}", parity=1)
+    with pytest.raises(ValueError, match="choose one"):
+        dio.LocalTier("/tmp/local/{process}", parity=2, replicas=1)
+    with pytest.raises(ValueError, match="an integer >= 2"):
+        dio.LocalTier("/tmp/local/{process}", parity="2")
+    assert dio.LocalTier("/tmp/local/{process}", parity=None).parity is None   # no parity, as parity=0
+
+
+def test_a_step_whose_parity_did_not_commit_everywhere_is_not_called_parity():
+    reports = {p: {8: {**r, "held": {"w": [[[2 * p, 2 * p + 2]]]}, "shapes": {"w": [8]}, "copies": 1}}
+               for p, r in _reports(4, 2, set(), committed={0, 1, 2}).items()}
+    assert tiers_plan.whole_steps(reports, []) == {8: "local"}
+    reports[3][8]["committed"] = True
+    assert tiers_plan.whole_steps(reports, []) == {8: "parity 2"}

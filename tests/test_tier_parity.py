@@ -1,0 +1,85 @@
+"""Parity in the local tier, in a real 4-process x 2-device pure-FSDP job (tests/job_fsdp_replicas.py
+with ``LocalTier(parity=2)``), killed for real, every restore compared byte for byte: each process
+keeps its share and 1/k of a row of parity; a process's local directory wiped, the job resumes its
+newest local step from the survivors' copies and parity with nothing read from the root; a flipped
+byte in a parity row, or in a member's own region, sends only the rebuilt regions it feeds (and that
+member's region) to the root."""
+
+import json
+import re
+import shutil
+
+import storage_helpers as sh
+from conftest import finish_job, start_job
+from test_tier_multiprocess import train_fsdp
+
+from dispatch_io.manager.tiers import parity_plan
+
+PARITY = {"DIO_TEST_PARITY": "2"}
+SHARE = (64 * 16 * 4 + 16 * 64 * 4 + 8 * 2 * 4) // 4    # w, m, k: a quarter on each process
+B, S = 32 * 4, 8 * 4 * 4                                  # b (everywhere), s (process 0's alone)
+ROWS = (8 + 512 + 64 + 512) * 2     # a process's rows: k, m, s, w each padded to its largest shard; 2 devices
+
+
+def _run(root, local, mode):
+    """Run job_fsdp_replicas.py with parity to its end: each process's (listing, step, exact, bytes local,
+    persistent, received, regions from peers, from the root)."""
+    outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode], extra=PARITY))
+    found = [(re.search(r"^steps (.*)$", out, re.M),
+              re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+) rchar \d+$", out, re.M),
+              re.search(r"^regions peer (\d+) persistent (\d+)$", out, re.M)) for out in outs]
+    assert all(all(f) for f in found), outs
+    return [(s[1], int(r[1]), r[2] == "True", int(r[3]), int(r[4]), int(r[5]), int(g[1]), int(g[2]))
+            for s, r, g in found]
+
+
+def _stored_bytes(path, keypaths):
+    return sum(v.length for keypath in keypaths for v in sh.chunks(path, keypath).values())
+
+
+def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, PARITY)
+    info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
+    assert [(i["copies"], i["durability"]) for i in info] == [(1, "parity 2")] * 4, info
+    section = info[1]["parity"]
+    assert (section["k"], section["ring"]) == (2, [0, 2, 1, 3])     # domains (0, 0, 1, 1) interleaved
+    assert sorted(section["layouts"]) == ["0", "1", "3"]   # itself and the 2 it covers (positions 3, 0)
+    # Storage per process: its share, and its parity rows: W / k per device (W: its row, each leaf padded
+    # to its largest shard) -- about half its share here, against a full copy with replicas=1.
+    for p in range(4):
+        step = tmp_path / "local" / str(p) / "8"
+        own = _stored_bytes(step, ["['w']", "['m']", "['k']"])
+        rows = _stored_bytes(step / "parity", [f"['g0d{i}']" for i in range(2)])
+        assert own == SHARE and rows == parity_plan.storage(info[p]["parity"], 2) == ROWS // 2
+        print(f"process {p}: share {own} B, parity {rows} B: {(own + rows) / own:.2f}x")
+        assert 1.4 < (own + rows) / own < 1.6
+    # Process 1's host is gone with its disk: the job lists step 8 as whole (parity rebuilds 1's regions),
+    # resumes it bit-exact, and reads nothing from the root.
+    shutil.rmtree(str(local).replace("{process}", "1"))
+    results = _run(root, local, "resume")
+    print("per process (steps, step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[0] == "{0: 'persisted', 2: 'parity 2', 4: 'parity 2', 6: 'persisted', 8: 'parity 2'}"
+               for r in results), results
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[1][3] == SHARE, results                            # 1: its share rebuilt (read from memory),
+    # 1 receives its rows' pieces from the 3 others, one round each (each swaps back 1's row of zeros), b from a peer
+    assert [r[5] for r in results] == [ROWS, 3 * ROWS + B, ROWS, ROWS], results
+    assert [r[3] for r in results] == [SHARE + B + S, SHARE, SHARE + B, SHARE + B], results
+    # At step 6 (persisted too; step 8 gone), a flipped byte in process 2's parity row of device position 0:
+    # process 2 covers piece 0 of process 1's rows (k's and m's bytes there), so process 1's k and m regions
+    # of its first device come from the root; and one in process 3's own w region of its second device,
+    # which feeds piece 0 of process 1's rows there (through process 2's group): k and m of process 1's
+    # second device from the root too -- and that w region of process 3's (its own read fails its check).
+    # The rest of process 1's share is rebuilt.
+    for p in (0, 2, 3):
+        shutil.rmtree(tmp_path / "local" / str(p) / "8")
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "2" / "6" / "parity", "['g0d0']")[(0, 0)])
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "3" / "6", "['w']")[(7, 0)])    # rows 56:64, process 3's device 7
+    results = _run(root, local, "resume")
+    print("per process (steps, step, exact, local, persistent, received, peer regions, persistent regions):", results)
+    assert all(r[1:3] == (6, True) for r in results), results
+    km = 2 * 4 + 16 * 8 * 4                                  # a device's k[i:i+1] and m[:, 8i:8i+8]
+    assert [r[4] for r in results] == [0, 2 * km, 0, 8 * 16 * 4], results
+    assert all(r[7] == 5 for r in results), results
+    assert results[1][3] == SHARE - 2 * km, results
