@@ -10,9 +10,9 @@ its own. When a plan picks such a step, :func:`run` (every process together, onc
   against its CRC-32C as it is read (``checks.mismatched``), and XORs its pieces into a row (the
   lost process's rows, zeros elsewhere) per lost process it feeds;
 * the rows travel over the devices, one round per ring offset between a lost process and the
-  processes that feed it (at most ``2k - 1``; :func:`_swap`: in each round the process that many
-  places on swaps rows with the lost one -- a permuted ``jax.device_put`` among the round's pairs
-  alone), and each lost process XORs what it receives: its rows back, from which it cuts its
+  processes that feed it (at most ``2k - 1``; :func:`_send`: in each round the process that many
+  places on sends its row to the lost one, which sends nothing back -- a collective permute among the
+  round's pairs alone), and each lost process XORs what it receives: its rows back, from which it cuts its
   regions by its recorded layout and serves them from memory (:class:`RebuiltCopy`, a ``runner.Reader`` of them: simpler
   than writing them to disk first, and nothing is read twice).
 
@@ -22,7 +22,7 @@ regions with a byte in the pieces it feeds (``parity_plan.hit``): they are repor
 restore takes them from the next source (the root), or an older step.
 
 Costs: the members of a lost process's groups read their own regions once more than a restore
-reads them; each round moves two rows (a lost process's rows: its protected share, padded) per
+reads them; each round moves one row (a lost process's rows: its protected share, padded) per
 lost process, whatever the job's size; a process feeding several lost processes holds a row for each.
 """
 
@@ -39,10 +39,10 @@ from absl import logging
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import checks, local_steps, parity_plan
-from dispatch_io.manager.tiers import rows as rows_lib
 from dispatch_io.manager.tiers.parity import PARITY, row_name
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.multihost import scaleout
+from dispatch_io.multihost.rows import send
 from dispatch_io.storage import Location
 from workers import ChunkError, ReadItem, Region, aligned_empty, crc32c, numpy_dtype
 
@@ -217,18 +217,13 @@ def _member_part(out: dict, rows: _Rows, path: str, runner, own: list, parts: li
     return bad
 
 
-def _swap(row: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
-    """Each (sender, receiver) of ``pairs`` (disjoint) swaps its ``row`` with the other, over their
-    first devices (one permuted ``jax.device_put`` of a row per process of the pairs: a collective
-    permute among them alone); the row this process receives. The processes of ``pairs`` call it
-    together; the others take no part."""
-    carriers = scaleout.carriers(jax.process_count())
-    order = [p for pair in pairs for p in pair]
-    mine = jax.device_put(row[None], carriers[jax.process_index()])
-    sent = jax.make_array_from_single_device_arrays((len(order), row.size), rows_lib.sharding(
-        [carriers[p] for p in order]), [mine])
-    moved = jax.device_put(sent, rows_lib.sharding([carriers[p] for a, b in pairs for p in (b, a)]))
-    return np.asarray(moved.addressable_shards[0].data)[0]
+def _send(row: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
+    """Each (sender, receiver) of ``pairs`` (disjoint) sends its ``row`` to the receiver alone, over
+    their first devices (``multihost.rows.send``: a collective permute among the pairs' processes,
+    nothing sent back); the row this process receives (zeros in a sender). The processes of ``pairs``
+    call it together; the others take no part."""
+    groups = tuple(tuple(pair) for pair in pairs)
+    return send(row, groups, scaleout.carriers(jax.process_count()), tuple((2 * g, 2 * g + 1) for g in range(len(groups))))
 
 
 def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
@@ -266,8 +261,8 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
         partner = next((a if b == me else b for a, b in pairs if me in (a, b)), None)
         if partner is None:
             continue
-        got = _swap(out.get(partner, np.zeros(layout.size, np.uint8)), pairs)
-        received += got.size
+        got = _send(out.get(partner, np.zeros(layout.size, np.uint8)), pairs)
+        received += got.size if me in lost else 0
         if data is not None:
             np.bitwise_xor(data, got, out=data)
     if data is None:
