@@ -3,7 +3,8 @@ with ``LocalTier(parity=2)``), killed for real, every restore compared byte for 
 keeps its share and 1/k of a row of parity; a process's local directory wiped, the job resumes its
 newest local step from the survivors' copies and parity with nothing read from the root; a flipped
 byte in a parity row, or in a member's own region, sends only the rebuilt regions it feeds (and that
-member's region) to the root."""
+member's region) to the root; onto a mesh of one device per process, a region made of two rebuilt
+ones is read from memory whole."""
 
 import json
 import re
@@ -66,6 +67,11 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
     # 1 receives its rows' pieces from the 3 others, one round each (each swaps back 1's row of zeros), b from a peer
     assert [r[5] for r in results] == [ROWS, 3 * ROWS + B, ROWS, ROWS], results
     assert [r[3] for r in results] == [SHARE + B + S, SHARE, SHARE + B, SHARE + B], results
+    # Onto a mesh of each process's first device alone: each region of process 1's is its two rebuilt
+    # regions (one per device) together, read from memory as one -- still nothing from the root.
+    results = _run(root, local, "narrow")
+    print("onto one device per process:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
     # At step 6 (persisted too; step 8 gone), a flipped byte in process 2's parity row of device position 0:
     # process 2 covers piece 0 of process 1's rows (k's and m's bytes there), so process 1's k and m regions
     # of its first device come from the root; and one in process 3's own w region of its second device,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 
 import jax
@@ -80,36 +81,56 @@ class _Opened:
 
 
 class _MemoryReader:
-    """A ``runner.Reader`` of regions held in memory ({key path: {stored bounds: array}})."""
+    """A ``runner.Reader`` of regions held in memory ({key path: {stored bounds: array}}); a region
+    they do not make up whole fails its read (its future) with a ``ChunkError``, as a lost chunk does."""
 
     def __init__(self, regions: dict):
         self._regions = regions
 
     def _source(self, region: Region) -> np.ndarray:
+        """``region`` cut from the regions held that it overlaps (of one sharding: disjoint) -- on
+        another mesh, one region read is several rebuilt ones."""
+        found, filled = None, 0
         for bounds, array in self._regions.get(region.keypath, {}).items():
-            if all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(region.bounds, bounds)):
-                return array[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(region.bounds, bounds))]
-        raise ChunkError(region.keypath, region.bounds, KeyError("not rebuilt"))
+            part = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(region.bounds, bounds))
+            if all(lo < hi for lo, hi in part):
+                found = np.empty(region.shape, array.dtype) if found is None else found
+                found[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, region.bounds))] = \
+                    array[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, bounds))]
+                filled += math.prod(hi - lo for lo, hi in part)
+        if found is None or filled != math.prod(region.shape):
+            raise ChunkError(region.keypath, region.bounds, KeyError("not rebuilt"))
+        return found
 
     def read(self, items):
         out = []
-        for item in items:
-            buffer = aligned_empty(item.shape, numpy_dtype(item.dtype))
-            for region, local in item.pieces:
-                buffer[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)] = self._source(region)
-            out.append(buffer)
+        try:
+            for item in items:
+                buffer = aligned_empty(item.shape, numpy_dtype(item.dtype))
+                for region, local in item.pieces:
+                    buffer[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)] = self._source(region)
+                out.append(buffer)
+        except ChunkError as exc:
+            return _done(error=exc)
         return _done(out)
 
     def checksums(self, regions):
-        return _done([crc32c(np.ascontiguousarray(self._source(region))) for region in regions])
+        try:
+            return _done([crc32c(np.ascontiguousarray(self._source(region))) for region in regions])
+        except ChunkError as exc:
+            return _done(error=exc)
 
     def close(self):
         pass
 
 
-def _done(value) -> concurrent.futures.Future:
+def _done(value=None, error: BaseException | None = None) -> concurrent.futures.Future:
+    """A future done with ``value``, or failed with ``error``."""
     future = concurrent.futures.Future()
-    future.set_result(value)
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
     return future
 
 
