@@ -102,6 +102,9 @@ def test_choices_it_cannot_keep_are_refused_by_name():
     with pytest.raises(ValueError, match="an integer >= 2"):
         dio.LocalTier("/tmp/local/{process}", parity="2")
     assert dio.LocalTier("/tmp/local/{process}", parity=None).parity is None   # no parity, as parity=0
+    for other in (False, 0.0, "", []):   # not 0 or None: refused, never taken silently for no parity
+        with pytest.raises(ValueError, match=r"an integer >= 2, .*0 or None: no parity"):
+            dio.LocalTier("/tmp/local/{process}", parity=other)
 
 
 def test_a_step_whose_parity_did_not_commit_everywhere_is_not_called_parity():

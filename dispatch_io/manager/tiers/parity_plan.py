@@ -34,7 +34,7 @@ def check(k, count: int | None, replicas: int = 0) -> int:
     otherwise."""
     if type(k) is not int or k < 2:
         raise ValueError(f"LocalTier(parity={k!r}): an integer >= 2, the processes a parity row covers "
-                         "(for a full copy of each region, parity=1 would be replicas=1: use that)")
+                         "(0 or None: no parity; for a full copy of each region, parity=1 would be replicas=1: use that)")
     if replicas:
         raise ValueError(f"LocalTier(parity={k}, replicas={replicas}): choose one -- replicas (full copies: "
                          "survive any `replicas` lost processes) or parity (one lost process per group, at 1/k "
