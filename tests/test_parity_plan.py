@@ -56,6 +56,13 @@ def test_one_lost_process_is_rebuilt_two_in_one_group_are_not_two_in_different_g
     # a holder whose parity rows did not commit: its pieces are gone
     assert pp.rebuildable(_reports(4, 2, {1}, committed={2, 3}), 4) == {}
     assert pp.rebuildable(_reports(4, 2, {1}, committed={0, 3}), 4) == {1: {"w": {((2, 4),)}}}
+    # ids permuted on a restart: 0's host lost, 2 restarted as 0, a new host is 2. Index 2 has no copy; its
+    # holders (1, 0) and other members (3, 1) all have one -- but 0's is 2's, its parity rows of 2's place in
+    # the ring (their XOR with 3's and 1's pieces is not 2's regions): nothing is rebuilt
+    reports = _reports(4, 2, {2})
+    assert pp.rebuildable(reports, 4) == {2: {"w": {((4, 6),)}}}
+    reports[0] = {**_reports(4, 2, set())[2], "process": 2}
+    assert pp.rebuildable(reports, 4) == {}
     # a member that lost its own region (a bad chunk dropped it): the group cannot be XORed out
     reports = _reports(4, 2, {1})
     reports[2]["held"] = {}

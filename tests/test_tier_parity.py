@@ -4,9 +4,11 @@ keeps its share and 1/k of a row of parity; a process's local directory wiped, t
 newest local step from the survivors' copies and parity with nothing read from the root; a flipped
 byte in a parity row, or in a member's own region, sends only the rebuilt regions it feeds (and that
 member's region) to the root; onto a mesh of one device per process, a region made of two rebuilt
-ones is read from memory whole."""
+ones is read from memory whole; with process ids permuted on a restart, parity rebuilds nothing (its
+rows are of the savers' places in the ring) and the job resumes an older step, bit-exact."""
 
 import json
+import os
 import re
 import shutil
 
@@ -55,6 +57,20 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
         assert own == SHARE and rows == parity_plan.storage(info[p]["parity"], 2) == ROWS // 2
         print(f"process {p}: share {own} B, parity {rows} B: {(own + rows) / own:.2f}x")
         assert 1.4 < (own + rows) / own < 1.6
+    # Process 2's host is gone with its disk, and process 3 restarts as process 2 (ids permuted; a new host
+    # is process 3): the copies are mapped by the regions they hold, but parity rows and layouts belong to
+    # the place of the process that saved them in the ring -- process 3's rows are not process 2's, and the
+    # XOR of the wrong rows is not process 3's regions. So parity rebuilds nothing: process 2's regions are
+    # lost, and the job resumes step 6 bit-exact, those regions from the root.
+    aside = tmp_path / "aside"
+    os.rename(tmp_path / "local" / "2", aside)
+    os.rename(tmp_path / "local" / "3", tmp_path / "local" / "2")
+    results = _run(root, local, "resume")
+    print("ids permuted, one host lost:", results)
+    assert all(r[0] == "{0: 'persisted', 6: 'persisted'}" and r[1:3] == (6, True) for r in results), results
+    shutil.rmtree(tmp_path / "local" / "3")
+    os.rename(tmp_path / "local" / "2", tmp_path / "local" / "3")
+    os.rename(aside, tmp_path / "local" / "2")
     # Process 1's host is gone with its disk: the job lists step 8 as whole (parity rebuilds 1's regions),
     # resumes it bit-exact, and reads nothing from the root.
     shutil.rmtree(str(local).replace("{process}", "1"))

@@ -148,11 +148,12 @@ def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, s
 
 def parity_report(root: StepRoot, step: int, info: dict) -> dict:
     """What local ``step`` (``info``: its info) tells the job of its parity: {"parity": its section
-    (``parity_plan``), "committed": whether its parity rows are}, or {} without parity."""
+    (``parity_plan``), "committed": whether its parity rows are, "process": the process that saved
+    it (its place in the ring)}, or {} without parity."""
     if not isinstance(info.get("parity"), dict):
         return {}
     path = os.path.join(root.step_path(step), PARITY)
-    return {"parity": info["parity"], "committed": Location.parse(path).is_committed()}
+    return {"parity": info["parity"], "committed": Location.parse(path).is_committed(), "process": info.get("process")}
 
 
 def check_apart(template: str, path: str, process: int, count: int, timeout: float,
