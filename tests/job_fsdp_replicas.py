@@ -18,7 +18,7 @@ fast); prints ``local steps [...]``. MODE ``promote``: as
 ``resume``, then promotes that step to the root and restores it from there: ``promoted STEP exact BOOL written W``.
 
 With ``DIO_TEST_PARITY=K`` the tier keeps parity of groups of K instead of the replica
-(``LocalTier(parity=K)``); ``resume`` then first prints ``steps {step: durability}`` (the job's
+(``LocalTier(parity=K)``); with ``DIO_TEST_DURABILITY`` its restores require that durability; ``resume`` then first prints ``steps {step: durability}`` (the job's
 listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` (TierRestoreStats).
 """
 
@@ -70,7 +70,7 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
     for _ in range(2):  # the second restore's bytes read from /proc/self/io (the first reads modules as well)
         with open("/proc/self/io") as f:
             rchar = -int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
-        restored = mgr.restore(None, target)
+        restored = mgr.restore(None, target, durability=os.environ.get("DIO_TEST_DURABILITY", "local"))
         with open("/proc/self/io") as f:
             rchar += int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
     s = mgr.last_tier_restore

@@ -79,6 +79,8 @@ def test_rebuilt_steps_make_a_step_whole_with_its_parity_durability():
     assert tiers_plan.whole_steps(reports, []) == {8: "parity 2"}
     assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of(reports[0][8])}) == {8}
     assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of({"copies": 1})}) == set()
+    # parity rows that never committed (killed between the step's commit and theirs): no second copy
+    assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of({**reports[0][8], "committed": False})}) == set()
 
 
 def test_storage_per_process_is_its_share_and_one_kth_of_its_rows():

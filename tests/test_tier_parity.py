@@ -24,10 +24,11 @@ B, S = 32 * 4, 8 * 4 * 4                                  # b (everywhere), s (p
 ROWS = (8 + 512 + 64 + 512) * 2     # a process's rows: k, m, s, w each padded to its largest shard; 2 devices
 
 
-def _run(root, local, mode):
-    """Run job_fsdp_replicas.py with parity to its end: each process's (listing, step, exact, bytes local,
-    persistent, received, regions from peers, from the root)."""
-    outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode], extra=PARITY))
+def _run(root, local, mode, durability="local"):
+    """Run job_fsdp_replicas.py with parity to its end (its restores requiring ``durability``): each
+    process's (listing, step, exact, bytes local, persistent, received, regions from peers, from the root)."""
+    outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode],
+                                extra={**PARITY, "DIO_TEST_DURABILITY": durability}))
     found = [(re.search(r"^steps (.*)$", out, re.M),
               re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+) rchar \d+$", out, re.M),
               re.search(r"^regions peer (\d+) persistent (\d+)$", out, re.M)) for out in outs]
@@ -57,6 +58,13 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
         assert own == SHARE and rows == parity_plan.storage(info[p]["parity"], 2) == ROWS // 2
         print(f"process {p}: share {own} B, parity {rows} B: {(own + rows) / own:.2f}x")
         assert 1.4 < (own + rows) / own < 1.6
+    # Process 0 killed between step 8's commit and its parity rows': step 8 has one copy of some regions,
+    # listed "local", and a restore requiring durability "replicated" resumes step 6.
+    os.rename(tmp_path / "local" / "0" / "8" / "parity", tmp_path / "parity")
+    results = _run(root, local, "resume", durability="replicated")
+    assert all(r[0] == "{0: 'persisted', 2: 'parity 2', 4: 'parity 2', 6: 'persisted', 8: 'local'}" and
+               r[1:3] == (6, True) for r in results), results
+    os.rename(tmp_path / "parity", tmp_path / "local" / "0" / "8" / "parity")
     # Process 2's host is gone with its disk, and process 3 restarts as process 2 (ids permuted; a new host
     # is process 3): the copies are mapped by the regions they hold, but parity rows and layouts belong to
     # the place of the process that saved them in the ring -- process 3's rows are not process 2's, and the

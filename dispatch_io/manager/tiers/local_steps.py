@@ -237,8 +237,10 @@ def durability(local: "LocalTiers | None", step: int, persistent_steps) -> str |
     if step in persistent_steps:
         return "persisted"
     info = local.infos()[0].get(step) if local is not None else None
-    parity = info.get("parity") if info is not None and isinstance(info.get("parity"), dict) else {}
-    return None if info is None else tiers_plan.durability(info.get("copies"), False, parity.get("k"))
+    if info is None:
+        return None
+    parity = parity_report(local.root, step, info)   # "parity k" once its rows committed
+    return tiers_plan.durability(info.get("copies"), False, parity["parity"].get("k") if parity.get("committed") else None)
 
 
 def read_item(local: "LocalTiers", step: int, name: str, persistent: str):
