@@ -96,6 +96,13 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
     results = _run(root, local, "narrow")
     print("onto one device per process:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    # A promotion of step 8 reads the local copies alone (no rebuild): every process refuses it, naming the
+    # process without a copy and what to do instead.
+    procs = start_job("job_fsdp_replicas.py", [root, local, "promote"], extra=PARITY)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode != 0 for p in procs), outs
+    assert all(re.search(r"FileNotFoundError: .* process\(es\) \[1\] have no local copy of it \(lost\?\); a restore "
+                         r"rebuilds a lost process's regions from parity, a promotion does not", err) for _, err in outs)
     # At step 6 (persisted too; step 8 gone), a flipped byte in process 2's parity row of device position 0:
     # process 2 covers piece 0 of process 1's rows (k's and m's bytes there), so process 1's k and m regions
     # of its first device come from the root; and one in process 3's own w region of its second device,
