@@ -120,3 +120,50 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
     assert [r[4] for r in results] == [0, 2 * km, 0, 8 * 16 * 4], results
     assert all(r[7] == 5 for r in results), results
     assert results[1][3] == SHARE - 2 * km, results
+
+
+def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact():
+    """One parity row of leaves of every kind -- bfloat16, bool, int8, int4 and uint4 (a byte each, the
+    value's bits low, as numpy holds them), complex64, PRNG keys (their key data), a leaf on two of the
+    8 devices -- packed on each device of a "process" of two devices (``rows.row``, as ``parity.encode``
+    packs them) and cut back (``rebuild._cut``, as a rebuilt process cuts its rows): every region's
+    bytes and dtype as the shard's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from dispatch_io.manager.tiers import parity, rebuild, rows
+
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh, pair = Mesh(np.array(devices), ("x",)), Mesh(np.array(devices[2:4]), ("x",))
+    values = np.arange(-40, 56) * 37 % 251
+
+    def leaf(shape, dtype, on=mesh):
+        host = np.asarray(values[:int(np.prod(shape))].reshape(shape) % (2 if dtype == jnp.bool_ else 8)
+                          if dtype in (jnp.bool_, jnp.int4, jnp.uint4) else values[:int(np.prod(shape))].reshape(shape))
+        return jax.device_put(host.astype(dtype) - (4 if dtype == jnp.int4 else 0), NamedSharding(on, P("x")))
+
+    tree = {"bf": leaf((16, 3), jnp.bfloat16), "bo": leaf((8, 5), jnp.bool_), "i8": leaf((24,), jnp.int8),
+            "i4": leaf((16, 3), jnp.int4), "u4": leaf((8,), jnp.uint4), "c": leaf((8, 2), jnp.complex64),
+            "pair": leaf((4, 3), jnp.float32, pair),
+            "key": jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(mesh, P("x")))}
+    group = [rows.leaf(f"['{name}']", array) for name, array in tree.items()]
+    by_process = {p: devices[2 * p:2 * p + 2] for p in range(4)}
+    section = parity.record([group], (0, 1, 2, 3), 2, by_process)
+    width = section["groups"][0]["W"]
+    shards = [{s.device: s.data for s in item.data.addressable_shards} for item in group]
+    data = np.concatenate([np.asarray(rows.row(group, d, shards, by_bytes=True,
+                                               pad=width - sum(item.nbytes for item in group)))[0] for d in by_process[1]])
+    regions, failed = rebuild._cut(data, rebuild._Rows(2, section["groups"], 2), 1, section["layouts"]["1"], [])
+    assert not failed
+    checked = 0
+    for name, array in tree.items():
+        stored = jax.random.key_data(array) if name == "key" else array
+        for shard in stored.addressable_shards:
+            if shard.device in by_process[1]:
+                bounds = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(shard.index, stored.shape))
+                got, want = regions[f"['{name}']"][bounds], np.asarray(shard.data)
+                assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (name, bounds, got, want)
+                checked += 1
+    assert checked == 2 * len(tree)
