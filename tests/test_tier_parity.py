@@ -167,3 +167,28 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
                 assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (name, bounds, got, want)
                 checked += 1
     assert checked == 2 * len(tree)
+
+
+def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_whole(tmp_path):
+    """A process holding both device regions of a small leaf saves them as one stored chunk (its
+    CRC-32C is of the whole chunk): each region read to rebuild a lost process (``rebuild._read_checked``)
+    is checked with its whole chunks and cut from them, bit-exact -- it was refused as corrupt, so the
+    groups it fed fell back to the root or an older step. A flipped byte still refuses both."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import dispatch_io as dio
+    from dispatch_io.manager.tiers import rebuild
+
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    host = np.arange(32, dtype=np.float32).reshape(8, 4)
+    s = jax.device_put(host, NamedSharding(Mesh(np.array(devices[:2]), ("x",)), P("x")))
+    wanted = [("['s']", ((0, 4), (0, 4))), ("['s']", ((4, 8), (0, 4)))]
+    with dio.LocalDispatcher(checksums=True) as d:
+        d.save(str(tmp_path / "8"), {"s": s}, own=True).wait()
+        assert list(sh.chunks(tmp_path / "8", "['s']")) == [(0, 0)]      # one chunk: both regions
+        read = rebuild._read_checked(str(tmp_path / "8"), d.runner, wanted)
+        assert [read[w].tobytes() for w in wanted] == [host[:4].tobytes(), host[4:].tobytes()]
+        sh.flip_byte(sh.chunks(tmp_path / "8", "['s']")[(0, 0)])
+        assert rebuild._read_checked(str(tmp_path / "8"), d.runner, wanted) == dict.fromkeys(wanted)

@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from dispatch_io import reading
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import checks, local_steps, parity_plan
@@ -136,27 +137,29 @@ def _done(value=None, error: BaseException | None = None) -> concurrent.futures.
 
 def _read_checked(path: str, runner, wanted: list[tuple[str, tuple]]) -> dict:
     """{(key path, stored bounds): array, or None if it cannot be read or fails its CRC-32C (logged)}
-    of the checkpoint at ``path`` (all None if it cannot be opened)."""
+    of the checkpoint at ``path`` (all None if it cannot be opened). Each is cut from its whole stored
+    chunks, read once and checked (a chunk's CRC-32C is of all of it: a process holding both device
+    regions of a small leaf may store them as one chunk)."""
     try:
         opened = open_checkpoint(path)
     except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
         logging.warning("dispatch_io: %s is not used to rebuild a lost process: %s", path, exc)
         return dict.fromkeys(wanted)
-    reader, found = runner.open_reader(opened.arrays, opened.context), {}
+    reader, found, spans = runner.open_reader(opened.arrays, opened.context), {}, {}
     try:
         for keypath, bounds in wanted:
             saved = opened.manifest.by_keypath.get(keypath)
             try:
                 if saved is None or saved.stored is None:
                     raise KeyError(f"{keypath} is not in it")
-                shape = tuple(hi - lo for lo, hi in bounds)
-                item = ReadItem(((Region(saved.stored, bounds, keypath), tuple((0, n) for n in shape)),), shape,
-                                saved.stored.dtype)
-                array = reader.read([item]).result()[0]
-                wrong = checks.mismatched(saved, bounds, array) if saved.checksums else []
-                if wrong:
-                    raise CorruptCheckpointError(f"{len(wrong)} chunk(s) do not match their CRC-32C", keypath=keypath)
-                found[(keypath, bounds)] = array
+                cells = [cell for _, cell in reading.stored_cells(saved.stored, bounds)]
+                span = tuple((min(c[a][0] for c in cells), max(c[a][1] for c in cells)) for a in range(len(bounds)))
+                if (keypath, span) not in spans:
+                    spans[(keypath, span)] = _read_span(reader, saved, span)
+                array = spans[(keypath, span)]
+                if isinstance(array, Exception):
+                    raise array
+                found[(keypath, bounds)] = array[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(bounds, span))]
             except (KeyError, ChunkError, CorruptCheckpointError) as exc:
                 logging.warning("dispatch_io: %s %s of %s is not used to rebuild a lost process: %s", keypath,
                                 [list(b) for b in bounds], path, exc)
@@ -164,6 +167,22 @@ def _read_checked(path: str, runner, wanted: list[tuple[str, tuple]]) -> dict:
     finally:
         reader.close()
     return found
+
+
+def _read_span(reader, saved, span: tuple):
+    """The stored bounds ``span`` (whole chunks) of the leaf ``saved``, read and checked against its
+    CRC-32Cs; the ``ChunkError`` / ``CorruptCheckpointError`` it fails with instead."""
+    shape = tuple(hi - lo for lo, hi in span)
+    item = ReadItem(((Region(saved.stored, span, saved.keypath), tuple((0, n) for n in shape)),), shape,
+                    saved.stored.dtype)
+    try:
+        array = reader.read([item]).result()[0]
+    except ChunkError as exc:
+        return exc
+    wrong = checks.mismatched(saved, span, array) if saved.checksums else []
+    if wrong:
+        return CorruptCheckpointError(f"{len(wrong)} chunk(s) do not match their CRC-32C", keypath=saved.keypath)
+    return array
 
 
 def _stored(group: dict, keypath: str, region) -> tuple:
