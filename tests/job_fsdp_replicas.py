@@ -11,13 +11,14 @@ MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each 
 prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores through the
 tiers (twice) and prints ``resumed STEP exact BOOL local L persistent P received R rchar C`` (C: bytes the
 second restore read, from ``/proc/self/io``); MODE ``reshard``
-likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions. MODE
+likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions; MODE ``narrow``
+onto the first device of each process (fsdp=4): each of its regions is the two its process saved. MODE
 ``clock``: local saves by ``EveryNSeconds(25)`` with clocks that disagree (process 1's twice as
 fast); prints ``local steps [...]``. MODE ``promote``: as
 ``resume``, then promotes that step to the root and restores it from there: ``promoted STEP exact BOOL written W``.
 
 With ``DIO_TEST_PARITY=K`` the tier keeps parity of groups of K instead of the replica
-(``LocalTier(parity=K)``); ``resume`` then first prints ``steps {step: durability}`` (the job's
+(``LocalTier(parity=K)``); with ``DIO_TEST_DURABILITY`` its restores require that durability; ``resume`` then first prints ``steps {step: durability}`` (the job's
 listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` (TierRestoreStats).
 """
 
@@ -26,6 +27,8 @@ import sys
 import time
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
 import dispatch_io as dio
 from dispatch_io import policies
@@ -38,7 +41,10 @@ now = [0.0]   # MODE clock: each process's clock, at 10 s a step -- process 1's 
 local_policy = policies.EveryNSeconds(25) if mode == "clock" else policies.EveryNSteps(2)
 parity = int(os.environ.get("DIO_TEST_PARITY", 0))
 STATE = JobState(keys=True, big=not parity)   # big: bytes read measurable (replicas); parity's tests count small leaves
-target = STATE.target(jax.make_mesh((2, 4), ("data", "fsdp")) if mode == "reshard" else mesh)
+targets = {"reshard": jax.make_mesh((2, 4), ("data", "fsdp")),   # each process's first device alone:
+           "narrow": Mesh(np.array([min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                                    for p in range(4)]), ("fsdp",))}
+target = STATE.target(targets.get(mode, mesh))
 tier = dio.LocalTier(local, save_policy=local_policy, replicas=0 if parity else 1, parity=parity, domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier,
@@ -64,7 +70,7 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
     for _ in range(2):  # the second restore's bytes read from /proc/self/io (the first reads modules as well)
         with open("/proc/self/io") as f:
             rchar = -int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
-        restored = mgr.restore(None, target)
+        restored = mgr.restore(None, target, durability=os.environ.get("DIO_TEST_DURABILITY", "local"))
         with open("/proc/self/io") as f:
             rchar += int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
     s = mgr.last_tier_restore

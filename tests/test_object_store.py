@@ -177,6 +177,28 @@ def test_all_steps_lists_an_object_store_root_once(s3_server, s3_prefix, mesh, m
         proxy.stop()
 
 
+def test_a_root_holding_more_keys_than_a_checkpoints_cap_still_lists_and_saves(s3_prefix, mesh, monkeypatch):
+    """The cap on the keys of a folder read as a checkpoint (``folders.MAX_LISTED_KEYS``) is not a
+    cap on a manager's root, which holds every step's keys: with the cap below the root's keys (but
+    above one step's), the root's steps are listed, a step's path found, another step saved and
+    a step restored."""
+    import dispatch_io.storage.folders as folders
+    tree = make_tree(mesh)
+    with dio.LocalDispatcher(host_memory_budget=MiB) as d, dio.CheckpointManager(f"{s3_prefix}/run", d) as manager:
+        for step in (1, 2):
+            manager.save(step, tree)
+        manager.wait()
+        kv = ts.KvStore.open(kvstore_spec(f"{s3_prefix}/run/")).result()
+        per_step = len(kv.list(ts.KvStore.KeyRange("1/", "10")).result())
+        assert len(kv.list().result()) > per_step + 1
+        monkeypatch.setattr(folders, "MAX_LISTED_KEYS", per_step + 1)
+        assert manager.all_steps() == [1, 2] and manager.latest_step() == 2
+        manager.save(3, tree)
+        manager.wait()
+        assert manager.all_steps() == [1, 2, 3]
+        assert_trees_bit_equal(manager.restore(2, like(tree)), tree)
+
+
 def test_concurrent_saves_to_one_prefix_have_exactly_one_winner(store_prefix, mesh):
     """Four saves to one prefix started at once, each with its own dispatcher: the conditional
     writes of the claim and the commit marker (412 on GCS, on S3 ``If-None-Match``) let exactly

@@ -56,6 +56,13 @@ def test_one_lost_process_is_rebuilt_two_in_one_group_are_not_two_in_different_g
     # a holder whose parity rows did not commit: its pieces are gone
     assert pp.rebuildable(_reports(4, 2, {1}, committed={2, 3}), 4) == {}
     assert pp.rebuildable(_reports(4, 2, {1}, committed={0, 3}), 4) == {1: {"w": {((2, 4),)}}}
+    # ids permuted on a restart: 0's host lost, 2 restarted as 0, a new host is 2. Index 2 has no copy; its
+    # holders (1, 0) and other members (3, 1) all have one -- but 0's is 2's, its parity rows of 2's place in
+    # the ring (their XOR with 3's and 1's pieces is not 2's regions): nothing is rebuilt
+    reports = _reports(4, 2, {2})
+    assert pp.rebuildable(reports, 4) == {2: {"w": {((4, 6),)}}}
+    reports[0] = {**_reports(4, 2, set())[2], "process": 2}
+    assert pp.rebuildable(reports, 4) == {}
     # a member that lost its own region (a bad chunk dropped it): the group cannot be XORed out
     reports = _reports(4, 2, {1})
     reports[2]["held"] = {}
@@ -72,6 +79,8 @@ def test_rebuilt_steps_make_a_step_whole_with_its_parity_durability():
     assert tiers_plan.whole_steps(reports, []) == {8: "parity 2"}
     assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of(reports[0][8])}) == {8}
     assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of({"copies": 1})}) == set()
+    # parity rows that never committed (killed between the step's commit and theirs): no second copy
+    assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of({**reports[0][8], "committed": False})}) == set()
 
 
 def test_storage_per_process_is_its_share_and_one_kth_of_its_rows():
@@ -102,6 +111,9 @@ def test_choices_it_cannot_keep_are_refused_by_name():
     with pytest.raises(ValueError, match="an integer >= 2"):
         dio.LocalTier("/tmp/local/{process}", parity="2")
     assert dio.LocalTier("/tmp/local/{process}", parity=None).parity is None   # no parity, as parity=0
+    for other in (False, 0.0, "", []):   # not 0 or None: refused, never taken silently for no parity
+        with pytest.raises(ValueError, match=r"an integer >= 2, .*0 or None: no parity"):
+            dio.LocalTier("/tmp/local/{process}", parity=other)
 
 
 def test_a_step_whose_parity_did_not_commit_everywhere_is_not_called_parity():

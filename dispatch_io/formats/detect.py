@@ -72,7 +72,7 @@ def orbax_item(path) -> Folder | None:
 def committed_steps(root: StepRoot) -> list[int]:
     """Every committed step under a manager's ``root`` (a directory or an object-store prefix):
     dispatch_io's and Orbax's, ascending, from one listing of the root."""
-    folder = Folder.open(root.display)
+    folder = Folder.open(root.display, bounded=False)   # a root: every step's keys
     return sorted(set(root.committed_steps(folder)) | set(orbax.committed_steps(folder)))
 
 
@@ -82,7 +82,7 @@ def step_path(root: StepRoot, step: int) -> str:
     ``orbax.step_directories``), committed or not. Raises CheckpointError if several folders
     hold the step: which one is the step cannot be told."""
     ours = root.step_path(step)
-    folder = Folder.open(root.display)
+    folder = Folder.open(root.display, bounded=False)   # a root: every step's keys
     names = orbax.step_directories(folder).get(step, [])
     others = [folder.child(name).display for name in names if folder.child(name).display != ours]
     if not others:

@@ -6,7 +6,8 @@ keys under it. A :class:`KvFolder` lists the keys under the folder it was opened
 listing, however many questions are asked of it and of its sub-folders) and answers from that.
 Files are read with a bound: one larger than ``limit`` is refused before it is read whole,
 as :func:`~dispatch_io.storage.directory.read_regular` does for local files, and a listing
-with more than :data:`MAX_LISTED_KEYS` keys is refused.
+with more than :data:`MAX_LISTED_KEYS` keys is refused (a folder read as a checkpoint; a manager's
+root, which holds every step's keys, is listed whole).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ class Folder:
     display: str   # the path as the user would write it, for messages
 
     @staticmethod
-    def open(path) -> "Folder":
-        """The folder at ``path`` (a path, ``file://`` or a kvstore URL: ``Location.parse``)."""
+    def open(path, bounded: bool = True) -> "Folder":
+        """The folder at ``path`` (a path, ``file://`` or a kvstore URL: ``Location.parse``).
+        ``bounded``: its listing is refused over :data:`MAX_LISTED_KEYS` keys (a folder read as a
+        checkpoint); False for a manager's root, which holds every step's keys."""
         location = Location.parse(path)
         if isinstance(location, DirectoryLocation):
             return DirectoryFolder(location.path, location.display)
-        return KvFolder(location, "")
+        return KvFolder(location, "", bounded=bounded)
 
     @property
     def name(self) -> str:
@@ -131,19 +134,20 @@ class DirectoryFolder(Folder):
 
 class KvFolder(Folder):
     """The folder ``sub`` (``""`` or ending in ``/``) under a kvstore location; its keys are
-    listed once, on first use, and shared with its sub-folders."""
+    listed once, on first use, and shared with its sub-folders (``bounded``: see :meth:`Folder.open`)."""
 
-    def __init__(self, location: KvLocation, sub: str, keys: list[str] | None = None, up: "KvFolder | None" = None):
-        self.location, self.sub = location, sub
+    def __init__(self, location: KvLocation, sub: str, keys: list[str] | None = None, up: "KvFolder | None" = None,
+                 bounded: bool = True):
+        self.location, self.sub, self.bounded = location, sub, bounded
         self.display = location.display.rstrip("/") + ("/" + sub.rstrip("/") if sub else "")
         self._keys, self._up = keys, up
 
     def keys(self) -> list[str]:
         """Every key under the folder, relative to it (listed on first use). CheckpointError if
-        the store fails or holds more than :data:`MAX_LISTED_KEYS` keys under it."""
+        the store fails or, ``bounded``, holds more than :data:`MAX_LISTED_KEYS` keys under it."""
         if self._keys is None:
             listed = self.location.wait(self._kv().list(), f"list {self.display}")
-            if len(listed) > MAX_LISTED_KEYS:
+            if self.bounded and len(listed) > MAX_LISTED_KEYS:
                 raise CheckpointError(f"{self.display}: {len(listed)} keys are stored under it, more than the "
                                       f"{MAX_LISTED_KEYS} a folder read as a checkpoint may hold")
             self._keys = [k.decode() for k in listed]
@@ -152,7 +156,7 @@ class KvFolder(Folder):
     def child(self, name: str) -> "KvFolder":
         prefix = name.rstrip("/") + "/"
         below = None if self._keys is None else [k[len(prefix):] for k in self._keys if k.startswith(prefix)]
-        return KvFolder(self.location, self.sub + prefix, below, self)
+        return KvFolder(self.location, self.sub + prefix, below, self, self.bounded)
 
     def parent(self) -> "KvFolder | None":
         if self._up is not None:

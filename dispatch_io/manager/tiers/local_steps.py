@@ -148,11 +148,12 @@ def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, s
 
 def parity_report(root: StepRoot, step: int, info: dict) -> dict:
     """What local ``step`` (``info``: its info) tells the job of its parity: {"parity": its section
-    (``parity_plan``), "committed": whether its parity rows are}, or {} without parity."""
+    (``parity_plan``), "committed": whether its parity rows are, "process": the process that saved
+    it (its place in the ring)}, or {} without parity."""
     if not isinstance(info.get("parity"), dict):
         return {}
     path = os.path.join(root.step_path(step), PARITY)
-    return {"parity": info["parity"], "committed": Location.parse(path).is_committed()}
+    return {"parity": info["parity"], "committed": Location.parse(path).is_committed(), "process": info.get("process")}
 
 
 def check_apart(template: str, path: str, process: int, count: int, timeout: float,
@@ -236,8 +237,10 @@ def durability(local: "LocalTiers | None", step: int, persistent_steps) -> str |
     if step in persistent_steps:
         return "persisted"
     info = local.infos()[0].get(step) if local is not None else None
-    parity = info.get("parity") if info is not None and isinstance(info.get("parity"), dict) else {}
-    return None if info is None else tiers_plan.durability(info.get("copies"), False, parity.get("k"))
+    if info is None:
+        return None
+    parity = parity_report(local.root, step, info)   # "parity k" once its rows committed
+    return tiers_plan.durability(info.get("copies"), False, parity["parity"].get("k") if parity.get("committed") else None)
 
 
 def read_item(local: "LocalTiers", step: int, name: str, persistent: str):

@@ -34,7 +34,7 @@ def check(k, count: int | None, replicas: int = 0) -> int:
     otherwise."""
     if type(k) is not int or k < 2:
         raise ValueError(f"LocalTier(parity={k!r}): an integer >= 2, the processes a parity row covers "
-                         "(for a full copy of each region, parity=1 would be replicas=1: use that)")
+                         "(0 or None: no parity; for a full copy of each region, parity=1 would be replicas=1: use that)")
     if replicas:
         raise ValueError(f"LocalTier(parity={k}, replicas={replicas}): choose one -- replicas (full copies: "
                          "survive any `replicas` lost processes) or parity (one lost process per group, at 1/k "
@@ -103,10 +103,15 @@ def _regions(section: Mapping, process: int) -> dict[str, set] | None:
 def rebuildable(reports: Mapping[int, Mapping], count: int) -> dict[int, dict[str, set]]:
     """{lost process: {key path: regions}} of the processes without a copy of a step whose
     protected regions parity rebuilds. ``reports``: {process: {"held": {key path: set of regions},
-    "parity": its step's parity section, or None, "committed": whether its parity rows are}} of
-    the processes with a copy (of ``count``). A lost process is rebuilt when every holder of its
-    pieces has committed parity rows and every other member of those groups holds its own
-    protected regions (the regions its own layout records); one lost process per group."""
+    "parity": its step's parity section, or None, "committed": whether its parity rows are,
+    "process": the process that saved its copy}} of the processes with a copy (of ``count``). A
+    lost process is rebuilt when every holder of its pieces has committed parity rows and every
+    other member of those groups holds its own protected regions (the regions its own layout
+    records); one lost process per group. Nothing is rebuilt where a copy was saved by another
+    process (ids permuted on a restart): parity rows and layouts are of their saver's place in the
+    ring, and the XOR of another place's rows is not the lost regions."""
+    if any(r.get("process", p) != p for p, r in reports.items()):
+        return {}
     sections = {p: r["parity"] for p, r in reports.items() if isinstance(r.get("parity"), Mapping)}
     if not sections:
         return {}
@@ -156,7 +161,7 @@ def hit(group: Mapping, regions: Sequence, k: int, pieces: set) -> list[tuple[st
 def rebuilt_steps(reports: Mapping[int, Mapping[int, Mapping]], count: int) -> dict[int, dict[int, dict[str, set]]]:
     """{step: {lost process: {key path: regions}}} parity rebuilds (:func:`rebuildable`), from each
     process's reports: {process: {step: {"held": {key path: [region, ...]} (JSON), "parity": the
-    step's parity section or None, "committed": whether its parity rows are}}}."""
+    step's parity section or None, "committed": whether its parity rows are, "process": its saver}}}."""
     by_step: dict = {}
     for p, steps in reports.items():
         for step, report in steps.items():

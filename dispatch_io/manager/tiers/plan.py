@@ -92,10 +92,12 @@ def durability(copies, persisted: bool, parity: int | None = None) -> str:
 
 def copies_of(info: Mapping) -> int:
     """The copies a restore's required durability counts for a local step's ``info``: its recorded
-    ``"copies"`` (1 where it records none or nonsense), or 2 for a step with parity -- it survives a
-    lost process (one per parity group), which is what requiring ``"replicated"`` asks for."""
+    ``"copies"`` (1 where it records none or nonsense), or 2 for a step with parity whose rows
+    committed (``"committed"``, as ``local_steps.parity_report`` adds it; absent: committed) -- it
+    survives a lost process (one per parity group), which is what requiring ``"replicated"`` asks for."""
     copies = info.get("copies") if type(info.get("copies")) is int and info["copies"] >= 1 else 1
-    return 2 if copies < 2 and isinstance(info.get("parity"), Mapping) else copies
+    parity = isinstance(info.get("parity"), Mapping) and info.get("committed", True) is True
+    return 2 if copies < 2 and parity else copies
 
 
 def check_durability(require) -> str:

@@ -341,7 +341,15 @@ def _job(local, step: int, path: str, version: str, clock) -> tuple[SaveJob, _Co
     if doc is None:
         raise FileNotFoundError(f"{where}: no process has a local copy of step {step}: it cannot be promoted")
     manifest = manifest_lib.parse(doc, where)
-    plan = promote_plan.plan_promotion(manifest, {p: r["held"] for p, r in reports.items() if r["has"]}, where)
+    try:
+        plan = promote_plan.plan_promotion(manifest, {p: r["held"] for p, r in reports.items() if r["has"]}, where)
+    except FileNotFoundError as exc:
+        lacking = sorted(p for p, r in reports.items() if not r["has"])
+        if not lacking:
+            raise
+        raise FileNotFoundError(f"{exc}: process(es) {lacking} have no local copy of it (lost?); a restore rebuilds "
+                                "a lost process's regions from parity, a promotion does not -- save the restored "
+                                "state to the root instead") from None
     index, json_writer = promote_plan.items_of(step, reports, local.count)
     files = _item_files(local, step, report["items"], json_writer == local.process) if report["has"] else {}
     meta = reports[json_writer]["info"]

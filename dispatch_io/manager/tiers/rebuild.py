@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 
 import jax
 import numpy as np
 from absl import logging
 
+from dispatch_io import reading
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import checks, local_steps, parity_plan
@@ -80,62 +82,84 @@ class _Opened:
 
 
 class _MemoryReader:
-    """A ``runner.Reader`` of regions held in memory ({key path: {stored bounds: array}})."""
+    """A ``runner.Reader`` of regions held in memory ({key path: {stored bounds: array}}); a region
+    they do not make up whole fails its read (its future) with a ``ChunkError``, as a lost chunk does."""
 
     def __init__(self, regions: dict):
         self._regions = regions
 
     def _source(self, region: Region) -> np.ndarray:
+        """``region`` cut from the regions held that it overlaps (of one sharding: disjoint) -- on
+        another mesh, one region read is several rebuilt ones."""
+        found, filled = None, 0
         for bounds, array in self._regions.get(region.keypath, {}).items():
-            if all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(region.bounds, bounds)):
-                return array[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(region.bounds, bounds))]
-        raise ChunkError(region.keypath, region.bounds, KeyError("not rebuilt"))
+            part = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(region.bounds, bounds))
+            if all(lo < hi for lo, hi in part):
+                found = np.empty(region.shape, array.dtype) if found is None else found
+                found[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, region.bounds))] = \
+                    array[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, bounds))]
+                filled += math.prod(hi - lo for lo, hi in part)
+        if found is None or filled != math.prod(region.shape):
+            raise ChunkError(region.keypath, region.bounds, KeyError("not rebuilt"))
+        return found
 
     def read(self, items):
         out = []
-        for item in items:
-            buffer = aligned_empty(item.shape, numpy_dtype(item.dtype))
-            for region, local in item.pieces:
-                buffer[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)] = self._source(region)
-            out.append(buffer)
+        try:
+            for item in items:
+                buffer = aligned_empty(item.shape, numpy_dtype(item.dtype))
+                for region, local in item.pieces:
+                    buffer[tuple(slice(lo, hi) for lo, hi in local) + (Ellipsis,)] = self._source(region)
+                out.append(buffer)
+        except ChunkError as exc:
+            return _done(error=exc)
         return _done(out)
 
     def checksums(self, regions):
-        return _done([crc32c(np.ascontiguousarray(self._source(region))) for region in regions])
+        try:
+            return _done([crc32c(np.ascontiguousarray(self._source(region))) for region in regions])
+        except ChunkError as exc:
+            return _done(error=exc)
 
     def close(self):
         pass
 
 
-def _done(value) -> concurrent.futures.Future:
+def _done(value=None, error: BaseException | None = None) -> concurrent.futures.Future:
+    """A future done with ``value``, or failed with ``error``."""
     future = concurrent.futures.Future()
-    future.set_result(value)
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
     return future
 
 
 def _read_checked(path: str, runner, wanted: list[tuple[str, tuple]]) -> dict:
     """{(key path, stored bounds): array, or None if it cannot be read or fails its CRC-32C (logged)}
-    of the checkpoint at ``path`` (all None if it cannot be opened)."""
+    of the checkpoint at ``path`` (all None if it cannot be opened). Each is cut from its whole stored
+    chunks, read once and checked (a chunk's CRC-32C is of all of it: a process holding both device
+    regions of a small leaf may store them as one chunk)."""
     try:
         opened = open_checkpoint(path)
     except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
         logging.warning("dispatch_io: %s is not used to rebuild a lost process: %s", path, exc)
         return dict.fromkeys(wanted)
-    reader, found = runner.open_reader(opened.arrays, opened.context), {}
+    reader, found, spans = runner.open_reader(opened.arrays, opened.context), {}, {}
     try:
         for keypath, bounds in wanted:
             saved = opened.manifest.by_keypath.get(keypath)
             try:
                 if saved is None or saved.stored is None:
                     raise KeyError(f"{keypath} is not in it")
-                shape = tuple(hi - lo for lo, hi in bounds)
-                item = ReadItem(((Region(saved.stored, bounds, keypath), tuple((0, n) for n in shape)),), shape,
-                                saved.stored.dtype)
-                array = reader.read([item]).result()[0]
-                wrong = checks.mismatched(saved, bounds, array) if saved.checksums else []
-                if wrong:
-                    raise CorruptCheckpointError(f"{len(wrong)} chunk(s) do not match their CRC-32C", keypath=keypath)
-                found[(keypath, bounds)] = array
+                cells = [cell for _, cell in reading.stored_cells(saved.stored, bounds)]
+                span = tuple((min(c[a][0] for c in cells), max(c[a][1] for c in cells)) for a in range(len(bounds)))
+                if (keypath, span) not in spans:
+                    spans[(keypath, span)] = _read_span(reader, saved, span)
+                array = spans[(keypath, span)]
+                if isinstance(array, Exception):
+                    raise array
+                found[(keypath, bounds)] = array[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(bounds, span))]
             except (KeyError, ChunkError, CorruptCheckpointError) as exc:
                 logging.warning("dispatch_io: %s %s of %s is not used to rebuild a lost process: %s", keypath,
                                 [list(b) for b in bounds], path, exc)
@@ -143,6 +167,22 @@ def _read_checked(path: str, runner, wanted: list[tuple[str, tuple]]) -> dict:
     finally:
         reader.close()
     return found
+
+
+def _read_span(reader, saved, span: tuple):
+    """The stored bounds ``span`` (whole chunks) of the leaf ``saved``, read and checked against its
+    CRC-32Cs; the ``ChunkError`` / ``CorruptCheckpointError`` it fails with instead."""
+    shape = tuple(hi - lo for lo, hi in span)
+    item = ReadItem(((Region(saved.stored, span, saved.keypath), tuple((0, n) for n in shape)),), shape,
+                    saved.stored.dtype)
+    try:
+        array = reader.read([item]).result()[0]
+    except ChunkError as exc:
+        return exc
+    wrong = checks.mismatched(saved, span, array) if saved.checksums else []
+    if wrong:
+        return CorruptCheckpointError(f"{len(wrong)} chunk(s) do not match their CRC-32C", keypath=saved.keypath)
+    return array
 
 
 def _stored(group: dict, keypath: str, region) -> tuple:

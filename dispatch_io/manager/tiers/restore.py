@@ -81,7 +81,8 @@ class TierRestore:
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
         infos, unreadable = self.local.infos()
         held = {str(s): info["held"] for s, info in infos.items()}
-        copies = {str(s): tiers_plan.copies_of(info) for s, info in infos.items()}   # as durability= counts them
+        parity = {str(s): local_steps.parity_report(self._root, s, info) for s, info in infos.items()}
+        copies = {str(s): tiers_plan.copies_of({**info, **parity[str(s)]}) for s, info in infos.items()}  # as durability=
         newest = max(infos, default=None)
         room = saved_as = None
         if self.count > 1:
@@ -90,7 +91,6 @@ class TierRestore:
             if room.leader:  # one listing of the root, one reading of names=, for every process
                 room.set("persistent", list(persistent_steps))
                 room.set("saved_as", self._saved_keypaths(target, names, newest, persistent_steps, persistent_path))
-        parity = {str(s): local_steps.parity_report(self._root, s, info) for s, info in infos.items()}
         gathered = _gather(room, "held", self.process, {"held": held, "copies": copies, "parity": parity})
         reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         self._lost, self._sections = rebuild.augment(gathered, reports, self.count)   # what parity rebuilds

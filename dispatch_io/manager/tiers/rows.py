@@ -70,12 +70,19 @@ def groups(leaves: list[Leaf], row_bytes: int, by_dtype: bool = True) -> list[li
 
 
 def _flat(shard, dtype):
-    """``shard`` flattened, as ``dtype`` (its bytes, for a row of uint8)."""
+    """``shard`` flattened, as ``dtype`` (its bytes, for a row of uint8, as numpy holds them: a byte
+    per element of a sub-byte dtype such as int4, its bits low; a complex number's real, then
+    imaginary part -- neither has a bitcast to bytes)."""
     flat = shard.reshape(-1)
     if flat.dtype == dtype:
         return flat
     if flat.dtype == jnp.bool_:
         return flat.astype(dtype)
+    bits = jax.dtypes.itemsize_bits(flat.dtype)
+    if bits < 8:
+        return jax.lax.bitcast_convert_type(flat, jnp.dtype(f"uint{bits}")).astype(dtype)
+    if jnp.issubdtype(flat.dtype, jnp.complexfloating):
+        flat = jnp.stack([flat.real, flat.imag], axis=-1)
     return jax.lax.bitcast_convert_type(flat, dtype).reshape(-1)
 
 

@@ -74,7 +74,7 @@ class LocalTier:
         policies.check(self.save_policy, "save")
         policies.check(self.keep_policy, "keep")
         policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
-        if self.parity:   # 0 / None: no parity
+        if self.parity is not None and (type(self.parity) is not int or self.parity != 0):   # 0 / None: no parity
             parity_plan.check(self.parity, None, self.replicas)   # the job's size: when a manager opens
         if self.domains is not None:
             object.__setattr__(self, "domains", replicas.domains_of(self.domains))
