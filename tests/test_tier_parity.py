@@ -24,11 +24,11 @@ B, S = 32 * 4, 8 * 4 * 4                                  # b (everywhere), s (p
 ROWS = (8 + 512 + 64 + 512) * 2     # a process's rows: k, m, s, w each padded to its largest shard; 2 devices
 
 
-def _run(root, local, mode, durability="local"):
+def _run(root, local, mode, durability="local", extra=None):
     """Run job_fsdp_replicas.py with parity to its end (its restores requiring ``durability``): each
     process's (listing, step, exact, bytes local, persistent, received, regions from peers, from the root)."""
     outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode],
-                                extra={**PARITY, "DIO_TEST_DURABILITY": durability}))
+                                extra={**PARITY, "DIO_TEST_DURABILITY": durability, **(extra or {})}))
     found = [(re.search(r"^steps (.*)$", out, re.M),
               re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+) rchar \d+$", out, re.M),
               re.search(r"^regions peer (\d+) persistent (\d+)$", out, re.M)) for out in outs]
@@ -120,6 +120,21 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
     assert [r[4] for r in results] == [0, 2 * km, 0, 8 * 16 * 4], results
     assert all(r[7] == 5 for r in results), results
     assert results[1][3] == SHARE - 2 * km, results
+
+
+def test_a_rebuild_goes_row_group_by_row_group(tmp_path):
+    """With rows of at most 512 bytes, the protected leaves are in several row groups (w, m, then k
+    and s): each is rebuilt in turn (a feeder holds one group's rows at a time), bit-exact, nothing
+    from the root."""
+    small = {**PARITY, "DIO_TEST_ROW_BYTES": "512"}
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, small)
+    info = json.loads((tmp_path / "local" / "0" / "8" / "info.json").read_text())
+    assert len(info["parity"]["groups"]) >= 3, info["parity"]["groups"]
+    shutil.rmtree(str(local).replace("{process}", "2"))
+    results = _run(root, local, "resume", extra=small)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[2][3] == SHARE, results     # 2: its share rebuilt, group by group, served from memory
 
 
 def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact():

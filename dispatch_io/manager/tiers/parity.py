@@ -57,7 +57,7 @@ def _cut(row, *, start, size):
 _xor = jax.jit(jnp.bitwise_xor)
 
 
-def encode(tree, order: tuple, k: int, domains, row_bytes: int = rows.ROW_BYTES) -> tuple[dict, dict | None]:
+def encode(tree, order: tuple, k: int, domains, row_bytes: int | None = None) -> tuple[dict, dict | None]:
     """({name: this process's parity row of one group and device position, a (1, W / k) uint8 array
     on that device}, the step info's ``"parity"`` section, :func:`record`) of ``tree``; ({}, None)
     where no leaf needs parity. Every process calls it, in the same order."""
@@ -75,7 +75,7 @@ def encode(tree, order: tuple, k: int, domains, row_bytes: int = rows.ROW_BYTES)
         by_process[d.process_index].append(d)
     me, n = jax.process_index(), len(order)
     position = {p: t for t, p in enumerate(order)}
-    arrays, groups = {}, rows.groups(leaves, row_bytes, by_dtype=False)
+    arrays, groups = {}, rows.groups(leaves, rows.ROW_BYTES if row_bytes is None else row_bytes, by_dtype=False)
     for g, group in enumerate(groups):
         total = sum(leaf.nbytes for leaf in group)
         width = _row_bytes(group, k) // k

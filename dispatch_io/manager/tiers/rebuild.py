@@ -21,9 +21,13 @@ what it is rebuilt from was checked as read. A bad parity row or member region l
 regions with a byte in the pieces it feeds (``parity_plan.hit``): they are reported bad, and the
 restore takes them from the next source (the root), or an older step.
 
+It goes one row group (``rows.ROW_BYTES`` per device at most) at a time: a feeder holds one group's
+reads and rows (one per lost process it feeds) on the host at once, whatever its share.
+
 Costs: the members of a lost process's groups read their own regions once more than a restore
 reads them; each round moves one row (a lost process's rows: its protected share, padded) per
-lost process, whatever the job's size; a process feeding several lost processes holds a row for each.
+lost process, whatever the job's size; a lost process holds its rebuilt share on the host until
+the restore has placed it (beyond the restore's staging bound: the bytes it serves from memory).
 """
 
 from __future__ import annotations
@@ -192,17 +196,19 @@ def _stored(group: dict, keypath: str, region) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class _Rows:
-    """A process's rows laid out in one buffer of bytes: a slot of ``W`` bytes per (row group, device
-    position), each cut into ``k`` pieces."""
+    """Rows laid out in one buffer of bytes: a slot of ``W`` bytes per (row group, device position),
+    each cut into ``k`` pieces; ``groups`` are the step's row groups from index ``first`` on (a
+    rebuild goes one row group at a time)."""
 
     k: int
     groups: list
     devices: int
+    first: int = 0
 
     def cells(self):
         """(group index, group, device position, offset of its slot, piece width) of every row."""
         offset = 0
-        for g, group in enumerate(self.groups):
+        for g, group in enumerate(self.groups, self.first):
             for i in range(self.devices):
                 yield g, group, i, offset, group["W"] // self.k
                 offset += group["W"]
@@ -276,18 +282,11 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     me = restore.process
     first = sections[min(sections)]
     order, k = tuple(first["ring"]), first["k"]
-    layout = _Rows(k, first["groups"], len(first["layouts"][str(min(sections))][0]))
+    devices = len(first["layouts"][str(min(sections))][0])
     path, runner = restore._root.step_path(step), restore.dispatcher.runner
     sources = [(p, j, holder, others) for p in sorted(lost) for j, holder, others in parity_plan.sources(order, k, p)]
     holding = [(p, j) for p, j, holder, _ in sources if holder == me]
     parts = [(p, j, i) for p, j, _, others in sources for m, i in others if m == me]
-    out = {p: np.zeros(layout.size, np.uint8) for p in {p for p, *_ in holding + parts}}
-    bad = _holder_part(out, layout, path, runner, holding) if holding else []
-    if parts:
-        bad += _member_part(out, layout, path, runner, sections[me]["layouts"][str(me)], parts)
-    manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
-    room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
-    bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
     # One round per ring offset d between a lost process and a process feeding it (at most 2k - 1): the
     # process d places on sends its pieces to the lost one, which XORs them (the pairs of a round are disjoint).
     position, n = {p: t for t, p in enumerate(order)}, len(order)
@@ -295,20 +294,39 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
     for p, _, holder, others in sources:
         for c in (holder, *(m for m, _ in others)):
             rounds.setdefault((position[c] - position[p]) % n, set()).add((c, p))
-    data, received = np.zeros(layout.size, np.uint8) if me in lost else None, 0
-    for d in sorted(rounds):
-        pairs = sorted(rounds[d])
-        partner = next((a if b == me else b for a, b in pairs if me in (a, b)), None)
-        if partner is None:
-            continue
-        got = _send(out.get(partner, np.zeros(layout.size, np.uint8)), pairs)
-        received += got.size if me in lost else 0
+    rebuilt, bad, received = [], [], 0
+    for g, group in enumerate(first["groups"]):   # one row group at a time: a feeder holds one group's rows
+        rows = _Rows(k, [group], devices, g)
+        out = {p: np.zeros(rows.size, np.uint8) for p in {p for p, *_ in holding + parts}}
+        if holding:
+            bad += _holder_part(out, rows, path, runner, holding)
+        if parts:
+            bad += _member_part(out, rows, path, runner, sections[me]["layouts"][str(me)], parts)
+        data = np.zeros(rows.size, np.uint8) if me in lost else None
+        for d in sorted(rounds):
+            pairs = sorted(rounds[d])
+            partner = next((a if b == me else b for a, b in pairs if me in (a, b)), None)
+            if partner is None:
+                continue
+            got = _send(out.get(partner, np.zeros(rows.size, np.uint8)), pairs)
+            received += got.size if me in lost else 0
+            if data is not None:
+                np.bitwise_xor(data, got, out=data)
         if data is not None:
-            np.bitwise_xor(data, got, out=data)
-    if data is None:
+            rebuilt.append((rows, data))
+    manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
+    room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
+    bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
+    if me not in lost:
         return None, {}, received
     mine = next(s["layouts"][str(me)] for s in sections.values() if str(me) in s["layouts"])
-    regions, failed = _cut(data, layout, me, mine, bad)
+    regions, failed = {}, {}
+    for rows, data in rebuilt:
+        cut, lost_here = _cut(data, rows, me, mine, bad)
+        for kp, found in cut.items():
+            regions.setdefault(kp, {}).update(found)
+        for kp, found in lost_here.items():
+            failed.setdefault(kp, []).extend(found)
     described = parse_manifest(manifest, path)
     described = dataclasses.replace(described, leaves=tuple(dataclasses.replace(leaf, checksums=None)
                                                             for leaf in described.leaves))
