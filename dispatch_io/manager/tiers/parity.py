@@ -13,7 +13,6 @@ device). The parity rows are saved after the step commits, as the step's nested 
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
@@ -70,9 +69,7 @@ def encode(tree, order: tuple, k: int, domains, row_bytes: int | None = None) ->
     if not leaves:
         return {}, None
     devices = sorted(jax.devices(), key=lambda d: d.id)
-    by_process = collections.defaultdict(list)
-    for d in devices:
-        by_process[d.process_index].append(d)
+    by_process = rows.by_process(devices)
     me, n = jax.process_index(), len(order)
     position = {p: t for t, p in enumerate(order)}
     arrays, groups = {}, rows.groups(leaves, rows.ROW_BYTES if row_bytes is None else row_bytes, by_dtype=False)
@@ -83,11 +80,8 @@ def encode(tree, order: tuple, k: int, domains, row_bytes: int | None = None) ->
         mine = [rows.row(group, d, shards, by_bytes=True, pad=width * k - total) for d in by_process[me]]
         parity = [None] * len(mine)
         for j in range(k):   # piece j of position t goes to position t - j - 1, in the same place
-            pieces = jax.make_array_from_single_device_arrays(
-                (len(devices), width), rows.sharding(devices), [_cut(r, start=j * width, size=width) for r in mine])
-            moved = jax.device_put(pieces, rows.sharding(
-                [by_process[order[(position[d.process_index] - j - 1) % n]][by_process[d.process_index].index(d)]
-                 for d in devices]))
+            back = {p: order[(t - j - 1) % n] for p, t in position.items()}
+            moved = rows.permute([_cut(r, start=j * width, size=width) for r in mine], devices, back)
             for shard in moved.addressable_shards:
                 i = by_process[me].index(shard.device)
                 parity[i] = shard.data if parity[i] is None else _xor(parity[i], shard.data)

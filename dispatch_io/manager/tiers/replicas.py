@@ -136,15 +136,10 @@ def _exchange(group: list[rows.Leaf], order: tuple[int, ...], devices: list) -> 
     packed in one row of an array over all ``devices``, ``device_put`` onto those devices permuted
     (one collective). Returns the (key path, replica) of each region received here that this
     process does not hold itself, once per region."""
-    by_process = collections.defaultdict(list)
-    for d in devices:
-        by_process[d.process_index].append(d)
     widths = tuple(leaf.width for leaf in group)
     shards = [{s.device: s.data for s in leaf.data.addressable_shards} for leaf in group]
-    mine = [rows.row(group, d, shards) for d in by_process[jax.process_index()]]
-    packed = jax.make_array_from_single_device_arrays((len(devices), sum(widths)), rows.sharding(devices), mine)
-    moved = jax.device_put(packed, rows.sharding([by_process[order[d.process_index]][by_process[d.process_index].index(d)]
-                                                  for d in devices]))
+    moved = rows.permute([rows.row(group, d, shards) for d in rows.by_process(devices)[jax.process_index()]],
+                         devices, order)
     own = [{leaf.places[d] for d in held} for leaf, held in zip(group, shards)]
     offsets = np.cumsum((0,) + widths)
     received, seen = [], set()

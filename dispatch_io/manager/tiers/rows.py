@@ -5,13 +5,14 @@ group of leaves into one **row**: each shard flattened (PRNG keys as their key d
 to its leaf's largest shard, so every leaf sits at one fixed offset in every device's row
 whatever the leaves' shardings. The rows of all the job's devices make one array (one row per
 device, sorted by id: :func:`sharding`); ``jax.device_put`` of it onto the same devices permuted
-is one collective. Replicas pack leaves of one dtype as they are; parity packs their bytes
+is one collective (:func:`permute`). Replicas pack leaves of one dtype as they are; parity packs their bytes
 (``as_bytes``), so leaves of every dtype share one row. Rows are at most about ``ROW_BYTES``
 (:func:`groups`), which bounds the transient device memory.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -121,3 +122,23 @@ def unpack(row, *, spans):
 def sharding(devices: list) -> NamedSharding:
     """One row per device of ``devices``, in that order."""
     return NamedSharding(Mesh(np.array(devices), ("rows",)), PartitionSpec("rows"))
+
+
+def by_process(devices: list) -> dict[int, list]:
+    """{process: its devices of ``devices``, in their order}: a device's place is its index there."""
+    found = collections.defaultdict(list)
+    for d in devices:
+        found[d.process_index].append(d)
+    return found
+
+
+def permute(mine: list, devices: list, to) -> jax.Array:
+    """The rows of all ``devices`` (sorted by id; ``mine``: this process's, one (1, width) array per
+    device of it, in that order) moved, each to the device in the same place on process ``to[p]``
+    (``p``: the process it comes from): one ``jax.device_put`` onto the devices permuted, a collective
+    every process calls together. Returns the rows as they land: each device's shard is the row it
+    received, from the device ``devices[shard.index[0].start]``."""
+    places = by_process(devices)
+    rows = jax.make_array_from_single_device_arrays((len(devices), mine[0].shape[1]), sharding(devices), mine)
+    return jax.device_put(rows, sharding([places[to[d.process_index]][places[d.process_index].index(d)]
+                                          for d in devices]))
