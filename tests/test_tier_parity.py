@@ -7,6 +7,7 @@ member's region) to the root; onto a mesh of one device per process, a region ma
 ones is read from memory whole; with process ids permuted on a restart, parity rebuilds nothing (its
 rows are of the savers' places in the ring) and the job resumes an older step, bit-exact."""
 
+import contextlib
 import json
 import os
 import re
@@ -186,7 +187,7 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
 
 def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_whole(tmp_path):
     """A process holding both device regions of a small leaf saves them as one stored chunk (its
-    CRC-32C is of the whole chunk): each region read to rebuild a lost process (``rebuild._read_checked``)
+    CRC-32C is of the whole chunk): each region read to rebuild a lost process (``rebuild._Source.read``)
     is checked with its whole chunks and cut from them, bit-exact -- it was refused as corrupt, so the
     groups it fed fell back to the root or an older step. A flipped byte still refuses both."""
     import jax
@@ -203,7 +204,9 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
     with dio.LocalDispatcher(checksums=True) as d:
         d.save(str(tmp_path / "8"), {"s": s}, own=True).wait()
         assert list(sh.chunks(tmp_path / "8", "['s']")) == [(0, 0)]      # one chunk: both regions
-        read = rebuild._read_checked(str(tmp_path / "8"), d.runner, wanted)
+        with contextlib.closing(rebuild._Source(str(tmp_path / "8"), d.runner)) as source:
+            read = source.read(wanted)
         assert [read[w].tobytes() for w in wanted] == [host[:4].tobytes(), host[4:].tobytes()]
         sh.flip_byte(sh.chunks(tmp_path / "8", "['s']")[(0, 0)])
-        assert rebuild._read_checked(str(tmp_path / "8"), d.runner, wanted) == dict.fromkeys(wanted)
+        with contextlib.closing(rebuild._Source(str(tmp_path / "8"), d.runner)) as source:
+            assert source.read(wanted) == dict.fromkeys(wanted)

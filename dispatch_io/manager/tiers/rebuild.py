@@ -139,38 +139,50 @@ def _done(value=None, error: BaseException | None = None) -> concurrent.futures.
     return future
 
 
-def _read_checked(path: str, runner, wanted: list[tuple[str, tuple]]) -> dict:
-    """{(key path, stored bounds): array, or None if it cannot be read or fails its CRC-32C (logged)}
-    of the checkpoint at ``path`` (all None if it cannot be opened). Each is cut from its whole stored
-    chunks, read once and checked (a chunk's CRC-32C is of all of it: a process holding both device
-    regions of a small leaf may store them as one chunk)."""
-    try:
-        opened = open_checkpoint(path)
-    except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
-        logging.warning("dispatch_io: %s is not used to rebuild a lost process: %s", path, exc)
-        return dict.fromkeys(wanted)
-    reader, found, spans = runner.open_reader(opened.arrays, opened.context), {}, {}
-    try:
+class _Source:
+    """A checkpoint a rebuild reads from (a member's copy, a holder's parity rows), opened once for
+    every row group (None if it cannot be: logged, and every read of it fails)."""
+
+    def __init__(self, path: str, runner):
+        self.path, self._reader = path, None
+        try:
+            self.opened = open_checkpoint(path)
+        except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
+            logging.warning("dispatch_io: %s is not used to rebuild a lost process: %s", path, exc)
+            self.opened = None
+        else:
+            self._reader = runner.open_reader(self.opened.arrays, self.opened.context)
+
+    def read(self, wanted: list[tuple[str, tuple]]) -> dict:
+        """{(key path, stored bounds): array, or None if it cannot be read or fails its CRC-32C (logged)}
+        (all None if the checkpoint cannot be opened). Each is cut from its whole stored chunks, read
+        once and checked (a chunk's CRC-32C is of all of it: a process holding both device regions of
+        a small leaf may store them as one chunk)."""
+        if self.opened is None:
+            return dict.fromkeys(wanted)
+        found, spans = {}, {}
         for keypath, bounds in wanted:
-            saved = opened.manifest.by_keypath.get(keypath)
+            saved = self.opened.manifest.by_keypath.get(keypath)
             try:
                 if saved is None or saved.stored is None:
                     raise KeyError(f"{keypath} is not in it")
                 cells = [cell for _, cell in reading.stored_cells(saved.stored, bounds)]
                 span = tuple((min(c[a][0] for c in cells), max(c[a][1] for c in cells)) for a in range(len(bounds)))
                 if (keypath, span) not in spans:
-                    spans[(keypath, span)] = _read_span(reader, saved, span)
+                    spans[(keypath, span)] = _read_span(self._reader, saved, span)
                 array = spans[(keypath, span)]
                 if isinstance(array, Exception):
                     raise array
                 found[(keypath, bounds)] = array[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(bounds, span))]
             except (KeyError, ChunkError, CorruptCheckpointError) as exc:
                 logging.warning("dispatch_io: %s %s of %s is not used to rebuild a lost process: %s", keypath,
-                                [list(b) for b in bounds], path, exc)
+                                [list(b) for b in bounds], self.path, exc)
                 found[(keypath, bounds)] = None
-    finally:
-        reader.close()
-    return found
+        return found
+
+    def close(self):
+        if self._reader is not None:
+            self._reader.close()
 
 
 def _read_span(reader, saved, span: tuple):
@@ -223,12 +235,12 @@ class _Rows:
         row[start:start + piece.size] ^= piece
 
 
-def _holder_part(out: dict, rows: _Rows, path: str, runner, holding: list) -> list:
-    """XOR this process's parity rows (``<path>/parity``, CRC-checked) into ``out`` ({lost process: its
+def _holder_part(out: dict, rows: _Rows, source: _Source, holding: list) -> list:
+    """XOR this process's parity rows (``source``: its ``<step>/parity``, CRC-checked) into ``out`` ({lost process: its
     rows}) for the pieces it holds (``holding``: (lost process, piece j)); the (lost, group, device, j)
     of those it could not read."""
     wanted = {(g, i): (f"['{row_name(g, i)}']", ((0, 1), (0, width))) for g, _, i, _, width in rows.cells()}
-    read, bad = _read_checked(os.path.join(path, PARITY), runner, sorted(wanted.values())), []
+    read, bad = source.read(sorted(wanted.values())), []
     for p, j in holding:
         for g, _, i, offset, _ in rows.cells():
             data = read[wanted[(g, i)]]
@@ -239,14 +251,14 @@ def _holder_part(out: dict, rows: _Rows, path: str, runner, holding: list) -> li
     return bad
 
 
-def _member_part(out: dict, rows: _Rows, path: str, runner, own: list, parts: list) -> list:
+def _member_part(out: dict, rows: _Rows, source: _Source, own: list, parts: list) -> list:
     """XOR this process's own pieces (its rows, packed from its own regions by its layout ``own``, read
     from its copy at ``path``, CRC-checked) into ``out`` ({lost process: its rows}; ``parts``: (lost
     process, piece j of theirs, piece of this process's row)); the (lost, group, device, j) of those with
     a byte it could not read."""
     wanted = {(kp, _stored(group, kp, region)) for g, group, i, _, _ in rows.cells()
               for kp, region, _, _ in parity_plan.spans(group, own[g][i])}
-    read, bad = _read_checked(path, runner, sorted(wanted)), []
+    read, bad = source.read(sorted(wanted)), []
     for g, group, i, offset, width in rows.cells():
         full, broken = np.zeros(group["W"], np.uint8), set()
         for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]):
@@ -295,25 +307,32 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
         for c in (holder, *(m for m, _ in others)):
             rounds.setdefault((position[c] - position[p]) % n, set()).add((c, p))
     rebuilt, bad, received = [], [], 0
-    for g, group in enumerate(first["groups"]):   # one row group at a time: a feeder holds one group's rows
-        rows = _Rows(k, [group], devices, g)
-        out = {p: np.zeros(rows.size, np.uint8) for p in {p for p, *_ in holding + parts}}
-        if holding:
-            bad += _holder_part(out, rows, path, runner, holding)
-        if parts:
-            bad += _member_part(out, rows, path, runner, sections[me]["layouts"][str(me)], parts)
-        data = np.zeros(rows.size, np.uint8) if me in lost else None
-        for d in sorted(rounds):
-            pairs = sorted(rounds[d])
-            partner = next((a if b == me else b for a, b in pairs if me in (a, b)), None)
-            if partner is None:
-                continue
-            got = _send(out.get(partner, np.zeros(rows.size, np.uint8)), pairs)
-            received += got.size if me in lost else 0
+    holder = _Source(os.path.join(path, PARITY), runner) if holding else None
+    member = _Source(path, runner) if parts else None
+    try:
+        for g, group in enumerate(first["groups"]):   # one row group at a time: a feeder holds one group's rows
+            rows = _Rows(k, [group], devices, g)
+            out = {p: np.zeros(rows.size, np.uint8) for p in {p for p, *_ in holding + parts}}
+            if holder is not None:
+                bad += _holder_part(out, rows, holder, holding)
+            if member is not None:
+                bad += _member_part(out, rows, member, sections[me]["layouts"][str(me)], parts)
+            data = np.zeros(rows.size, np.uint8) if me in lost else None
+            for d in sorted(rounds):
+                pairs = sorted(rounds[d])
+                partner = next((a if b == me else b for a, b in pairs if me in (a, b)), None)
+                if partner is None:
+                    continue
+                got = _send(out.get(partner, np.zeros(rows.size, np.uint8)), pairs)
+                received += got.size if me in lost else 0
+                if data is not None:
+                    np.bitwise_xor(data, got, out=data)
             if data is not None:
-                np.bitwise_xor(data, got, out=data)
-        if data is not None:
-            rebuilt.append((rows, data))
+                rebuilt.append((rows, data))
+    finally:
+        for source in (holder, member):
+            if source is not None:
+                source.close()
     manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
     room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
     bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
