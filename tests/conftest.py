@@ -399,20 +399,34 @@ def held(process):
     return as_regions({"['w']": own, "['b']": [[[0, 32]]]})
 
 
-def train_one_leaf(root, local, mesh, steps=9, offset=0):
-    """Train ``one_leaf``'s state (+ ``offset``) for ``steps`` steps under a manager of ``root`` saving
-    locally to ``local`` every 2 steps and persistently every 3; returns the steps saved and the
-    local steps left."""
-    target, state = one_leaf(mesh)
-    tier = dio.LocalTier(local, save_policy=dio.policies.EveryNSteps(2))
+def train(root, tier, state, steps=9, persist_every=3):
+    """Train ``steps`` steps under a manager of ``root`` with the local tier ``tier``, saving
+    ``state(step)`` where the policies say (persistently every ``persist_every`` steps); returns
+    the steps saved and the local steps left."""
     saved = []
-    with dio.CheckpointManager(root, save_policy=dio.policies.EveryNSteps(3), local=tier) as mgr:
+    with dio.CheckpointManager(root, save_policy=dio.policies.EveryNSteps(persist_every), local=tier) as mgr:
         for step in range(steps):
             if mgr.should_save(step):
-                mgr.save(step, jax.tree.map(lambda x: x + offset, state(step)))
+                mgr.save(step, state(step))
                 saved.append(step)
         mgr.wait()
         return saved, mgr.local.steps()
+
+
+def train_one_leaf(root, local, mesh, steps=9, offset=0):
+    """:func:`train` of ``one_leaf``'s state (+ ``offset``), saving locally to ``local`` every 2 steps
+    and persistently every 3."""
+    _, state = one_leaf(mesh)
+    return train(root, dio.LocalTier(local, save_policy=dio.policies.EveryNSteps(2)),
+                 lambda step: jax.tree.map(lambda x: x + offset, state(step)), steps)
+
+
+def asked_tiers(tmp_path, dispatcher):
+    """A manager of ``tmp_path/root`` saving with ``dispatcher``, persistently only when forced (every
+    100 steps otherwise), with a local tier at ``tmp_path/local/{process}`` saving only when asked
+    (``save(local=True)``): what a test of chosen steps in chosen tiers opens, and opens again."""
+    return dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=dio.policies.EveryNSteps(100),
+                                 local=dio.LocalTier(tmp_path / "local" / "{process}"))
 
 
 def filled(mesh, value):

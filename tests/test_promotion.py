@@ -398,6 +398,26 @@ def test_a_deferred_promotion_after_any_local_failure_unpins_the_step_and_is_rep
         handle.wait(timeout=1)
 
 
+def _damaged_step_is_not_promoted(tmp_path, mesh, dispatcher, damage):
+    """Save local step 7 with ``dispatcher``, ``damage`` one stored chunk of its ``['w']`` (its
+    ``storage_helpers`` value), and check that its promotion fails naming ``['w']`` and commits
+    nothing (the step is not listed, nor "persisted"); closes ``dispatcher``."""
+    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    with dio.CheckpointManager(tmp_path / "root", dispatcher, local=tier) as mgr:
+        mgr.local.save(7, _two_leaves(mesh, 7)).wait()
+        damage(sh.chunks(tmp_path / "local" / "0" / "7", "['w']")[(1, 0)])
+        try:
+            with pytest.raises(dio.CheckpointError, match=r"\['w'\]"):
+                mgr.promote(7).wait()
+        finally:
+            try:
+                mgr.wait()
+            except dio.CheckpointError:
+                pass
+        assert mgr.persistent_steps() == [] and mgr.durability(7) != "persisted"
+    dispatcher.close()
+
+
 @pytest.mark.parametrize("layout", ["files", "ocdbt"])
 
 
@@ -407,21 +427,8 @@ def test_a_damaged_compressed_local_chunk_is_not_promoted(tmp_path, mesh, layout
     Why: the root is the durable tier and local retention then deletes the local copy; a promoted
     unreadable chunk would leave the job's only persisted copy of that step unreadable, with nothing said
     at promotion time (it would be listed, "persisted", and every restore of it would fail)."""
-    tier = dio.LocalTier(tmp_path / "local" / "{process}")
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True, compression="zstd", layout=layout)
-    with dio.CheckpointManager(tmp_path / "root", dispatcher, local=tier) as mgr:
-        mgr.local.save(7, _two_leaves(mesh, 7)).wait()
-        sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "7", "['w']")[(1, 0)], 10)
-        try:
-            with pytest.raises(dio.CheckpointError, match=r"\['w'\]"):
-                mgr.promote(7).wait()
-        finally:
-            try:
-                mgr.wait()
-            except dio.CheckpointError:
-                pass
-        assert mgr.persistent_steps() == [] and mgr.durability(7) != "persisted"
-    dispatcher.close()
+    _damaged_step_is_not_promoted(tmp_path, mesh, dispatcher, lambda value: sh.flip_byte(value, 10))
 
 
 def test_a_truncated_local_chunk_is_not_promoted_without_checksums(tmp_path, mesh):
@@ -430,22 +437,8 @@ def test_a_truncated_local_chunk_is_not_promoted_without_checksums(tmp_path, mes
     against its stored array's chunk shape and dtype (known from the manifest, so the check is free), and
     the promotion fails naming the key path, committing nothing (else the step would be listed,
     "persisted", and unreadable)."""
-    tier = dio.LocalTier(tmp_path / "local" / "{process}")
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, layout="files")
-    with dio.CheckpointManager(tmp_path / "root", dispatcher, local=tier) as mgr:
-        mgr.local.save(7, _two_leaves(mesh, 7)).wait()
-        value = sh.chunks(tmp_path / "local" / "0" / "7", "['w']")[(1, 0)]
-        os.truncate(value.file, value.length // 2)
-        try:
-            with pytest.raises(dio.CheckpointError, match=r"\['w'\]"):
-                mgr.promote(7).wait()
-        finally:
-            try:
-                mgr.wait()
-            except dio.CheckpointError:
-                pass
-        assert mgr.persistent_steps() == [] and mgr.durability(7) != "persisted"
-    dispatcher.close()
+    _damaged_step_is_not_promoted(tmp_path, mesh, dispatcher, lambda value: os.truncate(value.file, value.length // 2))
 
 
 def test_a_failed_local_save_with_promote_is_reported_once_and_the_next_save_persists(tmp_path, mesh):

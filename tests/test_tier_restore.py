@@ -5,6 +5,7 @@ steps of either tier; the same keywords as a plain restore; never two histories 
 array. Every restore is compared byte for byte."""
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as sh
-from conftest import filled, filled_target, one_leaf, same_leaf, train_one_leaf
+from conftest import asked_tiers, filled, filled_target, one_leaf, same_leaf, train, train_one_leaf
 from dispatch_io import policies
 
 
@@ -195,22 +196,16 @@ def test_a_bad_chunk_in_an_older_local_step_is_replaced_by_the_next_source(tmp_p
 
     Why it matters: RAM-disk damage tends to hit several steps at once (a bad DIMM, a filled tmpfs); a
     job that can resume from persistent storage must be able to restart."""
-    target = filled_target(mesh)
-
-    def state(value):
-        return filled(mesh, value)
-    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    target, state = filled_target(mesh), functools.partial(filled, mesh)
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
-    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
-                               local=tier) as mgr:
+    with asked_tiers(tmp_path, dispatcher) as mgr:
         mgr.save(0, state(0), force=True)
         mgr.save(2, state(2), local=True, force=True)   # in both tiers
         mgr.save(4, state(4), local=True)               # local only
         mgr.wait()
     for step in (2, 4):
         sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / str(step), "['w']")[(0, 0)], 0)
-    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
-                               local=tier) as mgr:
+    with asked_tiers(tmp_path, dispatcher) as mgr:
         restored = mgr.restore(None, target)           # CorruptCheckpointError: local step 2's bad chunk
         step = mgr.last_tier_restore.step
         assert step in (0, 2) and np.array_equal(np.asarray(restored["w"]), np.full((64, 16), step, np.float32))
@@ -362,11 +357,7 @@ def test_resuming_a_step_partly_read_from_persistent_storage_counts_as_resuming_
     def state(step):
         return {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sharding)}
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
-    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
-        for step in range(9):
-            if mgr.should_save(step):
-                mgr.save(step, state(step))
-        mgr.wait()
+    train(tmp_path / "root", tier, state, steps=9, persist_every=4)
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
         mgr.restore(None, target, durability="persisted")      # step 8 is persisted: resumed
         assert mgr.last_tier_restore.step == 8
@@ -383,14 +374,9 @@ def test_one_restored_array_never_mixes_two_histories_of_a_step(tmp_path, mesh):
     local save is refused, see tests/test_tier_rollbacks.py), so a local chunk failing its CRC-32C can
     never make the restore read that region from the root's step 4 and the rest from a local copy: one
     array never comes back with values of both histories (here 4.0 and 40.0)."""
-    target = filled_target(mesh)
-
-    def state(value):
-        return filled(mesh, value)
-    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    target, state = filled_target(mesh), functools.partial(filled, mesh)
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
-    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
-                               local=tier) as mgr:
+    with asked_tiers(tmp_path, dispatcher) as mgr:
         mgr.save(0, state(0), force=True)
         mgr.save(4, state(4), force=True)
         mgr.wait()

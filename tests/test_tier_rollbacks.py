@@ -3,6 +3,7 @@ without names, or a step saved again) abandons the newer local steps, a new run 
 path resumes the old one, a restore onto another mesh or sharding keeps or drops local steps alike
 everywhere, and a local step is never passed off as a root step of another history."""
 
+import functools
 import shutil
 
 import jax
@@ -12,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as sh
-from conftest import filled, filled_target, one_leaf, same_leaf, train_one_leaf, value_of
+from conftest import asked_tiers, filled, filled_target, one_leaf, same_leaf, train, train_one_leaf, value_of
 from dispatch_io import policies
 
 
@@ -55,11 +56,7 @@ def test_explicit_rollback_then_tiered_restore_mixes_histories(tmp_path, mesh):
     def state_b(step):
         return jax.tree.map(lambda x: x + 100, state(step))
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
-    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
-        for step in range(9):
-            if mgr.should_save(step):
-                mgr.save(step, state(step))
-        mgr.wait()
+    train(tmp_path / "root", tier, state, steps=9, persist_every=4)
     shutil.rmtree(tmp_path / "root" / "8")
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
         mgr.restore(4, target)
@@ -87,11 +84,7 @@ def test_explicit_rollback_with_names_resumes_like_without(tmp_path, mesh):
     target, state = one_leaf(mesh)
     renamed = {"weights": target["w"]}
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
-    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
-        for step in range(9):
-            if mgr.should_save(step):
-                mgr.save(step, state(step))
-        mgr.wait()
+    train(tmp_path / "root", tier, state, steps=9, persist_every=4)
     shutil.rmtree(tmp_path / "root" / "8")
     answers = {}
     for how, args in {"plain": (target, {}), "names=": (renamed, {"names": lambda path: "w"})}.items():
@@ -111,14 +104,9 @@ def test_abandoned_local_steps_older_than_the_first_save_after_a_rollback_are_ne
 
     Why it matters: docs/manager.md "Local tier" promises the abandoned history's local steps "are never
     restored over the new one"."""
-    target = filled_target(mesh)
-
-    def state(value):
-        return filled(mesh, value)
-    tier = dio.LocalTier(tmp_path / "local" / "{process}")
+    target, state = filled_target(mesh), functools.partial(filled, mesh)
     dispatcher = dio.LocalDispatcher(small_leaf_bytes=0, checksums=True)
-    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
-                               local=tier) as mgr:
+    with asked_tiers(tmp_path, dispatcher) as mgr:
         mgr.save(0, state(0), force=True)
         mgr.save(2, state(2), local=True)       # history A
         mgr.save(4, state(4), local=True)
@@ -127,8 +115,7 @@ def test_abandoned_local_steps_older_than_the_first_save_after_a_rollback_are_ne
         mgr.save(3, state(30), local=True)      # history B's first save
         mgr.wait()
     sh.flip_byte(sh.chunks(tmp_path / "local" / "0" / "3", "['w']")[(0, 0)], 0)   # B's step 3 is lost
-    with dio.CheckpointManager(tmp_path / "root", dispatcher, save_policy=policies.EveryNSteps(100),
-                               local=tier) as mgr:
+    with asked_tiers(tmp_path, dispatcher) as mgr:
         restored = mgr.restore(None, target)
         assert (mgr.last_tier_restore.step, float(np.asarray(restored["w"]).max())) == (0, 0.0), (
             f"resumed step {mgr.last_tier_restore.step} = {float(np.asarray(restored['w']).max())} of the "
@@ -259,11 +246,7 @@ def test_a_job_resumed_on_another_mesh_never_mixes_in_the_abandoned_local_step(t
     target_b = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=sharding_b)}
     base = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
-    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
-        for step in range(9):
-            if mgr.should_save(step):
-                mgr.save(step, state(step))
-        mgr.wait()
+    train(tmp_path / "root", tier, state, steps=9, persist_every=4)
     shutil.rmtree(tmp_path / "root" / "8")   # its persistent save killed before its commit
     with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
         mgr.restore(None, target_b, durability="persisted")
@@ -293,11 +276,7 @@ def test_restore_of_a_named_step_onto_another_mesh_resumes_alike_in_every_proces
     eval_sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
     eval_target = {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=eval_sharding)}
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
-    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
-        for step in range(9):
-            if mgr.should_save(step):
-                mgr.save(step, state(step))
-        mgr.wait()
+    train(tmp_path / "root", tier, state, steps=9, persist_every=4)
     answers = {}
     for lost in (False, True):
         with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-from conftest import one_leaf, same_leaf
+from conftest import one_leaf, same_leaf, train
 from dispatch_io import policies
 from dispatch_io.manager.tiers import plan as tiers_plan
 
@@ -161,11 +161,7 @@ def test_should_save_of_the_restored_step_depends_on_whether_this_host_kept_its_
     when it asks about a step at or before a kept local step: here the restored one.)"""
     target, state = one_leaf(mesh)
     tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
-    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(4), local=tier) as mgr:
-        for step in range(9):
-            if mgr.should_save(step):
-                mgr.save(step, state(step))
-        mgr.wait()
+    train(tmp_path / "root", tier, state, steps=9, persist_every=4)
     answers = {}
     for wiped in (False, True):
         if wiped:
