@@ -46,7 +46,7 @@ from dispatch_io.manifest import SavedLeaf  # noqa: E402
 from dispatch_io.options import Options  # noqa: E402
 from dispatch_io.plan import LeafSpec, Plan, plan_chunks, storage_chunk_shape  # noqa: E402
 from dispatch_io.restore import DEVICE, Output  # noqa: E402
-from workers import ArraySpec  # noqa: E402
+from dispatch_io.workers import ArraySpec  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20

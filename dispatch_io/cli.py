@@ -50,7 +50,7 @@ def _rows(manifest) -> list[dict]:
     """One row per leaf of a manifest: what ``inspect`` shows."""
     from dispatch_io import references
     from dispatch_io import tree as tree_lib
-    from workers import numpy_dtype
+    from dispatch_io.workers import numpy_dtype
 
     rows = []
     for leaf in manifest.leaves:

@@ -29,8 +29,8 @@ from dispatch_io.dispatcher import Dispatcher
 from dispatch_io.options import Options
 from dispatch_io.plan import Chunk, native_order
 from dispatch_io.runner import IOThreads
-from workers import ChunkError, IOSettings, ReadItem, Region
-from workers import colocated as remote
+from dispatch_io.workers import ChunkError, IOSettings, ReadItem, Region
+from dispatch_io.workers import colocated as remote
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.sources import Sources
 from dispatch_io.staging import aligned
 from dispatch_io.storage import COMMITTED, STEP, Location, StepRoot
-from workers import host_cpus
+from dispatch_io.workers import host_cpus
 
 FILE = "incremental/p{}.json"
 

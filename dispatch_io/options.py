@@ -6,7 +6,7 @@ import dataclasses
 
 from dispatch_io.staging import ALIGN
 from dispatch_io.transfer import MODES as HOST_TRANSFERS
-from workers import (LAYOUTS, IOSettings, check_data_file_bytes, compression_codec, default_io_concurrency,
+from dispatch_io.workers import (LAYOUTS, IOSettings, check_data_file_bytes, compression_codec, default_io_concurrency,
                      default_threads, host_cpus)
 
 MiB = 1 << 20

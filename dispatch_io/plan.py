@@ -27,8 +27,8 @@ import numpy as np
 
 from dispatch_io import tree as tree_lib
 from dispatch_io.balance import LeastLoaded
-from workers import ArraySpec, pack_spec, packed_leaf
-from workers.packs import pack_offsets
+from dispatch_io.workers import ArraySpec, pack_spec, packed_leaf
+from dispatch_io.workers.packs import pack_offsets
 
 
 @dataclasses.dataclass(frozen=True)

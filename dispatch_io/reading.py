@@ -30,7 +30,7 @@ from dispatch_io.errors import CheckpointError, CorruptCheckpointError, WorkerEr
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.progress import Progress
 from dispatch_io.restore import DEVICE, HOST, Output, finish, output_regions
-from workers import ChunkError, ReadItem, Region, brief_error, numpy_dtype
+from dispatch_io.workers import ChunkError, ReadItem, Region, brief_error, numpy_dtype
 
 EAGER_CHUNKS = 1 << 16   # a verify of more chunks makes its batches as it reads (exact progress below)
 

@@ -27,7 +27,7 @@ import re
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.errors import CheckpointError
 from dispatch_io.validate import malformed
-from workers import brief_error, numpy_dtype
+from dispatch_io.workers import brief_error, numpy_dtype
 from dispatch_io.storage import MANIFEST, Location, Marker
 
 REFERENCES = "references"

@@ -29,7 +29,7 @@ import tensorstore as ts
 from dispatch_io.plan import Chunk, Plan
 from dispatch_io.transfer import PAGEABLE, PINNED, copy_chunks_pinned, copy_chunks_to_host
 from dispatch_io.storage import WriteTarget
-from workers import (IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
+from dispatch_io.workers import (IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
                      write_regions)
 
 _current = threading.local()  # .owner: the IOThreads the running thread belongs to

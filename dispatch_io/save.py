@@ -38,7 +38,7 @@ from dispatch_io.plan import Plan
 from dispatch_io.progress import SaveStats
 from dispatch_io.sources import Sources
 from dispatch_io.staging import StagingRing
-from workers import ChunkError, IOSettings, Region, brief_error, write_files
+from dispatch_io.workers import ChunkError, IOSettings, Region, brief_error, write_files
 
 
 def check_callbacks(**callbacks):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from dispatch_io import collector
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.storage import INFO
-from workers import IOSettings, finish_arrays
+from dispatch_io.workers import IOSettings, finish_arrays
 
 if TYPE_CHECKING:
     from dispatch_io.save import SaveJob

@@ -26,7 +26,7 @@ import numpy as np
 
 from dispatch_io.plan import Chunk, Plan
 from dispatch_io.staging import aligned
-from workers import ChunkError, aligned_empty
+from dispatch_io.workers import ChunkError, aligned_empty
 
 PAGEABLE, PINNED, AUTO = "pageable", "pinned", "auto"
 MODES = (AUTO, PINNED, PAGEABLE)

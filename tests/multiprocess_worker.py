@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import dispatch_io as dio
-from workers import ChunkError
+from dispatch_io.workers import ChunkError
 
 BARRIER_TIMEOUT = float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", "30"))
 

@@ -120,7 +120,7 @@ def test_directory_checkpoint_copied_into_a_kvstore_restores_and_verifies(tmp_pa
     first, the rest in reverse order) into a kvstore still restores bit-exact, with verify."""
     import tensorstore as ts
 
-    from workers import shared_context
+    from dispatch_io.workers import shared_context
 
     tree = make_tree(mesh)
     with dispatcher_cls(host_memory_budget=64 << 10, checksums=True, layout=layout) as d:

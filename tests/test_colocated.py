@@ -22,7 +22,8 @@ from jax.experimental import colocated_python
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import dispatch_io as dio
-import workers.colocated
+import dispatch_io.workers.colocated
+from dispatch_io import workers
 from conftest import assert_trees_bit_equal, host_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -392,7 +393,8 @@ def test_requests_of_similar_size_share_one_signature():
 def test_a_failed_array_open_fails_the_save_in_any_lane_naming_its_leaf(tmp_path, mesh, monkeypatch, fail_at):
     """A host that cannot open an array to write it -- in the first batch (0) or once several
     lanes write -- fails the save naming that leaf, and leaves nothing; no batch waits for a lane."""
-    import workers.tensorstore_io
+    import dispatch_io.workers.tensorstore_io
+    from dispatch_io import workers
 
     opened, real_open = [], workers.tensorstore_io.ts.open
 

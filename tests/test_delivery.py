@@ -17,7 +17,7 @@ from dispatch_io.multihost import delivery
 from dispatch_io.multihost.delivery import HEADER, plan_delivery, replica_groups
 from dispatch_io.manifest import SavedLeaf
 from dispatch_io.restore import DEVICE, Output
-from workers import ArraySpec
+from dispatch_io.workers import ArraySpec
 
 KiB = 1 << 10
 

@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import dispatch_io.save
-import workers.tensorstore_io
+import dispatch_io.workers.tensorstore_io
+from dispatch_io import workers
 import storage_helpers as stored
 from conftest import assert_trees_bit_equal, fail_batches_of, hooked_dispatcher, put, random_array
 

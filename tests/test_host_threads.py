@@ -6,7 +6,7 @@ import pytest
 import tensorstore as ts
 
 import dispatch_io as dio
-from workers import IOSettings, Session, default_io_concurrency, default_threads, host_cpus
+from dispatch_io.workers import IOSettings, Session, default_io_concurrency, default_threads, host_cpus
 
 
 def test_defaults_scale_with_the_cpus():

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal, fail_batches_of, hooked_dispatcher
 from dispatch_io.storage import COMMITTED, MANIFEST, Marker, WRITING
-from workers import aligned_empty
+from dispatch_io.workers import aligned_empty
 
 
 KiB = 1 << 10

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as stored
-import workers
+from dispatch_io import workers
 from conftest import LAYOUTS, assert_trees_bit_equal, hooked_dispatcher, put
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -387,7 +387,7 @@ def test_the_metadata_a_save_stores_is_what_tensorstore_creates(compression):
     import json
 
     import tensorstore as ts
-    from workers import ArraySpec
+    from dispatch_io.workers import ArraySpec
 
     for dtype in DTYPES:
         spec = ArraySpec(f"a_{dtype}", (5, 0, 3), dtype, (2, 1, 3))

@@ -20,8 +20,8 @@ from conftest import assert_trees_bit_equal
 from dispatch_io import cli
 from dispatch_io.batches import Priority, make_batches
 from dispatch_io.plan import plan_tree, with_packs
-from workers import ArraySpec, Region, pack_spec, packed_leaf
-from workers import packs
+from dispatch_io.workers import ArraySpec, Region, pack_spec, packed_leaf
+from dispatch_io.workers import packs
 
 
 def small_tree(mesh, n=40):

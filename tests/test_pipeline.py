@@ -630,8 +630,8 @@ def test_page_cache_is_dropped_once_per_unchanged_file(tmp_path, monkeypatch):
     """After a write, each batch drops the page cache of the data files written since the last
     one: unchanged ones (earlier batches') are not dropped again, changed ones and small files
     (B-tree nodes, which commits read back) are; after a read, every file."""
-    from workers import page_cache, tensorstore_io
-    from workers.contract import IOSettings
+    from dispatch_io.workers import page_cache, tensorstore_io
+    from dispatch_io.workers.contract import IOSettings
 
     folder = tmp_path / "arrays"
     (folder / "d").mkdir(parents=True)

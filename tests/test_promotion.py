@@ -27,7 +27,7 @@ from dispatch_io import policies, tree as tree_lib
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers.promote_plan import items_of, plan_promotion
 from dispatch_io.manifest import parse as parse_manifest
-from workers.layouts import NODE_CACHE
+from dispatch_io.workers.layouts import NODE_CACHE
 
 
 def _state(mesh, step):

@@ -359,7 +359,8 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
     run_isolated(tmp_path, """
         import errno
         import dispatch_io.colocated, dispatch_io.dispatcher, dispatch_io.manifest, dispatch_io.save, dispatch_io.storage.directory
-        import workers.colocated
+        import dispatch_io.workers.colocated
+        from dispatch_io import workers
         rng = np.random.default_rng(0)
         tree = {"a": jax.device_put(rng.standard_normal((64, 64), dtype=np.float32),
                                     NamedSharding(mesh, P("data", "model"))),

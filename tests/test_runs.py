@@ -11,10 +11,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import storage_helpers as sh
-import workers.tensorstore_io
+import dispatch_io.workers.tensorstore_io
+from dispatch_io import workers
 from conftest import assert_trees_bit_equal
-from workers import ArraySpec, Region
-from workers.runs import address, runs
+from dispatch_io.workers import ArraySpec, Region
+from dispatch_io.workers.runs import address, runs
 
 F32 = np.dtype(np.float32)
 

@@ -22,7 +22,7 @@ from dispatch_io.plan import plan_tree
 from dispatch_io.runner import IOThreads, copy_chunks_to_host
 from dispatch_io.save import SaveJob, SaveRun
 from dispatch_io.staging import StagingRing
-from workers import IOSettings
+from dispatch_io.workers import IOSettings
 
 TIMEOUT = 60
 

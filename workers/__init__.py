@@ -5,7 +5,7 @@ needs as plain, picklable data (``workers.contract``), so the same functions run
 in a colocated Python worker, or in another ``jax.distributed`` process.
 """
 
-from workers.contract import (
+from .contract import (
     COMPRESSIONS,
     LAYOUTS,
     RAW,
@@ -23,9 +23,9 @@ from workers.contract import (
     numpy_dtype,
     storage_dtype_name,
 )
-from workers.layouts import finish_arrays, layout_kvstore, write_files
-from workers.packs import pack_spec, packed_leaf
-from workers.tensorstore_io import (
+from .layouts import finish_arrays, layout_kvstore, write_files
+from .packs import pack_spec, packed_leaf
+from .tensorstore_io import (
     Session,
     aligned_empty,
     checksum_regions,

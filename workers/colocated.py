@@ -28,8 +28,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from workers.contract import IOSettings, ReadItem, Region, numpy_dtype
-from workers.tensorstore_io import Session, checksum_regions, read_items, write_regions
+from .contract import IOSettings, ReadItem, Region, numpy_dtype
+from .tensorstore_io import Session, checksum_regions, read_items, write_regions
 
 _HEADER = 8  # request length, little-endian uint64
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import tensorstore as ts
 
-from workers.contract import LAYOUTS, ArraySpec
+from .contract import LAYOUTS, ArraySpec
 
 _WRITER_MANIFEST = "/manifest.ocdbt"
 # OCDBT's B-tree nodes get a small cache of their own (array chunks are never cached): without

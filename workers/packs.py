@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from workers.contract import ArraySpec, Region, numpy_dtype
-from workers.runs import address, root
+from .contract import ArraySpec, Region, numpy_dtype
+from .runs import address, root
 
 PACK_CHUNK_BYTES = 1 << 20   # chunk size of pack arrays: the most a read of one small leaf decodes
 PACK_ALIGN = 64               # leaves start at multiples of this (the staging ring's alignment too)

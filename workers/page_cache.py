@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from workers.contract import Region
+from .contract import Region
 
 SKIP_UNCHANGED_FROM = 1 << 20   # files this large are chunk data: a write never reads them back
 

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import tensorstore as ts
 
-from workers.contract import ChunkError, Region, numpy_dtype
+from .contract import ChunkError, Region, numpy_dtype
 
 PART_BYTES = 2 << 20   # the most one kvstore read fetches (measured: 16 MiB reads, one at a time, ran at 0.5 GB/s)
 READ_THREADS = 8       # local reads of one file in flight at once

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from workers.contract import Region
+from .contract import Region
 
 
 def address(buffer: np.ndarray) -> int:

@@ -12,11 +12,11 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from workers import packs, raw_bytes
-from workers.runs import runs
-from workers.contract import RAW, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
-from workers.layouts import NODE_CACHE, layout_kvstore, storage_of
-from workers.page_cache import release_page_cache
+from . import packs, raw_bytes
+from .runs import runs
+from .contract import RAW, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
+from .layouts import NODE_CACHE, layout_kvstore, storage_of
+from .page_cache import release_page_cache
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from dispatch_io.storage import Location
 from dispatch_io.storage.directory import DirectoryLocation
 from dispatch_io.manifest import Manifest
 from dispatch_io.plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec, with_packs
-from workers import ArraySpec, Region, Session, aligned_empty, numpy_dtype, read_regions
+from dispatch_io.workers import ArraySpec, Region, Session, aligned_empty, numpy_dtype, read_regions
 
 
 def check_apart(src: Location, dst: Location):

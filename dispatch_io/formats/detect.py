@@ -32,7 +32,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.manifest import Manifest
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location, StepRoot
 from dispatch_io.storage.folders import Folder
-from workers import layout_kvstore, shared_context
+from dispatch_io.workers import layout_kvstore, shared_context
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from dispatch_io.progress import Progress
 from dispatch_io.storage import DirectoryLocation, Location
 from dispatch_io.storage.folders import Folder
 from dispatch_io.storage.objectstore import KvLocation
-from workers import Region, Session, numpy_dtype, read_regions
+from dispatch_io.workers import Region, Session, numpy_dtype, read_regions
 
 TARGETS = ("dispatch_io", "safetensors", "orbax")
 

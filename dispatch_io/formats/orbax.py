@@ -42,7 +42,7 @@ from dispatch_io.manifest import Manifest, SavedLeaf, key_dtype
 from dispatch_io.storage import MAX_MANIFEST_BYTES
 from dispatch_io.storage.folders import Folder
 from dispatch_io.validate import check_name, describes_sharding, malformed
-from workers import ArraySpec, brief_error, layout_kvstore
+from dispatch_io.workers import ArraySpec, brief_error, layout_kvstore
 
 FORMAT = "orbax"
 METADATA = "_METADATA"                 # the PyTree item's description (its presence marks an item)

@@ -38,7 +38,7 @@ from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
 from dispatch_io.storage.objectstore import kvstore_spec
-from workers import RAW, ArraySpec, numpy_dtype
+from dispatch_io.workers import RAW, ArraySpec, numpy_dtype
 
 FORMAT = "safetensors"
 SUFFIX = ".safetensors"

@@ -36,7 +36,7 @@ from dispatch_io.manifest import SavedLeaf
 from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.storage import Location
 from dispatch_io.storage.folders import Folder
-from workers import ArraySpec, Region, Session, finish_arrays, numpy_dtype, storage_dtype_name, write_regions
+from dispatch_io.workers import ArraySpec, Region, Session, finish_arrays, numpy_dtype, storage_dtype_name, write_regions
 
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 WRITER = "ocdbt.process_0"

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError
-from workers import crc32c
+from dispatch_io.workers import crc32c
 
 ITEMS = "items/"
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")   # an item's name: never a path

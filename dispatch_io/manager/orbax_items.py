@@ -24,7 +24,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.manager.info import StepInfo, metric
 from dispatch_io.storage import COMMITTED, MANIFEST, MAX_MANIFEST_BYTES
 from dispatch_io.storage.folders import Folder
-from workers import brief_error
+from dispatch_io.workers import brief_error
 
 _GRAIN_FILE = re.compile(r"process_([0-9]+)-of-([0-9]+)\.json")
 _METRICS = "metrics"   # the item Orbax's manager stores a step's metrics in (a JSON item)

@@ -34,7 +34,7 @@ from dispatch_io.multihost.coordination import Room, job_client
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
 from dispatch_io.plan import Plan
 from dispatch_io.storage import KvLocation, Location, WriteTarget
-from workers import brief_error
+from dispatch_io.workers import brief_error
 
 
 def for_this_job(barrier_timeout: float) -> "SingleProcess | MultiProcess":

@@ -46,7 +46,7 @@ from dispatch_io.balance import LeastLoaded
 from dispatch_io.batches import pack
 from dispatch_io.reading import read_pieces
 from dispatch_io.staging import aligned
-from workers import ReadItem, Region
+from dispatch_io.workers import ReadItem, Region
 
 HEADER = 64  # each row starts with its round's identity, checked after the collective
 

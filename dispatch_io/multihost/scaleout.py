@@ -61,7 +61,7 @@ from dispatch_io.progress import Progress
 from dispatch_io.reading import RegionReads, each_alone, pipelined, read_failure, verify_stored
 from dispatch_io.restore import HOST, Output, output_regions
 from dispatch_io.staging import aligned
-from workers import aligned_empty
+from dispatch_io.workers import aligned_empty
 
 
 @dataclasses.dataclass(frozen=True)

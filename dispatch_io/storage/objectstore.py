@@ -21,7 +21,7 @@ from dispatch_io.errors import CheckpointError, CorruptCheckpointError, Incomple
 from dispatch_io.storage import (ARRAYS, COMMITTED, DELETING, INFO, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING,
                                  JoinedWrite, Location, StepRoot, WriteTarget)
 from dispatch_io.storage.markers import LIVE, Marker
-from workers import brief_error, shared_context
+from dispatch_io.workers import brief_error, shared_context
 
 # How often, and how patiently, a request to an object store is retried (429, 5xx, connection
 # errors) before the save or restore fails: ~80 s of backoff in all, doubling from 1 s. Without a

@@ -13,7 +13,7 @@ import math
 import re
 
 from dispatch_io.validate.fields import NAME, malformed
-from workers import ArraySpec, numpy_dtype
+from dispatch_io.workers import ArraySpec, numpy_dtype
 
 MAX_CHUNKS = 1 << 24          # chunks of one stored array: what a plan or a verify may iterate over
 

@@ -12,8 +12,8 @@ import re
 import tensorstore as ts
 
 from dispatch_io.validate.fields import malformed, short
-from workers import COMPRESSIONS, ArraySpec, brief_error
-from workers.layouts import NODE_CACHE
+from dispatch_io.workers import COMPRESSIONS, ArraySpec, brief_error
+from dispatch_io.workers.layouts import NODE_CACHE
 
 MAX_ZARR_JSON_BYTES = 1 << 20
 

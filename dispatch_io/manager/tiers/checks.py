@@ -29,7 +29,7 @@ from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io.progress import Progress
-from workers import ChunkError, crc32c, numpy_dtype
+from dispatch_io.workers import ChunkError, crc32c, numpy_dtype
 
 
 def checkable(out: restore_lib.Output, region) -> bool:

@@ -19,7 +19,7 @@ import jax
 from dispatch_io import tree as tree_lib
 from dispatch_io.manifest import Manifest
 from dispatch_io.plan import Chunk, LeafSpec, Plan
-from workers import numpy_dtype
+from dispatch_io.workers import numpy_dtype
 
 
 def leaf_specs(manifest: Manifest) -> tuple[LeafSpec, ...]:

@@ -40,8 +40,8 @@ from dispatch_io.manager import items as items_lib
 from dispatch_io.manager.tiers import local_steps
 from dispatch_io.save import Attachments, SaveHandle, SaveJob
 from dispatch_io.storage import Location
-from workers import ChunkError, Session, checksum_regions, crc32c, numpy_dtype
-from workers.raw_chunks import chunk_key, read_values, write_values
+from dispatch_io.workers import ChunkError, Session, checksum_regions, crc32c, numpy_dtype
+from dispatch_io.workers.raw_chunks import chunk_key, read_values, write_values
 
 
 def _grid(region, chunk_shape) -> tuple[int, ...]:

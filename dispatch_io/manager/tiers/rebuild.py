@@ -50,7 +50,7 @@ from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.multihost import scaleout
 from dispatch_io.multihost.rows import send
 from dispatch_io.storage import Location
-from workers import ChunkError, ReadItem, Region, aligned_empty, crc32c, numpy_dtype
+from dispatch_io.workers import ChunkError, ReadItem, Region, aligned_empty, crc32c, numpy_dtype
 
 
 def augment(gathered: dict, reports: dict, count: int) -> tuple[dict, dict]:
