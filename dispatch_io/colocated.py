@@ -27,6 +27,7 @@ import numpy as np
 
 from dispatch_io.dispatcher import Dispatcher
 from dispatch_io.options import Options
+from dispatch_io.device_slice import slice_exact
 from dispatch_io.plan import Chunk, native_order
 from dispatch_io.runner import IOThreads
 from dispatch_io.workers import ChunkError, IOSettings, ReadItem, Region
@@ -239,7 +240,7 @@ def _to_colocated_cpu(chunk: Chunk, sources) -> jax.Array:
         raw = np.array(data[local], dtype=native, order="C").reshape(-1).view(np.uint8)
         return jax.device_put(raw, cpu)
     whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(local, data.shape))
-    piece = data if whole else data[local]
+    piece = data if whole else slice_exact(data, local)
     # A copy even when the CPU device is the device itself: after on_transfer_end the trainer
     # may donate or overwrite its buffer, and the write must not see that.
     return jax.device_put(piece, cpu, may_alias=False if whole else None)

@@ -14,6 +14,7 @@ import numpy as np
 
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import tree as tree_lib
+from dispatch_io.device_slice import slice_exact
 from dispatch_io.errors import TreeMismatchError
 from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import device_regions, index_region, native_order, whole_on_one_device
@@ -320,7 +321,7 @@ def _from_regions(out: Output):
 
     def shard(index):
         region = index_region(index, out.saved.shape)
-        buffer = buffers[region] if region in buffers else buffers[whole][index]
+        buffer = buffers[region] if region in buffers else slice_exact(buffers[whole], index)
         if isinstance(buffer, jax.Array) and kind is not None and buffer.sharding.memory_kind != kind:
             # A colocated read's result, on a CPU device that may be the target's own (no Pathways):
             # JAX adopts such a buffer only in the memory kind the target names.

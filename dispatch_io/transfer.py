@@ -24,6 +24,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from dispatch_io.device_slice import slice_exact
 from dispatch_io.plan import Chunk, Plan
 from dispatch_io.staging import aligned
 from dispatch_io.workers import ChunkError, aligned_empty
@@ -95,7 +96,7 @@ def to_pinned(data: jax.Array, local: tuple) -> jax.Array:
     device, its transfer started (not awaited): the whole of ``data`` as it is, a part sliced
     on the device first."""
     whole = all((sl.start or 0) == 0 and (sl.stop is None or sl.stop == n) for sl, n in zip(local, data.shape))
-    piece = data if whole else data[local]
+    piece = data if whole else slice_exact(data, local)
     return jax.device_put(piece, piece.sharding.with_memory_kind("pinned_host"), may_alias=False)
 
 

@@ -171,3 +171,22 @@ def test_should_save_of_the_restored_step_depends_on_whether_this_host_kept_its_
             assert mgr.last_tier_restore.step == 8
             answers[wiped] = mgr.should_save(8)
     assert answers == {False: False, True: False}, answers   # {False: False, True: True}
+
+
+@pytest.mark.parametrize("name", ["float8_e5m2", "float8_e4m3", "float8_e3m4", "float8_e4m3fn", "float4_e2m1fn"])
+def test_replica_rows_carry_every_narrow_float_bit_pattern(mesh, name):
+    """A replica travels in a row (pad, join, cut on the device): every bit pattern of a narrow float
+    -- each NaN payload, the infinities, -0 -- comes out of the row as it went in. XLA may quiet NaN
+    payloads when it pads, joins or cuts such floats (JAX 0.12's CPU backend does)."""
+    from dispatch_io.manager.tiers import rows
+    from test_roundtrip import every_bit_pattern
+
+    host = every_bit_pattern(name, (16, 8))
+    x = jax.device_put(host, NamedSharding(mesh, P("data", "model")))
+    leaf = rows.leaf("x", x)
+    shards = [{s.device: s.data for s in x.addressable_shards}]
+    for shard in x.addressable_shards:
+        row = rows.row([leaf], shard.device, shards)
+        shape = shard.data.shape
+        (back,) = rows.unpack(row, spans=((0, shape),))
+        assert back.dtype == x.dtype and np.asarray(back).tobytes() == np.asarray(shard.data).tobytes(), shard.device
