@@ -93,7 +93,7 @@ def make_state(size_mb: int, seed: int = 0):
 
     def bits(index, shape, dtype, word):
         make = jax.jit(lambda k: jax.lax.bitcast_convert_type(jax.random.bits(k, shape, word), dtype),
-                       out_shardings=jax.sharding.SingleDeviceSharding(device))
+                       out_shardings=jax.sharding.make_single_device_sharding(device))
         return make(jax.random.key(seed * 1000 + index))
 
     state = {"params": {}, "opt_state": {}}

@@ -32,6 +32,7 @@ from dispatch_io.plan import Chunk, native_order
 from dispatch_io.runner import IOThreads
 from dispatch_io.workers import ChunkError, IOSettings, ReadItem, Region
 from dispatch_io.workers import colocated as remote
+from dispatch_io.jax_compat import single_device_sharding
 
 
 @functools.cache
@@ -44,9 +45,9 @@ def _colocated_cpus() -> dict:
 
 
 @functools.cache
-def _cpu_sharding(device) -> jax.sharding.SingleDeviceSharding:
+def _cpu_sharding(device) -> jax.sharding.Sharding:
     """A sharding on the CPU device colocated with ``device``."""
-    return jax.sharding.SingleDeviceSharding(_colocated_cpus()[device])
+    return single_device_sharding(_colocated_cpus()[device])
 
 
 @functools.cache

@@ -43,6 +43,7 @@ from dispatch_io.errors import CheckpointError, TreeMismatchError
 from dispatch_io.plan import Plan, native_order
 from dispatch_io.storage import ARRAYS, FORMAT
 from dispatch_io.workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
+from dispatch_io.jax_compat import is_single_device_sharding
 
 FORMAT_VERSION = 2            # written when the checkpoint has packs; 1 otherwise
 READS_VERSIONS = (1, 2, 3)   # 3: an incremental step's references (dispatch_io.references)
@@ -54,7 +55,7 @@ def describe_sharding(sharding) -> dict | None:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return {"type": "NamedSharding", "mesh": dict(sharding.mesh.shape),
                 "spec": [None if p is None else (list(p) if isinstance(p, tuple) else p) for p in sharding.spec]}
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    if is_single_device_sharding(sharding):
         return {"type": "SingleDeviceSharding", "device": next(iter(sharding.device_set)).id}
     return {"type": type(sharding).__name__, "repr": repr(sharding)}
 

@@ -18,6 +18,7 @@ from dispatch_io.device_slice import slice_exact
 from dispatch_io.errors import TreeMismatchError
 from dispatch_io.manifest import Manifest, SavedLeaf
 from dispatch_io.plan import device_regions, index_region, native_order, whole_on_one_device
+from dispatch_io.jax_compat import single_device_sharding
 
 HOST, DEVICE = "host", "device"
 
@@ -131,7 +132,10 @@ def _scalar_array(value, dtype: np.dtype) -> np.ndarray | None:
         array = np.asarray(value if isinstance(value, complex) else float(value)).astype(dtype)
     got = (array.real, array.imag) if isinstance(value, complex) else (array,)
     for p, g in zip(parts, got):  # inf and NaN stay themselves only in dtypes that have them
-        if isinstance(p, float) and not math.isfinite(p) and not (p == g or (math.isnan(p) and np.isnan(g))):
+        # compared as Python floats: numpy >= 2 casts a Python float to a narrow array's dtype first
+        # (NEP 50), where NaN may become -0 and then equal the -0 it was converted to
+        g = float(g)
+        if isinstance(p, float) and not math.isfinite(p) and not (p == g or (math.isnan(p) and math.isnan(g))):
             return None
     return array
 
@@ -187,13 +191,13 @@ def _output_for(saved: SavedLeaf, leaf) -> Output:
     stored_dtype = None if saved.stored is None else manifest_lib.numpy_dtype(saved.stored.dtype)
     if leaf is None or _on_host(leaf):
         if key:  # keys have no numpy form: as key arrays on the default device
-            return Output(saved, DEVICE, stored_dtype, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+            return Output(saved, DEVICE, stored_dtype, single_device_sharding(jax.local_devices()[0]))
         as_scalar = isinstance(leaf, np.generic) or (leaf is None and saved.origin == "numpy_scalar")
         dtype = saved.dtype if leaf is None else np.dtype(leaf.dtype)
         return Output(saved, HOST, dtype, as_scalar=as_scalar)
     sharding = getattr(leaf, "sharding", None) or saved.sharding  # the saved one, where the format has it
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        sharding = single_device_sharding(jax.local_devices()[0])
     dtype = stored_dtype if key else native_order(np.dtype(leaf.dtype))  # device arrays are native
     return Output(saved, DEVICE, dtype, sharding)
 

@@ -11,11 +11,12 @@ import traceback
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dispatch_io as dio
 from multiprocess_worker import loopback_bytes, sync
+from dispatch_io.jax_compat import single_device_sharding
 
 
 def shardings():
@@ -28,7 +29,7 @@ def shardings():
     return {"model": NamedSharding(std, P(None, "model")), "data": NamedSharding(std, P("data")),
             "ring": NamedSharding(ring, P("data")), "odd": NamedSharding(odd, P("a")),
             "sub": NamedSharding(sub, P("x")), "sub_rep": NamedSharding(sub, P()),
-            "pair": NamedSharding(pair, P(None, "x")), "single": SingleDeviceSharding(d[3]),
+            "pair": NamedSharding(pair, P(None, "x")), "single": single_device_sharding(d[3]),
             "rep": NamedSharding(std, P())}
 
 

@@ -24,11 +24,12 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io.workers import ChunkError
+from dispatch_io.jax_compat import single_device_sharding
 
 BARRIER_TIMEOUT = float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", "30"))
 
@@ -70,7 +71,7 @@ def _sharding(mesh, placement):
     if isinstance(placement, tuple):  # a key: its key_data has one more (unsharded) axis
         placement = placement[2]
     if placement == "device5":
-        return SingleDeviceSharding(jax.devices()[5])
+        return single_device_sharding(jax.devices()[5])
     return NamedSharding(mesh, placement)
 
 

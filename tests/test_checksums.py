@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
 import storage_helpers as sh
 from conftest import assert_trees_bit_equal
+from dispatch_io.jax_compat import single_device_sharding
 
 
 def make_tree(mesh):
@@ -76,7 +77,7 @@ def test_verify_covers_only_what_this_restore_reads_and_every_bad_chunk(tmp_path
         chunks = sh.chunks(tmp_path / "ckpt", "['w']")
         sh.flip_byte(chunks[(0, 0)])
         sh.flip_byte(chunks[(3, 1)], offset=100)
-        one_device = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+        one_device = single_device_sharding(jax.devices()[1])
         target = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=one_device)}
         with pytest.raises(dio.CorruptCheckpointError, match=r"2 chunk\(s\)") as info:
             d.restore(tmp_path / "ckpt", target, partial=True, verify=True)

@@ -19,12 +19,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental import colocated_python
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 import dispatch_io.workers.colocated
 from dispatch_io import workers
 from conftest import assert_trees_bit_equal, host_bytes
+from dispatch_io.jax_compat import single_device_sharding
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60
@@ -77,7 +78,7 @@ def _shardings():
         "named-reversed-devices": NamedSharding(reversed_mesh, P("data", "model")),
         "named-reversed-devices-rows": NamedSharding(reversed_mesh, P("data")),
         "named-device-subset": NamedSharding(subset, P("model", "data")),
-        "single-device-5": SingleDeviceSharding(devs[5]),
+        "single-device-5": single_device_sharding(devs[5]),
     }
     if hasattr(jax.sharding, "PositionalSharding"):   # removed from recent JAX
         out["positional"] = jax.sharding.PositionalSharding(devs).reshape(4, 2)
@@ -187,7 +188,7 @@ def test_prng_keys_round_trip_and_are_read_with_key_specs(colocated, tmp_path, r
         assert all(len(s.sharding.device_set) == 1 and s.sharding.device_set <= cpus for s in specs), (what, specs)
         expected = set()
         for k, x in keys.items():
-            sharding = SingleDeviceSharding(jax.devices()[0]) if target is None else target[k].sharding
+            sharding = single_device_sharding(jax.devices()[0]) if target is None else target[k].sharding
             expected |= region_shapes(sharding, x.shape)
         assert {tuple(s.shape) for s in specs} == expected, what
 

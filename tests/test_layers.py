@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # not listed are the core (save / restore pipeline).
 LAYERS = {
     "dispatch_io.workers": 0,
-    "dispatch_io.errors": 0, "dispatch_io.tree": 0, "dispatch_io.collector": 0, "dispatch_io.locks": 0,
+    "dispatch_io.errors": 0, "dispatch_io.jax_compat": 0, "dispatch_io.tree": 0, "dispatch_io.collector": 0, "dispatch_io.locks": 0,
     "dispatch_io.storage": 1,
     "dispatch_io": 2,  # the core
     "dispatch_io.formats": 3, "dispatch_io.multihost": 3,

@@ -23,6 +23,7 @@ import dispatch_io as dio
 import storage_helpers as stored
 from dispatch_io import workers
 from conftest import LAYOUTS, assert_trees_bit_equal, hooked_dispatcher, put
+from dispatch_io.jax_compat import single_device_sharding
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60
@@ -285,7 +286,7 @@ def test_leaf_split_over_many_batches_is_one_array_after_the_merge(tmp_path, mes
         assert array.read().result().tobytes() == np.asarray(x).tobytes()
         # And dispatch_io reads it onto other layouts: regions across chunk boundaries, one device.
         for target in (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(None, "data"))),
-                       jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[3]))):
+                       jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=single_device_sharding(jax.devices()[3]))):
             restored = d.restore(path, {"x": target})["x"]
             assert restored.sharding == target.sharding
             assert np.asarray(restored).tobytes() == np.asarray(x).tobytes()

@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp  # a test dependency only (the test extra): it wr
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal, host_bytes
 import storage_helpers as stored
+from dispatch_io.jax_compat import single_device_sharding
 
 
 # Orbax's own restore without shardings warns that it reads them from the checkpoint: expected here.
@@ -109,7 +110,7 @@ def test_restore_onto_the_saved_mesh_another_mesh_one_device_and_numpy(orbax_ckp
         moved = d.restore(path, target, partial=True)
         assert moved["params"]["w"].sharding.mesh.shape == {"data": 2, "model": 4}
         assert_trees_bit_equal(moved, arrays)
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[5])
+        one = single_device_sharding(jax.devices()[5])
         single = d.restore(path, jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), arrays), partial=True)
         assert single["params"]["w"].sharding == one

@@ -22,6 +22,7 @@ from dispatch_io.batches import Priority, make_batches
 from dispatch_io.plan import plan_tree, with_packs
 from dispatch_io.workers import ArraySpec, Region, pack_spec, packed_leaf
 from dispatch_io.workers import packs
+from dispatch_io.jax_compat import single_device_sharding
 
 
 def small_tree(mesh, n=40):
@@ -29,7 +30,7 @@ def small_tree(mesh, n=40):
     and one leaf too large to pack."""
     rng = np.random.default_rng(0)
     shardings = [NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P()), NamedSharding(mesh, P("data")),
-                 jax.sharding.SingleDeviceSharding(jax.devices()[3])]
+                 single_device_sharding(jax.devices()[3])]
     dtypes = [np.float32, ml_dtypes.bfloat16, np.int32, np.uint8, np.float16]
     tree = {"layers": {}}
     for i in range(n):

@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io import transfer
 from conftest import assert_trees_bit_equal, hooked_dispatcher, host_bytes
 from test_roundtrip import DEVICE_DTYPES, IMPLS, dtype_of, random_bits
+from dispatch_io.jax_compat import single_device_sharding
 
 MiB = 1 << 20
 PINNED = dict(host_transfer="pinned")
@@ -67,7 +68,7 @@ def test_every_dtype_and_key_impl_round_trips_bit_exact(forced, mesh, tmp_path):
         for name in DEVICE_DTYPES:
             host = random_bits(name, (64, 6), seed=len(name))
             tree[name] = {"sharded": jax.device_put(host, sharded),
-                          "single": jax.device_put(host[:5], SingleDeviceSharding(jax.devices()[3])),
+                          "single": jax.device_put(host[:5], single_device_sharding(jax.devices()[3])),
                           "replicated": jax.device_put(host[:2], NamedSharding(mesh, P()))}
         for impl in IMPLS:
             key = jax.random.key(7, impl=impl)
@@ -153,7 +154,7 @@ def test_offloaded_leaves_save_without_the_device_and_restore_into_their_kind(fo
     offloaded = on_device.with_memory_kind(kind)
     tree = {"params": jax.device_put(np.arange(512, dtype=np.float32).reshape(64, 8), on_device),
             "mu": jax.device_put(np.arange(512, dtype=jnp.bfloat16).reshape(64, 8), offloaded),
-            "nu": jax.device_put(np.linspace(0, 1, 64, dtype=np.float32), SingleDeviceSharding(
+            "nu": jax.device_put(np.linspace(0, 1, 64, dtype=np.float32), single_device_sharding(
                 jax.devices()[1], memory_kind=kind))}
     with forced(budget=16 << 10, max_chunk_bytes=512, small_leaf_bytes=0) as d:
         d.save(tmp_path / "ckpt", tree).wait()
@@ -164,7 +165,7 @@ def test_offloaded_leaves_save_without_the_device_and_restore_into_their_kind(fo
         # Into another kind than saved: the target decides.
         swapped = {"params": jax.ShapeDtypeStruct((64, 8), np.float32, sharding=offloaded),
                    "mu": jax.ShapeDtypeStruct((64, 8), jnp.bfloat16, sharding=on_device),
-                   "nu": jax.ShapeDtypeStruct((64,), np.float32, sharding=SingleDeviceSharding(jax.devices()[1]))}
+                   "nu": jax.ShapeDtypeStruct((64,), np.float32, sharding=single_device_sharding(jax.devices()[1]))}
         other = d.restore(tmp_path / "ckpt", swapped)
     assert [other[k].sharding.memory_kind for k in ("params", "mu", "nu")] == [kind, "device", "device"]
     assert all(host_bytes(other[k]) == host_bytes(tree[k]) for k in tree)

@@ -21,10 +21,11 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal
+from dispatch_io.jax_compat import single_device_sharding
 
 N_CASES = int(os.environ.get("DISPATCH_IO_RANDOM_CASES", 80))
 COLOCATED_EVERY = int(os.environ.get("DISPATCH_IO_COLOCATED_EVERY", 4))   # ColocatedDispatcher: every 4th case
@@ -74,7 +75,7 @@ class Layout:
 
     def sharding(self, spec: P):
         if self.mesh is None:
-            return SingleDeviceSharding(self.device)
+            return single_device_sharding(self.device)
         return NamedSharding(self.mesh, spec)
 
     def __repr__(self):

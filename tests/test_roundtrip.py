@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal, host_bytes
+from dispatch_io.jax_compat import single_device_sharding
 
 
 # ---- module-level pytree classes (must be importable for target=None) ----------------------------
@@ -126,7 +127,7 @@ def training_state(mesh):
                       "bias": put(f32(8), ns(mesh, "model"))},
             "head": put(f32(6, 8), ns(mesh, None, "model")),
             "scale": put(f32(5, 3), ns(mesh)),                                # replicated
-            "pinned": put(f32(7, 3), SingleDeviceSharding(jax.devices()[5])),
+            "pinned": put(f32(7, 3), single_device_sharding(jax.devices()[5])),
         },
         "opt_state": AdamState(
             count=put(np.int32(1234), ns(mesh)),
@@ -261,7 +262,7 @@ def test_dtype_sharded_jax_leaf(dispatcher, mesh, tmp_path, name):
     x64 = dtype_of(name).itemsize >= 8 and name != "complex64"
     with jax.enable_x64(x64):
         x = jax.device_put(host, ns(mesh, "data", "model"))
-        y = jax.device_put(host[:5], SingleDeviceSharding(jax.devices()[3]))
+        y = jax.device_put(host[:5], single_device_sharding(jax.devices()[3]))
         assert np.dtype(x.dtype) == host.dtype and host_bytes(x) == host.tobytes()
         tree = {"sharded": x, "single": y, "replicated": jax.device_put(host[:2], ns(mesh))}
         dispatcher.save(tmp_path / "ckpt", tree).wait()
@@ -380,7 +381,7 @@ def draw(keys):
 def test_prng_keys(dispatcher, mesh, tmp_path, impl):
     keys = key_tree(mesh, impl)
     dispatcher.save(tmp_path / "ckpt", keys).wait()
-    default = SingleDeviceSharding(jax.devices()[0])
+    default = single_device_sharding(jax.devices()[0])
 
     # (a) the original tree as target: same shardings.
     restored = dispatcher.restore(tmp_path / "ckpt", keys)
@@ -625,7 +626,7 @@ def test_restore_onto_one_device(dispatcher, mesh, tmp_path):
     state = topology_state(mesh)
     dispatcher.save(tmp_path / "ckpt", state).wait()
     for device in (jax.devices()[0], jax.devices()[6]):
-        target = retarget(state, lambda k, x: SingleDeviceSharding(device))
+        target = retarget(state, lambda k, x: single_device_sharding(device))
         restored = dispatcher.restore(tmp_path / "ckpt", target)
         assert_trees_bit_equal(state, restored)
         assert_same_shardings(restored, target)

@@ -12,13 +12,14 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import dispatch_io as dio
 from dispatch_io import cli
 from conftest import crafted_safetensors, run_job
 from dispatch_io.errors import CheckpointError, TreeMismatchError
+from dispatch_io.jax_compat import single_device_sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -110,7 +111,7 @@ def sharded_target(expected, sharding_of):
 def test_restore_onto_meshes_and_one_device_bit_exact(hf, mesh_shape):
     path, expected = hf
     if mesh_shape is None:
-        sharding_of = lambda value: SingleDeviceSharding(jax.devices()[3])  # noqa: E731
+        sharding_of = lambda value: single_device_sharding(jax.devices()[3])  # noqa: E731
     else:
         mesh = jax.make_mesh(mesh_shape, ("a", "b"))
 

@@ -43,6 +43,7 @@ from dispatch_io.storage import MAX_MANIFEST_BYTES
 from dispatch_io.storage.folders import Folder
 from dispatch_io.validate import check_name, describes_sharding, malformed
 from dispatch_io.workers import ArraySpec, brief_error, layout_kvstore
+from dispatch_io.jax_compat import single_device_sharding
 
 FORMAT = "orbax"
 METADATA = "_METADATA"                 # the PyTree item's description (its presence marks an item)
@@ -160,7 +161,7 @@ def _parse_sharding(entry: dict | None, ndim: int):
             return None
     if entry.get("sharding_type") == "SingleDeviceSharding":
         named = [d for d in devices.values() if str(d) == entry.get("device_str")]
-        return jax.sharding.SingleDeviceSharding(named[0]) if named else None
+        return single_device_sharding(named[0]) if named else None
     return None
 
 

@@ -37,6 +37,7 @@ from dispatch_io.plan import storage_chunk_shape
 from dispatch_io.storage import Location
 from dispatch_io.storage.folders import Folder
 from dispatch_io.workers import ArraySpec, Region, Session, finish_arrays, numpy_dtype, storage_dtype_name, write_regions
+from dispatch_io.jax_compat import is_single_device_sharding
 
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 WRITER = "ocdbt.process_0"
@@ -79,7 +80,7 @@ def _sharding_entry(saved: SavedLeaf) -> dict | None:
                 "axis_names": list(mesh.axis_names), "axis_types": [str(t) for t in mesh.axis_types],
                 "partition_spec": [list(p) if isinstance(p, tuple) else p for p in sharding.spec],
                 "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(mesh.devices).tolist()}}
-    device = next(iter(sharding.device_set)) if isinstance(sharding, jax.sharding.SingleDeviceSharding) else jax.devices()[0]
+    device = next(iter(sharding.device_set)) if is_single_device_sharding(sharding) else jax.devices()[0]
     return {"sharding_type": "SingleDeviceSharding", "device_str": str(device)}
 
 
