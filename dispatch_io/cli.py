@@ -263,8 +263,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _versions() -> str:
+    """This package's version and those of the stack it runs on (what a bug report needs)."""
+    import importlib.metadata
+
+    from dispatch_io import __version__
+    stack = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("jax", "jaxlib", "tensorstore", "numpy"))
+    return f"dispatch-io {__version__} (Python {sys.version.split()[0]}, {stack})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dispatch-io", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=_versions())
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="on an error, also print its causes in full")
