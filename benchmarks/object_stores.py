@@ -5,7 +5,7 @@
 
 The emulators are not a cloud: they keep objects in memory on this machine, so the figures show
 dispatch_io's overhead per request and per byte over HTTP (and the emulators' own), not a cloud's
-bandwidth. The servers are the tests' (tests/s3_server.py, tests/gcs_server.py), started once;
+bandwidth. The servers are the tests' (tests/servers/s3_server.py, tests/servers/gcs_server.py), started once;
 each repetition saves over the last one (``overwrite=True``: its delete is timed too, as a
 training job's retention would pay it), then restores onto the tree's shardings (timed, bytes
 compared with the saved tree once). GCS is measured twice: through the precondition layer the
@@ -22,7 +22,7 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "servers"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

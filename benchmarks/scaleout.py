@@ -117,7 +117,7 @@ def main():
     proxy = server = None
     s3_path = ""
     if args.s3_mib:
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        sys.path.insert(0, os.path.join(ROOT, "tests", "servers"))
         from s3_server import FaultyProxy, MotoServer, s3_environment
         server = MotoServer()
         server.create_bucket("bench")

@@ -22,6 +22,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+JOBS = os.path.join(TESTS, "jobs")          # scripts run as the processes of a job
+# The folders whose modules tests import by name (``import storage_helpers``, ``from s3_server import ...``):
+# jobs/, servers/ (real object stores on loopback) and helpers/. Children get them on PYTHONPATH.
+SUPPORT = [JOBS, os.path.join(TESTS, "servers"), os.path.join(TESTS, "helpers")]
+sys.path[:0] = [folder for folder in SUPPORT if folder not in sys.path]
+
 import dispatch_io as dio  # noqa: E402
 from dispatch_io.manager.tiers.plan import as_regions  # noqa: E402
 from s3_server import free_port  # noqa: E402  (one definition, for jobs and servers)
@@ -212,7 +220,7 @@ def s3_prefix(s3_server, request):
 @pytest.fixture(scope="session")
 def gcs_server():
     """A GCS server on loopback for the whole session, with bucket ``ckpts``: fake-gcs-server behind
-    our precondition layer (``tests/gcs_server.py`` says why). TensorStore (through dispatch_io's
+    our precondition layer (``tests/servers/gcs_server.py`` says why). TensorStore (through dispatch_io's
     ``gs://`` paths) is pointed at the layer; the emulator itself is ``.emulator``."""
     from gcs_server import FakeGcsServer, GcsPreconditions, gcs_environment
 
@@ -274,18 +282,15 @@ def crafted_safetensors(folder, header: dict, data: bytes = b"", name: str = "mo
 
 # ---- jobs of several processes ----------------------------------------------------------------------
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
-
-
 def child_env(devices: int, barrier_timeout: float | None = None, extra: dict | None = None) -> dict:
-    """The environment of a test's child process: ``devices`` CPU devices, this checkout and
-    tests/ on the path, unbuffered output, ``DIO_TEST_BARRIER_TIMEOUT`` if given, ``extra``."""
+    """The environment of a test's child process: ``devices`` CPU devices, this checkout and the
+    folders of ``SUPPORT`` on the path, unbuffered output, ``DIO_TEST_BARRIER_TIMEOUT`` if given,
+    ``extra``."""
     env = {**os.environ, **(extra or {})}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *SUPPORT] + [p for p in [env.get("PYTHONPATH")] if p])
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("DIO_TEST_BARRIER_TIMEOUT", None)
     if barrier_timeout is not None:
@@ -321,10 +326,10 @@ def run_job(argv, processes: int, devices: int, extra_env=None, timeout: float =
 
 def start_job(script: str, args, processes: int = 4, devices: int = 2, barrier_timeout: float | None = None,
               extra: dict | None = None) -> list[subprocess.Popen]:
-    """Start ``processes`` processes of tests/``script``, each run as ``script PROCESS PORT *args``
+    """Start ``processes`` processes of tests/jobs/``script``, each run as ``script PROCESS PORT *args``
     (``devices`` CPU devices each, see ``child_env``), and return them (outputs piped, as text)."""
     env, port = child_env(devices, barrier_timeout, extra), free_port()
-    return [subprocess.Popen([sys.executable, os.path.join(TESTS, script), str(i), str(port), *map(str, args)],
+    return [subprocess.Popen([sys.executable, os.path.join(JOBS, script), str(i), str(port), *map(str, args)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for i in range(processes)]
 

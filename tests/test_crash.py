@@ -33,7 +33,7 @@ import dispatch_io as dio
 from conftest import assert_trees_bit_equal, hooked_dispatcher
 from dispatch_io.storage import COMMITTED, MANIFEST, WRITING, Marker
 from dispatch_io.storage.directory import TEMPORARY
-from test_robustness import run_isolated
+from test_dispatcher_lifecycle import run_isolated
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT = 60

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import run_job
+from conftest import JOBS, run_job
 
 from dispatch_io import tree
 from dispatch_io.multihost import delivery
@@ -205,9 +205,9 @@ def test_pipeline_stages_x_data_parallel_receive_only_what_they_hold():
 
 
 def _job(tmp_path, processes: int, only: str | None = None) -> list[dict]:
-    """Run tests/delivery_worker.py as a job of ``processes`` x 8 / processes CPU devices; every
+    """Run tests/jobs/delivery_worker.py as a job of ``processes`` x 8 / processes CPU devices; every
     process's restore bit-exact."""
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delivery_worker.py")
+    worker = os.path.join(JOBS, "delivery_worker.py")
     results = run_job(lambda pid, port: [sys.executable, worker, str(pid), str(processes), str(port),
                                          str(tmp_path / "ckpt")],
                       processes, 8 // processes, lambda pid: {"DELIVERY_ONLY": only} if only else None)

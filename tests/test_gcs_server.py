@@ -1,7 +1,7 @@
 """The GCS test server itself: it must refuse a failed precondition (412) as GCS does, or the
 object-store tests that run on it (tests/test_object_store.py) would prove nothing about our
 commit protocol. fake-gcs-server alone does not (shown below), so the fixture puts our
-precondition layer (tests/gcs_server.py) in front of it; both are tested here."""
+precondition layer (tests/servers/gcs_server.py) in front of it; both are tested here."""
 
 import json
 import urllib.error

@@ -14,14 +14,14 @@ import pytest
 import dispatch_io as dio
 from dispatch_io import policies
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(TESTS, "incremental_crash_job.py")
-sys.path.insert(0, TESTS)
-from incremental_crash_job import state  # noqa: E402
+from conftest import JOBS, ROOT
+from incremental_crash_job import state   # tests/jobs/, on the path through conftest
+
+JOB = os.path.join(JOBS, "incremental_crash_job.py")
 
 
 def _run(root, steps, point="none", call=1):
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run([sys.executable, JOB, str(root), str(steps), point, str(call)], env=env,
                        capture_output=True, text=True, timeout=120)
     return p.returncode, [int(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("saved")], p.stderr

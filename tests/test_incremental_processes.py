@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 
-from conftest import free_port
+from conftest import JOBS, free_port
 from test_manager_multiprocess import LIMIT
 
-JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "incremental_job.py")
+JOB = os.path.join(JOBS, "incremental_job.py")
 
 
 def test_two_processes_each_decide_for_their_chunks(tmp_path):

@@ -9,11 +9,10 @@ import subprocess
 import sys
 import time
 
-from conftest import finish_job, free_port
+from conftest import JOBS, finish_job, free_port
 
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(TESTS, "job_preemption.py")
+JOB = os.path.join(JOBS, "job_preemption.py")
 LIMIT = 120
 
 

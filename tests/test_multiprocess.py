@@ -1,6 +1,6 @@
 """Multi-process saves under jax.distributed: real processes on one machine, CPU devices.
 
-Each test starts N Python processes running ``tests/multiprocess_worker.py`` (one scenario,
+Each test starts N Python processes running ``tests/jobs/multiprocess_worker.py`` (one scenario,
 same program everywhere, a coordinator on a free loopback port), waits for them under a hard
 time limit (a hang fails the test, with every process's stderr tail, instead of blocking CI)
 and checks the JSON results they print. The processes of one test run concurrently.
@@ -19,10 +19,10 @@ import tensorstore as ts
 
 import dispatch_io as dio
 import storage_helpers as stored
-from conftest import ROOT, TESTS, child_env, free_port  # noqa: F401  (tests of the tiers import them from here)
+from conftest import JOBS, ROOT, TESTS, child_env, free_port  # noqa: F401  (tests of the tiers import them from here)
 from dispatch_io.storage import kvstore_spec
 
-WORKER = os.path.join(TESTS, "multiprocess_worker.py")
+WORKER = os.path.join(JOBS, "multiprocess_worker.py")
 HARD_LIMIT = 90.0   # seconds for every process of a test to exit; then all are killed
 
 

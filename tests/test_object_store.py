@@ -1,5 +1,5 @@
 """Checkpoints on object stores: real servers on loopback -- S3 (moto) through TensorStore's s3
-driver, GCS (fake-gcs-server behind our precondition layer, tests/gcs_server.py) through its gcs
+driver, GCS (fake-gcs-server behind our precondition layer, tests/servers/gcs_server.py) through its gcs
 driver. What holds for directories must hold on both, with a marker instead of a rename: the
 tests taking ``store_prefix`` / ``object_store`` run once per store."""
 

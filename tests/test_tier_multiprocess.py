@@ -1,12 +1,12 @@
 """The local tier in real 4-process x 2-device jobs, killed for real, every restore checked byte for
-byte with the bytes read per source counted. Mesh (data=2, fsdp=4), tests/job_local_tier.py: a bad
+byte with the bytes read per source counted. Mesh (data=2, fsdp=4), tests/jobs/job_local_tier.py: a bad
 local chunk comes from the other holder; permuted process ids map copies by what they hold; a lost
 process's regions come from its peers; both holders lost -> the newest persistent step, only their
 regions read from it; a process that never comes makes the others raise BarrierTimeoutError naming it;
 a process killed during its local save; the README's loop resumes a killed job with its root emptied;
 a torn local info or processes sharing one local path. Pure FSDP with one replica per region
-(tests/job_fsdp_replicas.py) survives a lost host; data-parallel copies within one host
-(tests/job_replicas_in_one_host.py) do not count as surviving it."""
+(tests/jobs/job_fsdp_replicas.py) survives a lost host; data-parallel copies within one host
+(tests/jobs/job_replicas_in_one_host.py) do not count as surviving it."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Parity in the local tier, in a real 4-process x 2-device pure-FSDP job (tests/job_fsdp_replicas.py
+"""Parity in the local tier, in a real 4-process x 2-device pure-FSDP job (tests/jobs/job_fsdp_replicas.py
 with ``LocalTier(parity=2)``), killed for real, every restore compared byte for byte: each process
 keeps its share and 1/k of a row of parity; a process's local directory wiped, the job resumes its
 newest local step from the survivors' copies and parity with nothing read from the root; a flipped

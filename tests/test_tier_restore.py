@@ -253,7 +253,7 @@ def test_garbage_local_info_names_the_file(tmp_path, mesh):
 @pytest.mark.parametrize("held", [5, [["a"]], [None], [[[0, 1, 2]]]], ids=["int", "strings", "null", "triple"])
 
 
-def test_malformed_held_regions_in_a_local_info_crash_the_restore(tmp_path, mesh, held):
+def test_a_local_step_with_malformed_held_regions_is_skipped_for_the_next_step(tmp_path, mesh, held):
     """A local step's info.json whose "held" is valid JSON but not a list of regions (a bit flip on a RAM
     disk, a hand edit, a future format) makes that step unreadable -- logged, not used, as an unreadable
     info.json is -- and restore(None, target) picks the next step, bit-exact, rather than raising a bare

@@ -1,5 +1,5 @@
 """Local retention: which local steps the keep policy keeps -- by their commit times, by the metrics
-local steps carry, and alike on every process of a real 2-process job (tests/job_local_retention.py)."""
+local steps carry, and alike on every process of a real 2-process job (tests/jobs/job_local_retention.py)."""
 
 import re
 

@@ -47,7 +47,7 @@ def test_a_local_save_of_a_rolled_back_history_replaces_the_abandoned_local_step
         assert mgr.local.steps() == [0] and mgr.should_save(2)
 
 
-def test_explicit_rollback_then_tiered_restore_mixes_histories(tmp_path, mesh):
+def test_a_tiered_restore_after_an_explicit_rollback_resumes_the_new_history(tmp_path, mesh):
     """Train 0..8 (local every 2, persistent every 4); roll back explicitly to step 4 (restore(4)),
     deleting the persistent steps after it; train a new history 5..9 (state + 100): a restart through
     the tiers resumes the new history, never the abandoned history's local step 8."""

@@ -48,7 +48,7 @@ def test_local_tier_domains_given_as_a_mapping_become_one_domain_per_process():
     assert tier.domains == ("host-a", "host-a", "host-b", "host-b"), tier.domains   # not its keys (0, 1, 2, 3)
 
 
-def test_local_tier_domains_as_lists_pass_validation_then_crash_when_the_job_opens():
+def test_local_tier_domains_as_lists_are_refused_naming_domains_or_work_as_tuples():
     """LocalTier(domains=[["rack-0", "host-0"], ...]) (a (rack, host) pair per process, e.g. read from a
     JSON config) is either refused up front by LocalTier, naming domains, or works: each domain a
     hashable value (lists to tuples), the replicas going to the other rack/host pair. Never accepted by
@@ -130,7 +130,7 @@ def test_dispatcher_save_checks_copies_before_writing(tmp_path, mesh):
 
 
 @pytest.mark.parametrize("region", [((1, 3), (0, 4)), ((0, 8), (0, 8))], ids=["straddles-two-shards", "whole-leaf"])
-def test_a_replica_overlapping_own_regions_silently_overwrites_them(tmp_path, mesh, region):
+def test_a_replica_overlapping_own_regions_is_refused_or_never_overwrites_them(tmp_path, mesh, region):
     """A replica passed to Dispatcher.save(own=True, copies=...) whose region overlaps this process's own
     shards without being one of them (rows 1..3 of a leaf sharded in 2-row shards, or the whole leaf)
     is refused (ValueError) or never overwrites them: the saved step returns the process's real data,

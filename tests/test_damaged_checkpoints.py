@@ -1,4 +1,5 @@
-"""Fuzzing the reader with damaged checkpoints (hypothesis, derandomized: the same cases every run).
+"""A damaged checkpoint reads back as it was saved or fails with a CheckpointError; the damage is
+drawn by hypothesis (derandomized: the same cases every run).
 
 Each case copies a sound checkpoint, damages one of its files -- ``manifest.json``, a
 ``zarr.json``, the OCDBT manifest or a data file, a marker, Orbax's ``_METADATA`` -- by a JSON
@@ -204,6 +205,7 @@ def fuzz(kind):
     return test
 
 
-test_fuzz_ocdbt_checkpoint = fuzz("ocdbt")
-test_fuzz_files_checkpoint = fuzz("files")
-test_fuzz_orbax_checkpoint = fuzz("orbax")
+test_a_damaged_ocdbt_checkpoint_reads_as_saved_or_raises_checkpoint_error = fuzz("ocdbt")
+test_a_damaged_files_checkpoint_reads_as_saved_or_raises_checkpoint_error = fuzz("files")
+# Orbax saves no checksums: a damaged data file reads as it is (check_case), anything else as for ours.
+test_a_damaged_orbax_checkpoint_reads_or_raises_checkpoint_error = fuzz("orbax")

@@ -1,4 +1,4 @@
-"""One process of a 4-process x 2-CPU-device job with a local tier (run by the local tier's multi-process tests).
+"""One process of a 4-process x 2-CPU-device job with a local tier (run by tests/test_tier_multiprocess.py).
 
     python job_local_tier.py PROCESS PORT ROOT LOCAL MODE
 

@@ -1,4 +1,5 @@
-"""Seeded random round trips: random trees, meshes, dtypes, priorities and budgets.
+"""Any tree round-trips bit-exact onto any layout: trees, meshes, dtypes, priorities and budgets
+drawn at random, seeded.
 
 Every case ``seed-K`` draws, with ``np.random.default_rng(K)`` only (so a failure replays
 exactly), a save layout and a different restore layout (1-D / 2-D meshes, a subset of the
@@ -346,7 +347,7 @@ CASES = [pytest.param(seed, dio.LocalDispatcher, id=f"seed-{seed}") for seed in 
 
 
 @pytest.mark.parametrize("seed, dispatcher_cls", CASES)
-def test_random_roundtrip(seed, dispatcher_cls, tmp_path):
+def test_any_tree_round_trips_bit_exact_onto_every_target(seed, dispatcher_cls, tmp_path):
     case = Case(seed)
     # memory:// data lives as long as the process: a fresh prefix per case and run.
     path = f"memory://{tmp_path.name}/ckpt" if case.memory else tmp_path / "ckpt"

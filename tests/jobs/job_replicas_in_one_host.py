@@ -1,4 +1,4 @@
-"""One process of a 4-process x 2-CPU-device job (run by tests/test_tier_lost_hosts.py) whose data
+"""One process of a 4-process x 2-CPU-device job (run by tests/test_tier_multiprocess.py) whose data
 parallelism stays within a host: hosts ``domains=(0, 0, 1, 1)``; mesh (fsdp=2, data=2, model=2)
 laid out host, process in host, device in process, so each region of ``w`` (sharded over fsdp and
 model, replicated over data) is held by the two processes of one host.

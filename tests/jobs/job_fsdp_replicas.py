@@ -1,5 +1,5 @@
 """One process of a 4-process x 2-CPU-device pure-FSDP job whose local tier keeps one replica
-(run by tests/test_tier_lost_hosts.py).
+(run by tests/test_tier_multiprocess.py, and with parity by tests/test_tier_parity.py).
 
     python job_fsdp_replicas.py PROCESS PORT ROOT LOCAL MODE
 
