@@ -27,7 +27,7 @@ import numpy as np
 
 from dispatch_io.dispatcher import Dispatcher
 from dispatch_io.options import Options
-from dispatch_io.plan import Chunk, native_order
+from dispatch_io.plan.save_plan import Chunk, native_order
 from dispatch_io.runner import IOThreads
 from dispatch_io.workers import ChunkError, IOSettings, ReadItem, Region
 from dispatch_io.workers import colocated as remote

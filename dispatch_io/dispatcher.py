@@ -20,24 +20,24 @@ import jax
 from dispatch_io import collector
 from dispatch_io.multihost import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import held
+from dispatch_io.plan import held
 from dispatch_io import read_api
-from dispatch_io import transfer
-from dispatch_io import incremental as incremental_lib
+from dispatch_io.save import transfer
+from dispatch_io.incremental import changes as incremental_lib
 from dispatch_io.formats import exporting
 from dispatch_io.formats import to_orbax
 from dispatch_io.formats import to_safetensors
-from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
+from dispatch_io.plan.batches import Priority, leaf_priorities, make_batches, sync_overflow
 from dispatch_io.formats.convert import StoredSource, check_apart, plan_stored, source_session
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
-from dispatch_io.plan import Plan, PlanCache, with_packs
+from dispatch_io.plan.save_plan import Plan, PlanCache, with_packs
 from dispatch_io.progress import RestoreStats
 from dispatch_io.runner import LocalRunner, Runner
-from dispatch_io.transfer import platform
-from dispatch_io.save import Attachments, SaveHandle, SaveJob, SaveRun, check_callbacks
+from dispatch_io.save.transfer import platform
+from dispatch_io.save.driver import Attachments, SaveHandle, SaveJob, SaveRun, check_callbacks
 from dispatch_io.locks import PathLocks
-from dispatch_io.staging import StagingRing
+from dispatch_io.save.staging import StagingRing
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.storage import Location
 

@@ -40,12 +40,12 @@ import jax
 from dispatch_io import tree as tree_lib
 from dispatch_io import validate
 from dispatch_io.errors import CheckpointError, TreeMismatchError
-from dispatch_io.plan import Plan, native_order
+from dispatch_io.plan.save_plan import Plan, native_order
 from dispatch_io.storage import ARRAYS, FORMAT
 from dispatch_io.workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
 
 FORMAT_VERSION = 2            # written when the checkpoint has packs; 1 otherwise
-READS_VERSIONS = (1, 2, 3)   # 3: an incremental step's references (dispatch_io.references)
+READS_VERSIONS = (1, 2, 3)   # 3: an incremental step's references (dispatch_io.incremental.references)
 
 
 def describe_sharding(sharding) -> dict | None:

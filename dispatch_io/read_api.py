@@ -16,8 +16,8 @@ import jax
 
 from dispatch_io import collector
 from dispatch_io import progress as progress_lib
-from dispatch_io import reading
-from dispatch_io import restore as restore_lib
+from dispatch_io.read import loop as reading
+from dispatch_io.read import targets as restore_lib
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.multihost import scaleout
 from dispatch_io.multihost.shared_verify import verify_shared

@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 import dispatch_io as dio
-from dispatch_io import policies, references
+from dispatch_io import policies
+from dispatch_io.incremental import references
 from dispatch_io.manager import retained
 
 
@@ -71,7 +72,7 @@ if __name__ == "__main__":
         delete_retired(root_, step)
 
     retained.delete_retired = deleting
-    from dispatch_io import incremental
+    from dispatch_io.incremental import changes as incremental
     amender = incremental.amender
 
     def amender_then(*args):

@@ -24,7 +24,7 @@ from typing import Callable
 import tensorstore as ts
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import references
+from dispatch_io.incremental import references
 from dispatch_io import validate
 from dispatch_io.formats import orbax
 from dispatch_io.formats import safetensors

@@ -5,7 +5,7 @@ per leaf: ``held.own_plan``) and holds the chunks of the regions its devices hel
 promotion writes each stored chunk once, job-wide: by the least loaded (in bytes) of the processes
 whose local copy holds it, as a save spreads replicated chunks over their holders. From plain data
 (the step's manifest and what each process reports holding) every process computes the same
-:class:`~dispatch_io.plan.Plan`; its chunks are whole stored chunks, each copied byte for byte.
+:class:`~dispatch_io.plan.save_plan.Plan`; its chunks are whole stored chunks, each copied byte for byte.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 
 from dispatch_io import tree as tree_lib
 from dispatch_io.manifest import Manifest
-from dispatch_io.plan import Chunk, LeafSpec, Plan
+from dispatch_io.plan.save_plan import Chunk, LeafSpec, Plan
 from dispatch_io.workers import numpy_dtype
 
 

@@ -26,13 +26,13 @@ import numpy as np
 import tensorstore as ts
 from absl import logging
 
-from dispatch_io import digests as digests_lib
+from dispatch_io.incremental import digests as digests_lib
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import references
-from dispatch_io.batches import Batch
+from dispatch_io.incremental import references
+from dispatch_io.plan.batches import Batch
 from dispatch_io.errors import CheckpointError
-from dispatch_io.sources import Sources
-from dispatch_io.staging import aligned
+from dispatch_io.save.sources import Sources
+from dispatch_io.save.staging import aligned
 from dispatch_io.storage import COMMITTED, STEP, Location, StepRoot
 from dispatch_io.workers import host_cpus
 

@@ -16,7 +16,7 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import TreeMismatchError
 from dispatch_io.manifest import Manifest, SavedLeaf
-from dispatch_io.plan import device_regions, index_region, native_order, whole_on_one_device
+from dispatch_io.plan.save_plan import device_regions, index_region, native_order, whole_on_one_device
 
 HOST, DEVICE = "host", "device"
 

@@ -8,8 +8,8 @@ import numbers
 from typing import Callable, Sequence
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.plan import Plan
-from dispatch_io.staging import aligned
+from dispatch_io.plan.save_plan import Plan
+from dispatch_io.save.staging import aligned
 
 
 class Priority(enum.IntEnum):

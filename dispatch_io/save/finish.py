@@ -2,7 +2,7 @@
 puts the arrays in their final form and writes the manifest that describes them (and the
 attached info file), and the save commits -- or, if anything failed anywhere, is removed.
 
-The save driver (:class:`~dispatch_io.save.SaveRun`) calls :func:`commit` once, with the save's
+The save driver (:class:`~dispatch_io.save.driver.SaveRun`) calls :func:`commit` once, with the save's
 commit object (``multihost.commit``), in the order that module gives: agree, commit, end.
 """
 
@@ -17,7 +17,7 @@ from dispatch_io.storage import INFO
 from dispatch_io.workers import IOSettings, finish_arrays
 
 if TYPE_CHECKING:
-    from dispatch_io.save import SaveJob
+    from dispatch_io.save.driver import SaveJob
 
 
 def commit(job: "SaveJob", commit_, settings: IOSettings, error: BaseException | None, checksums: dict[int, int]):

@@ -14,7 +14,7 @@ at every moment. A failure anywhere stops new copies, waits for writes already h
 The driver is given what it works with -- a :class:`SaveJob` (what to save), a runner, a commit
 object (``multihost.commit``), the staging ring, a completion callback -- and never calls back up.
 Its end, once every batch is written (agree, the leader's manifest, commit), is
-:mod:`dispatch_io.save_commit`.
+:mod:`dispatch_io.save.finish`.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import numpy as np
 from absl import logging
 
 from dispatch_io import progress as progress_lib
-from dispatch_io import save_commit as commit_lib
+from dispatch_io.save import finish as commit_lib
 from dispatch_io import tree as tree_lib
-from dispatch_io.batches import Batch, Priority
+from dispatch_io.plan.batches import Batch, Priority
 from dispatch_io.errors import CheckpointError, WorkerError
-from dispatch_io.plan import Plan
+from dispatch_io.plan.save_plan import Plan
 from dispatch_io.progress import SaveStats
-from dispatch_io.sources import Sources
-from dispatch_io.staging import StagingRing
+from dispatch_io.save.sources import Sources
+from dispatch_io.save.staging import StagingRing
 from dispatch_io.workers import ChunkError, IOSettings, Region, brief_error, write_files
 
 
