@@ -11,7 +11,7 @@ import numpy as np
 import dispatch_io as dio
 from dispatch_io.read import targets as restore
 from dispatch_io.formats import detect as formats
-from dispatch_io.save.staging import aligned
+from dispatch_io.plan.batches import aligned
 from dispatch_io.multihost.delivery import width
 from dispatch_io.multihost.scaleout import plan_split
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.save.staging import aligned
+from dispatch_io.plan.batches import aligned
 from dispatch_io.storage import Location
 from dispatch_io.storage.directory import DirectoryLocation
 from dispatch_io.manifest import Manifest

@@ -29,10 +29,9 @@ from absl import logging
 from dispatch_io.incremental import digests as digests_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.incremental import references
-from dispatch_io.plan.batches import Batch
 from dispatch_io.errors import CheckpointError
+from dispatch_io.plan.batches import Batch, aligned
 from dispatch_io.save.sources import Sources
-from dispatch_io.save.staging import aligned
 from dispatch_io.storage import COMMITTED, STEP, Location, StepRoot
 from dispatch_io.workers import host_cpus
 

@@ -43,9 +43,8 @@ from typing import Sequence
 import numpy as np
 
 from dispatch_io.plan.balance import LeastLoaded
-from dispatch_io.plan.batches import pack
+from dispatch_io.plan.batches import aligned, pack
 from dispatch_io.read.loop import read_pieces
-from dispatch_io.save.staging import aligned
 from dispatch_io.workers import ReadItem, Region
 
 HEADER = 64  # each row starts with its round's identity, checked after the collective

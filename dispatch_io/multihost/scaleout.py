@@ -60,7 +60,7 @@ from dispatch_io.plan.save_plan import device_regions
 from dispatch_io.progress import Progress
 from dispatch_io.read.loop import RegionReads, each_alone, pipelined, read_failure, verify_stored
 from dispatch_io.read.targets import HOST, Output, output_regions
-from dispatch_io.save.staging import aligned
+from dispatch_io.plan.batches import aligned
 from dispatch_io.workers import aligned_empty
 
 

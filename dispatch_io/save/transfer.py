@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from dispatch_io.plan.save_plan import Chunk, Plan
-from dispatch_io.save.staging import aligned
+from dispatch_io.plan.batches import aligned
 from dispatch_io.workers import ChunkError, aligned_empty
 
 PAGEABLE, PINNED, AUTO = "pageable", "pinned", "auto"
