@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 
 from dispatch_io import progress as progress_lib
-from dispatch_io.save import finish as commit_lib
+from dispatch_io.save import finish
 from dispatch_io import tree as tree_lib
 from dispatch_io.plan.batches import Batch, Priority
 from dispatch_io.errors import CheckpointError, WorkerError
@@ -241,7 +241,7 @@ class SaveRun:
             self._settle(writes)
             self._attach_files()
             t0 = time.perf_counter()
-            commit_lib.commit(job, self.commit, self.settings, self._error, self._checksums)
+            finish.commit(job, self.commit, self.settings, self._error, self._checksums)
             done = time.perf_counter()
             stats = SaveStats(
                 path=job.display, bytes_written=self._bytes, batches=len(job.batches),
