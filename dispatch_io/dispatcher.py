@@ -35,7 +35,8 @@ from dispatch_io.plan.save_plan import Plan, PlanCache, with_packs
 from dispatch_io.progress import RestoreStats
 from dispatch_io.runner import LocalRunner, Runner
 from dispatch_io.save.transfer import platform
-from dispatch_io.save.driver import Attachments, SaveHandle, SaveJob, SaveRun, check_callbacks
+from dispatch_io.save.driver import SaveHandle, SaveRun, check_callbacks
+from dispatch_io.save.job import Attachments, SaveJob
 from dispatch_io.locks import PathLocks
 from dispatch_io.save.staging import StagingRing
 from dispatch_io.formats.detect import open_checkpoint

@@ -20,7 +20,8 @@ from dispatch_io import manifest as manifest_lib
 from dispatch_io.plan.batches import make_batches
 from dispatch_io.plan.save_plan import plan_tree
 from dispatch_io.runner import IOThreads, copy_chunks_to_host
-from dispatch_io.save.driver import SaveJob, SaveRun
+from dispatch_io.save.driver import SaveRun
+from dispatch_io.save.job import SaveJob
 from dispatch_io.save.staging import StagingRing
 from dispatch_io.workers import IOSettings
 

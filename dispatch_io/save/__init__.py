@@ -1,7 +1,8 @@
 """Running a save: from planned batches to a committed checkpoint.
 
+* ``job``: what a save is given (``SaveJob``, ``Attachments``), plain data;
 * ``driver``: the save driver (``SaveRun``), one thread per save walking the batches, and what a
-  save is given (``SaveJob``, ``Attachments``) and returns (``SaveHandle``);
+  save returns (``SaveHandle``);
 * ``finish``: the end of a save: the processes agree, the leader writes the manifest, it commits;
 * ``sources``: where each chunk's bytes are (the shards of the leaves being saved);
 * ``staging``: the host staging ring, the memory budget of the copies in flight;

@@ -9,18 +9,15 @@ commit object (``multihost.commit``), in the order that module gives: agree, com
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 from dispatch_io import collector
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.storage import INFO
+from dispatch_io.save.job import SaveJob
 from dispatch_io.workers import IOSettings, finish_arrays
 
-if TYPE_CHECKING:
-    from dispatch_io.save.driver import SaveJob
 
-
-def commit(job: "SaveJob", commit_, settings: IOSettings, error: BaseException | None, checksums: dict[int, int]):
+def commit(job: SaveJob, commit_, settings: IOSettings, error: BaseException | None, checksums: dict[int, int]):
     """Agree with the other processes on the outcome of the save of ``job`` (``error``: this
     process's failure, None if none; ``checksums``: its chunks' CRC-32C, chunk index -> value);
     the leader then stores the arrays' metadata, merges the writers' databases and writes the
@@ -46,7 +43,7 @@ def commit(job: "SaveJob", commit_, settings: IOSettings, error: BaseException |
         commit_.end()
 
 
-def _info_files(job: "SaveJob", arrays: str) -> dict[str, bytes] | None:
+def _info_files(job: SaveJob, arrays: str) -> dict[str, bytes] | None:
     """The leader's attached info file, stamped with the commit time and the arrays folder."""
     info = job.attachments.info
     if info is None:
