@@ -86,7 +86,7 @@ class Dispatcher:
         local-tier save (``held.own_plan``), committed by this process alone, unpacked; ``copies``
         (with ``own``): key path -> other processes' regions received here (``held.Replica``), saved too.
         ``incremental``: ``path`` is ``<root>/<step>``; chunks unchanged since the root's newest
-        committed step are stored by reference to it, not copied or written (``incremental.py``).
+        committed step are stored by reference to it, not copied or written (``incremental.changes``).
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
         a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
         priority callback raised, chained; after ``close()``; from this dispatcher's own
@@ -110,17 +110,17 @@ class Dispatcher:
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
             with collector.paused():
                 packed, batches, describe = self._layout(plan, priorities, packs=not own)
-        amend, attachments = None, attachments or Attachments()
+        increment, attachments = None, attachments or Attachments()
         if incremental:  # only changed chunks are copied and written
             if own:
                 raise ValueError("incremental=True is for a root's steps, not for a local tier's own saves")
-            batches, amend, attachments = incremental_lib.plan_save(location, packed, leaves, batches,
-                                                                    self.options.checksums, attachments, self._digests)
+            batches, increment, attachments = incremental_lib.plan_save(location, packed, leaves, batches,
+                                                                        self.options.checksums, attachments, self._digests)
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
-                      describe=describe, attachments=attachments, amend=amend)
+                      describe=describe, attachments=attachments, increment=increment)
         single = commit_lib.SingleProcess() if own else None
         run = self.launch(location, job, leaves, self.runner, overwrite, single, copies)
         run.wait_until_sync_copied()

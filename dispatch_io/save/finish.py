@@ -30,11 +30,12 @@ def commit(job: SaveJob, commit_, settings: IOSettings, error: BaseException | N
             try:
                 target = commit_.target
                 finish_arrays(target.kvstore, settings.layout, job.plan.arrays, settings.compression, target.context)
+                increment = job.increment(target) if job.increment else None
                 with collector.paused():
                     manifest = manifest_lib.build(
                         job.plan, job.scalars, agreed, settings.layout, arrays=target.arrays,
                         compression=settings.compression, described=job.describe() if job.describe else None,
-                        amend=job.amend and (lambda doc: job.amend(doc, target)))
+                        increment=increment)
                 files = _info_files(job, target.arrays)
             except BaseException as exc:  # noqa: BLE001 - every process must hear of it
                 commit_.fail(exc)

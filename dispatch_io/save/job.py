@@ -49,4 +49,6 @@ class SaveJob:
     progress: bool = True         # Options.progress
     describe: Callable[[], tuple] | None = None   # manifest.describe(plan), kept across saves of the plan
     attachments: Attachments = Attachments()
-    amend: Callable | None = None   # amend(doc, target): adds to the manifest (an incremental save's references)
+    # An incremental save's: increment(target) -> every process's decisions (incremental.changes.Increment),
+    # read by the leader once all are written to target, for manifest.build to record.
+    increment: Callable | None = None
