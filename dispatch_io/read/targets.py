@@ -1,6 +1,6 @@
 """Restore targets: check the whole target against the manifest (every problem at once), say
 where and how each result leaf is built (:class:`Output`), and build it from the host
-buffers the reads filled (:func:`finish`). The reading itself is ``reading.py``'s.
+buffers the reads filled (:func:`finish`). The reading itself is ``read.loop``'s.
 """
 
 from __future__ import annotations
