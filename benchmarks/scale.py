@@ -44,8 +44,8 @@ from dispatch_io import collector, manifest, tree  # noqa: E402
 from dispatch_io.multihost.delivery import plan_delivery  # noqa: E402
 from dispatch_io.manifest import SavedLeaf  # noqa: E402
 from dispatch_io.options import Options  # noqa: E402
-from dispatch_io.plan import LeafSpec, Plan, plan_chunks, storage_chunk_shape  # noqa: E402
-from dispatch_io.restore import DEVICE, Output  # noqa: E402
+from dispatch_io.plan.save_plan import LeafSpec, Plan, plan_chunks, storage_chunk_shape  # noqa: E402
+from dispatch_io.read.targets import DEVICE, Output  # noqa: E402
 from dispatch_io.workers import ArraySpec  # noqa: E402
 
 GiB = 1 << 30

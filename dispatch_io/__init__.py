@@ -8,7 +8,7 @@
 """
 
 from dispatch_io import sharding, tree
-from dispatch_io.batches import Priority
+from dispatch_io.plan.batches import Priority
 from dispatch_io.colocated import ColocatedDispatcher, ColocatedRunner
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
 from dispatch_io.formats.exporting import ExportStats
@@ -19,7 +19,8 @@ from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptChec
 from dispatch_io.options import Options
 from dispatch_io.progress import RestoreStats, SaveStats
 from dispatch_io.runner import LocalRunner
-from dispatch_io.save import SaveHandle
+from dispatch_io.save.driver import SaveHandle
+from dispatch_io.save import transfer  # dio.transfer.resolve names a LocalRunner's transfer (docs/api.md)
 
 __all__ = [
     "BarrierTimeoutError", "CheckpointError", "CheckpointManager", "ColocatedDispatcher", "ColocatedRunner", "CorruptCheckpointError", "Dispatcher", "ExportStats", "IncompleteCheckpointError", "LocalDispatcher", "LocalRunner", "LocalTier", "Options", "Priority",

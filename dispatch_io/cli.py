@@ -48,7 +48,7 @@ def _sharding_text(sharding: dict | None) -> str:
 
 def _rows(manifest) -> list[dict]:
     """One row per leaf of a manifest: what ``inspect`` shows."""
-    from dispatch_io import references
+    from dispatch_io.incremental import references
     from dispatch_io import tree as tree_lib
     from dispatch_io.workers import numpy_dtype
 

@@ -6,7 +6,7 @@ next to it (``colocated_cpu_devices``), and colocated Python functions run on th
 * Save: each chunk of a batch is moved to the CPU device colocated with the device it lives
   on (``jax.device_put`` -- this *is* the device-to-host copy), then one colocated call per
   CPU device writes them with the worker code (``workers.colocated.write_arrays``). The
-  budget, priorities, pipelining and callbacks are the shared pipeline's (``save.py``).
+  budget, priorities, pipelining and callbacks are the shared pipeline's (``save.driver``).
 * Restore: the controller builds the result specs -- per distinct shard region, a
   ``ShapeDtypeStruct`` on the colocated CPU device of a device holding it, PRNG keys with
   their key dtype and logical shape -- and one colocated call per CPU device and batch reads
@@ -27,8 +27,8 @@ import numpy as np
 
 from dispatch_io.dispatcher import Dispatcher
 from dispatch_io.options import Options
-from dispatch_io.device_slice import slice_exact
-from dispatch_io.plan import Chunk, native_order
+from dispatch_io.jax_compat import slice_exact
+from dispatch_io.plan.save_plan import Chunk, native_order
 from dispatch_io.runner import IOThreads
 from dispatch_io.workers import ChunkError, IOSettings, ReadItem, Region
 from dispatch_io.workers import colocated as remote

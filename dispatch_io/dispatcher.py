@@ -20,24 +20,25 @@ import jax
 from dispatch_io import collector
 from dispatch_io.multihost import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import held
+from dispatch_io.plan import held
 from dispatch_io import read_api
-from dispatch_io import transfer
-from dispatch_io import incremental as incremental_lib
+from dispatch_io.save import transfer
+from dispatch_io.incremental import changes as incremental_lib
 from dispatch_io.formats import exporting
 from dispatch_io.formats import to_orbax
 from dispatch_io.formats import to_safetensors
-from dispatch_io.batches import Priority, leaf_priorities, make_batches, sync_overflow
+from dispatch_io.plan.batches import Priority, leaf_priorities, make_batches, sync_overflow
 from dispatch_io.formats.convert import StoredSource, check_apart, plan_stored, source_session
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
-from dispatch_io.plan import Plan, PlanCache, with_packs
+from dispatch_io.plan.save_plan import Plan, PlanCache, with_packs
 from dispatch_io.progress import RestoreStats
 from dispatch_io.runner import LocalRunner, Runner
-from dispatch_io.transfer import platform
-from dispatch_io.save import Attachments, SaveHandle, SaveJob, SaveRun, check_callbacks
+from dispatch_io.save.transfer import platform
+from dispatch_io.save.driver import SaveHandle, SaveRun, check_callbacks
+from dispatch_io.save.job import Attachments, SaveJob
 from dispatch_io.locks import PathLocks
-from dispatch_io.staging import StagingRing
+from dispatch_io.save.staging import StagingRing
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.storage import Location
 
@@ -85,7 +86,7 @@ class Dispatcher:
         local-tier save (``held.own_plan``), committed by this process alone, unpacked; ``copies``
         (with ``own``): key path -> other processes' regions received here (``held.Replica``), saved too.
         ``incremental``: ``path`` is ``<root>/<step>``; chunks unchanged since the root's newest
-        committed step are stored by reference to it, not copied or written (``incremental.py``).
+        committed step are stored by reference to it, not copied or written (``incremental.changes``).
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
         a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
         priority callback raised, chained; after ``close()``; from this dispatcher's own
@@ -109,17 +110,17 @@ class Dispatcher:
             priorities = [Priority.HIGH if i in overflow else p for i, p in enumerate(priorities)]
             with collector.paused():
                 packed, batches, describe = self._layout(plan, priorities, packs=not own)
-        amend, attachments = None, attachments or Attachments()
+        increment, attachments = None, attachments or Attachments()
         if incremental:  # only changed chunks are copied and written
             if own:
                 raise ValueError("incremental=True is for a root's steps, not for a local tier's own saves")
-            batches, amend, attachments = incremental_lib.plan_save(location, packed, leaves, batches,
-                                                                    self.options.checksums, attachments, self._digests)
+            batches, increment, attachments = incremental_lib.plan_save(location, packed, leaves, batches,
+                                                                        self.options.checksums, attachments, self._digests)
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,
                       snapshot_bytes=sum(plan.leaves[i].nbytes for i in overflow), progress=self.options.progress,
-                      describe=describe, attachments=attachments, amend=amend)
+                      describe=describe, attachments=attachments, increment=increment)
         single = commit_lib.SingleProcess() if own else None
         run = self.launch(location, job, leaves, self.runner, overwrite, single, copies)
         run.wait_until_sync_copied()

@@ -1,11 +1,20 @@
 """The JAX API as it differs between the versions we support (JAX 0.10.2 to 0.12), in one place.
 
-JAX 0.12 deprecates naming ``jax.sharding.SingleDeviceSharding``: shardings on one device are made
-with ``make_single_device_sharding`` (there since 0.10) and recognised with
-``is_single_device_sharding`` (new in 0.12). Code of this package uses these two functions only.
+* JAX 0.12 deprecates naming ``jax.sharding.SingleDeviceSharding``: shardings on one device are made
+  with ``make_single_device_sharding`` (there since 0.10) and recognised with
+  ``is_single_device_sharding`` (new in 0.12). Code of this package uses the two functions below.
+* XLA may quiet NaN payloads when it slices narrow floats: JAX 0.12's CPU backend turns
+  float8_e5m2's 0x7D into 0x7F, and float8_e4m3 / e3m4 likewise, where numpy and JAX 0.10 keep every
+  bit. A checkpoint's promise is the bytes, so every cut of a device array in the save and restore
+  paths goes through :func:`slice_exact`: floats are sliced as the unsigned integers of their width
+  (a bitcast is a reinterpretation, never a conversion) and viewed back.
 """
 
 import jax
+import ml_dtypes
+import numpy as np
+
+_UINT_OF_BITS = {4: ml_dtypes.uint4, 8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 
 def single_device_sharding(device, memory_kind: str | None = None) -> jax.sharding.Sharding:
@@ -20,3 +29,18 @@ def is_single_device_sharding(sharding) -> bool:
     if check is not None:
         return check(sharding)
     return isinstance(sharding, jax.sharding.SingleDeviceSharding)  # JAX < 0.12: the class, not deprecated
+
+
+def slice_exact(array, index):
+    """``array[index]`` with every bit kept.
+
+    Args:
+      array: a numpy array (sliced on the host, a view) or a ``jax.Array`` (sliced on its device).
+      index: a tuple of slices (or anything numpy / JAX indexing takes).
+    Returns:
+      the part, of ``array``'s type and dtype.
+    """
+    if not isinstance(array, jax.Array) or not jax.numpy.issubdtype(array.dtype, jax.numpy.floating):
+        return array[index]
+    bits = _UINT_OF_BITS[ml_dtypes.finfo(array.dtype).bits]
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(array, bits)[index], array.dtype)

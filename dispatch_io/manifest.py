@@ -33,20 +33,22 @@ import dataclasses
 import functools
 import json
 import re
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
 from dispatch_io import tree as tree_lib
 from dispatch_io import validate
 from dispatch_io.errors import CheckpointError, TreeMismatchError
-from dispatch_io.plan import Plan, native_order
+from dispatch_io.plan.save_plan import Plan, native_order
 from dispatch_io.storage import ARRAYS, FORMAT
 from dispatch_io.workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
 from dispatch_io.jax_compat import is_single_device_sharding
 
 FORMAT_VERSION = 2            # written when the checkpoint has packs; 1 otherwise
-READS_VERSIONS = (1, 2, 3)   # 3: an incremental step's references (dispatch_io.references)
+READS_VERSIONS = (1, 2, 3)   # 3: an incremental step's references (dispatch_io.incremental.references)
+REFERENCES_VERSION = 3       # written when the checkpoint has references
+REFERENCES = "references"    # the top-level field naming the steps an incremental step references
 
 
 def describe_sharding(sharding) -> dict | None:
@@ -104,14 +106,16 @@ def scalar_values(plan: Plan, leaves) -> tuple:
 
 def build(plan: Plan, scalars: tuple, checksums: dict[int, int] | None = None, layout: str = "ocdbt",
           arrays: str = ARRAYS, compression: tuple[str, int] | None = None, described=None,
-          amend: Callable[[dict], None] | None = None) -> bytes:
+          increment=None) -> bytes:
     """The manifest for a save of ``plan``; ``scalars`` (:func:`scalar_values`) the Python scalars,
     ``checksums`` (chunk index -> CRC-32C) the per-chunk checksums, if computed, ``layout``
     the chunk layout of ``arrays`` (where in the checkpoint the arrays are: ``arrays/``, or on
     object stores ``arrays/<save id>/``), ``compression`` the ``(codec, level)`` every array
     was written with (None: uncompressed), ``described`` :func:`describe` of ``plan`` if
-    already known; ``amend(doc)`` adds to the document (an incremental save's digests and
-    references: ``dispatch_io.incremental``)."""
+    already known; ``increment`` an incremental save's decisions, every process's, as plain data
+    (``incremental.changes.Increment``: ``digests`` chunk index -> digest of every chunk saved,
+    ``refs`` chunk index -> (step, commit id) of the unchanged ones, ``crcs`` chunk index ->
+    CRC-32C carried over from the step that stores it), None for a full save."""
     structure, entries, packs = described or describe(plan)
     by_leaf: dict[int, dict[str, str]] = {}
     for i, crc in (checksums or {}).items():
@@ -132,9 +136,47 @@ def build(plan: Plan, scalars: tuple, checksums: dict[int, int] | None = None, l
            **({"keys": "names"} if plan.keys_by_name else {}),
            # the leaves' bytes, not the chunks': a local-tier save writes only its own regions of them
            "total_bytes": sum(spec.nbytes for spec in plan.leaves if spec.storage), "jax_version": jax.__version__}
-    if amend is not None:
-        amend(doc)
+    if increment is not None:
+        _add_increment(doc, plan, increment.digests, increment.refs, increment.crcs)
     return json.dumps(doc, separators=(",", ":")).encode()  # compact: C-encoded, 10x faster on 10k leaves
+
+
+def grid_key(grid) -> str:
+    """A chunk's grid index as a manifest's key: ``"i,j,..."``."""
+    return ",".join(map(str, grid))
+
+
+def parse_grid(key: str) -> tuple[int, ...]:
+    return tuple(int(i) for i in key.split(",") if i)
+
+
+def _add_increment(doc: dict, plan: Plan, digests: dict, refs: dict, crcs: dict) -> None:
+    """Add to the manifest ``doc`` (being built for ``plan``) each chunk's digest, the references
+    of the unchanged ones and the CRC-32Cs carried over (as :func:`build`'s ``increment``); a
+    manifest with references is format version 3 (docs/format.md, "Incremental steps")."""
+    targets = sorted(set(refs.values()))
+    index = {t: k for k, t in enumerate(targets)}
+    per_leaf: dict[int, dict] = {}
+    for i, d in digests.items():
+        chunk = plan.chunks[i]
+        grid = grid_key(lo // c for (lo, _), c in zip(chunk.region, plan.leaves[chunk.leaf].chunk_shape))
+        entry = per_leaf.setdefault(chunk.leaf, {"digests": {}, "refs": {}, "crc32c": {}})
+        entry["digests"][grid] = d
+        if i in refs:
+            entry["refs"].setdefault(str(index[refs[i]]), []).append(grid)
+        if i in crcs:
+            entry["crc32c"][grid] = f"{crcs[i]:08x}"
+    leaves = doc["leaves"]
+    for leaf, entry in per_leaf.items():
+        stored = {**leaves[leaf]["stored"], "digests": dict(sorted(entry["digests"].items()))}
+        if entry["crc32c"]:
+            stored["crc32c"] = dict(sorted({**stored.get("crc32c", {}), **entry["crc32c"]}.items()))
+        if entry["refs"]:
+            stored["refs"] = {k: sorted(v, key=parse_grid) for k, v in entry["refs"].items()}
+        leaves[leaf] = {**leaves[leaf], "stored": stored}
+    if targets:
+        doc[REFERENCES] = [{"step": s, "commit": c} for s, c in targets]
+        doc["format_version"] = REFERENCES_VERSION
 
 
 @functools.cache

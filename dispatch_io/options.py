@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dispatch_io.staging import ALIGN
-from dispatch_io.transfer import MODES as HOST_TRANSFERS
+from dispatch_io.plan.batches import ALIGN
+from dispatch_io.save.transfer import MODES as HOST_TRANSFERS
 from dispatch_io.workers import (LAYOUTS, IOSettings, check_data_file_bytes, compression_codec, default_io_concurrency,
                      default_threads, host_cpus)
 

@@ -17,8 +17,8 @@ Three outlets, each fed from the same counts:
 * **jax.monitoring** (``record``): once per committed save, finished restore or verify, the
   events of :data:`EVENTS`, so the metric sinks registered with JAX pick them up. Durations go
   through ``record_event_duration_secs``, byte counts through ``record_scalar``; each value is
-  the :class:`~dispatch_io.save.SaveStats` / :class:`~dispatch_io.restore.RestoreStats` field
-  named in the table, so programs and dashboards see the same numbers:
+  the :class:`SaveStats` / :class:`RestoreStats` field named in the table, so programs and
+  dashboards see the same numbers:
 
   ==========================================  ========  =====================================
   event                                       recorded  value

@@ -16,8 +16,8 @@ import jax
 
 from dispatch_io import collector
 from dispatch_io import progress as progress_lib
-from dispatch_io import reading
-from dispatch_io import restore as restore_lib
+from dispatch_io.read import loop as read_loop
+from dispatch_io.read import targets
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.multihost import scaleout
 from dispatch_io.multihost.shared_verify import verify_shared
@@ -33,17 +33,17 @@ def restore(runner, options: Options, path, target, *, partial: bool, cast: bool
         exchanged = scaleout.Exchanged(0, 0, 0)
         if names is not None:
             manifest = dataclasses.replace(manifest, tensor_names=names)
-        treedef, outputs = restore_lib.plan_outputs(manifest, target, partial, cast, options.small_leaf_bytes)
+        treedef, outputs = targets.plan_outputs(manifest, target, partial, cast, options.small_leaf_bytes)
         times.append(time.perf_counter())
         if options.restore_broadcast and jax.process_count() > 1:
             exchanged = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=times)
         else:
             if verify:
-                reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
+                read_loop.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
             times.append(time.perf_counter())
-            reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress, place=True)
+            read_loop.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress, place=True)
         times.append(time.perf_counter())
-        return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, exchanged
+        return jax.tree_util.tree_unflatten(treedef, [targets.finish(o) for o in outputs]), verify, exchanged
 
     return read_checkpoint(runner, options, "restore", path, work)
 
@@ -52,13 +52,13 @@ def verify(runner, options: Options, path) -> RestoreStats:
     """``Dispatcher.verify`` (see its doc)."""
 
     def work(manifest, reader, progress, times):
-        _, outputs = restore_lib.plan_outputs(manifest, None, partial=False, cast=False)
+        _, outputs = targets.plan_outputs(manifest, None, partial=False, cast=False)
         times.append(time.perf_counter())
         if jax.process_count() > 1:
             verify_shared(reader, outputs, options.read_batch_bytes, options.barrier_timeout, progress,
                           compare=manifest.has_checksums)
         else:
-            reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress,
+            read_loop.verify_outputs(reader, outputs, options.read_batch_bytes, progress,
                                    compare=manifest.has_checksums)
         times += [time.perf_counter()] * 2  # nothing read into a result
         return None, manifest.has_checksums, scaleout.Exchanged(0, 0, 0)

@@ -26,8 +26,8 @@ from typing import Protocol, Sequence
 import jax
 import tensorstore as ts
 
-from dispatch_io.plan import Chunk, Plan
-from dispatch_io.transfer import PAGEABLE, PINNED, copy_chunks_pinned, copy_chunks_to_host
+from dispatch_io.plan.save_plan import Chunk, Plan
+from dispatch_io.save.transfer import PAGEABLE, PINNED, copy_chunks_pinned, copy_chunks_to_host
 from dispatch_io.storage import WriteTarget
 from dispatch_io.workers import (IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
                      write_regions)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dispatch_io as dio
-from dispatch_io import digests
+from dispatch_io.incremental import digests
 
 DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.float16, jnp.bfloat16, np.int32, np.uint32,
           np.float32, np.complex64, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]

@@ -16,7 +16,7 @@ from dispatch_io import tree
 from dispatch_io.multihost import delivery
 from dispatch_io.multihost.delivery import HEADER, plan_delivery, replica_groups
 from dispatch_io.manifest import SavedLeaf
-from dispatch_io.restore import DEVICE, Output
+from dispatch_io.read.targets import DEVICE, Output
 from dispatch_io.workers import ArraySpec
 
 KiB = 1 << 10
@@ -159,7 +159,7 @@ def test_the_simulation_sees_shardings_as_jax_does(monkeypatch):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from dispatch_io.plan import device_regions
+    from dispatch_io.plan.save_plan import device_regions
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "scale.py")
     module = importlib.util.spec_from_file_location("scale", path)
@@ -176,7 +176,7 @@ def test_the_simulation_sees_shardings_as_jax_does(monkeypatch):
 
 def test_least_loaded_picks_what_min_picks():
     """The heap per candidate set gives min()'s choice, pick after pick, as loads grow."""
-    from dispatch_io.balance import LeastLoaded
+    from dispatch_io.plan.balance import LeastLoaded
 
     rng = np.random.default_rng(0)
     load = [0] * 40

@@ -252,7 +252,7 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
     Worker writes and device -> host copies fail where each dispatcher does them."""
     run_isolated(tmp_path, """
         import errno
-        import dispatch_io.colocated, dispatch_io.dispatcher, dispatch_io.manifest, dispatch_io.save, dispatch_io.storage.directory
+        import dispatch_io.colocated, dispatch_io.dispatcher, dispatch_io.manifest, dispatch_io.save.driver, dispatch_io.storage.directory
         import dispatch_io.workers.colocated
         from dispatch_io import workers
         rng = np.random.default_rng(0)
@@ -310,7 +310,7 @@ def test_every_failed_save_leaves_nothing_and_unlocks_the_path(tmp_path, dispatc
             (d.runner, "copy_to_host", interrupt_copies),
             (dispatch_io.manifest, "build", fail_manifest),
             (dispatch_io.storage.Marker, "new", fail_marker),
-            (dispatch_io.save.SaveRun, "start", fail_thread_start),
+            (dispatch_io.save.driver.SaveRun, "start", fail_thread_start),
             (dispatch_io.storage.directory.os, "rename", fail_final_rename),
         ]
         for module, name, replacement in cases:

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-import dispatch_io.save
+import dispatch_io.save.driver
 import dispatch_io.workers.tensorstore_io
 from dispatch_io import workers
 import storage_helpers as stored
@@ -429,13 +429,13 @@ def test_failing_write_of_a_mixed_batch_names_its_leaves(tmp_path, monkeypatch, 
 def test_failure_after_sync_copies_surfaces_from_wait_only(tmp_path, mesh, monkeypatch, dispatcher_cls):
     """Once every SYNC leaf is copied, save() returns a handle even if the save has failed by the
     time the caller's thread wakes up; the error comes from wait()."""
-    real_wait = dispatch_io.save.SaveRun.wait_until_sync_copied
+    real_wait = dispatch_io.save.driver.SaveRun.wait_until_sync_copied
 
     def late_wakeup(run):   # the caller is descheduled until the save has already failed
         run.future.exception(TIMEOUT)
         return real_wait(run)
 
-    monkeypatch.setattr(dispatch_io.save.SaveRun, "wait_until_sync_copied", late_wakeup)
+    monkeypatch.setattr(dispatch_io.save.driver.SaveRun, "wait_until_sync_copied", late_wakeup)
     victim = "['victim']"
     with hooked_dispatcher(dispatcher_cls, fail_batches_of(victim), host_memory_budget=64 * KiB) as d:
         handle = d.save(tmp_path / "ckpt", failing_tree(mesh), priority=priority_isolating(victim))

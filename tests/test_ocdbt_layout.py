@@ -346,7 +346,7 @@ def test_failing_merge_commits_nothing_and_keeps_the_previous_checkpoint(tmp_pat
     the save raises, its temporary directory goes, and the checkpoint it was replacing is still there, intact."""
     import errno
 
-    import dispatch_io.save_commit
+    import dispatch_io.save.finish
 
     old = {"w": put(mesh, values(70, (64, 64), np.float32), "data", "model"), "step": 1}
     new = {"w": put(mesh, values(71, (64, 64), np.float32), "data", "model"), "step": 2}
@@ -354,21 +354,21 @@ def test_failing_merge_commits_nothing_and_keeps_the_previous_checkpoint(tmp_pat
     with dispatcher_cls(host_memory_budget=MiB) as d:
         d.save(path, old).wait(TIMEOUT)
         before = (path / "COMMITTED").read_bytes()
-        real = dispatch_io.save_commit.finish_arrays
+        real = dispatch_io.save.finish.finish_arrays
         merges = []
 
         def failing_merge(*args, **kwargs):
             merges.append(args)
             raise OSError(errno.EIO, "merge failed")
 
-        monkeypatch.setattr(dispatch_io.save_commit, "finish_arrays", failing_merge)
+        monkeypatch.setattr(dispatch_io.save.finish, "finish_arrays", failing_merge)
         with pytest.raises(dio.CheckpointError, match="merge failed"):
             d.save(path, new, overwrite=True).wait(TIMEOUT)
         assert len(merges) == 1
         assert sorted(os.listdir(tmp_path)) == ["ckpt"]
         assert (path / "COMMITTED").read_bytes() == before
         assert_trees_bit_equal(d.restore(path, old), old)
-        monkeypatch.setattr(dispatch_io.save_commit, "finish_arrays", real)
+        monkeypatch.setattr(dispatch_io.save.finish, "finish_arrays", real)
         d.save(path, new, overwrite=True).wait(TIMEOUT)
         assert_trees_bit_equal(d.restore(path, new), new)
 

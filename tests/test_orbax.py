@@ -175,6 +175,29 @@ def test_a_step_directory_with_one_item_and_errors_for_the_rest(tmp_path, orbax_
         dispatcher.restore(tmp_path / "neither")
 
 
+def test_open_ours_reads_our_checkpoint_without_detection_and_refuses_an_orbax_one(tmp_path, orbax_ckpts, mesh,
+                                                                                    dispatcher, monkeypatch):
+    """``open_ours`` (a caller that knows it wrote the step): the same manifest as ``open_checkpoint``
+    for a checkpoint of ours, with the Orbax and safetensors detection never run; an Orbax
+    checkpoint is not read as one but refused for lacking our commit marker."""
+    from dispatch_io.formats import detect, safetensors
+
+    state = {"params": make_state(mesh)["params"], "step": 3}
+    dispatcher.save(tmp_path / "ours", state).wait()
+    detected = detect.open_checkpoint(tmp_path / "ours")
+
+    def never(*args):
+        raise AssertionError("detection ran")
+
+    monkeypatch.setattr(detect, "orbax_item", never)
+    monkeypatch.setattr(safetensors, "find", never)
+    opened = detect.open_ours(tmp_path / "ours")
+    assert opened.manifest == detected.manifest and opened.arrays == detected.arrays
+    opened.check_unchanged()
+    with pytest.raises(dio.IncompleteCheckpointError, match="no COMMITTED marker"):
+        detect.open_ours(orbax_ckpts[1]["ocdbt-zarr2"])
+
+
 def test_a_checkpoint_of_orbax_v1_api(tmp_path, mesh, dispatcher):
     """orbax.checkpoint's v1 API (experimental in 0.12) writes a step directory with one item, ``state``."""
     from orbax.checkpoint.experimental import v1 as ocp_v1

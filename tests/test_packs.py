@@ -18,8 +18,8 @@ import dispatch_io as dio
 import storage_helpers as sh
 from conftest import assert_trees_bit_equal
 from dispatch_io import cli
-from dispatch_io.batches import Priority, make_batches
-from dispatch_io.plan import plan_tree, with_packs
+from dispatch_io.plan.batches import Priority, make_batches
+from dispatch_io.plan.save_plan import plan_tree, with_packs
 from dispatch_io.workers import ArraySpec, Region, pack_spec, packed_leaf
 from dispatch_io.workers import packs
 from dispatch_io.jax_compat import single_device_sharding

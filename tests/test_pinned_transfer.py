@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-from dispatch_io import transfer
+from dispatch_io.save import transfer
 from conftest import assert_trees_bit_equal, hooked_dispatcher, host_bytes
 from test_roundtrip import DEVICE_DTYPES, IMPLS, dtype_of, random_bits
 from dispatch_io.jax_compat import single_device_sharding

@@ -552,3 +552,34 @@ def test_promote_after_a_rollback_does_not_persist_the_abandoned_history(tmp_pat
         restored = mgr.restore(None, filled_target(mesh))
         assert (mgr.last_tier_restore.step, value_of(restored)) == (2, 20.0), (
             f"the restart resumed step {mgr.last_tier_restore.step} = {value_of(restored)}: the abandoned history")
+
+
+def test_the_promotion_plan_picks_the_least_loaded_holder_among_many():
+    """Pure: 12 processes, each chunk held by a different set of 1 to 12 of them (most sets larger
+    than the few where a plain ``min`` is used), chunks of two sizes: every chunk's writer is the
+    one a ``min`` over its holders by (bytes so far, index) gives, chunk after chunk."""
+    rng = np.random.default_rng(42)
+    processes, cells = 12, 48
+    structure = tree_lib.encode_structure(jax.tree.structure({"a": 0, "b": 0}))
+    leaves = [{"keypath": f"['{k}']", "kind": "array", "origin": "jax", "shape": [cells * 4, width], "dtype": "float32",
+               "stored": {"name": f"0000{i}.{k}", "shape": [cells * 4, width], "dtype": "float32",
+                          "chunk_shape": [4, width]}} for i, (k, width) in enumerate((("a", 3), ("b", 5)))]
+    manifest = parse_manifest({"format": "dispatch_io", "format_version": 1, "layout": "ocdbt", "structure": structure,
+                               "leaves": leaves, "total_bytes": cells * 4 * 8 * 4}, "test")
+    holders = {}   # (leaf, cell) -> sorted holders
+    held = {p: {} for p in range(processes)}
+    for leaf, entry in enumerate(leaves):
+        for c in range(cells):
+            these = sorted(rng.choice(processes, size=rng.integers(1, processes + 1), replace=False).tolist())
+            holders[leaf, c] = these
+            for p in these:
+                held[p].setdefault(entry["keypath"], []).append([[c * 4, c * 4 + 4], [0, entry["shape"][1]]])
+    plan = plan_promotion(manifest, held, "test")
+    load, expected = dict.fromkeys(range(processes), 0), []
+    for leaf, entry in enumerate(leaves):
+        for c in range(cells):
+            writer = min(holders[leaf, c], key=lambda p: (load[p], p))
+            load[writer] += 4 * entry["shape"][1] * 4
+            expected.append((leaf, ((c * 4, c * 4 + 4), (0, entry["shape"][1])), writer))
+    assert [(k.leaf, k.region, k.worker) for k in plan.chunks] == expected
+    assert sum(len(h) > 4 for h in holders.values()) > cells  # the heap, not the plain min, picked most

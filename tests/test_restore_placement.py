@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
-from dispatch_io import reading
+from dispatch_io.read import loop as reading
 from conftest import assert_trees_bit_equal, hooked_dispatcher
 
 

@@ -1,6 +1,6 @@
 """The save driver on its own: a fake runner and a fake commit, no storage and no dispatcher.
 
-The driver (``dispatch_io.save.SaveRun``) is given everything it works with; these tests hand it
+The driver (``dispatch_io.save.driver.SaveRun``) is given everything it works with; these tests hand it
 fakes that record what it asks for, and check the protocol: every batch copied and written once,
 staging released, the agree -> manifest -> commit -> end order, failures agreed on and never
 committed, and the completion callback called once whatever happens.
@@ -17,11 +17,12 @@ import pytest
 
 import dispatch_io as dio
 from dispatch_io import manifest as manifest_lib
-from dispatch_io.batches import make_batches
-from dispatch_io.plan import plan_tree
+from dispatch_io.plan.batches import make_batches
+from dispatch_io.plan.save_plan import plan_tree
 from dispatch_io.runner import IOThreads, copy_chunks_to_host
-from dispatch_io.save import SaveJob, SaveRun
-from dispatch_io.staging import StagingRing
+from dispatch_io.save.driver import SaveRun
+from dispatch_io.save.job import SaveJob
+from dispatch_io.save.staging import StagingRing
 from dispatch_io.workers import IOSettings
 
 TIMEOUT = 60

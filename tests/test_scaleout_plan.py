@@ -9,9 +9,9 @@ import itertools
 import numpy as np
 
 import dispatch_io as dio
-from dispatch_io import restore
+from dispatch_io.read import targets
 from dispatch_io.formats import detect as formats
-from dispatch_io.staging import aligned
+from dispatch_io.plan.batches import aligned
 from dispatch_io.multihost.delivery import width
 from dispatch_io.multihost.scaleout import plan_split
 
@@ -25,7 +25,7 @@ def _outputs(tmp_path):
     with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=16 * KiB) as d:
         d.save(tmp_path / "ckpt", tree).wait()
     manifest = formats.open_checkpoint(tmp_path / "ckpt").manifest
-    return lambda: restore.plan_outputs(manifest, None, partial=False, cast=False)[1]
+    return lambda: targets.plan_outputs(manifest, None, partial=False, cast=False)[1]
 
 
 def test_every_piece_has_one_reader_and_the_loads_balance(tmp_path):
@@ -46,9 +46,9 @@ def test_every_piece_has_one_reader_and_the_loads_balance(tmp_path):
     # the pieces of each region tile its buffer exactly once
     outputs = make()
     for index, out in enumerate(outputs):
-        if not isinstance(out, restore.Output) or out.saved.stored is None:
+        if not isinstance(out, targets.Output) or out.saved.stored is None:
             continue
-        shape = out.buffer_shape(next(iter(restore.output_regions(out))))
+        shape = out.buffer_shape(next(iter(targets.output_regions(out))))
         covered = np.zeros(shape, np.int8)
         for piece in (p for p in pieces if p.output == index):
             covered[tuple(slice(lo, hi) for lo, hi in piece.local)] += 1

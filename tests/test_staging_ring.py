@@ -1,4 +1,4 @@
-"""The staging ring (``dispatch_io.staging.StagingRing``): batches of any size up to its capacity
+"""The staging ring (``dispatch_io.save.staging.StagingRing``): batches of any size up to its capacity
 fit, slices never overlap or leave its bounds, releases may come in any order, and threads
 holding slices at once never share a byte. Pure data structure tests: no IO, no devices.
 """
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from dispatch_io.staging import StagingRing
+from dispatch_io.save.staging import StagingRing
 
 TIMEOUT = 30
 

@@ -111,7 +111,7 @@ def test_dispatcher_save_checks_copies_before_writing(tmp_path, mesh):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import dispatch_io as dio
-    from dispatch_io.held import Replica
+    from dispatch_io.plan.held import Replica
     w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
     device = jax.devices()[0]
     good = Replica(device, ((0, 2), (0, 4)), jax.device_put(np.zeros((2, 4), np.float32), device))
@@ -136,7 +136,7 @@ def test_a_replica_overlapping_own_regions_is_refused_or_never_overwrites_them(t
     is refused (ValueError) or never overwrites them: the saved step returns the process's real data,
     never the replica's values (-1 here) -- planned as one more region, its chunks would overlap the
     own ones: silent corruption."""
-    from dispatch_io.held import Replica
+    from dispatch_io.plan.held import Replica
     w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
     device = jax.devices()[0]
     shape = tuple(hi - lo for lo, hi in region)

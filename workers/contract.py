@@ -170,7 +170,7 @@ class ArraySpec:
     missing_is_fill: bool = False
     packed: "tuple[ArraySpec, int] | None" = None
     offset: int = 0       # driver "raw": where the bytes start in the key ``name``
-    # Incremental steps (dispatch_io.references): ((home, layout, name, (chunk bounds, ...)), ...):
+    # Incremental steps (dispatch_io.incremental.references): ((home, layout, name, (chunk bounds, ...)), ...):
     # those chunks are read from array ``name`` of the arrays folder ``home`` (relative to this
     # one's, e.g. "../../3/arrays/"), stored with ``layout``; the others from this array.
     layers: tuple = ()

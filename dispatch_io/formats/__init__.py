@@ -6,6 +6,6 @@
 * ``convert``: a save whose source is stored checkpoint bytes (copy or convert into ours);
 * ``exporting``: the export stream; ``to_safetensors`` / ``to_orbax``: its two writers.
 
-May import the core modules (``dispatch_io.plan``, ``manifest``, ``reading``, ...), ``storage``
+May import the core packages (``plan``, ``manifest``, ``save``, ``read``, ``incremental``), ``storage``
 and ``workers``; never ``multihost``, the API modules or ``manager`` (docs/design.md, "Layers").
 """

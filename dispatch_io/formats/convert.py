@@ -19,11 +19,11 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.staging import aligned
+from dispatch_io.plan.batches import aligned
 from dispatch_io.storage import Location
 from dispatch_io.storage.directory import DirectoryLocation
 from dispatch_io.manifest import Manifest
-from dispatch_io.plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec, with_packs
+from dispatch_io.plan.save_plan import Chunk, LeafSpec, Plan, device_regions, plan_chunks, stored_leaf_spec, with_packs
 from dispatch_io.workers import ArraySpec, Region, Session, aligned_empty, numpy_dtype, read_regions
 
 

@@ -11,7 +11,9 @@ checkpoint (local or ``s3://`` / ``gs://``).
 
 :func:`open_checkpoint` gives restore, verify, metadata and convert one view of either format:
 a :class:`~dispatch_io.manifest.Manifest`, the kvstore its arrays are read from, and a check
-that nothing replaced the checkpoint while it was read.
+that nothing replaced the checkpoint while it was read. :func:`open_ours` opens a dispatch_io
+checkpoint without looking for the others first, for callers that know what they wrote there
+(a manager's or a tier's own steps).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Callable
 import tensorstore as ts
 
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import references
+from dispatch_io.incremental import references
 from dispatch_io import validate
 from dispatch_io.formats import orbax
 from dispatch_io.formats import safetensors
@@ -149,6 +151,15 @@ def open_checkpoint(path) -> Opened:
     found = safetensors.find(path)
     if found is not None:
         return _open_safetensors(Location.parse(path).display, *found)
+    return open_ours(path)
+
+
+def open_ours(path) -> Opened:
+    """Open the committed dispatch_io checkpoint at ``path`` for reading, without looking for an
+    Orbax or safetensors checkpoint there first (:func:`open_checkpoint` does): for callers that
+    know they wrote it. Raises as :func:`open_checkpoint` does for a checkpoint of ours; for
+    anything else at ``path``, what a checkpoint of ours would lack (IncompleteCheckpointError
+    or FileNotFoundError)."""
     location = Location.parse(path)
     marker = location.commit_marker()  # a save that replaces the checkpoint changes it
     with _collection_paused():

@@ -26,11 +26,11 @@ from typing import Callable
 import jax
 import tensorstore as ts
 
-from dispatch_io import reading
+from dispatch_io.read import loop as reading
 from dispatch_io import tree as tree_lib
-from dispatch_io.batches import pack
+from dispatch_io.plan.batches import pack
 from dispatch_io.manifest import Manifest, SavedLeaf
-from dispatch_io.plan import storage_chunk_shape
+from dispatch_io.plan.save_plan import storage_chunk_shape
 from dispatch_io.progress import Progress
 from dispatch_io.storage import DirectoryLocation, Location
 from dispatch_io.storage.folders import Folder
@@ -141,7 +141,7 @@ def stream(session: Session, work: list[tuple[object, Region]], batch_limit: int
            write: Callable[[list[tuple]], None], display: str):
     """Read each (tag, region) of ``work`` through ``session``, in order, in batches of at most
     ``batch_limit`` bytes, and hand each batch to ``write`` as (tag, region, host array) triples
-    while the next batch is read: :func:`~dispatch_io.reading.pipelined`, the loop restore and
+    while the next batch is read: :func:`~dispatch_io.read.loop.pipelined`, the loop restore and
     verify read with. Raises WorkerError naming the key path and ``display`` (the source) for a
     region that cannot be read, what ``write`` raises as it is; no read outlives the call."""
     batches = [batch for batch, _ in pack(work, lambda w: w[1].nbytes, batch_limit)]

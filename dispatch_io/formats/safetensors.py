@@ -35,7 +35,7 @@ import tensorstore as ts
 from dispatch_io import tree as tree_lib
 from dispatch_io.errors import CheckpointError, IncompleteCheckpointError
 from dispatch_io.manifest import Manifest, SavedLeaf
-from dispatch_io.plan import storage_chunk_shape
+from dispatch_io.plan.save_plan import storage_chunk_shape
 from dispatch_io.storage import COMMITTED, MANIFEST, DirectoryLocation, Location
 from dispatch_io.storage.objectstore import kvstore_spec
 from dispatch_io.workers import RAW, ArraySpec, numpy_dtype

@@ -33,7 +33,7 @@ from dispatch_io.formats import orbax
 from dispatch_io import tree as tree_lib
 from dispatch_io.formats.exporting import ExportStats, LocalOutput, ObjectOutput
 from dispatch_io.manifest import SavedLeaf
-from dispatch_io.plan import storage_chunk_shape
+from dispatch_io.plan.save_plan import storage_chunk_shape
 from dispatch_io.storage import Location
 from dispatch_io.storage.folders import Folder
 from dispatch_io.workers import ArraySpec, Region, Session, finish_arrays, numpy_dtype, storage_dtype_name, write_regions

@@ -49,7 +49,8 @@ from dispatch_io.manager.tiers import restore as tier_restore
 from dispatch_io.manager.tiers import tier as tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
-from dispatch_io.save import Attachments, SaveHandle
+from dispatch_io.save.driver import SaveHandle
+from dispatch_io.save.job import Attachments
 from dispatch_io.storage import StepRoot
 
 

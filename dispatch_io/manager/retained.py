@@ -1,6 +1,6 @@
 """Retention of incremental steps: never delete bytes a kept step references (a sweep).
 
-Incremental steps reference the steps that store their unchanged chunks (``dispatch_io.references``),
+Incremental steps reference the steps that store their unchanged chunks (``dispatch_io.incremental.references``),
 always the step that stores them, never a chain. Retention decides as before which steps go
 (``retention.steps_to_delete``); then, from the ``references`` of every step it keeps:
 
@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import tensorstore as ts
 from absl import logging
 
-from dispatch_io import references
+from dispatch_io.incremental import references
 from dispatch_io.storage import COMMITTED, MANIFEST, STEP, DirectoryRoot, Location, StepRoot
 
 

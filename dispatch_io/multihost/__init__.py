@@ -6,6 +6,6 @@
 * ``scaleout``: the restore that reads each stored byte once per job and sends the pieces;
 * ``shared_verify``: a verify whose reads are split across the processes.
 
-May import the core modules, ``storage`` and ``workers``; never ``formats``, the API modules or
-``manager`` (docs/design.md, "Layers").
+May import the core packages (``plan``, ``manifest``, ``save``, ``read``, ``incremental``), ``storage``
+and ``workers``; never ``formats``, the API modules or ``manager`` (docs/design.md, "Layers").
 """

@@ -32,7 +32,7 @@ from absl import logging
 
 from dispatch_io.multihost.coordination import Room, job_client
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
-from dispatch_io.plan import Plan
+from dispatch_io.plan.save_plan import Plan
 from dispatch_io.storage import KvLocation, Location, WriteTarget
 from dispatch_io.workers import brief_error
 

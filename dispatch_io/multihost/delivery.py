@@ -1,7 +1,7 @@
 """Who reads each shared piece of a scale-out restore, and who receives it (pure).
 
 A region of a result held by several processes (its *holders*) is read once in the job: cut
-into pieces (:func:`~dispatch_io.reading.read_pieces`), each read by one holder and delivered to
+into pieces (:func:`~dispatch_io.read.loop.read_pieces`), each read by one holder and delivered to
 the other holders only. :func:`plan_delivery` plans that for the whole job from plain data --
 for each shared leaf, ``{region: holder processes}`` -- so every process computes the same plan,
 and ``benchmarks/scale.py`` runs this very code for jobs of 1,024 processes without devices.
@@ -42,10 +42,9 @@ from typing import Sequence
 
 import numpy as np
 
-from dispatch_io.balance import LeastLoaded
-from dispatch_io.batches import pack
-from dispatch_io.reading import read_pieces
-from dispatch_io.staging import aligned
+from dispatch_io.plan.balance import LeastLoaded
+from dispatch_io.plan.batches import aligned, pack
+from dispatch_io.read.loop import read_pieces
 from dispatch_io.workers import ReadItem, Region
 
 HEADER = 64  # each row starts with its round's identity, checked after the collective

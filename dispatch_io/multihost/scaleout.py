@@ -56,11 +56,11 @@ from dispatch_io.multihost.coordination import Room, open_room
 from dispatch_io.multihost.delivery import HEADER, Round, plan_delivery
 from dispatch_io.multihost.rows import carriers, gather, group_sum, send
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, WorkerError
-from dispatch_io.plan import device_regions
+from dispatch_io.plan.save_plan import device_regions
 from dispatch_io.progress import Progress
-from dispatch_io.reading import RegionReads, each_alone, pipelined, read_failure, verify_stored
-from dispatch_io.restore import HOST, Output, output_regions
-from dispatch_io.staging import aligned
+from dispatch_io.read.loop import RegionReads, each_alone, pipelined, read_failure, verify_stored
+from dispatch_io.read.targets import HOST, Output, output_regions
+from dispatch_io.plan.batches import aligned
 from dispatch_io.workers import aligned_empty
 
 

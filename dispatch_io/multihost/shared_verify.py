@@ -22,7 +22,7 @@ import jax
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError, CorruptCheckpointError, WorkerError
 from dispatch_io.progress import Progress
-from dispatch_io.reading import mismatches, needed_regions, verify_stored
+from dispatch_io.read.loop import mismatches, needed_regions, verify_stored
 
 
 def verify_shared(reader, outputs: list, batch_limit: int, timeout: float, progress: Progress, *, compare: bool):

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import tensorstore as ts
 
 from dispatch_io.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from dispatch_io.storage.folders import Folder
 
 # The keys of a checkpoint (relative to its path). ARRAYS is the default folder of the arrays (a
 # manifest names another one when a save wrote its arrays elsewhere).
@@ -211,6 +208,7 @@ class StepRoot:
 from dispatch_io.storage.directory import DirectoryLocation, DirectoryRoot, DirectoryWrite  # noqa: E402
 from dispatch_io.storage.markers import Marker  # noqa: E402
 from dispatch_io.storage.objectstore import KvLocation, KvRoot, KvWrite, kvstore_spec  # noqa: E402
+from dispatch_io.storage.folders import Folder  # noqa: E402  (StepRoot.committed_steps is given one)
 
 # (OBJECT_STORE_RETRIES is not re-exported: set it where kvstore_spec reads it, in objectstore.)
 __all__ = [

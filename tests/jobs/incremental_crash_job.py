@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 import dispatch_io as dio
-from dispatch_io import policies, references
+from dispatch_io import policies
+from dispatch_io.incremental import references
 from dispatch_io.manager import retained
 
 
@@ -71,18 +72,18 @@ if __name__ == "__main__":
         delete_retired(root_, step)
 
     retained.delete_retired = deleting
-    from dispatch_io import incremental
-    amender = incremental.amender
+    from dispatch_io.incremental import changes as incremental
+    merger = incremental.merger
 
-    def amender_then(*args):
-        amend = amender(*args)
+    def merger_then(*args):
+        merged = merger(*args)
 
-        def killing(doc, target):
+        def killing(target):
             maybe("commit")
-            amend(doc, target)
+            return merged(target)
         return killing
 
-    incremental.amender = amender_then
+    incremental.merger = merger_then
     dispatcher = dio.LocalDispatcher(8 << 20, max_chunk_bytes=16 << 10, small_leaf_bytes=0, progress=False)
     with dio.CheckpointManager(root, dispatcher, keep_policy=policies.LatestN(2), incremental=True) as mgr:
         start = mgr.latest_step()

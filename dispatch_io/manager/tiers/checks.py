@@ -23,8 +23,8 @@ import dataclasses
 import numpy as np
 from absl import logging
 
-from dispatch_io import reading
-from dispatch_io import restore as restore_lib
+from dispatch_io.read import loop as reading
+from dispatch_io.read import targets as restore_lib
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError, WorkerError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import plan as tiers_plan

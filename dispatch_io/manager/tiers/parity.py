@@ -22,7 +22,7 @@ from absl import logging
 
 from dispatch_io import tree as tree_lib
 from dispatch_io.manager.tiers import parity_plan, rows
-from dispatch_io.plan import device_regions
+from dispatch_io.plan.save_plan import device_regions
 
 PARITY = "parity"   # the nested checkpoint of a local step that holds this process's parity rows
 

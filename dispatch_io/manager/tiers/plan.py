@@ -21,7 +21,7 @@ import math
 from typing import Mapping, Sequence
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.plan import device_regions
+from dispatch_io.plan.save_plan import device_regions
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
 DURABILITY = ("local", "replicated", "persisted")   # what a restore may require, weakest first
@@ -30,7 +30,7 @@ DURABILITY = ("local", "replicated", "persisted")   # what a restore may require
 def _leaf_holders(tree):
     """(key path, {region: holder processes, or None for host data (every process)}) of every
     stored leaf of ``tree`` (arrays, keys, numpy data), regions as
-    :func:`~dispatch_io.plan.device_regions` gives them."""
+    :func:`~dispatch_io.plan.save_plan.device_regions` gives them."""
     flat, _ = tree_lib.flatten(tree)
     for keypath, leaf in flat:
         if not hasattr(leaf, "shape") or not math.prod(leaf.shape):  # Python scalars, empty arrays: nothing stored

@@ -5,7 +5,7 @@ per leaf: ``held.own_plan``) and holds the chunks of the regions its devices hel
 promotion writes each stored chunk once, job-wide: by the least loaded (in bytes) of the processes
 whose local copy holds it, as a save spreads replicated chunks over their holders. From plain data
 (the step's manifest and what each process reports holding) every process computes the same
-:class:`~dispatch_io.plan.Plan`; its chunks are whole stored chunks, each copied byte for byte.
+:class:`~dispatch_io.plan.save_plan.Plan`; its chunks are whole stored chunks, each copied byte for byte.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import jax
 
 from dispatch_io import tree as tree_lib
 from dispatch_io.manifest import Manifest
-from dispatch_io.plan import Chunk, LeafSpec, Plan
+from dispatch_io.plan.balance import LeastLoaded
+from dispatch_io.plan.save_plan import Chunk, LeafSpec, Plan
 from dispatch_io.workers import numpy_dtype
 
 
@@ -63,6 +64,8 @@ def plan_promotion(manifest: Manifest, held: Mapping[int, Mapping[str, list]], w
     no process's copy (the step is not held whole); ValueError for a packed leaf."""
     specs = leaf_specs(manifest)
     load = {p: 0 for p in held}
+    least = LeastLoaded(lambda p: (load[p], p))
+    holder_sets: dict[tuple[int, ...], tuple[int, ...]] = {}  # one object per set: LeastLoaded knows sets by id
     chunks = []
     for spec in specs:
         if spec.storage is None:
@@ -71,16 +74,17 @@ def plan_promotion(manifest: Manifest, held: Mapping[int, Mapping[str, list]], w
         for process in sorted(held):
             for region in held[process].get(spec.keypath, ()):
                 for cell in _cells(spec, region):
-                    holders.setdefault(cell, [])
-                    if process not in holders[cell]:
-                        holders[cell].append(process)
+                    of_cell = holders.setdefault(cell, [])
+                    if not of_cell or of_cell[-1] != process:  # processes come in order: a repeat is the last
+                        of_cell.append(process)
         expected = math.prod(-(-n // step) for n, step in zip(spec.shape, spec.chunk_shape))
         if len(holders) != expected:
             raise FileNotFoundError(f"{where}: {spec.keypath} is not held whole by the local copies of the step "
                                     f"({len(holders)} of its {expected} chunks are): it cannot be promoted")
         for cell in sorted(holders):
             nbytes = math.prod(hi - lo for lo, hi in cell) * spec.dtype.itemsize
-            writer = min(holders[cell], key=lambda p: (load[p], p))
+            candidates = holder_sets.setdefault(tuple(holders[cell]), tuple(holders[cell]))
+            writer = least.pick(candidates)
             load[writer] += nbytes
             chunks.append(Chunk(spec.index, cell, nbytes, None, writer))
     return Plan(manifest.treedef, specs, tuple(chunks), keys_by_name=manifest.keys_by_name)

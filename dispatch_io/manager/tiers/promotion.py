@@ -31,14 +31,15 @@ from absl import logging
 
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.manager.tiers import promote_plan
-from dispatch_io.batches import Priority, make_batches
+from dispatch_io.plan.batches import Priority, make_batches
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager.tiers import local_steps
-from dispatch_io.save import Attachments, SaveHandle, SaveJob
+from dispatch_io.save.driver import SaveHandle
+from dispatch_io.save.job import Attachments, SaveJob
 from dispatch_io.storage import Location
 from dispatch_io.workers import ChunkError, Session, checksum_regions, crc32c, numpy_dtype
 from dispatch_io.workers.raw_chunks import chunk_key, read_values, write_values

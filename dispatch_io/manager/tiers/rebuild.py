@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from dispatch_io import reading
+from dispatch_io.read import loop as reading
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import checks, local_steps, parity_plan

@@ -42,8 +42,8 @@ from dispatch_io.manager.tiers import parity_plan, replica_plan, rows
 from dispatch_io import tree as tree_lib
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.manager.decisions import SharedDecisions
-from dispatch_io.plan import device_regions
-from dispatch_io.held import Replica
+from dispatch_io.plan.save_plan import device_regions
+from dispatch_io.plan.held import Replica
 
 
 def domains_of(domains) -> tuple:
@@ -108,7 +108,7 @@ def send(tree, orders: list[tuple[int, ...]], replicas: int, domains,
          row_bytes: int = rows.ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(moves, copies) of the array leaves of ``tree`` whose regions fewer than ``replicas + 1``
     processes hold: ``moves`` {key path: the orders each was sent by}, ``copies`` {key path:
-    (:class:`~dispatch_io.held.Replica`, ...)}: the regions of other processes this
+    (:class:`~dispatch_io.plan.held.Replica`, ...)}: the regions of other processes this
     process received (see the module doc; ``domains[process]``: its failure domain). Leaves of
     one dtype travel together, each device's shards packed in one row of at most about
     ``row_bytes``: one collective per group and order. Every process calls it, in the same order."""

@@ -15,8 +15,8 @@ import dataclasses
 import functools
 
 import jax
-from dispatch_io import reading
-from dispatch_io import restore as restore_lib
+from dispatch_io.read import loop as reading
+from dispatch_io.read import targets as restore_lib
 from dispatch_io.multihost import scaleout
 from dispatch_io.manager.tiers import plan as tiers_plan
 from dispatch_io import tree as tree_lib

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dispatch_io.plan import index_region
+from dispatch_io.plan.save_plan import index_region
 
 ROW_BYTES = 64 << 20   # the most one device sends in one collective: bounds the transient device memory
 

@@ -28,7 +28,8 @@ from dispatch_io.multihost.coordination import open_room
 from dispatch_io.manager.tiers import local_steps
 from dispatch_io.manager.tiers import parity, parity_plan, replicas
 from dispatch_io.manager.tiers import restore as tier_restore
-from dispatch_io.save import Attachments, SaveHandle
+from dispatch_io.save.driver import SaveHandle
+from dispatch_io.save.job import Attachments
 from dispatch_io.storage import StepRoot
 
 

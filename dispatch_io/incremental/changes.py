@@ -5,7 +5,7 @@ the root, so that only those are copied and written (``Dispatcher.save(..., incr
 manifest, validated, gives each chunk's digest and where its bytes are), digests this process's
 chunks where they are (``digests``: on an accelerator, on the device), and returns the batches
 without the unchanged chunks plus an :class:`Increment` that records, in the manifest, every
-chunk's digest and a reference for each unchanged one (``references.amend``). A reference names
+chunk's digest and a reference for each unchanged one (``manifest.build``'s ``increment``). A reference names
 the step that *stores* the bytes (the base, or the step the base itself references), with that
 step's commit id, so references never chain. Packed leaves (small by definition) are always
 written. In a multi-process job each process decides for its own chunks and attaches its
@@ -26,13 +26,12 @@ import numpy as np
 import tensorstore as ts
 from absl import logging
 
-from dispatch_io import digests as digests_lib
+from dispatch_io.incremental import digests as digests_lib
 from dispatch_io import manifest as manifest_lib
-from dispatch_io import references
-from dispatch_io.batches import Batch
+from dispatch_io.incremental import references
 from dispatch_io.errors import CheckpointError
-from dispatch_io.sources import Sources
-from dispatch_io.staging import aligned
+from dispatch_io.plan.batches import Batch, aligned
+from dispatch_io.save.sources import Sources
 from dispatch_io.storage import COMMITTED, STEP, Location, StepRoot
 from dispatch_io.workers import host_cpus
 
@@ -131,7 +130,7 @@ def _known(base: tuple[str, dict] | None) -> dict:
     if base is None:
         return {}
     step, doc = base
-    targets = [(r["step"], r["commit"]) for r in doc.get(references.REFERENCES, [])]
+    targets = [(r["step"], r["commit"]) for r in doc.get(manifest_lib.REFERENCES, [])]
     known = {}
     for entry in doc["leaves"]:
         stored = entry.get("stored")
@@ -187,7 +186,7 @@ def _before(known: dict, plan, i: int) -> tuple | None:
     shape, dtype, chunk_shape, cells = known.get(spec.keypath, (None, None, None, {}))
     if (shape, dtype, chunk_shape) != (spec.shape, spec.dtype.name, spec.chunk_shape):
         return None
-    cell = cells.get(references.grid_key(lo // c for (lo, _), c in zip(chunk.region, spec.chunk_shape)))
+    cell = cells.get(manifest_lib.grid_key(lo // c for (lo, _), c in zip(chunk.region, spec.chunk_shape)))
     if cell is None:
         return None
     sampled, _, full = cell[0].partition("|")
@@ -222,11 +221,11 @@ def _digest(sources: Sources, chunk, how) -> str:
     return how(sources.locate(chunk)[0])  # a small leaf copied whole
 
 
-def amender(plan, increment: Increment, processes: int, process: int):
-    """The ``amend(doc)`` the leader's manifest build calls (``SaveJob.amend``): every process's
-    decisions -- its own ``increment``, the others' from their attached files -- into the manifest,
-    with each referenced chunk's carried-over CRC-32C."""
-    def amend(doc: dict, target):
+def merger(increment: Increment, processes: int, process: int):
+    """The ``merged(target)`` the leader calls before it builds the manifest (``SaveJob.increment``):
+    every process's decisions -- its own ``increment``, the others' read from the files they attached
+    to the save writing to ``target`` -- as one :class:`Increment`, which ``manifest.build`` records."""
+    def merged(target) -> Increment:
         merged = Increment(dict(increment.digests), dict(increment.refs), dict(increment.crcs))
         if processes > 1:
             store = ts.KvStore.open(target.kvstore, context=target.context).result()
@@ -236,17 +235,17 @@ def amender(plan, increment: Increment, processes: int, process: int):
                     merged.digests.update(theirs.digests)
                     merged.refs.update(theirs.refs)
                     merged.crcs.update(theirs.crcs)
-        references.amend(doc, merged.digests, merged.refs, plan, merged.crcs)
-    return amend
+        return merged
+    return merged
 
 
 def plan_save(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool, attachments,
               cache: DigestCache):
-    """(batches, ``SaveJob.amend``, attachments) of an incremental save (``Dispatcher.save``):
+    """(batches, ``SaveJob.increment``, attachments) of an incremental save (``Dispatcher.save``):
     :func:`prepare`, and in a multi-process job this process's decisions attached for the leader."""
     batches, increment = prepare(location, plan, leaves, batches, checksums, cache)
     processes, process = jax.process_count(), jax.process_index()
     if processes > 1:
         attachments = dataclasses.replace(attachments, files={**attachments.files,
                                                               FILE.format(process): increment.encode()})
-    return batches, amender(plan, increment, processes, process), attachments
+    return batches, merger(increment, processes, process), attachments

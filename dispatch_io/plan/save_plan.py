@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.balance import LeastLoaded
+from dispatch_io.plan.balance import LeastLoaded
 from dispatch_io.workers import ArraySpec, pack_spec, packed_leaf
 from dispatch_io.workers.packs import pack_offsets
 

@@ -24,9 +24,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from dispatch_io.device_slice import slice_exact
-from dispatch_io.plan import Chunk, Plan
-from dispatch_io.staging import aligned
+from dispatch_io.jax_compat import slice_exact
+from dispatch_io.plan.save_plan import Chunk, Plan
+from dispatch_io.plan.batches import aligned
 from dispatch_io.workers import ChunkError, aligned_empty
 
 PAGEABLE, PINNED, AUTO = "pageable", "pinned", "auto"

@@ -1,6 +1,6 @@
 """Restore targets: check the whole target against the manifest (every problem at once), say
 where and how each result leaf is built (:class:`Output`), and build it from the host
-buffers the reads filled (:func:`finish`). The reading itself is ``reading.py``'s.
+buffers the reads filled (:func:`finish`). The reading itself is ``read.loop``'s.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import numpy as np
 
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import tree as tree_lib
-from dispatch_io.device_slice import slice_exact
+from dispatch_io.jax_compat import slice_exact
 from dispatch_io.errors import TreeMismatchError
 from dispatch_io.manifest import Manifest, SavedLeaf
-from dispatch_io.plan import device_regions, index_region, native_order, whole_on_one_device
+from dispatch_io.plan.save_plan import device_regions, index_region, native_order, whole_on_one_device
 from dispatch_io.jax_compat import single_device_sharding
 
 HOST, DEVICE = "host", "device"

@@ -1,4 +1,8 @@
-"""Order chunks by transfer priority and pack them into memory-budgeted batches (pure)."""
+"""Order chunks by transfer priority and pack them into memory-budgeted batches (pure).
+
+A batch is laid out in one slice of the host staging ring (``save.staging``): each chunk at an
+``ALIGN``-aligned offset, so a batch takes the sum of its chunks' :func:`aligned` sizes.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,14 @@ import numbers
 from typing import Callable, Sequence
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.plan import Plan
-from dispatch_io.staging import aligned
+from dispatch_io.plan.save_plan import Plan
+
+ALIGN = 64  # a batch's chunks (and the leaves in packs) start at cache-line aligned offsets of its staging slice
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN``: the staging bytes a chunk of ``nbytes`` takes."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 class Priority(enum.IntEnum):

@@ -2,25 +2,22 @@
 puts the arrays in their final form and writes the manifest that describes them (and the
 attached info file), and the save commits -- or, if anything failed anywhere, is removed.
 
-The save driver (:class:`~dispatch_io.save.SaveRun`) calls :func:`commit` once, with the save's
+The save driver (:class:`~dispatch_io.save.driver.SaveRun`) calls :func:`commit` once, with the save's
 commit object (``multihost.commit``), in the order that module gives: agree, commit, end.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 from dispatch_io import collector
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.storage import INFO
+from dispatch_io.save.job import SaveJob
 from dispatch_io.workers import IOSettings, finish_arrays
 
-if TYPE_CHECKING:
-    from dispatch_io.save import SaveJob
 
-
-def commit(job: "SaveJob", commit_, settings: IOSettings, error: BaseException | None, checksums: dict[int, int]):
+def commit(job: SaveJob, commit_, settings: IOSettings, error: BaseException | None, checksums: dict[int, int]):
     """Agree with the other processes on the outcome of the save of ``job`` (``error``: this
     process's failure, None if none; ``checksums``: its chunks' CRC-32C, chunk index -> value);
     the leader then stores the arrays' metadata, merges the writers' databases and writes the
@@ -33,11 +30,12 @@ def commit(job: "SaveJob", commit_, settings: IOSettings, error: BaseException |
             try:
                 target = commit_.target
                 finish_arrays(target.kvstore, settings.layout, job.plan.arrays, settings.compression, target.context)
+                increment = job.increment(target) if job.increment else None
                 with collector.paused():
                     manifest = manifest_lib.build(
                         job.plan, job.scalars, agreed, settings.layout, arrays=target.arrays,
                         compression=settings.compression, described=job.describe() if job.describe else None,
-                        amend=job.amend and (lambda doc: job.amend(doc, target)))
+                        increment=increment)
                 files = _info_files(job, target.arrays)
             except BaseException as exc:  # noqa: BLE001 - every process must hear of it
                 commit_.fail(exc)
@@ -46,7 +44,7 @@ def commit(job: "SaveJob", commit_, settings: IOSettings, error: BaseException |
         commit_.end()
 
 
-def _info_files(job: "SaveJob", arrays: str) -> dict[str, bytes] | None:
+def _info_files(job: SaveJob, arrays: str) -> dict[str, bytes] | None:
     """The leader's attached info file, stamped with the commit time and the arrays folder."""
     info = job.attachments.info
     if info is None:

@@ -11,33 +11,32 @@ Copying batch k+1 overlaps writing batch k, and the staging ring bounds host byt
 at every moment. A failure anywhere stops new copies, waits for writes already handed out
 (their buffers are still being read), removes the partial data and surfaces from ``wait()``.
 
-The driver is given what it works with -- a :class:`SaveJob` (what to save), a runner, a commit
+The driver is given what it works with -- a :class:`~dispatch_io.save.job.SaveJob` (what to save), a runner, a commit
 object (``multihost.commit``), the staging ring, a completion callback -- and never calls back up.
 Its end, once every batch is written (agree, the leader's manifest, commit), is
-:mod:`dispatch_io.save_commit`.
+:mod:`dispatch_io.save.finish`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import threading
 import time
-from typing import Callable, Mapping
+from typing import Callable
 
 import jax
 import numpy as np
 from absl import logging
 
 from dispatch_io import progress as progress_lib
-from dispatch_io import save_commit as commit_lib
+from dispatch_io.save import finish
 from dispatch_io import tree as tree_lib
-from dispatch_io.batches import Batch, Priority
+from dispatch_io.plan.batches import Batch, Priority
 from dispatch_io.errors import CheckpointError, WorkerError
-from dispatch_io.plan import Plan
 from dispatch_io.progress import SaveStats
-from dispatch_io.sources import Sources
-from dispatch_io.staging import StagingRing
+from dispatch_io.save.job import Attachments, SaveJob
+from dispatch_io.save.sources import Sources
+from dispatch_io.save.staging import StagingRing
 from dispatch_io.workers import ChunkError, IOSettings, Region, brief_error, write_files
 
 
@@ -47,45 +46,6 @@ def check_callbacks(**callbacks):
     for name, fn in callbacks.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {fn!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Attachments:
-    """Small files a save commits together with its arrays (a manager's items and step info).
-
-    ``files``: this process's, key (relative to the checkpoint's arrays folder) -> bytes, written
-    once its batches are; every process's are in place before the commit. ``info``: JSON the
-    leader writes as the checkpoint's :data:`~dispatch_io.storage.INFO` file when it commits,
-    with ``"committed"`` (``clock()``, UNIX seconds) and ``"arrays"`` (the arrays folder) added.
-    ``agreed``: JSON every process of a job must attach alike (what ``info`` says of all their
-    files), checked with the plan before anything is written."""
-
-    files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
-    info: Mapping | None = None
-    clock: Callable[[], float] = time.time
-    agreed: object = None
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveJob:
-    """What one save writes, as planned by the dispatcher: ``batches`` are this process's, in
-    the order they are copied; ``scalars`` the Python scalar leaves' values as the manifest
-    records them (``manifest.scalar_values``; None for arrays)."""
-
-    plan: Plan
-    scalars: tuple
-    batches: tuple[Batch, ...]
-    display: str
-    on_transfer_end: Callable[[str], None] | None = None
-    on_write_end: Callable[[str], None] | None = None
-    started: float = 0.0          # perf_counter when save() was called
-    plan_seconds: float = 0.0
-    plan_cached: bool = False
-    snapshot_bytes: int = 0
-    progress: bool = True         # Options.progress
-    describe: Callable[[], tuple] | None = None   # manifest.describe(plan), kept across saves of the plan
-    attachments: Attachments = Attachments()
-    amend: Callable | None = None   # amend(doc, target): adds to the manifest (an incremental save's references)
 
 
 class SaveHandle:
@@ -241,7 +201,7 @@ class SaveRun:
             self._settle(writes)
             self._attach_files()
             t0 = time.perf_counter()
-            commit_lib.commit(job, self.commit, self.settings, self._error, self._checksums)
+            finish.commit(job, self.commit, self.settings, self._error, self._checksums)
             done = time.perf_counter()
             stats = SaveStats(
                 path=job.display, bytes_written=self._bytes, batches=len(job.batches),

@@ -3,7 +3,8 @@
 Every batch takes one contiguous slice and gives it back when its writes are durable. The
 ring *is* the budget: nothing is copied off a device without a slice, so host bytes in
 flight can never exceed it. Reusing one buffer matters for speed too: memory returned to the
-OS is slow to touch again, while a warm buffer copies at memcpy speed.
+OS is slow to touch again, while a warm buffer copies at memcpy speed. How a batch is laid out
+in its slice (aligned offsets) is the plan's (``plan.batches.aligned``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,6 @@ import collections
 import threading
 
 import numpy as np
-
-ALIGN = 64  # staging offsets (and offsets in packs) are cache-line aligned
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 class StagingRing:

@@ -11,7 +11,8 @@ committed step of its root; each unchanged chunk is a reference to the step that
 
 A reference names a sibling step of the same root (``../<step>/``), never a path, and always
 the step that *stores* the chunk (references are never chained), so a cycle cannot be written
-and is refused when read. :func:`resolve` checks every reference of an opened manifest (the
+and is refused when read. The manifest writes them (``manifest.build``'s ``increment``);
+:func:`resolve` checks every reference of an opened manifest (the
 step exists, is the commit named, stores each referenced chunk with the same shape, dtype and
 chunk grid) and gives the leaves :class:`~workers.ArraySpec` layers that read those chunks
 from there; anything wrong is a ``CorruptCheckpointError`` naming the key path.
@@ -25,25 +26,16 @@ import math
 import re
 
 from dispatch_io import manifest as manifest_lib
+from dispatch_io.manifest import REFERENCES, parse_grid
 from dispatch_io.errors import CheckpointError
 from dispatch_io.validate import malformed
 from dispatch_io.workers import brief_error, numpy_dtype
 from dispatch_io.storage import MANIFEST, Location, Marker
 
-REFERENCES = "references"
 RETAINED = "RETAINED"     # a step retention dropped whose bytes kept steps still reference (manager)
-VERSION = 3               # format_version of a manifest with references
 _STEP = re.compile(r"^(0|[1-9][0-9]*)\Z")
 _COMMIT = re.compile(r"^[0-9a-f]{1,64}\Z")
 _GRID = re.compile(r"^(0|[1-9][0-9]*)(,(0|[1-9][0-9]*))*\Z|^\Z")
-
-
-def grid_key(grid) -> str:
-    return ",".join(map(str, grid))
-
-
-def parse_grid(key: str) -> tuple[int, ...]:
-    return tuple(int(i) for i in key.split(",") if i)
 
 
 def sibling(location: Location, step: str) -> Location:
@@ -67,36 +59,6 @@ def commit_id(location: Location) -> str | None:
     if marker is None:
         return None
     return Marker.parse(marker).id
-
-
-def amend(doc: dict, digests: dict, refs: dict, plan, crcs: dict) -> None:
-    """Add to the manifest ``doc`` (JSON, being built for ``plan``) each chunk's digest
-    (``digests``: chunk index -> digest), references (``refs``: chunk index -> (step, commit
-    id)) and the CRC-32Cs of referenced chunks (``crcs``: chunk index -> int, carried over from
-    the step that stores them); a manifest with references is format version 3."""
-    targets = sorted(set(refs.values()))
-    index = {t: k for k, t in enumerate(targets)}
-    per_leaf: dict[int, dict] = {}
-    for i, d in digests.items():
-        chunk = plan.chunks[i]
-        grid = grid_key(lo // c for (lo, _), c in zip(chunk.region, plan.leaves[chunk.leaf].chunk_shape))
-        entry = per_leaf.setdefault(chunk.leaf, {"digests": {}, "refs": {}, "crc32c": {}})
-        entry["digests"][grid] = d
-        if i in refs:
-            entry["refs"].setdefault(str(index[refs[i]]), []).append(grid)
-        if i in crcs:
-            entry["crc32c"][grid] = f"{crcs[i]:08x}"
-    leaves = doc["leaves"]
-    for leaf, entry in per_leaf.items():
-        stored = {**leaves[leaf]["stored"], "digests": dict(sorted(entry["digests"].items()))}
-        if entry["crc32c"]:
-            stored["crc32c"] = dict(sorted({**stored.get("crc32c", {}), **entry["crc32c"]}.items()))
-        if entry["refs"]:
-            stored["refs"] = {k: sorted(v, key=parse_grid) for k, v in entry["refs"].items()}
-        leaves[leaf] = {**leaves[leaf], "stored": stored}
-    if targets:
-        doc[REFERENCES] = [{"step": s, "commit": c} for s, c in targets]
-        doc["format_version"] = VERSION
 
 
 def check_fields(doc: dict, where: str) -> list[tuple[str, str]]:

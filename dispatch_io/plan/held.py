@@ -5,7 +5,7 @@ A job-wide save writes each distinct region once, from the least loaded holder. 
 region its devices hold (once, however many of its devices hold a replica) and every host leaf
 whole, plus regions of other processes it received as :class:`Replica` objects. The local tier
 (``dispatch_io.manager.tiers``) decides which processes keep which copies; this module only
-turns a job-wide :class:`~dispatch_io.plan.Plan` into the held one and checks received copies.
+turns a job-wide :class:`~dispatch_io.plan.save_plan.Plan` into the held one and checks received copies.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
-from dispatch_io.plan import Plan, device_regions, plan_chunks
+from dispatch_io.plan.save_plan import Plan, device_regions, plan_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ def own_plan(plan: Plan, process: int, copies: Mapping[int, Sequence[Replica]] |
     """``plan`` (a job-wide save plan, unpacked) made a local save's: each region ``process``'s
     devices hold (and every host leaf), one chunk grid each, all written by ``process``. Leaves
     copied whole keep one chunk (their regions are all on one process). ``copies``: leaf index ->
-    the :class:`~dispatch_io.held.Replica` objects of other processes' regions on this
+    the :class:`~dispatch_io.plan.held.Replica` objects of other processes' regions on this
     process's devices: those regions are saved too (from the replicas: ``sources.Sources``)."""
     copies = copies or {}
 

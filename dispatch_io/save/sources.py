@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.plan import Plan
+from dispatch_io.plan.save_plan import Plan
 
 
 class Sources:

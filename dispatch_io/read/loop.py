@@ -25,11 +25,11 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from dispatch_io.batches import pack, packs
+from dispatch_io.plan.batches import pack, packs
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, WorkerError
-from dispatch_io.plan import storage_chunk_shape
+from dispatch_io.plan.save_plan import storage_chunk_shape
 from dispatch_io.progress import Progress
-from dispatch_io.restore import DEVICE, HOST, Output, finish, output_regions
+from dispatch_io.read.targets import DEVICE, HOST, Output, finish, output_regions
 from dispatch_io.workers import ChunkError, ReadItem, Region, brief_error, numpy_dtype
 
 EAGER_CHUNKS = 1 << 16   # a verify of more chunks makes its batches as it reads (exact progress below)
