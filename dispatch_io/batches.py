@@ -93,17 +93,43 @@ def make_batches(plan: Plan, priorities: Sequence[Priority], limit: int, worker:
     urgent leaf, in pack order (so a staging slice holds them at their pack offsets), and
     count their pack's bytes twice: a writer that cannot write the pack from staging copies them
     into a pack buffer (``workers.packs.assemble``)."""
-    units: dict = {}   # pack name, or chunk index -> [chunk indices]
-    for i, c in enumerate(plan.chunks):
-        if worker is None or c.worker == worker:
-            packed = plan.leaves[c.leaf].packed
-            units.setdefault(i if packed is None else packed[0], []).append(i)
+    units: dict = {}   # pack name, or first chunk index of a shard's run -> [chunk indices]
+    for key, i in _unit_keys(plan, worker, limit):
+        units.setdefault(key, []).append(i)
     prio = {key: min(priorities[plan.chunks[i].leaf] for i in chunks) for key, chunks in units.items()}
     size = {key: sum(aligned(plan.chunks[i].nbytes) for i in chunks) + _pack_bytes(plan, chunks)
             for key, chunks in units.items()}
     order = sorted(units, key=lambda key: (prio[key], units[key][0]))
     return tuple(Batch(prio[keys[0]], tuple(i for key in keys for i in units[key]), nbytes)
                  for keys, nbytes in pack(order, size.__getitem__, limit, group=prio.__getitem__))
+
+
+def _unit_keys(plan: Plan, worker: int | None, limit: int):
+    """(unit key, chunk index) of ``worker``'s chunks: a pack's leaves are one unit; so are the
+    consecutive chunks of one leaf on one device (a shard cut into chunks, as ``plan_chunks``
+    lists them) where together they fit one batch -- the pinned path then moves the shard
+    whole and writes views of it (``pinned_save``), not a device slice per chunk."""
+    run: list[int] = []
+
+    def flush():
+        size = sum(aligned(plan.chunks[i].nbytes) for i in run)
+        for i in run:
+            yield (run[0] if size <= limit else i), i
+
+    for i, c in enumerate(plan.chunks):
+        if worker is not None and c.worker != worker:
+            continue
+        packed = plan.leaves[c.leaf].packed
+        if packed is not None:
+            yield from flush()
+            run = []
+            yield packed[0], i
+            continue
+        if run and (plan.chunks[run[-1]].leaf, plan.chunks[run[-1]].device) != (c.leaf, c.device):
+            yield from flush()
+            run = []
+        run.append(i)
+    yield from flush()
 
 
 def _pack_bytes(plan: Plan, chunks: list[int]) -> int:
