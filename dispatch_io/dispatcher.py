@@ -21,7 +21,7 @@ from dispatch_io import collector
 from dispatch_io.multihost import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import held
-from dispatch_io import read_api
+from dispatch_io import read_api, read_ring
 from dispatch_io import transfer
 from dispatch_io import incremental as incremental_lib
 from dispatch_io.formats import exporting
@@ -59,6 +59,7 @@ class Dispatcher:
         self.runner = runner
         self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)
         self._ring = StagingRing(options.staging_bytes)
+        self._read_ring = read_ring.ring_for(runner, options.host_memory_budget)   # the pinned path's restores
         self._paths = PathLocks()
         self._digests = incremental_lib.DigestCache()  # of the jax arrays saved incrementally, while they live
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
@@ -290,7 +291,8 @@ class Dispatcher:
         """
         self._check_usable("restore")
         result, self.last_restore_stats = read_api.restore(self.runner, self.options, path, target, partial=partial,
-                                                           cast=cast, verify=verify, names=names)
+                                                           cast=cast, verify=verify, names=names,
+                                                           ring=self._read_ring)
         return result
 
     def verify(self, path) -> RestoreStats:
@@ -329,6 +331,8 @@ class Dispatcher:
         self.wait_all()
         self.runner.close()
         self._ring.drop_buffer()
+        if self._read_ring is not None:
+            self._read_ring.close()
 
     def __enter__(self):
         return self

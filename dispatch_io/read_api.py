@@ -16,7 +16,7 @@ import jax
 
 from dispatch_io import collector
 from dispatch_io import progress as progress_lib
-from dispatch_io import reading
+from dispatch_io import read_ring, reading
 from dispatch_io import restore as restore_lib
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.multihost import scaleout
@@ -26,8 +26,9 @@ from dispatch_io.progress import Progress, RestoreStats
 
 
 def restore(runner, options: Options, path, target, *, partial: bool, cast: bool, verify: bool,
-            names: Callable | None) -> tuple:
-    """(the restored tree, RestoreStats): ``Dispatcher.restore`` (see its doc)."""
+            names: Callable | None, ring=None) -> tuple:
+    """(the restored tree, RestoreStats): ``Dispatcher.restore`` (see its doc); ``ring``: the
+    dispatcher's ``read_ring.ReadRing``, where it reads through one."""
 
     def work(manifest, reader, progress, times):
         exchanged = scaleout.Exchanged(0, 0, 0)
@@ -41,7 +42,11 @@ def restore(runner, options: Options, path, target, *, partial: bool, cast: bool
             if verify:
                 reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
             times.append(time.perf_counter())
-            reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress, place=True)
+            if ring is not None:
+                read_ring.read_outputs(reader, outputs, ring, options.chunk_bytes, progress)
+            else:
+                reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress,
+                                     place=True)
         times.append(time.perf_counter())
         return jax.tree_util.tree_unflatten(treedef, [restore_lib.finish(o) for o in outputs]), verify, exchanged
 
