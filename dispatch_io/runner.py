@@ -121,6 +121,11 @@ class LocalRunner:
             return copy_chunks_to_host(plan, chunks, sources, staging)
         return pinned_save.start(plan, chunks, sources).finish()
 
+    def start_copy(self, plan, chunks, sources, staging):
+        """The pinned path's copy of a batch, started and not awaited: ``.finish()`` returns what
+        ``copy_to_host`` would (``pinned_save.start``; the save driver's ``lookahead``)."""
+        return pinned_save.start(plan, chunks, sources)
+
     def open_reader(self, kvstore: dict, context) -> "LocalReader":
         return LocalReader(self.threads, Session(kvstore, self.settings, context))
 
