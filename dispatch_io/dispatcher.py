@@ -21,7 +21,7 @@ from dispatch_io import collector
 from dispatch_io.multihost import commit as commit_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io import held
-from dispatch_io import read_api, read_ring
+from dispatch_io import pinned_pool, read_api, read_ring
 from dispatch_io import transfer
 from dispatch_io import incremental as incremental_lib
 from dispatch_io.formats import exporting
@@ -350,4 +350,9 @@ class LocalDispatcher(Dispatcher):
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         options = Options(host_memory_budget=host_memory_budget, **options)
-        super().__init__(options, LocalRunner(options.io_settings(), transfer=transfer.resolve(options.host_transfer)))
+        mode = transfer.resolve(options.host_transfer)
+        super().__init__(options, LocalRunner(options.io_settings(), transfer=mode))
+        device = jax.local_devices()[0]
+        # The first save then runs at the steady speed (pinned_pool); CPU devices have no pool.
+        if mode == transfer.PINNED and device.platform != "cpu":
+            pinned_pool.grow(device, options.staging_bytes)

@@ -160,3 +160,14 @@ def test_a_sync_save_starts_the_next_batch_before_awaiting_this_one(mesh, tmp_pa
     assert info.value.keypath == "['w3']"
     assert sorted(e[1] for e in events if e[0] == "start") == sorted(
         e[1] for e in events if e[0] == "finish" and e[1] is not None)
+
+
+def test_growing_the_pinned_pool_leaves_nothing_allocated():
+    """``pinned_pool.grow`` (run by a pinned-path LocalDispatcher on an accelerator) allocates
+    the bytes in the ``pinned_host`` kind and frees them: on a CPU device, where it can run, no
+    live array is left behind."""
+    from dispatch_io import pinned_pool
+    before = len(jax.live_arrays())
+    assert pinned_pool.grow(jax.devices()[0], 4 * MiB) > 0
+    assert pinned_pool.grow(jax.devices()[0], 0) == 0
+    assert len(jax.live_arrays()) == before
