@@ -89,7 +89,7 @@ class PinnedBatch:
                 host = np.asarray(array)  # waits for this transfer; no copy of pinned memory
                 if kind == "whole":
                     for k, local in where:
-                        self.out[k] = host[local]
+                        self.out[k] = host[tuple(local) + (Ellipsis,)]   # ...: a view even when 0-d
                 else:
                     k, part = where
                     if part is None:

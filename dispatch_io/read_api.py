@@ -43,7 +43,7 @@ def restore(runner, options: Options, path, target, *, partial: bool, cast: bool
                 reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
             times.append(time.perf_counter())
             if ring is not None:
-                read_ring.read_outputs(reader, outputs, ring, options.chunk_bytes, progress)
+                read_ring.read_outputs(reader, outputs, ring, options.chunk_bytes, options.read_batch_bytes, progress)
             else:
                 reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress,
                                      place=True)

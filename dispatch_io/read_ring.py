@@ -29,6 +29,7 @@ import numpy as np
 
 from dispatch_io.batches import pack
 from dispatch_io.progress import Progress
+from dispatch_io import reading
 from dispatch_io.reading import needed_regions, pipelined, read_failure, read_item
 from dispatch_io.restore import DEVICE, finish
 from dispatch_io.staging import aligned
@@ -50,6 +51,7 @@ class ReadRing:
         self._buffers: list | None = None
         self._free = list(range(slots))
         self._cond = threading.Condition()
+        self.taken = threading.Lock()   # held by the restore reading through the ring
         self._placer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-place")
 
     def acquire(self) -> tuple[int, np.ndarray]:
@@ -104,9 +106,23 @@ def _place(view: np.ndarray, out, device) -> jax.Array:
     return jax.device_put(view, where)
 
 
-def read_outputs(reader, outputs: list, ring: ReadRing, chunk_limit: int, progress: Progress):
+def read_outputs(reader, outputs: list, ring: ReadRing, chunk_limit: int, batch_limit: int, progress: Progress):
     """Fill and place every output this process holds, through ``ring`` (module doc); the
-    outputs are then finished (``restore.finish``). Raises as ``reading.read_outputs`` does."""
+    outputs are then finished (``restore.finish``). Raises as ``reading.read_outputs`` does.
+
+    One restore reads through the ring at a time: two sharing its slots could each hold some
+    read but unconsumed while waiting for another. A restore that finds the ring taken reads
+    as ``reading.read_outputs(place=True)`` does (fresh buffers, ``batch_limit`` bytes a batch)."""
+    if not ring.taken.acquire(blocking=False):
+        reading.read_outputs(reader, outputs, chunk_limit, batch_limit, progress, place=True)
+        return
+    try:
+        _read_through(reader, outputs, ring, chunk_limit, progress)
+    finally:
+        ring.taken.release()
+
+
+def _read_through(reader, outputs: list, ring: ReadRing, chunk_limit: int, progress: Progress):
     work = [(out, region, read_item(out, region, chunk_limit)) for out, region in needed_regions(outputs)]
     fits = lambda w: (w[0].where == DEVICE and not w[0].whole  # noqa: E731
                       and aligned(w[2].nbytes) <= ring.slot_bytes)

@@ -117,3 +117,35 @@ def test_the_ring_is_allocated_once_and_restores_stay_within_the_budget(tmp_path
     assert allocations == 1
     assert growth <= 128 * MiB + 32 * MiB + 64 * MiB, growth / MiB
     assert spread <= 16 * MiB, spread / MiB
+
+
+def test_a_restore_that_finds_the_ring_taken_reads_without_it(tmp_path, monkeypatch):
+    """Two restores on one dispatcher at once: while the first holds the ring (its reads held
+    back), the second completes bit-exact through fresh buffers (two sharing the slots could
+    each wait for the other's); then the first completes through the ring."""
+    placed, gate, holding = [], threading.Event(), threading.Event()
+    place = read_ring._place
+    monkeypatch.setattr(read_ring, "_place", lambda view, out, device: placed.append(1) or place(view, out, device))
+    read = runner.LocalReader.read
+
+    def held(self, items, out=None):
+        if out is not None and threading.current_thread().name == "first":
+            holding.set()
+            assert gate.wait(60)
+        return read(self, items, out)
+
+    tree = {f"w{i}": jax.device_put(np.full((256, 64), i, np.float32), jax.devices()[i]) for i in range(4)}
+    with dio.LocalDispatcher(256 << 10, host_transfer="pinned", small_leaf_bytes=0, progress=False) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        monkeypatch.setattr(runner.LocalReader, "read", held)
+        results = {}
+        first = threading.Thread(target=lambda: results.update(first=d.restore(tmp_path / "ckpt", tree)), name="first")
+        first.start()
+        assert holding.wait(60)
+        second = d.restore(tmp_path / "ckpt", tree)
+        assert placed == []   # the second went around the ring
+        gate.set()
+        first.join(60)
+    assert_trees_bit_equal(tree, second)
+    assert_trees_bit_equal(tree, results["first"])
+    assert len(placed) == 4
