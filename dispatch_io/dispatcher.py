@@ -227,7 +227,8 @@ class Dispatcher:
 
         def make():
             packed = with_packs(plan, options.small_leaf_bytes, options.chunk_bytes // 2, priorities) if packs else plan
-            batches = make_batches(packed, priorities, options.batch_bytes, worker=worker)
+            batches = make_batches(packed, priorities, options.batch_bytes, worker=worker,
+                                   whole_shards=getattr(self.runner, "transfer", None) == transfer.PINNED)
             return packed, batches, functools.cache(lambda: manifest_lib.describe(packed))
         return self._plans.derive(plan, ("layout", tuple(priorities), worker, packs), make)
 

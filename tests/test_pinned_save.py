@@ -112,7 +112,7 @@ def test_a_shards_chunks_share_a_batch_where_they_fit():
     tree = {"a": jax.device_put(np.zeros((8 * 3, 16), np.float32), sharding),     # shards of 3 rows of 64 B
             "b": jax.device_put(np.zeros((8 * 10, 16), np.float32), sharding)}    # shards of 10 rows
     plan = plan_tree(tree, chunk_limit=64)   # a chunk per row
-    batches = make_batches(plan, [dio.Priority.SYNC] * 2, limit=768)
+    batches = make_batches(plan, [dio.Priority.SYNC] * 2, limit=768, whole_shards=True)
     shard_of = lambda c: (c.leaf, c.device)  # noqa: E731 - one shard per (leaf, device) here
     where = {}
     for k, batch in enumerate(batches):
@@ -120,6 +120,8 @@ def test_a_shards_chunks_share_a_batch_where_they_fit():
             where.setdefault(shard_of(plan.chunks[i]), set()).add(k)
     assert all(len(ks) == 1 for ks in where.values()), where
     assert all(b.nbytes <= 768 for b in batches) and len(batches) == 2 + 8
+    packed = make_batches(plan, [dio.Priority.SYNC] * 2, limit=768)   # the pageable path: as full as they go
+    assert len(packed) == -(-len(plan.chunks) * 64 // 768) < len(batches)
 
 
 def test_a_sync_save_starts_the_next_batch_before_awaiting_this_one(mesh, tmp_path, monkeypatch):
