@@ -2,13 +2,15 @@
 machine's limits, and a training step beside a save. One command, a few minutes on one GPU:
 
     python benchmarks/gpu.py --out gpu_out/                 # 8 GiB state, checkpoints on /dev/shm
-    python benchmarks/gpu.py --size-mb 64 --reps 1          # a quick run (also on CPU)
+    python benchmarks/gpu.py --size-mb 64 --reps 1          # a small run (also on CPU)
+    python benchmarks/gpu.py --quick --out /tmp/q           # seconds on CPU: every code path, tiny
 
-The state (``--size-mb``, default 8192) lives on this process's first device: 32 leaves of
-``size / 32`` (float32 and bfloat16, random bits: NaN payloads included), 16 small leaves of 4 to
-64 KiB (float32 / bfloat16 / int32), an int32 ``step`` and a threefry PRNG key (stored as its
-key_data by the peers, which do not all take typed keys). The same seed gives the same bytes,
-made on the device.
+The state (``--size-mb``, default 8192) lives on this process's first device: leaves from 1 MiB
+to 1 GiB (``gpu_targets.leaf_sizes``: one of each size that fits, the rest 1 GiB ones; float32
+and bfloat16, random bits: NaN payloads included) -- those under a save batch are moved as whole
+shards, larger ones split on the device -- 16 small leaves of 4 to 64 KiB (float32 / bfloat16 /
+int32), an int32 ``step`` and a threefry PRNG key (stored as its key_data by the peers, which do
+not all take typed keys). The same seed gives the same bytes, made on the device.
 
 Systems (``--systems``), interleaved within each of ``--reps`` repetitions, each measurement in
 a fresh subprocess (its peak RSS is its own):
@@ -19,8 +21,10 @@ a fresh subprocess (its peak RSS is its own):
   orbax_raw              Orbax PyTreeCheckpointHandler with zarr3 and no compression
   jax_serialization      jax.experimental.array_serialization GlobalAsyncCheckpointManager
 
-A child times, in order: ``save`` twice (the first pays first-use costs: pinned host memory is
-allocated then), ``async`` (every leaf but ``step`` LOW priority for dispatch_io; the peers'
+A child first saves and restores a warm-up state of the host budget's size (imports, threads,
+compiles, and XLA's pinned host pool grown to what a save holds; its time is ``warm_s``), then
+times, in order: ``save`` twice (the first after the warm-up: within 20 % of the second is a
+target), ``async`` (every leaf but ``step`` LOW priority for dispatch_io; the peers'
 async save: blocked = time in the call, wall = until durable), ``sync`` (dispatch_io: a default
 save, every leaf SYNC: blocked = time in ``save()``), ``restore`` onto the original shardings,
 checked bit for bit against the state on the device. GB/s = state bytes / 1e9 / seconds; "peak
@@ -35,7 +39,10 @@ bfloat16 matmuls, its time alone and beside a LOW-priority save of each of dispa
 (median, max, and how long the save call blocked). Rows that mean nothing on CPU devices (the
 device <-> host link, the step) say "n/a on cpu".
 
-Writes ``results.json`` and ``results.md`` (the tables) to ``--out``.
+Writes ``results.json`` and ``results.md`` (the tables and a one-line verdict against issue 43's
+targets: ``gpu_targets.verdict``) to ``--out``. ``--quick`` (a tiny state, dispatch_io only,
+pinned transfers forced, a 256-square step) runs on CPU in seconds; the suite runs it
+(tests/test_gpu_benchmark.py) so this script cannot rot.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ import time
 MiB = 1 << 20
 SYSTEMS = ("dispatch_io", "dispatch_io_colocated", "orbax", "orbax_raw", "jax_serialization")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_targets import leaf_sizes, verdict  # noqa: E402 - benchmarks/ is no package
 
 
 # ---- measuring -------------------------------------------------------------------------------
@@ -88,7 +97,6 @@ def make_state(size_mb: int, seed: int = 0):
     import jax.numpy as jnp
 
     device = jax.devices()[0]
-    big = max(1, size_mb * MiB // 32)
     kinds = [(jnp.float32, jnp.uint32), (jnp.bfloat16, jnp.uint16)]
 
     def bits(index, shape, dtype, word):
@@ -97,10 +105,10 @@ def make_state(size_mb: int, seed: int = 0):
         return make(jax.random.key(seed * 1000 + index))
 
     state = {"params": {}, "opt_state": {}}
-    for i in range(32):
+    for i, size in enumerate(leaf_sizes(size_mb * MiB)):
         dtype, word = kinds[i % 2]
-        cols = 4096
-        rows = max(1, big // (cols * jnp.dtype(dtype).itemsize))
+        cols = 4096 if size >= 4096 * 64 else 256
+        rows = max(1, size // (cols * jnp.dtype(dtype).itemsize))
         state["params" if i % 2 == 0 else "opt_state"][f"w{i:02d}"] = bits(i, (rows, cols), dtype, word)
     small = [(jnp.float32, jnp.uint32), (jnp.bfloat16, jnp.uint16), (jnp.int32, jnp.uint32)]
     for i in range(16):
@@ -167,9 +175,10 @@ def low_but_step(keypath, spec):
 
 
 class DispatchIO:
-    def __init__(self, colocated: bool = False):
+    def __init__(self, colocated: bool = False, host_transfer: str = "auto"):
         import dispatch_io as dio
-        self.d = (dio.ColocatedDispatcher if colocated else dio.LocalDispatcher)(progress=False)
+        options = {} if colocated else {"host_transfer": host_transfer}
+        self.d = (dio.ColocatedDispatcher if colocated else dio.LocalDispatcher)(progress=False, **options)
 
     def save(self, tree, path):
         self.d.save(path, tree).wait()
@@ -253,8 +262,9 @@ class JaxSerialization:
         self.m.wait_until_finished()
 
 
-def make_system(name: str):
-    return {"dispatch_io": lambda: DispatchIO(), "dispatch_io_colocated": lambda: DispatchIO(colocated=True),
+def make_system(name: str, host_transfer: str = "auto"):
+    return {"dispatch_io": lambda: DispatchIO(host_transfer=host_transfer),
+            "dispatch_io_colocated": lambda: DispatchIO(colocated=True),
             "orbax": lambda: Orbax(), "orbax_raw": lambda: Orbax(raw=True),
             "jax_serialization": JaxSerialization}[name]()
 
@@ -266,13 +276,19 @@ def child_system(a) -> dict:
     import jax
     state = make_state(a.size_mb)
     nbytes = state_bytes(state)
-    system = make_system(a.system)
+    system = make_system(a.system, a.host_transfer)
     root = os.path.join(a.root, a.system)
     fresh = lambda name: (shutil.rmtree(os.path.join(root, name), ignore_errors=True), os.path.join(root, name))[1]  # noqa: E731
     out = {"system": a.system, "bytes": nbytes, "platform": jax.devices()[0].platform}
-    warm = make_state(1, seed=1)
-    system.save(warm, fresh("warm"))   # imports, threads, compiles
+    budget = system.d.options.host_memory_budget if isinstance(system, DispatchIO) else 1 << 30
+    out["budget"] = budget
+    # The warm-up: a state of the budget's size (at most the state's), so XLA's pinned host pool
+    # has grown to what a save holds before anything is timed.
+    warm = make_state(max(1, min(a.size_mb, budget // MiB)), seed=1)
+    _, out["warm_s"], _ = timed(lambda: system.save(warm, fresh("warm")))
     jax.block_until_ready(system.restore(abstract_of(warm), os.path.join(root, "warm")))
+    del warm
+    shutil.rmtree(os.path.join(root, "warm"), ignore_errors=True)
     rss = []
     for n in (1, 2):
         _, seconds, peak = timed(lambda: system.save(state, fresh("ckpt")))
@@ -380,8 +396,6 @@ def child_step(a) -> dict:
     import jax
     import jax.numpy as jnp
 
-    if jax.devices()[0].platform == "cpu":
-        return {"step": "n/a on cpu"}
     state = make_state(a.size_mb)
     n = a.step_n
     keys = jax.random.split(jax.random.key(5), 5)
@@ -400,11 +414,11 @@ def child_step(a) -> dict:
 
     steps(count=10)
     out = {"alone": summary(steps())}
-    for name in ("dispatch_io", "orbax"):
-        system = make_system(name)
+    for name in [s for s in ("dispatch_io", "orbax") if s in a.systems.split(",")]:
+        system = make_system(name, a.host_transfer)
         path = os.path.join(a.root, "step", name)
         shutil.rmtree(path, ignore_errors=True)
-        system.save(make_state(1, seed=1), path + "-warm")
+        system.save(make_state(max(1, min(a.size_mb, 1024)), seed=1), path + "-warm")   # grows the pinned pool
         done = threading.Event()
         t0 = time.perf_counter()
         wait = system.save_async(state, path)
@@ -416,6 +430,7 @@ def child_step(a) -> dict:
         out[name] = {**summary(times), "save_blocked_s": blocked, "save_wall_s": time.perf_counter() - t0}
         system.close()
         shutil.rmtree(os.path.join(a.root, "step"), ignore_errors=True)
+    out["platform"] = jax.devices()[0].platform
     return out
 
 
@@ -427,7 +442,8 @@ def summary(times) -> dict:
 
 def run_child(a, kind: str, system: str = "-") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--system", system,
-           "--size-mb", str(a.size_mb), "--root", a.root, "--limit-mb", str(a.limit_mb), "--step-n", str(a.step_n)]
+           "--size-mb", str(a.size_mb), "--root", a.root, "--limit-mb", str(a.limit_mb), "--step-n", str(a.step_n),
+           "--systems", a.systems, "--host-transfer", a.host_transfer]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
@@ -470,8 +486,7 @@ def value_table(title: str, values: dict, unit: str) -> str:
 
 
 def step_table(step: dict) -> str:
-    if "step" in step:
-        return f"training step beside a save: {step['step']}"
+    step = {k: v for k, v in step.items() if k != "platform"}
     lines = ["| training step | median ms | max ms | steps | save blocked (ms) | save wall (s) |", "|---|---|---|---|---|---|"]
     for name, s in step.items():
         if "error" in s:
@@ -494,9 +509,16 @@ def main():
     ap.add_argument("--step-n", type=int, default=8192, help="matrix size of the training step")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one child may run")
     ap.add_argument("--skip", default="", help="comma list of: limits, step")
+    ap.add_argument("--host-transfer", default="auto", choices=("auto", "pinned", "pageable"),
+                    help="dispatch_io's Options.host_transfer (auto: pinned on accelerators)")
+    ap.add_argument("--quick", action="store_true",
+                    help="seconds on CPU: a 24 MiB state, dispatch_io only, pinned forced, 256-square step")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--system", default="-", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.quick and not a.child:
+        a.size_mb, a.reps, a.systems, a.limit_mb, a.step_n = 24, 1, "dispatch_io", 8, 256
+        a.host_transfer, a.timeout = "pinned", 300.0
     a.root = os.path.abspath(a.root)   # Orbax takes absolute paths only
     if a.child:
         child = {"system": child_system, "limits": child_limits, "step": child_step}[a.child]
@@ -516,7 +538,12 @@ def main():
             print(f"rep {rep} {s}: {r}", file=sys.stderr, flush=True)
     limits = {} if "limits" in skip else run_child(a, "limits")
     step = {} if "step" in skip else run_child(a, "step")
-    results = {"args": vars(a), "runs": runs, "limits": limits, "step": step}
+    budget = next((r["budget"] for r in runs.get("dispatch_io", []) if "budget" in r), 1 << 30)
+    line, checks = verdict(runs, step if "error" not in step else {}, budget)
+    if step.get("platform", limits.get("platform")) == "cpu":
+        line = line.replace("verdict:", "verdict (on cpu: the targets are one H200's):", 1)
+    results = {"args": vars(a), "runs": runs, "limits": limits, "step": step, "verdict": line,
+               "checks": {k: list(v) for k, v in checks.items()}}
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     platform = next((r["platform"] for rs in runs.values() for r in rs if "platform" in r), "?")
@@ -527,7 +554,8 @@ def main():
         parts.append(value_table("limit", {k: v for k, v in limits.items() if k not in ("platform", "device", "bytes", "cpus")},
                                  "GB/s"))
     if step:
-        parts.append(step_table(step))
+        parts.append(step_table(step) if "error" not in step else f"training step: {step['error']}")
+    parts.append(line)
     text = "\n\n".join(parts) + "\n"
     with open(os.path.join(a.out, "results.md"), "w") as f:
         f.write(text)

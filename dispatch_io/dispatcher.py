@@ -24,6 +24,8 @@ from dispatch_io.plan import held
 from dispatch_io import read_api
 from dispatch_io.save import transfer
 from dispatch_io.incremental import changes as incremental_lib
+from dispatch_io.read import ring as read_ring
+from dispatch_io.save import pinned_pool
 from dispatch_io.formats import exporting
 from dispatch_io.formats import to_orbax
 from dispatch_io.formats import to_safetensors
@@ -60,6 +62,7 @@ class Dispatcher:
         self.runner = runner
         self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)
         self._ring = StagingRing(options.staging_bytes)
+        self._read_ring = read_ring.ring_for(runner, options.host_memory_budget)   # the pinned path's restores
         self._paths = PathLocks()
         self._digests = incremental_lib.DigestCache()  # of the jax arrays saved incrementally, while they live
         self._active: dict[SaveRun, str] = {}  # runs in flight -> their path's key
@@ -227,7 +230,8 @@ class Dispatcher:
 
         def make():
             packed = with_packs(plan, options.small_leaf_bytes, options.chunk_bytes // 2, priorities) if packs else plan
-            batches = make_batches(packed, priorities, options.batch_bytes, worker=worker)
+            batches = make_batches(packed, priorities, options.batch_bytes, worker=worker,
+                                   whole_shards=getattr(self.runner, "transfer", None) == transfer.PINNED)
             return packed, batches, functools.cache(lambda: manifest_lib.describe(packed))
         return self._plans.derive(plan, ("layout", tuple(priorities), worker, packs), make)
 
@@ -291,7 +295,8 @@ class Dispatcher:
         """
         self._check_usable("restore")
         result, self.last_restore_stats = read_api.restore(self.runner, self.options, path, target, partial=partial,
-                                                           cast=cast, verify=verify, names=names)
+                                                           cast=cast, verify=verify, names=names,
+                                                           ring=self._read_ring)
         return result
 
     def verify(self, path) -> RestoreStats:
@@ -330,6 +335,8 @@ class Dispatcher:
         self.wait_all()
         self.runner.close()
         self._ring.drop_buffer()
+        if self._read_ring is not None:
+            self._read_ring.close()
 
     def __enter__(self):
         return self
@@ -347,4 +354,9 @@ class LocalDispatcher(Dispatcher):
 
     def __init__(self, host_memory_budget: int = 1 << 30, **options):
         options = Options(host_memory_budget=host_memory_budget, **options)
-        super().__init__(options, LocalRunner(options.io_settings(), transfer=transfer.resolve(options.host_transfer)))
+        mode = transfer.resolve(options.host_transfer)
+        super().__init__(options, LocalRunner(options.io_settings(), transfer=mode))
+        device = jax.local_devices()[0]
+        # The first save then runs at the steady speed (pinned_pool); CPU devices have no pool.
+        if mode == transfer.PINNED and device.platform != "cpu":
+            pinned_pool.grow(device, options.staging_bytes)

@@ -6,7 +6,7 @@
 * XLA may quiet NaN payloads when it slices narrow floats: JAX 0.12's CPU backend turns
   float8_e5m2's 0x7D into 0x7F, and float8_e4m3 / e3m4 likewise, where numpy and JAX 0.10 keep every
   bit. A checkpoint's promise is the bytes, so every cut of a device array in the save and restore
-  paths goes through :func:`slice_exact`: floats are sliced as the unsigned integers of their width
+  paths goes through :func:`slice_exact`: floats of 16 bits or fewer are sliced as the unsigned integers of their width
   (a bitcast is a reinterpretation, never a conversion) and viewed back.
 """
 
@@ -14,7 +14,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-_UINT_OF_BITS = {4: ml_dtypes.uint4, 8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+_UINT_OF_BITS = {4: ml_dtypes.uint4, 8: np.uint8, 16: np.uint16}
 
 
 def single_device_sharding(device, memory_kind: str | None = None) -> jax.sharding.Sharding:
@@ -40,7 +40,8 @@ def slice_exact(array, index):
     Returns:
       the part, of ``array``'s type and dtype.
     """
-    if not isinstance(array, jax.Array) or not jax.numpy.issubdtype(array.dtype, jax.numpy.floating):
-        return array[index]
+    if not isinstance(array, jax.Array) or not jax.numpy.issubdtype(array.dtype, jax.numpy.floating) \
+            or ml_dtypes.finfo(array.dtype).bits > 16:  # XLA emulates only narrow floats; a float64 array
+        return array[index]                              # outside enable_x64 has no uint64 to travel as
     bits = _UINT_OF_BITS[ml_dtypes.finfo(array.dtype).bits]
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(array, bits)[index], array.dtype)

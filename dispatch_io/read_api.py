@@ -18,6 +18,7 @@ from dispatch_io import collector
 from dispatch_io import progress as progress_lib
 from dispatch_io.read import loop as read_loop
 from dispatch_io.read import targets
+from dispatch_io.read import ring as read_ring
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.multihost import scaleout
 from dispatch_io.multihost.shared_verify import verify_shared
@@ -26,8 +27,9 @@ from dispatch_io.progress import Progress, RestoreStats
 
 
 def restore(runner, options: Options, path, target, *, partial: bool, cast: bool, verify: bool,
-            names: Callable | None) -> tuple:
-    """(the restored tree, RestoreStats): ``Dispatcher.restore`` (see its doc)."""
+            names: Callable | None, ring=None) -> tuple:
+    """(the restored tree, RestoreStats): ``Dispatcher.restore`` (see its doc); ``ring``: the
+    dispatcher's ``read_ring.ReadRing``, where it reads through one."""
 
     def work(manifest, reader, progress, times):
         exchanged = scaleout.Exchanged(0, 0, 0)
@@ -41,7 +43,11 @@ def restore(runner, options: Options, path, target, *, partial: bool, cast: bool
             if verify:
                 read_loop.verify_outputs(reader, outputs, options.read_batch_bytes, progress)
             times.append(time.perf_counter())
-            read_loop.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress, place=True)
+            if ring is not None:
+                read_ring.read_outputs(reader, outputs, ring, options.chunk_bytes, options.read_batch_bytes, progress)
+            else:
+                read_loop.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress,
+                                     place=True)
         times.append(time.perf_counter())
         return jax.tree_util.tree_unflatten(treedef, [targets.finish(o) for o in outputs]), verify, exchanged
 

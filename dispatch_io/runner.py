@@ -27,7 +27,8 @@ import jax
 import tensorstore as ts
 
 from dispatch_io.plan.save_plan import Chunk, Plan
-from dispatch_io.save.transfer import PAGEABLE, PINNED, copy_chunks_pinned, copy_chunks_to_host
+from dispatch_io.save import pinned_save
+from dispatch_io.save.transfer import PAGEABLE, PINNED, copy_chunks_to_host
 from dispatch_io.storage import WriteTarget
 from dispatch_io.workers import (IOSettings, ReadItem, Region, Session, checksum_regions, read_items,
                      write_regions)
@@ -118,7 +119,12 @@ class LocalRunner:
     def copy_to_host(self, plan, chunks, sources, staging):
         if self.host_staging:
             return copy_chunks_to_host(plan, chunks, sources, staging)
-        return copy_chunks_pinned(plan, chunks, sources)
+        return pinned_save.start(plan, chunks, sources).finish()
+
+    def start_copy(self, plan, chunks, sources, staging):
+        """The pinned path's copy of a batch, started and not awaited: ``.finish()`` returns what
+        ``copy_to_host`` would (``pinned_save.start``; the save driver's ``lookahead``)."""
+        return pinned_save.start(plan, chunks, sources)
 
     def open_reader(self, kvstore: dict, context) -> "LocalReader":
         return LocalReader(self.threads, Session(kvstore, self.settings, context))
@@ -142,8 +148,9 @@ class LocalReader:
     def __init__(self, threads: IOThreads, session: Session):
         self._threads, self._session = threads, session
 
-    def read(self, items):
-        return self._threads.submit(read_items, self._session, items)
+    def read(self, items, out=None):
+        """``out``: a buffer per item that TensorStore reads into (a read ring's), else new ones."""
+        return self._threads.submit(read_items, self._session, items, out)
 
     def checksums(self, regions):
         return self._threads.submit(checksum_regions, self._session, regions)

@@ -94,26 +94,57 @@ def packs(items, nbytes, limit: int, group=lambda item: None):
         yield current, size
 
 
-def make_batches(plan: Plan, priorities: Sequence[Priority], limit: int, worker: int | None = None
-                 ) -> tuple[Batch, ...]:
+def make_batches(plan: Plan, priorities: Sequence[Priority], limit: int, worker: int | None = None,
+                 whole_shards: bool = False) -> tuple[Batch, ...]:
     """Batches of ``worker``'s chunks (all if None): SYNC, then HIGH, then LOW, each in tree
     order; a batch never mixes priorities and never holds more than ``limit`` staging bytes.
+
+    ``whole_shards`` (the pinned path): the chunks of one leaf on one device that fit one batch
+    together stay together (a batch may then close early), so the shard moves whole and its
+    chunks are views of it (``pinned_save``). Without it batches are packed as full as they go.
 
     The leaves of a pack (``LeafSpec.packed``) stay together, in the batch of their most
     urgent leaf, in pack order (so a staging slice holds them at their pack offsets), and
     count their pack's bytes twice: a writer that cannot write the pack from staging copies them
     into a pack buffer (``workers.packs.assemble``)."""
-    units: dict = {}   # pack name, or chunk index -> [chunk indices]
-    for i, c in enumerate(plan.chunks):
-        if worker is None or c.worker == worker:
-            packed = plan.leaves[c.leaf].packed
-            units.setdefault(i if packed is None else packed[0], []).append(i)
+    units: dict = {}   # pack name, or first chunk index of a shard's run -> [chunk indices]
+    for key, i in _unit_keys(plan, worker, limit if whole_shards else 0):
+        units.setdefault(key, []).append(i)
     prio = {key: min(priorities[plan.chunks[i].leaf] for i in chunks) for key, chunks in units.items()}
     size = {key: sum(aligned(plan.chunks[i].nbytes) for i in chunks) + _pack_bytes(plan, chunks)
             for key, chunks in units.items()}
     order = sorted(units, key=lambda key: (prio[key], units[key][0]))
     return tuple(Batch(prio[keys[0]], tuple(i for key in keys for i in units[key]), nbytes)
                  for keys, nbytes in pack(order, size.__getitem__, limit, group=prio.__getitem__))
+
+
+def _unit_keys(plan: Plan, worker: int | None, limit: int):
+    """(unit key, chunk index) of ``worker``'s chunks: a pack's leaves are one unit; so are the
+    consecutive chunks of one leaf on one device (a shard cut into chunks, as ``plan_chunks``
+    lists them) where together they fit one batch of ``limit`` bytes (``limit`` 0: never) --
+    the pinned path then moves the shard whole and writes views of it (``pinned_save``), not a
+    device slice per chunk."""
+    run: list[int] = []
+
+    def flush():
+        size = sum(aligned(plan.chunks[i].nbytes) for i in run)
+        for i in run:
+            yield (run[0] if size <= limit else i), i
+
+    for i, c in enumerate(plan.chunks):
+        if worker is not None and c.worker != worker:
+            continue
+        packed = plan.leaves[c.leaf].packed
+        if packed is not None:
+            yield from flush()
+            run = []
+            yield packed[0], i
+            continue
+        if run and (plan.chunks[run[-1]].leaf, plan.chunks[run[-1]].device) != (c.leaf, c.device):
+            yield from flush()
+            run = []
+        run.append(i)
+    yield from flush()
 
 
 def _pack_bytes(plan: Plan, chunks: list[int]) -> int:

@@ -38,8 +38,8 @@ EAGER_CHUNKS = 1 << 16   # a verify of more chunks makes its batches as it reads
 def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futures.Future],
               consume: Callable[[list, object], None], size: Callable[[list], int], progress: Progress,
               phase: str, failure: Callable[[BaseException, list], BaseException], totals: tuple | None = None,
-              again: Callable[[BaseException, list], object] | None = None):
-    """Run ``batches`` through ``submit`` (a future per batch), at most two in flight, and hand
+              again: Callable[[BaseException, list], object] | None = None, depth: int = 2):
+    """Run ``batches`` through ``submit`` (a future per batch), at most ``depth`` in flight, and hand
     each batch's result to ``consume`` in order; count each on ``progress`` (as ``phase``).
 
     Raises ``failure(exc, batch)`` (chained to ``exc``) for the first batch that fails, and
@@ -54,7 +54,7 @@ def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futur
     in_flight: collections.deque = collections.deque()   # (batch, its future)
     pending = iter(batches)
     while True:
-        while len(in_flight) < 2:  # the next one reads meanwhile
+        while len(in_flight) < depth:  # the next ones read meanwhile
             batch = next(pending, None)
             if batch is None:
                 break

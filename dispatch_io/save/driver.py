@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from dispatch_io.save import lookahead
 from dispatch_io import progress as progress_lib
 from dispatch_io.save import finish
 from dispatch_io import tree as tree_lib
@@ -180,22 +181,13 @@ class SaveRun:
                 if self._last_sync < 0:
                     self._sync_finished()
                 writer = self.runner.open_writer(self.commit.target)
-                for k, batch in enumerate(job.batches):
-                    ticket, staging = self.ring.acquire(batch.nbytes, cancelled=self._failed,
-                                                         view=self.runner.host_staging)
-                    if ticket is None:
-                        break
-                    accounted = None
-                    try:
-                        accounted = self._transfer(k, batch, ticket, staging, writer)
-                    finally:
-                        if accounted is None:  # never handed to a writer: nobody else releases it
-                            self.ring.release(ticket)
-                    if accounted is None:
-                        break
-                    writes.append(accounted)
-                    if self._failed() or self.commit.peer_failed():
-                        break
+                ahead = lookahead.Lookahead(self, writer, writes)
+                try:
+                    for k, batch in enumerate(job.batches):
+                        if not ahead.next(k, batch):
+                            break
+                finally:
+                    ahead.drain()
             except BaseException as exc:  # noqa: BLE001 - decided on (and surfaced) below
                 self._fail(exc)
             self._settle(writes)
@@ -252,16 +244,20 @@ class SaveRun:
         be removed."""
         concurrent.futures.wait(writes)
 
-    def _transfer(self, k: int, batch: Batch, ticket: int, staging: np.ndarray, writer
+    def _transfer(self, k: int, batch: Batch, ticket: int, staging: np.ndarray, writer, started=None
                   ) -> concurrent.futures.Future | None:
         """Copy batch ``k`` into its staging slice and hand it to the writer, which releases the
         slice. Returns a future that resolves once the write is accounted for, or None if the
-        copy failed (the error is recorded; the slice is still the caller's)."""
+        copy failed (the error is recorded; the slice is still the caller's). ``started``: the
+        batch's transfers as the runner's ``start_copy`` began them (``lookahead``): awaited here."""
         plan = self.job.plan
         chunks = [plan.chunks[i] for i in batch.chunks]
         t0 = time.perf_counter()
         try:
-            buffers = self.runner.copy_to_host(plan, chunks, self.sources, staging)
+            if started is not None:
+                buffers = started.finish()
+            else:
+                buffers = self.runner.copy_to_host(plan, chunks, self.sources, staging)
         except Exception as exc:  # noqa: BLE001
             self._fail(self._worker_error("copying to host", exc, chunks))
             return None

@@ -4,17 +4,10 @@
   On CPU devices (and for leaves already in a host memory kind) the buffer *is* host memory:
   ``np.asarray`` views it and the one copy is into staging. On accelerators each region is
   sliced on the device, ``copy_to_host_async`` started for all, then copied into staging.
-* :func:`copy_chunks_pinned` (``PINNED``): each chunk ``jax.device_put`` into the
-  ``pinned_host`` memory kind of its device -- every transfer of the batch started before the
-  first is awaited -- and the writers read the pinned buffers as they are (``np.asarray`` of a
-  pinned array is no copy): one copy off the device, at the link's speed (XLA serves pinned
-  buffers from a pool it reuses), and nothing cached on the trainer's arrays. The staging
-  ring only counts these bytes, so pinned bytes in flight stay within the budget.
-
-A chunk that is a whole shard is transferred as it is; a chunk that is part of a shard is
-sliced on the device first: pinning the whole shard and slicing on the host would hold the
-whole shard in pinned memory for one chunk of it, beyond the budget where shards are larger
-than chunks (docs/design.md, "The accelerator path").
+* The pinned path (``PINNED``) is :mod:`dispatch_io.pinned_save`'s: whole shards ``device_put``
+  into the ``pinned_host`` memory kind and written from numpy views of their rows, a device
+  slice (one program per leaf) only for a shard larger than a batch (docs/design.md, "The
+  accelerator path").
 """
 
 from __future__ import annotations
@@ -88,51 +81,4 @@ def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources, staging: n
             np.copyto(dst, np.asarray(piece))
         except Exception as exc:  # noqa: BLE001
             raise ChunkError(spec.keypath, chunk.region, exc) from exc
-    return out
-
-
-def to_pinned(data: jax.Array, local: tuple) -> jax.Array:
-    """A new array holding ``data[local]`` in the ``pinned_host`` memory kind of ``data``'s
-    device, its transfer started (not awaited): the whole of ``data`` as it is, a part sliced
-    on the device first."""
-    whole = all((sl.start or 0) == 0 and (sl.stop is None or sl.stop == n) for sl, n in zip(local, data.shape))
-    piece = data if whole else slice_exact(data, local)
-    return jax.device_put(piece, piece.sharding.with_memory_kind("pinned_host"), may_alias=False)
-
-
-def copy_chunks_pinned(plan: Plan, chunks: Sequence[Chunk], sources) -> list[np.ndarray]:
-    """The pinned path (module doc): the chunks' data on the host, in order -- a chunk that is
-    one device region is its pinned buffer itself; one assembled from several parts (a leaf
-    copied whole) or from host data is a fresh host array. Raises ChunkError naming the chunk
-    whose transfer failed."""
-    out: list = []
-    transfers = []   # (pinned array, index in out, where in out[index] or None: it is out[index])
-    for k, chunk in enumerate(chunks):
-        spec = plan.leaves[chunk.leaf]
-        try:
-            parts = sources.parts(chunk)
-            data, local, within = parts[0]
-            if len(parts) == 1 and not within and not isinstance(data, np.ndarray) and not in_host_memory(data):
-                transfers.append((to_pinned(data, local), k, None, chunk))
-                out.append(None)
-                continue
-            dst = _chunk_view(aligned_empty((chunk.nbytes,), np.uint8), chunk, spec.dtype)
-            out.append(dst)
-            for data, local, within in parts:
-                part = dst[within] if within else dst
-                if isinstance(data, np.ndarray) or in_host_memory(data):
-                    np.copyto(part, np.asarray(data)[local])  # host memory: copied, no device round trip
-                else:
-                    transfers.append((to_pinned(data, local), k, part, chunk))
-        except Exception as exc:  # noqa: BLE001 - any failure is the chunk's, named by its key path
-            raise ChunkError(spec.keypath, chunk.region, exc) from exc
-    for pinned, k, part, chunk in transfers:
-        try:
-            host = np.asarray(pinned)  # waits for this transfer; no copy of pinned memory
-            if part is None:
-                out[k] = host
-            else:
-                np.copyto(part, host)
-        except Exception as exc:  # noqa: BLE001
-            raise ChunkError(plan.leaves[chunk.leaf].keypath, chunk.region, exc) from exc
     return out
