@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import dispatch_io as dio  # noqa: E402
-from dispatch_io.manager.tiers.plan import as_regions  # noqa: E402
+from dispatch_io.manager.tiers.placement import as_regions  # noqa: E402
 from s3_server import free_port  # noqa: E402  (one definition, for jobs and servers)
 
 

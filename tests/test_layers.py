@@ -23,7 +23,7 @@ LAYERS = {
     "dispatch_io.manager": 5,
     "dispatch_io.manager.tiers": 6,
     "dispatch_io.manager.manager": 7, "dispatch_io.manager.reads": 7,
-    "dispatch_io.cli": 8, "dispatch_io.policies": 8, "dispatch_io.manager.policies": 5,
+    "dispatch_io.cli": 8, "dispatch_io.policies": 8, "dispatch_io.manager.step_policies": 5,
 }
 # Subpackages of one layer that must not import each other.
 APART = [("dispatch_io.formats", "dispatch_io.multihost")]

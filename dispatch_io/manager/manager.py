@@ -22,7 +22,7 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
   prove them ours and dead.
 * Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises from its own handle
   and, once, from the next ``save()`` / ``wait()``.
-* ``policies`` decide when to save and what to keep (one answer on every process: ``decisions``); ``preemption``
+* ``step_policies`` decide when to save and what to keep (one answer on every process: ``decisions``); ``preemption``
   says where a preempted job stops; ``retention`` deletes what the keep policy drops, off the save path, never a
   step it did not write. Steps Orbax wrote are listed and restored beside ours (``orbax_items``). A local tier
   (``tiers``) saves, restores and promotes (``promotion``) beside the root. See docs/manager.md.
@@ -41,11 +41,11 @@ from dispatch_io.multihost.coordination import open_room
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import policies, retention, steps
+from dispatch_io.manager import step_policies, retention, root_steps
 from dispatch_io.manager.reads import StepReads, step_number
 from dispatch_io.manager.tiers import local_steps
 from dispatch_io.manager.tiers import promotion
-from dispatch_io.manager.tiers import restore as tier_restore
+from dispatch_io.manager.tiers import tier_restore
 from dispatch_io.manager.tiers import tier as tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
@@ -68,14 +68,14 @@ class CheckpointManager(StepReads):
     design.md "Incremental saves"). Raises ``TypeError`` for a policy used in
     the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad numbers or a keep policy given twice."""
 
-    def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: policies.Policy | None = None,
-                 keep_policy: policies.Policy | None = None, max_to_keep: int | None = None,
+    def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: step_policies.Policy | None = None,
+                 keep_policy: step_policies.Policy | None = None, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, barrier_timeout: float | None = None, clock=time.time,
                  local: tiers.LocalTier | None = None, incremental: bool = False):
-        self.save_policy = policies.check(save_policy, "save")
-        self.keep_policy, self.max_to_keep, self.keep_every_n_steps = policies.keep_policy(
+        self.save_policy = step_policies.check(save_policy, "save")
+        self.keep_policy, self.max_to_keep, self.keep_every_n_steps = step_policies.keep_policy(
             keep_policy, max_to_keep, keep_every_n_steps)
-        policies.check_barrier_timeout(dispatcher, barrier_timeout)
+        step_policies.check_barrier_timeout(dispatcher, barrier_timeout)
         if not callable(clock):
             raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
         self._root = StepRoot.open(root)
@@ -106,7 +106,7 @@ class CheckpointManager(StepReads):
                                  dispatcher.options.barrier_timeout)
             self._decisions = SharedDecisions(room)
             self._last_saved_step = self._latest_persistent()
-            self._last_save = steps.started(self.step_info, self._last_saved_step, self._clock())
+            self._last_save = root_steps.started(self.step_info, self._last_saved_step, self._clock())
             self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
                                                                      self._processes, self._root)
         except BaseException:
@@ -142,7 +142,7 @@ class CheckpointManager(StepReads):
                 return False  # saved already (a resumed loop asks again about the step it restored)
             if policy is None or preempted:
                 return True
-            return policy.should_save(policies.SaveState(step, self._clock(), self._last_save,
+            return policy.should_save(step_policies.SaveState(step, self._clock(), self._last_save,
                                                          self._last_saved_step, preempted))
 
         answer = self._decisions.decide(step, decide) if policy is not None and policy.uses_clock else decide()
@@ -178,7 +178,7 @@ class CheckpointManager(StepReads):
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes, _version())
         persist = force or self.save_policy is None or self._should_persist(step)
         if persist and self.local is not None:  # the root's refusal first: the local save would write before it
-            steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
+            root_steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
         handle = local_steps.save(self.local, step, tree, local, persist, items, info, save_kwargs,  # fast: first
                                   (self._last_saved_step, self._latest_persistent))
         if not persist:
@@ -199,14 +199,14 @@ class CheckpointManager(StepReads):
             self.local, step, path, _version(), self._clock, overwrite=overwrite))
 
     def _persist(self, what: str, step: int, started: float, overwrite: bool, launch) -> SaveHandle:
-        """``launch(path)``, a save of ``step`` to the root (checked first: ``steps.check_new``), after the save
+        """``launch(path)``, a save of ``step`` to the root (checked first: ``root_steps.check_new``), after the save
         in flight; then its retention."""
         with self._save_lock:  # saves from several threads run one after the other; close() waits here
             self._check_usable(what)  # again: close() may have run while this waited for the lock
             self._saving_thread = threading.get_ident()
             try:
                 self._wait_for_save()
-                path = steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
+                path = root_steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
                 handle = launch(path)
                 self._last_save, self._last_saved_step = started, step
                 self._infos.pop(step, None)

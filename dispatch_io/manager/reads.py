@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from dispatch_io.formats.detect import committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
-from dispatch_io.manager import orbax_items, policies, retention, steps
+from dispatch_io.manager import orbax_items, step_policies, retention, root_steps
 from dispatch_io.manager.tiers import local_steps
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager.tiers import placement
 
 
 def step_number(step) -> int:
-    return policies.integer(step, "step", 0, "a non-negative integer")
+    return step_policies.integer(step, "step", 0, "a non-negative integer")
 
 
 class StepReads:
@@ -72,7 +72,7 @@ class StepReads:
         no device). FileNotFoundError if the step is not committed; CheckpointError if its info is malformed."""
         step = self._resolve(step)
         if step not in self._infos:
-            self._infos[step] = steps.read_info(self.step_path(step), step)
+            self._infos[step] = root_steps.read_info(self.step_path(step), step)
         return self._infos[step]
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
@@ -94,9 +94,9 @@ class StepReads:
         newest step of at least ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``:
         :meth:`durability`; without a target: ValueError). Without a local tier, or a step named without a
         target: from the root (the newest persistent step for None). ``verify=True`` checks the restored step's
-        items too (``steps.verify_items``; a local step's: this process's copy's)."""
+        items too (``root_steps.verify_items``; a local step's: this process's copy's)."""
         self._check_usable("restore")
-        tiers_plan.check_durability(durability)
+        placement.check_durability(durability)
         if self.local is not None and item is None and (target is not None or step is None):
             persistent = self.persistent_steps()
             tree, self.last_tier_restore = self.local.restore(
@@ -105,14 +105,14 @@ class StepReads:
             if restore_kwargs.get("verify"):  # its items too, as from the root: the root's, else this process's copy's
                 restored = self.last_tier_restore.step
                 if restored in persistent:
-                    steps.verify_items(self.step_path(restored), restored)
+                    root_steps.verify_items(self.step_path(restored), restored)
                 else:
                     local_steps.verify_items(self.local, restored, self.root)
             return tree
         step = self._resolve(step)
         tree = self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
         if restore_kwargs.get("verify"):  # its items too, each against its CRC-32C
-            steps.verify_items(self.step_path(step), step)
+            root_steps.verify_items(self.step_path(step), step)
         if self.local is not None:  # resuming an older step: the newer local steps are an abandoned history
             self.local.resume(step)
         return tree
@@ -138,10 +138,10 @@ class StepReads:
         if self.local is not None and step not in self.persistent_steps():  # a step the local tier alone holds
             return local_steps.read_item(self.local, step, name, self.root)
         info = None if orbax_items.is_orbax_step(path) else self.step_info(step)
-        return steps.read_item(path, info, name, self._process, self._processes)
+        return root_steps.read_item(path, info, name, self._process, self._processes)
 
     def _pytree_path(self, step: int | None, item: str | None) -> str:
-        return steps.pytree_path(self.step_path(self._resolve(step)), item)
+        return root_steps.pytree_path(self.step_path(self._resolve(step)), item)
 
     def _resolve(self, step: int | None) -> int:
         """``step``, or for None the newest persistent step (FileNotFoundError if there is none)."""

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from absl import logging
 
-from dispatch_io.manager.tiers import parity_plan, plan as tiers_plan
+from dispatch_io.manager.tiers import parity_plan, placement
 from dispatch_io.manager.tiers.parity import PARITY
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import BarrierTimeoutError, CorruptCheckpointError
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import policies
+from dispatch_io.manager import step_policies
 from dispatch_io.manifest import ARRAYS
 from dispatch_io.storage import INFO, MAX_MANIFEST_BYTES, Location, StepRoot
 from dispatch_io.storage.directory import read_regular
@@ -85,16 +85,16 @@ def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dic
     return infos, unreadable
 
 
-def record(step: int, info: dict | None) -> policies.StepRecord:
-    """``step``'s :class:`~dispatch_io.manager.policies.StepRecord` from its local info (None: no
+def record(step: int, info: dict | None) -> step_policies.StepRecord:
+    """``step``'s :class:`~dispatch_io.manager.step_policies.StepRecord` from its local info (None: no
     readable info): its time -- the job-wide ``"time"`` where the job agreed one (a clock-reading keep
     policy in a multi-process job), else its commit time -- and the metrics the local save recorded
     (numbers only)."""
     if info is None:
-        return policies.StepRecord(step)
+        return step_policies.StepRecord(step)
     metrics = info.get("metrics") if isinstance(info.get("metrics"), dict) else {}
     committed = info.get("time", info.get("committed"))
-    return policies.StepRecord(step, committed if type(committed) in (int, float) else None, {
+    return step_policies.StepRecord(step, committed if type(committed) in (int, float) else None, {
         k: float(v) for k, v in metrics.items() if isinstance(k, str) and type(v) in (int, float)})
 
 
@@ -118,7 +118,7 @@ def share_manifest(room, step: int, having: list[int], process: int, read) -> di
 
 
 def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, str]:
-    """{step: durability} of the steps the job can restore whole (``tiers_plan.whole_steps``): ``persistent_steps``
+    """{step: durability} of the steps the job can restore whole (``placement.whole_steps``): ``persistent_steps``
     and the local steps whose every region some process's local copy holds. In a multi-process job every
     process calls it together: one gather, in a named room, of what each process's local steps
     hold, with process 0's listing of the root, so every process gets the same list (as
@@ -127,7 +127,7 @@ def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, s
     mine = {str(step): {"held": info["held"], "shapes": info.get("shapes"), "copies": info.get("copies"),
                         **parity_report(local.root, step, info)} for step, info in infos.items()}
     if local.count == 1:
-        return tiers_plan.whole_steps({local.process: infos}, persistent_steps)
+        return placement.whole_steps({local.process: infos}, persistent_steps)
     template = local.tier.process_path("{process}")
     room = open_room("tiers-steps", template, f"the listing of the steps of the local tier {template}",
                      local.dispatcher.options.barrier_timeout)
@@ -143,7 +143,7 @@ def whole_steps(local: "LocalTiers", persistent_steps: list[int]) -> dict[int, s
         for p, regions in lost.items():
             reports.setdefault(p, {})[step] = {**present, "held": {k: [[list(b) for b in r] for r in sorted(v)]
                                                                    for k, v in regions.items()}}
-    return tiers_plan.whole_steps(reports, persistent)
+    return placement.whole_steps(reports, persistent)
 
 
 def parity_report(root: StepRoot, step: int, info: dict) -> dict:
@@ -232,7 +232,7 @@ def check_save_keywords(dispatcher, save_kwargs: dict):
 
 def durability(local: "LocalTiers | None", step: int, persistent_steps) -> str | None:
     """``"persisted"`` if ``step`` is among ``persistent_steps``, else, if this process's local tier
-    ``local`` has it, ``"replicated k"``, ``"parity k"`` or ``"local"`` (``tiers_plan.durability`` of its
+    ``local`` has it, ``"replicated k"``, ``"parity k"`` or ``"local"`` (``placement.durability`` of its
     copies and parity); None."""
     if step in persistent_steps:
         return "persisted"
@@ -240,7 +240,7 @@ def durability(local: "LocalTiers | None", step: int, persistent_steps) -> str |
     if info is None:
         return None
     parity = parity_report(local.root, step, info)   # "parity k" once its rows committed
-    return tiers_plan.durability(info.get("copies"), False, parity["parity"].get("k") if parity.get("committed") else None)
+    return placement.durability(info.get("copies"), False, parity["parity"].get("k") if parity.get("committed") else None)
 
 
 def read_item(local: "LocalTiers", step: int, name: str, persistent: str):

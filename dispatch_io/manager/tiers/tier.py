@@ -21,13 +21,13 @@ import threading
 
 from absl import logging
 
-from dispatch_io.manager.tiers import plan as tiers_plan
-from dispatch_io.manager import policies, retention
+from dispatch_io.manager.tiers import placement
+from dispatch_io.manager import step_policies, retention
 from dispatch_io.manager.decisions import SharedClock
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.manager.tiers import local_steps
 from dispatch_io.manager.tiers import parity, parity_plan, replicas
-from dispatch_io.manager.tiers import restore as tier_restore
+from dispatch_io.manager.tiers import tier_restore
 from dispatch_io.save import Attachments, SaveHandle
 from dispatch_io.storage import StepRoot
 
@@ -58,8 +58,8 @@ class LocalTier:
     ``replicas``; 0 or None: no parity."""
 
     path: str
-    save_policy: policies.Policy | None = None
-    keep_policy: policies.Policy | None = None
+    save_policy: step_policies.Policy | None = None
+    keep_policy: step_policies.Policy | None = None
     promote: bool = False
     replicas: int = 0
     domains: tuple | None = None
@@ -71,9 +71,9 @@ class LocalTier:
         if "://" in os.fspath(self.path):
             raise ValueError(f"LocalTier({os.fspath(self.path)!r}): the local tier is a directory on each host (a RAM "
                              "disk or local SSD), not a URL; the manager's root is the persistent tier")
-        policies.check(self.save_policy, "save")
-        policies.check(self.keep_policy, "keep")
-        policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
+        step_policies.check(self.save_policy, "save")
+        step_policies.check(self.keep_policy, "keep")
+        step_policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
         if self.parity is not None and (type(self.parity) is not int or self.parity != 0):   # 0 / None: no parity
             parity_plan.check(self.parity, None, self.replicas)   # the job's size: when a manager opens
         if self.domains is not None:
@@ -141,7 +141,7 @@ class LocalTiers:
         if policy is None or (self._last_step is not None and step <= self._last_step):
             return False
         return self._decisions.decide(step, lambda: policy.should_save(
-            policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted)))
+            step_policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted)))
 
     def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
@@ -154,7 +154,7 @@ class LocalTiers:
         started = self._times.time_of(step)
         agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
         info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
-                **agreed, **tiers_plan.local_record(tree, self.process, self.count, moves, self.domains, section),
+                **agreed, **placement.local_record(tree, self.process, self.count, moves, self.domains, section),
                 **(described or {})}
         handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
                                       attachments=Attachments(files or {}, info=info, clock=self._clock), **save_kwargs)
@@ -204,7 +204,7 @@ class LocalTiers:
 
     def restore(self, target, persistent_steps, persistent_path, persistent_display: str, **kwargs):
         """Restore ``target`` through the tiers (every process together): see
-        :meth:`~dispatch_io.manager.tiers.restore.TierRestore.restore`. Returns (tree, stats)."""
+        :meth:`~dispatch_io.manager.tiers.tier_restore.TierRestore.restore`. Returns (tree, stats)."""
         return tier_restore.TierRestore(self).restore(target, persistent_steps, persistent_path, persistent_display,
                                                       **kwargs)
 

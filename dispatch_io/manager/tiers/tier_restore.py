@@ -1,7 +1,7 @@
-"""A restore through the tiers: gather what every process holds, plan (``tiers_plan``), fill.
+"""A restore through the tiers: gather what every process holds, plan (``placement``), fill.
 
 :meth:`TierRestore.restore` gathers, in one named room, the regions each process's local steps hold,
-plans with the pure ``tiers_plan.plan_restore`` and fills the target in at most two scale-out passes
+plans with the pure ``placement.plan_restore`` and fills the target in at most two scale-out passes
 (:class:`_Fill`): the local copies (each holder reads its own; the holders without one receive a
 peer's), then the persistent step for the regions no process has. Each byte of a local copy is read
 once: what a process reads (its own regions, and the copies it reads for others) is checked against
@@ -18,7 +18,7 @@ import jax
 from dispatch_io import reading
 from dispatch_io import restore as restore_lib
 from dispatch_io.multihost import scaleout
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager.tiers import placement
 from dispatch_io import tree as tree_lib
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -67,7 +67,7 @@ class TierRestore:
         are always checked (``checks``: as they are read; a bad region is replaced by the next source),
         persistent ones with ``verify``, and always where the root replaces a bad local region
         (CorruptCheckpointError if it is bad there too).
-        ``durability``: the weakest step it may pick (``tiers_plan.eligible``: ``"replicated"`` skips
+        ``durability``: the weakest step it may pick (``placement.eligible``: ``"replicated"`` skips
         local steps some region of which had one copy; ``"persisted"`` picks a persistent step, read
         from local copies where they have it).
         Then local saves go on after the step on every process, and the first save deletes the newer
@@ -77,12 +77,12 @@ class TierRestore:
         if target is None:
             raise ValueError("a restore through the local tier needs a target with global shardings: they say "
                              "which process holds which region (restore(step, ...) reads the root without one)")
-        tiers_plan.check_durability(durability)
+        placement.check_durability(durability)
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
         infos, unreadable = self.local.infos()
         held = {str(s): info["held"] for s, info in infos.items()}
         parity = {str(s): local_steps.parity_report(self._root, s, info) for s, info in infos.items()}
-        copies = {str(s): tiers_plan.copies_of({**info, **parity[str(s)]}) for s, info in infos.items()}  # as durability=
+        copies = {str(s): placement.copies_of({**info, **parity[str(s)]}) for s, info in infos.items()}  # as durability=
         newest = max(infos, default=None)
         room = saved_as = None
         if self.count > 1:
@@ -92,7 +92,7 @@ class TierRestore:
                 room.set("persistent", list(persistent_steps))
                 room.set("saved_as", self._saved_keypaths(target, names, newest, persistent_steps, persistent_path))
         gathered = _gather(room, "held", self.process, {"held": held, "copies": copies, "parity": parity})
-        reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
+        reports = {p: {int(s): placement.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         self._lost, self._sections = rebuild.augment(gathered, reports, self.count)   # what parity rebuilds
         if room is not None:
             persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
@@ -102,10 +102,10 @@ class TierRestore:
         for r in gathered.values():
             for s, n in r["copies"].items():
                 recorded[int(s)] = min(n, recorded.get(int(s), n))
-        candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
+        candidates = placement.eligible(durability, persistent_steps, recorded)
         if step is not None:
             candidates &= {step}
-        wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
+        wanted = {saved_as.get(k, k): v for k, v in placement.wanted_regions(target, self.count).items()}
         fill = _Fill(self, target, saved_as, persistent_path, outputs_of, verify, room)
         plan = self._plan_and_fill(fill, wanted, reports, persistent_steps, candidates)
         if room is not None:  # not after a failure: the others may never come (the failure is what they raise)
@@ -126,13 +126,13 @@ class TierRestore:
         return result
 
     def _plan_and_fill(self, fill: "_Fill", wanted: dict, reports: dict, persistent_steps, candidates: set):
-        """Plan (``tiers_plan.plan_restore``), check what cannot be checked as it is read, fill; and
+        """Plan (``placement.plan_restore``), check what cannot be checked as it is read, fill; and
         again, every process alike, for the regions a bad copy left out (only those regions, from the
         next source, at the same step -- or, if none has them, everything at an older step). Returns
         the plan of the step filled, or None if no step has every region."""
         todo, allowed, attempt = wanted, candidates, 0
         while True:
-            plan = tiers_plan.plan_restore(todo, reports, persistent_steps, allowed)
+            plan = placement.plan_restore(todo, reports, persistent_steps, allowed)
             if plan is None and todo is not wanted:  # the left-out regions have no other source at that step
                 candidates, todo, allowed = candidates - {fill.step}, wanted, candidates - {fill.step}
                 fill.restart()
@@ -207,7 +207,7 @@ class TierRestore:
                 if route.parts:
                     held[region] = tuple(sorted(set(route.receivers).union(*(procs for _, procs in route.parts))))
                     may[region] = dict(route.parts)
-                elif route.kind == tiers_plan.PEER:  # the reader (a holder or not) delivers it to the receivers
+                elif route.kind == placement.PEER:  # the reader (a holder or not) delivers it to the receivers
                     held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
                     may[region] = (route.reader,)
                 travels = self.process in held.get(region, ())  # a reader gets it with the others
@@ -221,7 +221,7 @@ class TierRestore:
         def routes(index, out):
             held, mine = {}, []
             for region, route in by_leaf[index].items():
-                if route.kind != tiers_plan.PERSISTENT:
+                if route.kind != placement.PERSISTENT:
                     continue
                 if len(route.receivers) > 1:
                     held[region] = route.receivers
@@ -268,7 +268,7 @@ class _Fill:
         """Forget the buffers filled so far (the restore goes on at another step); the counts stay."""
         self.step = self.treedef = self.outputs = self.described = None
 
-    def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
+    def run(self, plan: placement.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
         """Fill the regions ``plan`` routes (every process together): the local pass (if any region
         is read from a local copy: what each process reads of its copy checked as read), then the persistent pass (if a
         region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
@@ -281,12 +281,12 @@ class _Fill:
         by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
         check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy,
                                  reports[self.restore.process].get(plan.step))
-        if any(r.own or r.kind == tiers_plan.PEER for regions in plan.routes.values() for r in regions.values()):
+        if any(r.own or r.kind == placement.PEER for regions in plan.routes.values() for r in regions.values()):
             self._local(plan, by_leaf, reports, copy, check)
-        if plan.regions(tiers_plan.PERSISTENT):
+        if plan.regions(placement.PERSISTENT):
             self._persistent(plan, by_leaf, self.verify or again)
-        self.peer_regions += plan.regions(tiers_plan.PEER)
-        self.persistent_regions += plan.regions(tiers_plan.PERSISTENT)
+        self.peer_regions += plan.regions(placement.PEER)
+        self.persistent_regions += plan.regions(placement.PERSISTENT)
         return check.bad
 
     def _local(self, plan, by_leaf: list, reports: dict, copy, check):
@@ -345,7 +345,7 @@ def _drop(reports: dict, step: int, bad: dict) -> bool:
         held = reports.get(p, {}).get(step)
         if held is None:
             continue
-        for keypath, regions in tiers_plan.as_regions(found).items():
+        for keypath, regions in placement.as_regions(found).items():
             if regions & held.get(keypath, set()):
                 held[keypath] = held[keypath] - regions
                 dropped = True
@@ -359,7 +359,7 @@ def _redo(todo: dict, left_out: dict, routes: dict) -> dict:
     from ``left_out`` (process -> {key path: [region as JSON]}, what each found bad in its copy) and
     the pass's ``routes``: a holder that left its own region out, and the receivers of a region its
     peer route's reader found bad (the reader did not send it)."""
-    found = {p: tiers_plan.as_regions(regions) for p, regions in left_out.items()}
+    found = {p: placement.as_regions(regions) for p, regions in left_out.items()}
     redo: dict = {}
     for keypath, regions in todo.items():
         for region, holders in regions.items():
