@@ -31,6 +31,7 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import threading
 import time
 
@@ -43,9 +44,7 @@ from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager import step_policies, retention, root_steps
 from dispatch_io.manager.reads import StepReads, step_number
-from dispatch_io.manager.tiers import local_steps
 from dispatch_io.manager.tiers import promotion
-from dispatch_io.manager.tiers import tier_restore
 from dispatch_io.manager.tiers import tier as tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
@@ -78,16 +77,14 @@ class CheckpointManager(StepReads):
         step_policies.check_barrier_timeout(dispatcher, barrier_timeout)
         if not callable(clock):
             raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
-        self._root = StepRoot.open(root)
-        self.root = self._root.display
+        step_root = StepRoot.open(root)   # before a dispatcher exists: a bad root leaks none
         self.incremental = incremental  # persistent saves store unchanged chunks by reference (dispatch_io.incremental)
         self._owns_dispatcher = dispatcher is None
         if dispatcher is None:
             extra = {} if barrier_timeout is None else {"barrier_timeout": barrier_timeout}
             dispatcher = LocalDispatcher(**extra)
-        self.dispatcher = dispatcher
-        self._clock = clock
-        self._process, self._processes = jax.process_index(), jax.process_count()
+        super().__init__(step_root, dispatcher, self.keep_policy, clock, jax.process_index(),
+                         jax.process_count(), self._check_usable)
         self._leader = self._process == 0
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()
@@ -96,7 +93,6 @@ class CheckpointManager(StepReads):
         self._saving_thread: int | None = None                   # the thread inside save(), if any
         self._unreported: BaseException | None = None            # a failure not raised by save()/wait() yet
         self._closed = False
-        self._infos: dict[int, info_lib.StepInfo] = {}           # step info read, per committed step
         try:  # what can fail (the store, another process, a bad local tier) before threads exist
             if self._leader:
                 self._root.remove_leftovers()
@@ -117,7 +113,6 @@ class CheckpointManager(StepReads):
         self._decision: tuple[int, bool] | None = None           # should_save's last answer
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-retention")
-        self.last_tier_restore: tier_restore.TierRestoreStats | None = None  # what restore() through the tiers did
 
     # ---- policies ------------------------------------------------------------------------------
 
@@ -173,14 +168,22 @@ class CheckpointManager(StepReads):
         step = step_number(step)
         self._check_usable("save")
         self._check_not_inside_save("save")
-        local_steps.check_save_keywords(self.dispatcher, save_kwargs)
+        _check_save_keywords(self.dispatcher, save_kwargs)
         files, index = items_lib.files(items, self._process, checksums=self.dispatcher.options.checksums)
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes, _version())
         persist = force or self.save_policy is None or self._should_persist(step)
         if persist and self.local is not None:  # the root's refusal first: the local save would write before it
             root_steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
-        handle = local_steps.save(self.local, step, tree, local, persist, items, info, save_kwargs,  # fast: first
-                                  (self._last_saved_step, self._latest_persistent))
+        if local is not None and not isinstance(local, bool):
+            raise TypeError(f"save(local={local!r}): True, False or None")
+        if self.local is None:
+            if local:
+                raise ValueError("save(local=True) on a CheckpointManager without a local tier "
+                                 "(pass local=dio.LocalTier(...))")
+            handle = None
+        else:  # fast: first
+            handle = self.local.save_with(step, tree, local, persist, items, info, save_kwargs,
+                                          (self._last_saved_step, self._latest_persistent))
         if not persist:
             return handle
         if handle is not None and self.local.tier.promote:  # the root's copy from the local one: one device copy
@@ -313,6 +316,14 @@ class CheckpointManager(StepReads):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_save_keywords(dispatcher, save_kwargs: dict):
+    """TypeError for a keyword ``Dispatcher.save`` does not take, before (and whether or not) anything is saved."""
+    try:
+        inspect.signature(dispatcher.save).bind(None, None, **save_kwargs)
+    except TypeError as exc:
+        raise TypeError(f"CheckpointManager.save(): {exc} (its keywords are Dispatcher.save's)") from None
 
 
 def _version() -> str:

@@ -6,7 +6,8 @@ Pure plans first, then the runtime that uses them:
 * ``replica_plan``: which peers keep copies of which regions (pure);
 * ``parity_plan``: who keeps the XOR of whose pieces, and what a lost process is rebuilt from (pure);
 * ``promote_plan``: a persistent step assembled from the local copies (pure);
-* ``local_steps``: what local steps hold on disk, and the job-wide view of them;
+* ``local_steps``: what this process's local steps hold on disk (plain values, no tier);
+* ``job_steps``: what the job agrees about them (one gather per question);
 * ``packed_rows``: packing shards of many leaves into rows that travel in one collective;
 * ``replicas``: moving regions to the peers that keep their copies;
 * ``parity``: making each process's parity rows on the devices at a local save;

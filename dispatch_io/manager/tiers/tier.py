@@ -25,7 +25,8 @@ from dispatch_io.manager.tiers import placement
 from dispatch_io.manager import step_policies, retention
 from dispatch_io.manager.decisions import SharedClock
 from dispatch_io.multihost.coordination import open_room
-from dispatch_io.manager.tiers import local_steps
+from dispatch_io.manager import items as items_lib
+from dispatch_io.manager.tiers import job_steps, local_steps
 from dispatch_io.manager.tiers import parity, parity_plan, replicas
 from dispatch_io.manager.tiers import tier_restore
 from dispatch_io.save import Attachments, SaveHandle
@@ -93,7 +94,7 @@ class LocalTiers:
         self.root = StepRoot.open(self.path)
         self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
         newest = max(local_steps.read_steps(self.root, self._owner)[0], default=None)
-        hosts, self._last_step = local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
+        hosts, self._last_step = job_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
                                                          dispatcher.options.barrier_timeout, newest)
         self.domains, self._orders = replicas.placement(tier, hosts, count)
         self._ring = parity.placement(tier.parity, self.domains, count) if tier.parity else None
@@ -132,8 +133,31 @@ class LocalTiers:
 
     def whole_steps(self, persistent_steps: list[int]) -> dict[int, str]:
         """{step: durability} of the steps the job can restore whole, persistent or local
-        (``local_steps.whole_steps``: every process together, the same answer everywhere)."""
-        return local_steps.whole_steps(self, persistent_steps)
+        (``job_steps.whole_steps``: every process together, the same answer everywhere)."""
+        return job_steps.whole_steps(self.root, self.infos()[0], self.process, self.count,
+                                     self.tier.process_path("{process}"), self.dispatcher.options.barrier_timeout,
+                                     persistent_steps)
+
+    def durability(self, step: int) -> str | None:
+        """What this process's local copy of ``step`` says of its durability (``local_steps.durability``:
+        ``"replicated k"``, ``"parity k"``, ``"local"``); None if it has no copy."""
+        info = self.infos()[0].get(step)
+        return None if info is None else local_steps.durability(self.root, step, info)
+
+    def read_item(self, step: int, name: str, persistent: str):
+        """Item ``name`` of ``step`` from this process's local copy (a step the persistent root
+        ``persistent`` does not hold); raises as ``local_steps.read_item``."""
+        return local_steps.read_item(self.root, step, self.infos()[0].get(step), name, self.process, self.count,
+                                     persistent)
+
+    def verify_items(self, step: int, persistent: str) -> int:
+        """Read and check (against their CRC-32Cs, where saved with them) the item files of this
+        process's copy of local ``step``; how many. Raises as :meth:`read_item`."""
+        info = self.infos()[0].get(step)
+        names = list((info or {}).get("items") or ())
+        for name in names:
+            local_steps.read_item(self.root, step, info, name, self.process, self.count, persistent)
+        return len(names)
 
     def should_save(self, step: int, preempted: bool = False) -> bool:
         """Whether the local save policy saves ``step`` (never a step not newer than the last)."""
@@ -142,6 +166,33 @@ class LocalTiers:
             return False
         return self._decisions.decide(step, lambda: policy.should_save(
             step_policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted)))
+
+    def save_with(self, step: int, tree, forced: bool | None, persist: bool, items, info: dict, save_kwargs: dict,
+                  root_latest=None) -> SaveHandle | None:
+        """The local tier's part of a manager's ``save()`` of ``step``: its handle, or None if the
+        tier does not save it. ``forced``: the ``save(local=)`` argument (None: the save policy
+        decides); ``persist``: whether the root saves it too. If either tier saves, the local steps
+        from ``step`` on are deleted first (:meth:`drop_from`). Saves this process's regions of
+        ``tree``, its item files (its own PerProcess values and every Json item:
+        ``items.files(own_step=True)``), and the step info's items, metrics and metadata (``info``,
+        as ``info.make`` gives it). ValueError for a local save alone of a step the root holds one
+        as new as (``root_latest``: (the newest step the manager saw persisted, a call listing the
+        root's newest)): the root's would be of the history before a rollback, and a restore could
+        mix them."""
+        saves = self.should_save(step) if forced is None else forced
+        if saves and not persist and root_latest and root_latest[0] is not None and step <= root_latest[0]:
+            newest = root_latest[1]()   # listed only then: the manager's view may be stale
+            if newest is not None and step <= newest:
+                raise ValueError(f"cannot save step {step} in the local tier alone: the root holds step {newest}, of "
+                                 f"the history before a rollback, which a restore could mix with it; remove the "
+                                 f"root's steps from {step} on first, or save the step to both tiers")
+        if saves or persist:
+            self.drop_from(step)
+        if not saves:
+            return None
+        checksums = any(entry.get("crc32c") for entry in info["items"].values())  # as the root's step says
+        return self.save(step, tree, items_lib.files(items, self.process, own_step=True, checksums=checksums)[0],
+                         {k: info[k] for k in ("items", "metrics", "metadata")}, **save_kwargs)
 
     def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
@@ -204,9 +255,20 @@ class LocalTiers:
 
     def restore(self, target, persistent_steps, persistent_path, persistent_display: str, **kwargs):
         """Restore ``target`` through the tiers (every process together): see
-        :meth:`~dispatch_io.manager.tiers.tier_restore.TierRestore.restore`. Returns (tree, stats)."""
-        return tier_restore.TierRestore(self).restore(target, persistent_steps, persistent_path, persistent_display,
-                                                      **kwargs)
+        :meth:`~dispatch_io.manager.tiers.tier_restore.TierRestore.restore`. Returns (tree, stats).
+        Then local saves go on after the step restored, on every process (:meth:`resume`); if no
+        step was whole and none was named, from scratch."""
+        restore = tier_restore.TierRestore(self.dispatcher, self.root, self.path, self.tier.process_path("{process}"),
+                                           self.process, self.count)
+        try:
+            tree, stats = restore.restore(target, self.infos(), persistent_steps, persistent_path, persistent_display,
+                                          **kwargs)
+        except tier_restore.NoWholeStep:
+            if kwargs.get("step") is None:  # the job starts afresh: local saves from step 0 on, on every process alike
+                self.resume(None)
+            raise
+        self.resume(stats.step)
+        return tree, stats
 
     def abandoned(self, step: int) -> bool:
         """Whether local ``step`` is newer than the step the job goes on from (after a rollback, or
@@ -216,7 +278,7 @@ class LocalTiers:
     def resume(self, step: int | None):
         """After a restore of ``step`` (through the tiers or of a named step, onto any mesh): local
         saves go on after ``step`` -- and the first save of the resumed history (either tier)
-        deletes the local steps it makes stale (``local_steps.prepare_save``); until then a restore
+        deletes the local steps it makes stale (:meth:`save_with`); until then a restore
         deletes nothing. The same on every process, whatever each one's local directory holds (a
         per-process answer would make ``should_save`` differ: with replicas, a hang). None: no step
         was whole anywhere, the job starts afresh."""
