@@ -2,8 +2,9 @@
 
 Each process's local steps are its own (``local_steps``); these answers are the job's, the same on
 every process: whether two processes would share a directory and where the job goes on from
-(:func:`check_apart`), which local steps the job can restore whole (:func:`whole_steps`), and a
-step's manifest for the processes without a copy (:func:`share_manifest`). Every function takes
+(:func:`check_apart`), which local steps the job can restore whole (:func:`whole_steps`), whether
+every process committed a local save (:class:`SaveAgreement`), and a step's manifest for the
+processes without a copy (:func:`share_manifest`). Every function takes
 plain values (the tier's path template, this process's infos, the barrier timeout) and calls
 nothing of the tier; every process of the job calls it together.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import socket
 
-from dispatch_io.errors import BarrierTimeoutError
+from dispatch_io.errors import BarrierTimeoutError, CheckpointError
 from dispatch_io.manager.tiers import local_steps, parity_plan, placement
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.storage import StepRoot
@@ -96,3 +97,63 @@ def check_apart(template: str, path: str, process: int, count: int, timeout: flo
         seen[where] = p
     steps = [places[p][2] for p in range(count) if isinstance(places[p][2], int)]
     return [places[p][0] for p in range(count)], max(steps, default=None)
+
+
+class LocalSaveError(CheckpointError):
+    """A local save did not commit on every process of the job: ``processes`` lists those whose save
+    (their share, parity rows or replicas) failed. The step is not whole job-wide."""
+
+    def __init__(self, message, *, processes=()):
+        self.processes = sorted(processes)
+        super().__init__(message)
+
+
+class SaveAgreement:
+    """Whether every process of the job committed a local step, agreed through the coordination
+    service: a process's commit alone says nothing of the job's (a step is whole only if every
+    process's share -- with its parity rows or replicas -- is there). One room for the tier's
+    lifetime (every process opens it together, :meth:`open`); each local save is one gather of one
+    report per process, in step order (every process takes the same local saves)."""
+
+    def __init__(self, room):
+        self.room = room
+        self._agreed: int | None = None   # the last step agreed: its keys go once the next is
+
+    @classmethod
+    def open(cls, template: str, count: int, timeout: float) -> "SaveAgreement":
+        """The agreement of the local tier ``template`` in a job of ``count`` processes (alone: no room)."""
+        if count == 1:
+            return cls(None)
+        return cls(open_room("tiers-whole", template, f"the local saves of the local tier {template}", timeout))
+
+    def report(self, step: int, process: int, error: BaseException | None):
+        """Publish whether this process committed local ``step`` (``error``: why not), without waiting."""
+        if self.room is not None:
+            self.room.set(f"saved/{step}/{process}", None if error is None else f"{type(error).__name__}: {error}")
+
+    def agree(self, step: int, process: int, error: BaseException | None):
+        """Report (:meth:`report`) and wait for every process's report of ``step``; returns once every
+        process committed it (the step is whole job-wide). Otherwise every process that tries the
+        save fails, and none counts it whole: BarrierTimeoutError naming the processes that did not
+        report within the barrier timeout (dead, or stuck); :class:`LocalSaveError` naming those
+        whose save failed. This process's own failure (``error``) is the cause of either; alone in
+        the job, it is raised as it is."""
+        self.report(step, process, error)
+        if self.room is None:
+            if error is not None:
+                raise error
+            return
+        try:
+            reports = self.room.gather(f"saved/{step}", doing=f"report their local save of step {step} to",
+                                       together=False)
+        except BarrierTimeoutError as exc:
+            raise exc from error
+        failed = {p: why for p, why in sorted(reports.items()) if why is not None}
+        if failed:
+            raise LocalSaveError(f"local step {step} is not whole in the job: its save failed on process(es) "
+                                 f"{sorted(failed)} ({'; '.join(f'{p}: {why}' for p, why in failed.items())})",
+                                 processes=list(failed)) from error
+        if self.room.leader and self._agreed is not None:   # every process reported step, so read the last
+            for key in (f"saved/{self._agreed}/", f"arrived/saved/{self._agreed}", f"complete/saved/{self._agreed}"):
+                self.room.client.key_value_delete(f"{self.room.prefix}/{key}")   # gather's keys of that step
+        self._agreed = step

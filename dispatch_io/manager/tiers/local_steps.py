@@ -136,3 +136,19 @@ def read_item(root: StepRoot, step: int, info: dict | None, name: str, process: 
                        f"(it has: {', '.join(sorted(entries)) or 'none'})")
     location = Location.parse(path)
     return items_lib.read(lambda key: location.read_file(ARRAYS + key), name, entry, step, process, count, path)[2]
+
+
+def set_durability(root: StepRoot, step: int, durability: str):
+    """Record ``durability`` in the info of this process's local ``step`` under ``root`` (once the job
+    agreed what it reached: a save records no more than its own commit proves). Written beside it
+    and renamed over it, so a crash leaves the old info or the new one, never a torn one."""
+    path = os.path.join(root.step_path(step), INFO)
+    with open(path) as f:
+        info = json.load(f)
+    info["durability"] = durability
+    writing = path + ".writing"
+    with open(writing, "w") as f:
+        json.dump(info, f, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(writing, path)

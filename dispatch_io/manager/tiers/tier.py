@@ -29,6 +29,7 @@ from dispatch_io.manager import items as items_lib
 from dispatch_io.manager.tiers import job_steps, local_steps
 from dispatch_io.manager.tiers import parity, parity_plan, replicas
 from dispatch_io.manager.tiers import tier_restore
+from dispatch_io.errors import CheckpointError
 from dispatch_io.save import Attachments, SaveHandle
 from dispatch_io.storage import StepRoot
 
@@ -100,6 +101,9 @@ class LocalTiers:
         self._ring = parity.placement(tier.parity, self.domains, count) if tier.parity else None
         self._decisions = replicas.decisions(tier, count, dispatcher.options.barrier_timeout)
         self._times = self._shared_clock()
+        self._agreement = job_steps.SaveAgreement.open(tier.process_path("{process}"), count,
+                                                       dispatcher.options.barrier_timeout)
+        self.whole: int | None = None      # the newest local step the job agreed whole (every process committed it)
         self.root.remove_leftovers()
         local_steps.read_steps(self.root, self._owner, remove=True)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
@@ -198,43 +202,65 @@ class LocalTiers:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
         flight), and the regions of peers it keeps replicas of (``LocalTier.replicas``), with ``files``
         (its item files, ``items.files(own_step=True)``) and ``described`` (the step info's items,
-        metrics and metadata); retention of local steps follows its commit, on the tier's thread."""
+        metrics and metadata). On the tier's thread, once it committed (with its parity rows), the job
+        agrees whether every process did (:meth:`_finish`); only then does the step count as whole
+        and retention run. A failure here is reported to the others first; one of the save itself
+        (a CheckpointError) is raised as the agreement's (``job_steps.SaveAgreement.agree``)."""
         self.wait()
-        moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
-        rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
-        started = self._times.time_of(step)
-        agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
-        info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
-                **agreed, **placement.local_record(tree, self.process, self.count, moves, self.domains, section),
-                **(described or {})}
-        handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
-                                      attachments=Attachments(files or {}, info=info, clock=self._clock), **save_kwargs)
+        try:
+            moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
+            rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
+            started = self._times.time_of(step)
+            agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
+            record = placement.local_record(tree, self.process, self.count, moves, self.domains, section)
+            if section is not None:   # "parity k" once every process's rows committed (_finish), not before
+                record["durability"] = placement.durability(record.get("copies"), False)
+            info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
+                    **agreed, **record, **(described or {})}
+            handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
+                                          attachments=Attachments(files or {}, info=info, clock=self._clock),
+                                          **save_kwargs)
+        except CheckpointError as exc:   # the save itself failed (e.g. an exchange with a dead peer): as in _finish
+            self._agreement.agree(step, self.process, exc)   # raises, naming the processes missing or failed
+            raise
+        except Exception as exc:   # the caller's (a bad tree or keyword): the others fail at once, naming this process
+            self._agreement.report(step, self.process, exc)
+            raise
         self._last_step, self._last_save, self._afresh = step, info["started"], False
         with self._lock:
-            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows)
+            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows,
+                                                  section and section.get("k"))
         return handle
 
-    def _finish(self, handle: SaveHandle, now: float | None, step: int, rows: dict):
-        """On the tier's thread: wait for the save (its failure is raised by :meth:`wait`), save its
-        parity ``rows`` (``parity.encode``) as the step's nested checkpoint (a failure is logged: the
-        step then has no parity from this process), then delete the local steps the keep policy drops
-        (logged, never raised: the save committed). ``now``: the save's job-wide time, if agreed (the
-        policy then sees the same on every process)."""
-        handle.wait()
-        if rows:
-            try:
+    def _finish(self, handle: SaveHandle, now: float | None, step: int, rows: dict, k: int | None):
+        """On the tier's thread: wait for the save and save its parity ``rows`` (``parity.encode``) as
+        the step's nested checkpoint; then agree with the other processes whether every one committed
+        the step (``job_steps.SaveAgreement``: a failure anywhere, or a process that does not report
+        within the barrier timeout, is raised here -- by :meth:`wait` -- naming the processes, and the
+        step is not whole). Once whole: its info says ``"parity k"`` (its rows and every other
+        process's committed), and the local steps the keep policy drops are deleted -- never the
+        step just agreed whole (logged, never raised: the save committed). ``now``: the save's
+        job-wide time, if agreed (the policy then sees the same on every process)."""
+        error = None
+        try:
+            handle.wait()
+            if rows:
                 self.dispatcher.save(os.path.join(self.root.step_path(step), parity.PARITY), rows, own=True,
                                      overwrite=True).wait()
-            except Exception:  # noqa: BLE001 - logged; the step stands, without parity from this process
-                logging.exception("dispatch_io: the parity rows of local step %s were not saved",
-                                  self.root.step_path(step))
+        except Exception as exc:  # noqa: BLE001 - reported to the job, then raised (SaveAgreement.agree)
+            error = exc
+        self._agreement.agree(step, self.process, error)
+        self.whole = step
+        if k:
+            local_steps.set_durability(self.root, step, placement.durability(None, False, k))
         if self.tier.keep_policy is None:
             return
         try:
             infos = self.infos()[0]
             records = [local_steps.record(s, infos.get(s)) for s in self.root.committed_steps()]
             dropped = retention.steps_to_delete(records, self.tier.keep_policy, self._clock() if now is None else now)
-            retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting], lambda step: None)
+            retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting and s != self.whole],
+                                     lambda step: None)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
             logging.exception("dispatch_io: retention of the local tier %s failed", self.path)
 
