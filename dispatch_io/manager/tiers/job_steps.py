@@ -126,6 +126,15 @@ class SaveAgreement:
             return cls(None)
         return cls(open_room("tiers-whole", template, f"the local saves of the local tier {template}", timeout))
 
+    def begin(self, step: int, process: int):
+        """Wait until every process has come to its local save of ``step``: before the save's
+        collectives (a replica exchange, parity's), which with a dead peer may fail or hang in the
+        runtime (not ours to bound). BarrierTimeoutError naming the processes that did not come
+        within the barrier timeout."""
+        if self.room is not None:
+            self.room.set(f"begun/{step}/{process}", True)
+            self.room.gather(f"begun/{step}", doing=f"come to their local save of step {step} for", together=False)
+
     def report(self, step: int, process: int, error: BaseException | None):
         """Publish whether this process committed local ``step`` (``error``: why not), without waiting."""
         if self.room is not None:
@@ -154,6 +163,7 @@ class SaveAgreement:
                                  f"{sorted(failed)} ({'; '.join(f'{p}: {why}' for p, why in failed.items())})",
                                  processes=list(failed)) from error
         if self.room.leader and self._agreed is not None:   # every process reported step, so read the last
-            for key in (f"saved/{self._agreed}/", f"arrived/saved/{self._agreed}", f"complete/saved/{self._agreed}"):
-                self.room.client.key_value_delete(f"{self.room.prefix}/{key}")   # gather's keys of that step
+            for phase in (f"saved/{self._agreed}", f"begun/{self._agreed}"):   # gather's keys of that step
+                for key in (f"{phase}/", f"arrived/{phase}", f"complete/{phase}"):
+                    self.room.client.key_value_delete(f"{self.room.prefix}/{key}")
         self._agreed = step

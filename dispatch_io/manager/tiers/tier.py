@@ -207,6 +207,8 @@ class LocalTiers:
         and retention run. A failure here is reported to the others first; one of the save itself
         (a CheckpointError) is raised as the agreement's (``job_steps.SaveAgreement.agree``)."""
         self.wait()
+        if self.tier.replicas or self._ring:   # the job is all here before its collectives (not after a death)
+            self._agreement.begin(step, self.process)
         try:
             moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
             rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
