@@ -254,7 +254,11 @@ class LocalTiers:
         self._agreement.agree(step, self.process, error)
         self.whole = step
         if k:
-            local_steps.set_durability(self.root, step, placement.durability(None, False, k))
+            try:
+                local_steps.set_durability(self.root, step, placement.durability(None, False, k))
+            except (OSError, ValueError) as exc:   # the info then understates it ("local"): logged, not failed
+                logging.warning("dispatch_io: the info of local step %s still says \"local\": %s",
+                                self.root.step_path(step), exc)
         if self.tier.keep_policy is None:
             return
         try:
