@@ -11,6 +11,9 @@ processes [...]: <message>`` where the save or its wait raised). At step 9 each 
 ``step 9`` and waits for the file ``ROOT/../go`` (the test SIGKILLs process 1 first); at the end it
 prints ``local steps [...]``, ``durability {step: what its info.json says}`` and ``trained``, then waits to be
 killed (a job with a dead process cannot shut down together).
+PHASE ``rowsfail`` (MODE ``parity``, nobody killed): as ``train`` without the wait at step 9, but
+process 2's parity rows of step 10 fail to save (a full disk, say); prints the same, then ``steps
+{step: durability}`` (the job's listing) and ends.
 PHASE ``resume``: prints ``latest N`` (``latest_step()``), restores it through the tiers and prints
 ``resumed STEP exact BOOL`` (bit for bit against the state of that step).
 """
@@ -36,10 +39,18 @@ tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=pol
                      domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 mgr = dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(100), local=tier)
-if phase == "train":
+if phase == "rowsfail" and process == 2:
+    save = dispatcher.save
+
+    def failing_rows(path, *args, **kwargs):
+        if path.endswith(os.path.join("10", "parity")):
+            raise dio.CheckpointError(f"{path}: no space left (the test's)")
+        return save(path, *args, **kwargs)
+    dispatcher.save = failing_rows
+if phase in ("train", "rowsfail"):
     go = os.path.join(os.path.dirname(os.path.abspath(root)), "go")
     for step in range(14):
-        if step == 9:
+        if step == 9 and phase == "train":
             print("step 9", flush=True)
             while not os.path.exists(go):
                 time.sleep(0.05)
@@ -55,7 +66,13 @@ if phase == "train":
     infos = mgr.local.infos()[0]
     print(f"durability {json.dumps({s: i.get('durability') for s, i in sorted(infos.items())})}", flush=True)
     print("trained", flush=True)
-    time.sleep(600)   # killed here
+    if phase == "train":
+        time.sleep(600)   # killed here
+    print(f"steps {mgr.steps()}", flush=True)
+    mgr.close()
+    dispatcher.close()
+    jax.distributed.shutdown()
+    sys.exit(0)
 latest = mgr.latest_step()
 print(f"latest {latest}", flush=True)
 restored = mgr.restore(None, STATE.target(mesh))

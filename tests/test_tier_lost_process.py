@@ -61,3 +61,19 @@ def test_survivors_of_a_killed_process_keep_the_newest_whole_step_and_resume_it(
     for out in outs:
         assert re.search(r"^latest 8$", out, re.M), out
         assert re.search(r"^resumed 8 exact True$", out, re.M), out
+
+
+def test_parity_rows_that_fail_on_one_process_fail_the_save_everywhere_and_claim_nothing(tmp_path):
+    """Nobody dies, but process 2's parity rows of step 10 fail to save (a full disk): the save of step 10
+    fails on every process, naming process 2 (not logged and counted), every process's info.json of
+    step 10 says "local" (its parity never completed job-wide) and the job lists it "local", while step
+    12, whose rows all committed, says "parity 2"; retention ran again only once step 12 was whole."""
+    outs = finish_job(start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}",
+                                                         "parity", "rowsfail"], barrier_timeout=BARRIER), limit=240)
+    for out in outs:
+        assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8", "12"], out
+        failed = re.findall(r"^failed (\d+) (\w+) processes (.*?):", out, re.M)
+        assert failed == [("10", "LocalSaveError", "[2]")], out    # process 2's own error is its cause
+        durability = json.loads(re.search(r"^durability (\{.*\})$", out, re.M)[1])
+        assert durability == {"10": "local", "12": "parity 2"}, out
+        assert re.search(r"^steps \{0: 'persisted', 10: 'local', 12: 'parity 2'\}$", out, re.M), out
