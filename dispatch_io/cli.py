@@ -97,7 +97,7 @@ def inspect_root(steps: list[tuple[int, str]], as_json: bool) -> int:
     import datetime
     import dataclasses
 
-    from dispatch_io.manager.steps import read_info
+    from dispatch_io.manager.root_steps import read_info
 
     infos = [read_info(path, step) for step, path in steps]
     if as_json:
@@ -217,7 +217,7 @@ def verify(path: str, budget_mib: int = 256, verbose: bool = False) -> int:
     """``Dispatcher.verify``, then a manager step's items (``steps.verify_items``): chunk by chunk, so memory stays within the budget whatever the
     checkpoint's size (progress on stderr when it is a terminal); ``verbose``: with the causes."""
     import dispatch_io as dio
-    from dispatch_io.manager.steps import verify_items
+    from dispatch_io.manager.root_steps import verify_items
 
     _open(path)  # an unusable path is exit status 2, before reading
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20) as dispatcher:

@@ -31,7 +31,7 @@ SUPPORT = [JOBS, os.path.join(TESTS, "servers"), os.path.join(TESTS, "helpers")]
 sys.path[:0] = [folder for folder in SUPPORT if folder not in sys.path]
 
 import dispatch_io as dio  # noqa: E402
-from dispatch_io.manager.tiers.plan import as_regions  # noqa: E402
+from dispatch_io.manager.tiers.placement import as_regions  # noqa: E402
 from s3_server import free_port  # noqa: E402  (one definition, for jobs and servers)
 
 

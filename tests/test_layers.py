@@ -24,7 +24,7 @@ LAYERS = {
     "dispatch_io.formats": 6, "dispatch_io.multihost": 6,
     "dispatch_io.dispatcher": 7, "dispatch_io.read_api": 7, "dispatch_io.colocated": 7, "dispatch_io.sharding": 7,
     "dispatch_io.options": 7, "dispatch_io.runner": 7,
-    "dispatch_io.manager": 8, "dispatch_io.manager.policies": 8,
+    "dispatch_io.manager": 8, "dispatch_io.manager.step_policies": 8,
     "dispatch_io.manager.tiers": 9,
     "dispatch_io.manager.manager": 10, "dispatch_io.manager.reads": 10,
     "dispatch_io": 11, "dispatch_io.cli": 11, "dispatch_io.policies": 11,

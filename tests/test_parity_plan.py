@@ -6,7 +6,7 @@ import collections
 import pytest
 
 from dispatch_io.manager.tiers import parity_plan as pp
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager.tiers import placement
 
 
 def test_the_ring_interleaves_failure_domains():
@@ -74,13 +74,13 @@ def test_rebuilt_steps_make_a_step_whole_with_its_parity_durability():
                for p, r in _reports(4, 2, {1}).items()}
     rebuilt = pp.rebuilt_steps(reports, 4)
     assert rebuilt == {8: {1: {"w": {((2, 4),)}}}}
-    assert tiers_plan.whole_steps(reports, []) == {}                  # without the rebuild: w[2:4] is lost
+    assert placement.whole_steps(reports, []) == {}                  # without the rebuild: w[2:4] is lost
     reports[1] = {8: {**reports[0][8], "held": {"w": [[[2, 4]]]}}}
-    assert tiers_plan.whole_steps(reports, []) == {8: "parity 2"}
-    assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of(reports[0][8])}) == {8}
-    assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of({"copies": 1})}) == set()
+    assert placement.whole_steps(reports, []) == {8: "parity 2"}
+    assert placement.eligible("replicated", [], {8: placement.copies_of(reports[0][8])}) == {8}
+    assert placement.eligible("replicated", [], {8: placement.copies_of({"copies": 1})}) == set()
     # parity rows that never committed (killed between the step's commit and theirs): no second copy
-    assert tiers_plan.eligible("replicated", [], {8: tiers_plan.copies_of({**reports[0][8], "committed": False})}) == set()
+    assert placement.eligible("replicated", [], {8: placement.copies_of({**reports[0][8], "committed": False})}) == set()
 
 
 def test_storage_per_process_is_its_share_and_one_kth_of_its_rows():
@@ -119,6 +119,6 @@ def test_choices_it_cannot_keep_are_refused_by_name():
 def test_a_step_whose_parity_did_not_commit_everywhere_is_not_called_parity():
     reports = {p: {8: {**r, "held": {"w": [[[2 * p, 2 * p + 2]]]}, "shapes": {"w": [8]}, "copies": 1}}
                for p, r in _reports(4, 2, set(), committed={0, 1, 2}).items()}
-    assert tiers_plan.whole_steps(reports, []) == {8: "local"}
+    assert placement.whole_steps(reports, []) == {8: "local"}
     reports[3][8]["committed"] = True
-    assert tiers_plan.whole_steps(reports, []) == {8: "parity 2"}
+    assert placement.whole_steps(reports, []) == {8: "parity 2"}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dispatch_io import policies as P
-from dispatch_io.manager.policies import SaveState, StepRecord, check, keep_policy
+from dispatch_io.manager.step_policies import SaveState, StepRecord, check, keep_policy
 from dispatch_io.manager.retention import steps_to_delete
 
 

@@ -133,13 +133,15 @@ def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persis
 
 
 def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_path):
-    """Process 1 is SIGKILLed mid local save of step 10 (the others commit theirs): its step 10 never
-    commits and its leftovers are removed on restart; step 10 is still whole through process 3."""
+    """Process 1 is SIGKILLed mid local save of step 10 (the others commit theirs, and their save fails
+    naming process 1: the job never agreed the step, so their retention keeps what they had): its step 10
+    never commits and its leftovers are removed on restart; step 10's regions are still all held, process
+    1's through process 3, so the restart resumes it."""
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
     procs = _start(root, local, "die")
     try:
         assert procs[1].wait(timeout=LIMIT) == -signal.SIGKILL
-        wait_for([procs[i] for i in (0, 2, 3)], "saved 10")
+        wait_for([procs[i] for i in (0, 2, 3)], "failed 10 processes [1]")
     finally:
         kill_job(procs)
     out = procs[1].stdout.read()

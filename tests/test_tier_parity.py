@@ -141,7 +141,7 @@ def test_a_rebuild_goes_row_group_by_row_group(tmp_path):
 def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact():
     """One parity row of leaves of every kind -- bfloat16, bool, int8, int4 and uint4 (a byte each, the
     value's bits low, as numpy holds them), complex64, PRNG keys (their key data), a leaf on two of the
-    8 devices -- packed on each device of a "process" of two devices (``rows.row``, as ``parity.encode``
+    8 devices -- packed on each device of a "process" of two devices (``packed_rows.row``, as ``parity.encode``
     packs them) and cut back (``rebuild._cut``, as a rebuilt process cuts its rows): every region's
     bytes and dtype as the shard's."""
     import jax
@@ -149,7 +149,7 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from dispatch_io.manager.tiers import parity, rebuild, rows
+    from dispatch_io.manager.tiers import parity, rebuild, packed_rows
 
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mesh, pair = Mesh(np.array(devices), ("x",)), Mesh(np.array(devices[2:4]), ("x",))
@@ -164,12 +164,12 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
             "i4": leaf((16, 3), jnp.int4), "u4": leaf((8,), jnp.uint4), "c": leaf((8, 2), jnp.complex64),
             "pair": leaf((4, 3), jnp.float32, pair),
             "key": jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(mesh, P("x")))}
-    group = [rows.leaf(f"['{name}']", array) for name, array in tree.items()]
+    group = [packed_rows.leaf(f"['{name}']", array) for name, array in tree.items()]
     by_process = {p: devices[2 * p:2 * p + 2] for p in range(4)}
     section = parity.record([group], (0, 1, 2, 3), 2, by_process)
     width = section["groups"][0]["W"]
     shards = [{s.device: s.data for s in item.data.addressable_shards} for item in group]
-    data = np.concatenate([np.asarray(rows.row(group, d, shards, by_bytes=True,
+    data = np.concatenate([np.asarray(packed_rows.row(group, d, shards, by_bytes=True,
                                                pad=width - sum(item.nbytes for item in group)))[0] for d in by_process[1]])
     regions, failed = rebuild._cut(data, rebuild._Rows(2, section["groups"], 2), 1, section["layouts"]["1"], [])
     assert not failed

@@ -5,8 +5,8 @@ them, and how leaves travel in rows."""
 import pytest
 
 from conftest import R, WANTED, held
-from dispatch_io.manager.tiers import plan as tiers_plan, replica_plan
-from dispatch_io.manager.tiers.plan import PEER, PERSISTENT, Route, TierPlan, plan_restore
+from dispatch_io.manager.tiers import placement, replica_plan
+from dispatch_io.manager.tiers.placement import PEER, PERSISTENT, Route, TierPlan, plan_restore
 
 
 def reports(steps_of):
@@ -66,7 +66,7 @@ def test_nothing_anywhere_is_none_and_a_persistent_step_alone_is_read_whole():
 def test_a_required_durability_limits_the_steps_a_restore_may_pick():
     """Step 8 is only local with one copy of some region, step 6 local with two, step 4 persisted:
     each requirement picks the newest step that meets it -- still read from the local copies."""
-    from dispatch_io.manager.tiers.plan import check_durability, durability, eligible
+    from dispatch_io.manager.tiers.placement import check_durability, durability, eligible
     steps = reports({p: [4, 6, 8] for p in range(4)})
     copies = {8: 1, 6: 2, 4: 2}
     picked = {require: plan_restore(WANTED, steps, [4], eligible(require, [4], copies))
@@ -106,11 +106,11 @@ def test_whole_steps_are_those_every_region_of_which_some_process_holds():
     half = lambda lo, hi: {"held": {"w": [[[lo, hi], [0, 4]]]}, "shapes": {"w": [8, 4]}}  # noqa: E731
     reports = {0: {5: half(0, 4), 7: half(0, 4), 9: half(0, 4)}, 1: {5: half(4, 8), 9: {"held": {}}},
                2: {7: {"held": {"w": [[[4, 6], [0, 4]], [[6, 8], [0, 4]]]}}}}   # 7: regions of two meshes
-    assert tiers_plan.whole_steps(reports, [3]) == {3: "persisted", 5: "local", 7: "local"}
-    assert tiers_plan.whole_steps({0: {4: {"held": {"w": [[[0, 8], [0, 4]]]}}}}, []) == {}   # no shapes recorded
-    assert tiers_plan.whole_steps({0: {4: {**half(0, 8), "shapes": {"w": ["8", 4]}}}}, [1]) == {1: "persisted"}
+    assert placement.whole_steps(reports, [3]) == {3: "persisted", 5: "local", 7: "local"}
+    assert placement.whole_steps({0: {4: {"held": {"w": [[[0, 8], [0, 4]]]}}}}, []) == {}   # no shapes recorded
+    assert placement.whole_steps({0: {4: {**half(0, 8), "shapes": {"w": ["8", 4]}}}}, [1]) == {1: "persisted"}
     copied = {p: {4: {**half(0, 8), "copies": n}} for p, n in ((0, 2), (1, 3))}   # the fewest copies recorded
-    assert tiers_plan.whole_steps(copied, []) == {4: "replicated 2"}
+    assert placement.whole_steps(copied, []) == {4: "replicated 2"}
 
 
 @pytest.mark.parametrize("domains, expected", [
@@ -148,7 +148,7 @@ def test_leaves_travel_in_rows_of_one_dtype_within_the_row_budget():
 
     import numpy as np
 
-    from dispatch_io.manager.tiers.rows import Leaf, groups
+    from dispatch_io.manager.tiers.packed_rows import Leaf, groups
 
     def leaf(name, dtype, width):
         return Leaf(name, SimpleNamespace(dtype=np.dtype(dtype)), {}, width, 1, 1)

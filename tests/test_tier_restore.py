@@ -270,7 +270,7 @@ def test_a_local_step_with_malformed_held_regions_is_skipped_for_the_next_step(t
 
 
 def test_a_local_step_without_recorded_copies_is_skipped_by_a_default_restore(tmp_path, mesh):
-    """restore(None, target) (durability="local": every usable local step, tiers_plan.eligible's doc) takes
+    """restore(None, target) (durability="local": every usable local step, placement.eligible's doc) takes
     a local step whose info.json has no integer "copies" -- written before durability was recorded (a job
     restarted on an upgraded library), or malformed; it counts as 1 copy for "replicated". Here local step
     4 is resumed rather than the older persistent step 3: skipping it would silently lose training

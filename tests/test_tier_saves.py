@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
 from conftest import one_leaf, same_leaf, train
 from dispatch_io import policies
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager.tiers import placement
 
 
 def test_local_tier_arguments_are_checked():
@@ -97,7 +97,7 @@ def test_a_local_tier_on_an_object_store_url_is_refused_or_works(tmp_path, mesh)
 
 def test_a_local_step_records_its_leaves_shapes(mesh):
     target, state = one_leaf(mesh)
-    record = tiers_plan.local_record(state(0), 0, 1)
+    record = placement.local_record(state(0), 0, 1)
     assert record["shapes"] == {"['w']": [256, 64]}
     assert jax.tree_util.tree_structure(target) == jax.tree_util.tree_structure(state(0))
     assert isinstance(record["held"]["['w']"], list) and np.prod(record["shapes"]["['w']"]) == 256 * 64

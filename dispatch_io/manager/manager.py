@@ -22,7 +22,7 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
   prove them ours and dead.
 * Saves never interleave: ``save()`` first waits for the save in flight. A failed save raises from its own handle
   and, once, from the next ``save()`` / ``wait()``.
-* ``policies`` decide when to save and what to keep (one answer on every process: ``decisions``); ``preemption``
+* ``step_policies`` decide when to save and what to keep (one answer on every process: ``decisions``); ``preemption``
   says where a preempted job stops; ``retention`` deletes what the keep policy drops, off the save path, never a
   step it did not write. Steps Orbax wrote are listed and restored beside ours (``orbax_items``). A local tier
   (``tiers``) saves, restores and promotes (``promotion``) beside the root. See docs/manager.md.
@@ -31,6 +31,7 @@ What the manager guarantees, built only on the dispatcher's atomic commit:
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import threading
 import time
 
@@ -41,11 +42,9 @@ from dispatch_io.multihost.coordination import open_room
 from dispatch_io.dispatcher import Dispatcher, LocalDispatcher
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager import policies, retention, steps
+from dispatch_io.manager import step_policies, retention, root_steps
 from dispatch_io.manager.reads import StepReads, step_number
-from dispatch_io.manager.tiers import local_steps
 from dispatch_io.manager.tiers import promotion
-from dispatch_io.manager.tiers import restore as tier_restore
 from dispatch_io.manager.tiers import tier as tiers
 from dispatch_io.manager.decisions import SharedDecisions
 from dispatch_io.manager.preemption import PreemptionWatcher
@@ -69,26 +68,24 @@ class CheckpointManager(StepReads):
     design.md "Incremental saves"). Raises ``TypeError`` for a policy used in
     the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad numbers or a keep policy given twice."""
 
-    def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: policies.Policy | None = None,
-                 keep_policy: policies.Policy | None = None, max_to_keep: int | None = None,
+    def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: step_policies.Policy | None = None,
+                 keep_policy: step_policies.Policy | None = None, max_to_keep: int | None = None,
                  keep_every_n_steps: int | None = None, barrier_timeout: float | None = None, clock=time.time,
                  local: tiers.LocalTier | None = None, incremental: bool = False):
-        self.save_policy = policies.check(save_policy, "save")
-        self.keep_policy, self.max_to_keep, self.keep_every_n_steps = policies.keep_policy(
+        self.save_policy = step_policies.check(save_policy, "save")
+        self.keep_policy, self.max_to_keep, self.keep_every_n_steps = step_policies.keep_policy(
             keep_policy, max_to_keep, keep_every_n_steps)
-        policies.check_barrier_timeout(dispatcher, barrier_timeout)
+        step_policies.check_barrier_timeout(dispatcher, barrier_timeout)
         if not callable(clock):
             raise TypeError(f"clock must be callable (returning UNIX seconds), got {clock!r}")
-        self._root = StepRoot.open(root)
-        self.root = self._root.display
+        step_root = StepRoot.open(root)   # before a dispatcher exists: a bad root leaks none
         self.incremental = incremental  # persistent saves store unchanged chunks by reference (dispatch_io.incremental)
         self._owns_dispatcher = dispatcher is None
         if dispatcher is None:
             extra = {} if barrier_timeout is None else {"barrier_timeout": barrier_timeout}
             dispatcher = LocalDispatcher(**extra)
-        self.dispatcher = dispatcher
-        self._clock = clock
-        self._process, self._processes = jax.process_index(), jax.process_count()
+        super().__init__(step_root, dispatcher, self.keep_policy, clock, jax.process_index(),
+                         jax.process_count(), self._check_usable)
         self._leader = self._process == 0
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()
@@ -97,7 +94,6 @@ class CheckpointManager(StepReads):
         self._saving_thread: int | None = None                   # the thread inside save(), if any
         self._unreported: BaseException | None = None            # a failure not raised by save()/wait() yet
         self._closed = False
-        self._infos: dict[int, info_lib.StepInfo] = {}           # step info read, per committed step
         try:  # what can fail (the store, another process, a bad local tier) before threads exist
             if self._leader:
                 self._root.remove_leftovers()
@@ -107,7 +103,7 @@ class CheckpointManager(StepReads):
                                  dispatcher.options.barrier_timeout)
             self._decisions = SharedDecisions(room)
             self._last_saved_step = self._latest_persistent()
-            self._last_save = steps.started(self.step_info, self._last_saved_step, self._clock())
+            self._last_save = root_steps.started(self.step_info, self._last_saved_step, self._clock())
             self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
                                                                      self._processes, self._root)
         except BaseException:
@@ -118,7 +114,6 @@ class CheckpointManager(StepReads):
         self._decision: tuple[int, bool] | None = None           # should_save's last answer
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-manager")
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-retention")
-        self.last_tier_restore: tier_restore.TierRestoreStats | None = None  # what restore() through the tiers did
 
     # ---- policies ------------------------------------------------------------------------------
 
@@ -143,7 +138,7 @@ class CheckpointManager(StepReads):
                 return False  # saved already (a resumed loop asks again about the step it restored)
             if policy is None or preempted:
                 return True
-            return policy.should_save(policies.SaveState(step, self._clock(), self._last_save,
+            return policy.should_save(step_policies.SaveState(step, self._clock(), self._last_save,
                                                          self._last_saved_step, preempted))
 
         answer = self._decisions.decide(step, decide) if policy is not None and policy.uses_clock else decide()
@@ -174,14 +169,22 @@ class CheckpointManager(StepReads):
         step = step_number(step)
         self._check_usable("save")
         self._check_not_inside_save("save")
-        local_steps.check_save_keywords(self.dispatcher, save_kwargs)
+        _check_save_keywords(self.dispatcher, save_kwargs)
         files, index = items_lib.files(items, self._process, checksums=self.dispatcher.options.checksums)
         info = info_lib.make(step, self._clock(), info_lib.metrics_of(metrics), metadata, index, self._processes, _version())
         persist = force or self.save_policy is None or self._should_persist(step)
         if persist and self.local is not None:  # the root's refusal first: the local save would write before it
-            steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
-        handle = local_steps.save(self.local, step, tree, local, persist, items, info, save_kwargs,  # fast: first
-                                  (self._last_saved_step, self._latest_persistent))
+            root_steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
+        if local is not None and not isinstance(local, bool):
+            raise TypeError(f"save(local={local!r}): True, False or None")
+        if self.local is None:
+            if local:
+                raise ValueError("save(local=True) on a CheckpointManager without a local tier "
+                                 "(pass local=dio.LocalTier(...))")
+            handle = None
+        else:  # fast: first
+            handle = self.local.save_with(step, tree, local, persist, items, info, save_kwargs,
+                                          (self._last_saved_step, self._latest_persistent))
         if not persist:
             return handle
         if handle is not None and self.local.tier.promote:  # the root's copy from the local one: one device copy
@@ -200,14 +203,14 @@ class CheckpointManager(StepReads):
             self.local, step, path, _version(), self._clock, overwrite=overwrite))
 
     def _persist(self, what: str, step: int, started: float, overwrite: bool, launch) -> SaveHandle:
-        """``launch(path)``, a save of ``step`` to the root (checked first: ``steps.check_new``), after the save
+        """``launch(path)``, a save of ``step`` to the root (checked first: ``root_steps.check_new``), after the save
         in flight; then its retention."""
         with self._save_lock:  # saves from several threads run one after the other; close() waits here
             self._check_usable(what)  # again: close() may have run while this waited for the lock
             self._saving_thread = threading.get_ident()
             try:
                 self._wait_for_save()
-                path = steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
+                path = root_steps.check_new(self._root, step, overwrite, self.step_path, self.persistent_steps(), self.root)
                 handle = launch(path)
                 self._last_save, self._last_saved_step = started, step
                 self._infos.pop(step, None)
@@ -314,6 +317,14 @@ class CheckpointManager(StepReads):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_save_keywords(dispatcher, save_kwargs: dict):
+    """TypeError for a keyword ``Dispatcher.save`` does not take, before (and whether or not) anything is saved."""
+    try:
+        inspect.signature(dispatcher.save).bind(None, None, **save_kwargs)
+    except TypeError as exc:
+        raise TypeError(f"CheckpointManager.save(): {exc} (its keywords are Dispatcher.save's)") from None
 
 
 def _version() -> str:

@@ -6,7 +6,7 @@ Two listings, each with one meaning:
 * **persistent steps** (:meth:`StepReads.persistent_steps`): committed in the root. The root's retention,
   ``best_step``, ``step_info``, ``metadata`` and ``dispatch-io inspect`` see these only.
 * **restorable steps** (:meth:`StepReads.all_steps`, :meth:`StepReads.latest_step`): with a local tier, also
-  the local steps whose every region survives on some process (``local_steps.whole_steps``: agreed job-wide,
+  the local steps whose every region survives on some process (``job_steps.whole_steps``: agreed job-wide,
   like ``should_save``); without one, the persistent steps. ``restore(step, target)`` reads a step through
   the tiers (own copy, a peer's, the root) whether or not the root holds it, so the loop
 
@@ -21,18 +21,29 @@ from __future__ import annotations
 
 from dispatch_io.formats.detect import committed_steps, metadata, step_path
 from dispatch_io.manager import info as info_lib
-from dispatch_io.manager import orbax_items, policies, retention, steps
-from dispatch_io.manager.tiers import local_steps
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager import orbax_items, step_policies, retention, root_steps
+from dispatch_io.manager.tiers import placement
 
 
 def step_number(step) -> int:
-    return policies.integer(step, "step", 0, "a non-negative integer")
+    return step_policies.integer(step, "step", 0, "a non-negative integer")
 
 
 class StepReads:
-    """The listing and restore methods of a CheckpointManager (its ``_root``, ``root``, ``local``,
-    ``dispatcher``, ``_infos``, ``_process`` / ``_processes``, ``keep_policy`` and ``_clock``)."""
+    """The listing and restore methods of a CheckpointManager, over the state its constructor takes:
+    the ``root`` (a ``StepRoot``), the ``dispatcher`` that reads it, the ``keep_policy`` (for
+    ``best_step``), the ``clock``, this ``process`` of ``processes``, and ``check_usable(what)``
+    (RuntimeError where the manager cannot be used: after close(), from a save callback). ``local``
+    (the local tier's ``LocalTiers``, None without one) is set once the tier is open."""
+
+    def __init__(self, root, dispatcher, keep_policy, clock, process: int, processes: int, check_usable):
+        self._root, self.root = root, root.display
+        self.dispatcher, self.keep_policy, self._clock = dispatcher, keep_policy, clock
+        self._process, self._processes = process, processes
+        self._check_usable = check_usable
+        self._infos: dict[int, info_lib.StepInfo] = {}   # step info read, per committed step
+        self.local = None
+        self.last_tier_restore = None   # what restore() through the tiers did (TierRestoreStats)
 
     def step_path(self, step: int) -> str:
         """Where ``step`` is (or would be saved): ``<root>/<step>``, or the Orbax step directory
@@ -50,7 +61,7 @@ class StepReads:
         (``"persisted"``) and, with a local tier, the local steps every region of which some process's local
         copy holds (``"replicated k"``: every region saved by k processes; ``"local"``) -- the same answer on
         every process: with a local tier in a multi-process job every process calls it together (one
-        gather of what each holds, ``local_steps.whole_steps``)."""
+        gather of what each holds, ``job_steps.whole_steps``)."""
         persistent = self.persistent_steps()
         if self.local is None:
             return {step: "persisted" for step in persistent}
@@ -72,7 +83,7 @@ class StepReads:
         no device). FileNotFoundError if the step is not committed; CheckpointError if its info is malformed."""
         step = self._resolve(step)
         if step not in self._infos:
-            self._infos[step] = steps.read_info(self.step_path(step), step)
+            self._infos[step] = root_steps.read_info(self.step_path(step), step)
         return self._infos[step]
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
@@ -94,9 +105,9 @@ class StepReads:
         newest step of at least ``durability`` (``"local"`` / ``"replicated"`` / ``"persisted"``:
         :meth:`durability`; without a target: ValueError). Without a local tier, or a step named without a
         target: from the root (the newest persistent step for None). ``verify=True`` checks the restored step's
-        items too (``steps.verify_items``; a local step's: this process's copy's)."""
+        items too (``root_steps.verify_items``; a local step's: this process's copy's)."""
         self._check_usable("restore")
-        tiers_plan.check_durability(durability)
+        placement.check_durability(durability)
         if self.local is not None and item is None and (target is not None or step is None):
             persistent = self.persistent_steps()
             tree, self.last_tier_restore = self.local.restore(
@@ -105,14 +116,14 @@ class StepReads:
             if restore_kwargs.get("verify"):  # its items too, as from the root: the root's, else this process's copy's
                 restored = self.last_tier_restore.step
                 if restored in persistent:
-                    steps.verify_items(self.step_path(restored), restored)
+                    root_steps.verify_items(self.step_path(restored), restored)
                 else:
-                    local_steps.verify_items(self.local, restored, self.root)
+                    self.local.verify_items(restored, self.root)
             return tree
         step = self._resolve(step)
         tree = self.dispatcher.restore(self._pytree_path(step, item), target, **restore_kwargs)
         if restore_kwargs.get("verify"):  # its items too, each against its CRC-32C
-            steps.verify_items(self.step_path(step), step)
+            root_steps.verify_items(self.step_path(step), step)
         if self.local is not None:  # resuming an older step: the newer local steps are an abandoned history
             self.local.resume(step)
         return tree
@@ -121,7 +132,10 @@ class StepReads:
         """``"persisted"`` (committed in the root), else, if this process has ``step`` locally, ``"replicated k"``
         (any ``k - 1`` lost processes lose nothing) or ``"local"``; None if neither holds it (this process's
         view, no coordination; :meth:`steps` answers job-wide)."""
-        return local_steps.durability(self.local, step_number(step), self.persistent_steps())
+        step = step_number(step)
+        if step in self.persistent_steps():
+            return "persisted"
+        return None if self.local is None else self.local.durability(step)
 
     def metadata(self, step: int | None = None, *, item: str | None = None):
         """The saved tree's metadata of persistent ``step`` (None: the newest persistent)."""
@@ -136,12 +150,12 @@ class StepReads:
         step = self._resolve(step)
         path = self.step_path(step)
         if self.local is not None and step not in self.persistent_steps():  # a step the local tier alone holds
-            return local_steps.read_item(self.local, step, name, self.root)
+            return self.local.read_item(step, name, self.root)
         info = None if orbax_items.is_orbax_step(path) else self.step_info(step)
-        return steps.read_item(path, info, name, self._process, self._processes)
+        return root_steps.read_item(path, info, name, self._process, self._processes)
 
     def _pytree_path(self, step: int | None, item: str | None) -> str:
-        return steps.pytree_path(self.step_path(self._resolve(step)), item)
+        return root_steps.pytree_path(self.step_path(self._resolve(step)), item)
 
     def _resolve(self, step: int | None) -> int:
         """``step``, or for None the newest persistent step (FileNotFoundError if there is none)."""

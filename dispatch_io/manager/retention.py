@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 from absl import logging
 
 from dispatch_io.errors import CheckpointError
-from dispatch_io.manager import retained
-from dispatch_io.manager.policies import BestN, Policy, StepRecord
+from dispatch_io.manager import incremental_retention
+from dispatch_io.manager.step_policies import BestN, Policy, StepRecord
 from dispatch_io.storage import StepRoot
 
 
@@ -70,7 +70,7 @@ def best_step(steps: Sequence[StepRecord], keep_policy: Policy | None, metric: s
 def delete_dropped(root: StepRoot, dropped: Sequence[int], on_deleted: Callable[[int], None]):
     """Delete the ``dropped`` steps of ``root`` that dispatch_io wrote, calling ``on_deleted``
     after each; log the others (never deleted). A dropped step that a kept incremental step
-    references is retired instead (unlisted, its bytes kept: ``retained.apply``). Raises what the
+    references is retired instead (unlisted, its bytes kept: ``incremental_retention.apply``). Raises what the
     store raises."""
     ours = set(root.committed_steps())
     for step in dropped:
@@ -78,4 +78,4 @@ def delete_dropped(root: StepRoot, dropped: Sequence[int], on_deleted: Callable[
             logging.info("dispatch_io: keeping step %d under %s: dispatch_io did not write it "
                          "(remove it yourself to reclaim its space)", step, root.display)
 
-    retained.apply(root, sorted(ours), [s for s in dropped if s in ours], on_deleted)
+    incremental_retention.apply(root, sorted(ours), [s for s in dropped if s in ours], on_deleted)

@@ -191,7 +191,7 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
         it are one piece each.
       batch_limit: bytes of one round's gathered rows per process (``Options.read_batch_bytes``).
       readers: (output index, region) -> the holders that may read it (default: any holder): the
-        local tier's, whose copies are on some holders only (``tiers_plan``); or {part of the
+        local tier's, whose copies are on some holders only (``placement``); or {part of the
         region: the processes that may read it}, the parts making up the region (copies of
         another mesh's regions), each piece cut within one part.
 

@@ -20,7 +20,7 @@ import numpy as np
 import dispatch_io as dio
 from dispatch_io import policies
 from dispatch_io.incremental import references
-from dispatch_io.manager import retained
+from dispatch_io.manager import incremental_retention
 
 
 def state(step):
@@ -46,24 +46,24 @@ def killer(point, call):
 if __name__ == "__main__":
     root, steps, point, call = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     maybe = killer(point, call)
-    delete = retained._delete
+    delete = incremental_retention._delete
 
     def _delete(store, key):
         delete(store, key)
         if key == "COMMITTED":
             maybe("retired")
 
-    retained._delete = _delete
-    retire = retained.retire
+    incremental_retention._delete = _delete
+    retire = incremental_retention.retire
 
     def retire_then(root_, step):
-        store = retained._store(root_, step)
+        store = incremental_retention._store(root_, step)
         store.write(references.RETAINED, store.read("COMMITTED").result().value).result()
         maybe("retire-marked")
         retire(root_, step)
 
-    retained.retire = retire_then
-    delete_retired = retained.delete_retired
+    incremental_retention.retire = retire_then
+    delete_retired = incremental_retention.delete_retired
 
     def deleting(root_, step):
         import shutil
@@ -71,7 +71,7 @@ if __name__ == "__main__":
         maybe("deleting")
         delete_retired(root_, step)
 
-    retained.delete_retired = deleting
+    incremental_retention.delete_retired = deleting
     from dispatch_io.incremental import changes as incremental
     merger = incremental.merger
 

@@ -41,8 +41,8 @@ now = [0.0]   # MODE clock: each process's clock, at 10 s a step -- process 1's 
 local_policy = policies.EveryNSeconds(25) if mode == "clock" else policies.EveryNSteps(2)
 parity = int(os.environ.get("DIO_TEST_PARITY", 0))
 if "DIO_TEST_ROW_BYTES" in os.environ:   # small rows: a local save's parity spans several row groups
-    from dispatch_io.manager.tiers import rows
-    rows.ROW_BYTES = int(os.environ["DIO_TEST_ROW_BYTES"])
+    from dispatch_io.manager.tiers import packed_rows
+    packed_rows.ROW_BYTES = int(os.environ["DIO_TEST_ROW_BYTES"])
 STATE = JobState(keys=True, big=not parity)   # big: bytes read measurable (replicas); parity's tests count small leaves
 targets = {"reshard": jax.make_mesh((2, 4), ("data", "fsdp")),   # each process's first device alone:
            "narrow": Mesh(np.array([min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)

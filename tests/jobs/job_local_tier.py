@@ -7,8 +7,9 @@ Mesh (data=2, fsdp=4): process p holds fsdp regions 2(p % 2), 2(p % 2) + 1, so p
 
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each save waited
 for, so a step printed ``saved N`` is committed); prints ``step 9`` and waits to be killed.
-MODE ``die``: as ``train`` to step 10, where process 1 is killed during its local save; its persistent
-steps (0, 6) are promotions of the local ones (``LocalTier(promote=True)``).
+MODE ``die``: as ``train`` to step 10, where process 1 is killed during its local save (the others commit
+theirs, and print ``failed 10 processes [1]``: the job never agreed the step); its persistent steps (0, 6)
+are promotions of the local ones (``LocalTier(promote=True)``).
 MODE ``loop9`` / ``loop``: the README's loop (``latest_step``, ``restore(step, target)``, train, save) from
 whatever step the tiers hold whole, each step ``x / 2 + step`` (floats; ``3x + step`` ints), to step 9 (then
 waits to be killed) / 12, printing ``final 12 exact BOOL`` against the uninterrupted run (numpy).
@@ -66,8 +67,12 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
                 # SIGKILL from the IO thread, once the first leaf is copied: mid-save, before its commit
                 mgr.save(step, STATE.state_at(mesh, step), on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None,
                          items={"cfg": dio.Json({"step": step})})
-                mgr.wait()
-                print(f"saved {step}", flush=True)
+                try:
+                    mgr.wait()
+                except dio.BarrierTimeoutError as exc:   # MODE die: the job never agreed step 10 (process 1 died)
+                    print(f"failed {step} processes {exc.processes}", flush=True)
+                else:
+                    print(f"saved {step}", flush=True)
         time.sleep(600)  # killed here
     if mode in ("loop", "loop9"):  # the README's loop, unchanged but for local=: resume from the newest whole step
         print(f"steps {mgr.steps()}", flush=True)

@@ -27,7 +27,7 @@ from dispatch_io.read import loop as reading
 from dispatch_io.read import targets as restore_lib
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError, WorkerError
 from dispatch_io.formats.detect import open_checkpoint
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager.tiers import placement
 from dispatch_io.progress import Progress
 from dispatch_io.workers import ChunkError, crc32c, numpy_dtype
 
@@ -95,7 +95,7 @@ def mismatched(saved, bounds, array) -> list[tuple]:
     return wrong
 
 
-def before_read(plan: tiers_plan.TierPlan, process: int, outputs: dict, held: dict) -> list[tuple]:
+def before_read(plan: placement.TierPlan, process: int, outputs: dict, held: dict) -> list[tuple]:
     """(output, region to check, the held region it is part of) for every copy ``process`` reads at
     ``plan.step`` that it cannot check in memory as it reads it: any part of a region cut from copies
     (which any holder of the part may read), and the regions it reads for itself or others that

@@ -3,7 +3,7 @@
 ``parity_plan`` says who keeps the XOR of which pieces (pure). Here :func:`encode`, called by
 every process at each local save, in the same order (like ``replicas.send``: it is a collective),
 packs each device's shards of the protected leaves -- those some region of which too few
-processes hold (:func:`protected`) -- as bytes in rows (``rows.py``), and, for ``j = 0..k-1``,
+processes hold (:func:`protected`) -- as bytes in rows (``packed_rows.py``), and, for ``j = 0..k-1``,
 sends piece ``j`` of every row to the device in the same place on the process ``j + 1`` places
 back in the ring (one ``jax.device_put`` of the pieces onto the devices permuted: only ``W``
 bytes per device cross the interconnect), which XORs it into its parity row (jitted, on the
@@ -21,7 +21,7 @@ import numpy as np
 from absl import logging
 
 from dispatch_io import tree as tree_lib
-from dispatch_io.manager.tiers import parity_plan, rows
+from dispatch_io.manager.tiers import parity_plan, packed_rows
 from dispatch_io.plan.save_plan import device_regions
 
 PARITY = "parity"   # the nested checkpoint of a local step that holds this process's parity rows
@@ -65,23 +65,23 @@ def encode(tree, order: tuple, k: int, domains, row_bytes: int | None = None) ->
         if isinstance(leaf, jax.Array) and leaf.size:
             holders = [{d.process_index for d in held} for held in device_regions(leaf.sharding, leaf.shape).values()]
             if protected(holders, domains):
-                leaves.append(rows.leaf(keypath, leaf))
+                leaves.append(packed_rows.leaf(keypath, leaf))
     if not leaves:
         return {}, None
     devices = sorted(jax.devices(), key=lambda d: d.id)
-    by_process = rows.by_process(devices)
+    by_process = packed_rows.by_process(devices)
     me, n = jax.process_index(), len(order)
     position = {p: t for t, p in enumerate(order)}
-    arrays, groups = {}, rows.groups(leaves, rows.ROW_BYTES if row_bytes is None else row_bytes, by_dtype=False)
+    arrays, groups = {}, packed_rows.groups(leaves, packed_rows.ROW_BYTES if row_bytes is None else row_bytes, by_dtype=False)
     for g, group in enumerate(groups):
         total = sum(leaf.nbytes for leaf in group)
         width = _row_bytes(group, k) // k
         shards = [{s.device: s.data for s in leaf.data.addressable_shards} for leaf in group]
-        mine = [rows.row(group, d, shards, by_bytes=True, pad=width * k - total) for d in by_process[me]]
+        mine = [packed_rows.row(group, d, shards, by_bytes=True, pad=width * k - total) for d in by_process[me]]
         parity = [None] * len(mine)
         for j in range(k):   # piece j of position t goes to position t - j - 1, in the same place
             back = {p: order[(t - j - 1) % n] for p, t in position.items()}
-            moved = rows.permute([_cut(r, start=j * width, size=width) for r in mine], devices, back)
+            moved = packed_rows.permute([_cut(r, start=j * width, size=width) for r in mine], devices, back)
             for shard in moved.addressable_shards:
                 i = by_process[me].index(shard.device)
                 parity[i] = shard.data if parity[i] is None else _xor(parity[i], shard.data)

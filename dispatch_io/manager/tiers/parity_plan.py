@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager.tiers import placement
 
 
 def check(k, count: int | None, replicas: int = 0) -> int:
@@ -165,6 +165,6 @@ def rebuilt_steps(reports: Mapping[int, Mapping[int, Mapping]], count: int) -> d
     by_step: dict = {}
     for p, steps in reports.items():
         for step, report in steps.items():
-            by_step.setdefault(step, {})[p] = {**report, "held": tiers_plan.as_regions(report.get("held") or {})}
+            by_step.setdefault(step, {})[p] = {**report, "held": placement.as_regions(report.get("held") or {})}
     found = {step: rebuildable(present, count) for step, present in by_step.items()}
     return {step: lost for step, lost in found.items() if lost}

@@ -37,7 +37,7 @@ from dispatch_io.errors import CheckpointError, CorruptCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager.tiers import local_steps
+from dispatch_io.manager.tiers import job_steps
 from dispatch_io.save.driver import SaveHandle
 from dispatch_io.save.job import Attachments, SaveJob
 from dispatch_io.storage import Location
@@ -172,7 +172,7 @@ def _gather(local, step: int, path: str, report: dict, doc: dict | None) -> tupl
         room.set(f"report/{local.process}", report)
         reports = room.gather("report")
         having = sorted(p for p, r in reports.items() if r["has"])
-        doc = local_steps.share_manifest(room, step, having, local.process, lambda: doc) or doc
+        doc = job_steps.share_manifest(room, step, having, local.process, lambda: doc) or doc
     finally:
         room.close()
     return reports, doc

@@ -44,7 +44,7 @@ from absl import logging
 from dispatch_io.read import loop as reading
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
-from dispatch_io.manager.tiers import checks, local_steps, parity_plan
+from dispatch_io.manager.tiers import checks, job_steps, parity_plan
 from dispatch_io.manager.tiers.parity import PARITY, row_name
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.multihost import scaleout
@@ -284,18 +284,20 @@ def _send(row: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
     return send(row, groups, scaleout.carriers(jax.process_count()), tuple((2 * g, 2 * g + 1) for g in range(len(groups))))
 
 
-def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
-        outputs_of) -> tuple[RebuiltCopy | None, dict, int]:
+def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_of, *, process: int,
+        step_path: str, runner) -> tuple[RebuiltCopy | None, dict, int]:
     """Rebuild the ``lost`` processes' regions of ``step`` (every process together; see the module
     doc). ``sections``: {process: its parity section}; ``having``: the processes with a copy of
-    their own; ``outputs_of(manifest)``: the restore's (treedef, outputs). Returns (this process's
+    their own; ``outputs_of(manifest)``: the restore's (treedef, outputs); ``process``: this one;
+    ``step_path``: its local step's directory (its copy, and its parity rows under it); ``runner``:
+    the dispatcher's, which opens the readers. Returns (this process's
     :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
     could not be rebuilt; the bytes it received from the others)."""
-    me = restore.process
+    me = process
     first = sections[min(sections)]
     order, k = tuple(first["ring"]), first["k"]
     devices = len(first["layouts"][str(min(sections))][0])
-    path, runner = restore._root.step_path(step), restore.dispatcher.runner
+    path = step_path
     sources = [(p, j, holder, others) for p in sorted(lost) for j, holder, others in parity_plan.sources(order, k, p)]
     holding = [(p, j) for p, j, holder, _ in sources if holder == me]
     parts = [(p, j, i) for p, j, _, others in sources for m, i in others if m == me]
@@ -333,7 +335,7 @@ def run(restore, step: int, lost: dict, sections: dict, having: list[int], room,
         for source in (holder, member):
             if source is not None:
                 source.close()
-    manifest = local_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
+    manifest = job_steps.share_manifest(room, step, having, me, lambda: Location.parse(path).read_manifest())
     room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
     bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
     if me not in lost:

@@ -18,7 +18,7 @@ FSDP state, a leaf on one process's devices) is lost with that process. With
 The move is device to device over the interconnect (gloo on CPU, ICI / NVLink on
 accelerators), one collective per replica and group of leaves of one dtype: each device packs
 its shards of the group, flattened and padded to their leaf's largest shard, into one row (of
-at most about ``rows.ROW_BYTES``) of an array over all the job's devices, and ``jax.device_put``
+at most about ``packed_rows.ROW_BYTES``) of an array over all the job's devices, and ``jax.device_put``
 onto the same devices permuted delivers each row to its peer -- whatever the leaves' shardings,
 even a leaf on a subset of the devices. Packing and unpacking are one jitted call per device.
 All of it is dispatched asynchronously by the thread calling ``save``, in the same order on
@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from dispatch_io.manager.tiers import parity_plan, replica_plan, rows
+from dispatch_io.manager.tiers import parity_plan, replica_plan, packed_rows
 from dispatch_io import tree as tree_lib
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.manager.decisions import SharedDecisions
@@ -105,7 +105,7 @@ def decisions(tier, count: int, timeout: float) -> SharedDecisions:
 
 
 def send(tree, orders: list[tuple[int, ...]], replicas: int, domains,
-         row_bytes: int = rows.ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
+         row_bytes: int = packed_rows.ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(moves, copies) of the array leaves of ``tree`` whose regions fewer than ``replicas + 1``
     processes hold: ``moves`` {key path: the orders each was sent by}, ``copies`` {key path:
     (:class:`~dispatch_io.plan.held.Replica`, ...)}: the regions of other processes this
@@ -120,17 +120,17 @@ def send(tree, orders: list[tuple[int, ...]], replicas: int, domains,
         needed = replica_plan.replicas_needed(holders, orders, replicas, domains)
         if needed:
             moves[keypath] = tuple(orders[:needed])
-            leaves.append(rows.leaf(keypath, leaf, needed))
+            leaves.append(packed_rows.leaf(keypath, leaf, needed))
     copies = collections.defaultdict(list)
     devices = sorted(jax.devices(), key=lambda d: d.id)
     for j, order in enumerate(orders):
-        for group in rows.groups([leaf for leaf in leaves if leaf.needed > j], row_bytes):
+        for group in packed_rows.groups([leaf for leaf in leaves if leaf.needed > j], row_bytes):
             for keypath, replica in _exchange(group, order, devices):
                 copies[keypath].append(replica)
     return moves, {keypath: tuple(received) for keypath, received in copies.items()}
 
 
-def _exchange(group: list[rows.Leaf], order: tuple[int, ...], devices: list) -> list[tuple[str, Replica]]:
+def _exchange(group: list[packed_rows.Leaf], order: tuple[int, ...], devices: list) -> list[tuple[str, Replica]]:
     """Send each shard of the ``group``'s leaves from its device to the device in the same place
     on process ``order[p]``: each device's shards, flattened, padded to their leaf's width and
     packed in one row of an array over all ``devices``, ``device_put`` onto those devices permuted
@@ -138,7 +138,7 @@ def _exchange(group: list[rows.Leaf], order: tuple[int, ...], devices: list) -> 
     process does not hold itself, once per region."""
     widths = tuple(leaf.width for leaf in group)
     shards = [{s.device: s.data for s in leaf.data.addressable_shards} for leaf in group]
-    moved = rows.permute([rows.row(group, d, shards) for d in rows.by_process(devices)[jax.process_index()]],
+    moved = packed_rows.permute([packed_rows.row(group, d, shards) for d in packed_rows.by_process(devices)[jax.process_index()]],
                          devices, order)
     own = [{leaf.places[d] for d in held} for leaf, held in zip(group, shards)]
     offsets = np.cumsum((0,) + widths)
@@ -149,6 +149,6 @@ def _exchange(group: list[rows.Leaf], order: tuple[int, ...], devices: list) -> 
                   if source in leaf.places and leaf.places[source] not in own[i] and (i, leaf.places[source]) not in seen]
         seen.update(wanted)
         spans = tuple((int(offsets[i]), tuple(hi - lo for lo, hi in region)) for i, region in wanted)
-        for (i, region), data in zip(wanted, rows.unpack(shard.data, spans=spans) if spans else ()):
+        for (i, region), data in zip(wanted, packed_rows.unpack(shard.data, spans=spans) if spans else ()):
             received.append((group[i].keypath, Replica(shard.device, region[:group[i].ndim], data)))
     return received

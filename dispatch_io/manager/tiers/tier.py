@@ -21,13 +21,15 @@ import threading
 
 from absl import logging
 
-from dispatch_io.manager.tiers import plan as tiers_plan
-from dispatch_io.manager import policies, retention
+from dispatch_io.manager.tiers import placement
+from dispatch_io.manager import step_policies, retention
 from dispatch_io.manager.decisions import SharedClock
 from dispatch_io.multihost.coordination import open_room
-from dispatch_io.manager.tiers import local_steps
+from dispatch_io.manager import items as items_lib
+from dispatch_io.manager.tiers import job_steps, local_steps
 from dispatch_io.manager.tiers import parity, parity_plan, replicas
-from dispatch_io.manager.tiers import restore as tier_restore
+from dispatch_io.manager.tiers import tier_restore
+from dispatch_io.errors import CheckpointError
 from dispatch_io.save.driver import SaveHandle
 from dispatch_io.save.job import Attachments
 from dispatch_io.storage import StepRoot
@@ -59,8 +61,8 @@ class LocalTier:
     ``replicas``; 0 or None: no parity."""
 
     path: str
-    save_policy: policies.Policy | None = None
-    keep_policy: policies.Policy | None = None
+    save_policy: step_policies.Policy | None = None
+    keep_policy: step_policies.Policy | None = None
     promote: bool = False
     replicas: int = 0
     domains: tuple | None = None
@@ -72,9 +74,9 @@ class LocalTier:
         if "://" in os.fspath(self.path):
             raise ValueError(f"LocalTier({os.fspath(self.path)!r}): the local tier is a directory on each host (a RAM "
                              "disk or local SSD), not a URL; the manager's root is the persistent tier")
-        policies.check(self.save_policy, "save")
-        policies.check(self.keep_policy, "keep")
-        policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
+        step_policies.check(self.save_policy, "save")
+        step_policies.check(self.keep_policy, "keep")
+        step_policies.integer(self.replicas, "LocalTier replicas", 0, "a non-negative integer")
         if self.parity is not None and (type(self.parity) is not int or self.parity != 0):   # 0 / None: no parity
             parity_plan.check(self.parity, None, self.replicas)   # the job's size: when a manager opens
         if self.domains is not None:
@@ -94,12 +96,15 @@ class LocalTiers:
         self.root = StepRoot.open(self.path)
         self._owner = local_steps.owner(root)  # local steps saved beside another root are never used
         newest = max(local_steps.read_steps(self.root, self._owner)[0], default=None)
-        hosts, self._last_step = local_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
+        hosts, self._last_step = job_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
                                                          dispatcher.options.barrier_timeout, newest)
         self.domains, self._orders = replicas.placement(tier, hosts, count)
         self._ring = parity.placement(tier.parity, self.domains, count) if tier.parity else None
         self._decisions = replicas.decisions(tier, count, dispatcher.options.barrier_timeout)
         self._times = self._shared_clock()
+        self._agreement = job_steps.SaveAgreement.open(tier.process_path("{process}"), count,
+                                                       dispatcher.options.barrier_timeout)
+        self.whole: int | None = None      # the newest local step the job agreed whole (every process committed it)
         self.root.remove_leftovers()
         local_steps.read_steps(self.root, self._owner, remove=True)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-local-tier")
@@ -133,8 +138,31 @@ class LocalTiers:
 
     def whole_steps(self, persistent_steps: list[int]) -> dict[int, str]:
         """{step: durability} of the steps the job can restore whole, persistent or local
-        (``local_steps.whole_steps``: every process together, the same answer everywhere)."""
-        return local_steps.whole_steps(self, persistent_steps)
+        (``job_steps.whole_steps``: every process together, the same answer everywhere)."""
+        return job_steps.whole_steps(self.root, self.infos()[0], self.process, self.count,
+                                     self.tier.process_path("{process}"), self.dispatcher.options.barrier_timeout,
+                                     persistent_steps)
+
+    def durability(self, step: int) -> str | None:
+        """What this process's local copy of ``step`` says of its durability (``local_steps.durability``:
+        ``"replicated k"``, ``"parity k"``, ``"local"``); None if it has no copy."""
+        info = self.infos()[0].get(step)
+        return None if info is None else local_steps.durability(self.root, step, info)
+
+    def read_item(self, step: int, name: str, persistent: str):
+        """Item ``name`` of ``step`` from this process's local copy (a step the persistent root
+        ``persistent`` does not hold); raises as ``local_steps.read_item``."""
+        return local_steps.read_item(self.root, step, self.infos()[0].get(step), name, self.process, self.count,
+                                     persistent)
+
+    def verify_items(self, step: int, persistent: str) -> int:
+        """Read and check (against their CRC-32Cs, where saved with them) the item files of this
+        process's copy of local ``step``; how many. Raises as :meth:`read_item`."""
+        info = self.infos()[0].get(step)
+        names = list((info or {}).get("items") or ())
+        for name in names:
+            local_steps.read_item(self.root, step, info, name, self.process, self.count, persistent)
+        return len(names)
 
     def should_save(self, step: int, preempted: bool = False) -> bool:
         """Whether the local save policy saves ``step`` (never a step not newer than the last)."""
@@ -142,49 +170,104 @@ class LocalTiers:
         if policy is None or (self._last_step is not None and step <= self._last_step):
             return False
         return self._decisions.decide(step, lambda: policy.should_save(
-            policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted)))
+            step_policies.SaveState(step, self._clock(), self._last_save, self._last_step, preempted)))
+
+    def save_with(self, step: int, tree, forced: bool | None, persist: bool, items, info: dict, save_kwargs: dict,
+                  root_latest=None) -> SaveHandle | None:
+        """The local tier's part of a manager's ``save()`` of ``step``: its handle, or None if the
+        tier does not save it. ``forced``: the ``save(local=)`` argument (None: the save policy
+        decides); ``persist``: whether the root saves it too. If either tier saves, the local steps
+        from ``step`` on are deleted first (:meth:`drop_from`). Saves this process's regions of
+        ``tree``, its item files (its own PerProcess values and every Json item:
+        ``items.files(own_step=True)``), and the step info's items, metrics and metadata (``info``,
+        as ``info.make`` gives it). ValueError for a local save alone of a step the root holds one
+        as new as (``root_latest``: (the newest step the manager saw persisted, a call listing the
+        root's newest)): the root's would be of the history before a rollback, and a restore could
+        mix them."""
+        saves = self.should_save(step) if forced is None else forced
+        if saves and not persist and root_latest and root_latest[0] is not None and step <= root_latest[0]:
+            newest = root_latest[1]()   # listed only then: the manager's view may be stale
+            if newest is not None and step <= newest:
+                raise ValueError(f"cannot save step {step} in the local tier alone: the root holds step {newest}, of "
+                                 f"the history before a rollback, which a restore could mix with it; remove the "
+                                 f"root's steps from {step} on first, or save the step to both tiers")
+        if saves or persist:
+            self.drop_from(step)
+        if not saves:
+            return None
+        checksums = any(entry.get("crc32c") for entry in info["items"].values())  # as the root's step says
+        return self.save(step, tree, items_lib.files(items, self.process, own_step=True, checksums=checksums)[0],
+                         {k: info[k] for k in ("items", "metrics", "metadata")}, **save_kwargs)
 
     def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
         flight), and the regions of peers it keeps replicas of (``LocalTier.replicas``), with ``files``
         (its item files, ``items.files(own_step=True)``) and ``described`` (the step info's items,
-        metrics and metadata); retention of local steps follows its commit, on the tier's thread."""
+        metrics and metadata). On the tier's thread, once it committed (with its parity rows), the job
+        agrees whether every process did (:meth:`_finish`); only then does the step count as whole
+        and retention run. A failure here is reported to the others first; one of the save itself
+        (a CheckpointError) is raised as the agreement's (``job_steps.SaveAgreement.agree``)."""
         self.wait()
-        moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
-        rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
-        started = self._times.time_of(step)
-        agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
-        info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
-                **agreed, **tiers_plan.local_record(tree, self.process, self.count, moves, self.domains, section),
-                **(described or {})}
-        handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
-                                      attachments=Attachments(files or {}, info=info, clock=self._clock), **save_kwargs)
+        if self.tier.replicas or self._ring:   # the job is all here before its collectives (not after a death)
+            self._agreement.begin(step, self.process)
+        try:
+            moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
+            rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
+            started = self._times.time_of(step)
+            agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
+            record = placement.local_record(tree, self.process, self.count, moves, self.domains, section)
+            if section is not None:   # "parity k" once every process's rows committed (_finish), not before
+                record["durability"] = placement.durability(record.get("copies"), False)
+            info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
+                    **agreed, **record, **(described or {})}
+            handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
+                                          attachments=Attachments(files or {}, info=info, clock=self._clock),
+                                          **save_kwargs)
+        except CheckpointError as exc:   # the save itself failed (e.g. an exchange with a dead peer): as in _finish
+            self._agreement.agree(step, self.process, exc)   # raises, naming the processes missing or failed
+            raise
+        except Exception as exc:   # the caller's (a bad tree or keyword): the others fail at once, naming this process
+            self._agreement.report(step, self.process, exc)
+            raise
         self._last_step, self._last_save, self._afresh = step, info["started"], False
         with self._lock:
-            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows)
+            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows,
+                                                  section and section.get("k"))
         return handle
 
-    def _finish(self, handle: SaveHandle, now: float | None, step: int, rows: dict):
-        """On the tier's thread: wait for the save (its failure is raised by :meth:`wait`), save its
-        parity ``rows`` (``parity.encode``) as the step's nested checkpoint (a failure is logged: the
-        step then has no parity from this process), then delete the local steps the keep policy drops
-        (logged, never raised: the save committed). ``now``: the save's job-wide time, if agreed (the
-        policy then sees the same on every process)."""
-        handle.wait()
-        if rows:
-            try:
+    def _finish(self, handle: SaveHandle, now: float | None, step: int, rows: dict, k: int | None):
+        """On the tier's thread: wait for the save and save its parity ``rows`` (``parity.encode``) as
+        the step's nested checkpoint; then agree with the other processes whether every one committed
+        the step (``job_steps.SaveAgreement``: a failure anywhere, or a process that does not report
+        within the barrier timeout, is raised here -- by :meth:`wait` -- naming the processes, and the
+        step is not whole). Once whole: its info says ``"parity k"`` (its rows and every other
+        process's committed), and the local steps the keep policy drops are deleted -- never the
+        step just agreed whole (logged, never raised: the save committed). ``now``: the save's
+        job-wide time, if agreed (the policy then sees the same on every process)."""
+        error = None
+        try:
+            handle.wait()
+            if rows:
                 self.dispatcher.save(os.path.join(self.root.step_path(step), parity.PARITY), rows, own=True,
                                      overwrite=True).wait()
-            except Exception:  # noqa: BLE001 - logged; the step stands, without parity from this process
-                logging.exception("dispatch_io: the parity rows of local step %s were not saved",
-                                  self.root.step_path(step))
+        except Exception as exc:  # noqa: BLE001 - reported to the job, then raised (SaveAgreement.agree)
+            error = exc
+        self._agreement.agree(step, self.process, error)
+        self.whole = step
+        if k:
+            try:
+                local_steps.set_durability(self.root, step, placement.durability(None, False, k))
+            except (OSError, ValueError) as exc:   # the info then understates it ("local"): logged, not failed
+                logging.warning("dispatch_io: the info of local step %s still says \"local\": %s",
+                                self.root.step_path(step), exc)
         if self.tier.keep_policy is None:
             return
         try:
             infos = self.infos()[0]
             records = [local_steps.record(s, infos.get(s)) for s in self.root.committed_steps()]
             dropped = retention.steps_to_delete(records, self.tier.keep_policy, self._clock() if now is None else now)
-            retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting], lambda step: None)
+            retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting and s != self.whole],
+                                     lambda step: None)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
             logging.exception("dispatch_io: retention of the local tier %s failed", self.path)
 
@@ -205,9 +288,20 @@ class LocalTiers:
 
     def restore(self, target, persistent_steps, persistent_path, persistent_display: str, **kwargs):
         """Restore ``target`` through the tiers (every process together): see
-        :meth:`~dispatch_io.manager.tiers.restore.TierRestore.restore`. Returns (tree, stats)."""
-        return tier_restore.TierRestore(self).restore(target, persistent_steps, persistent_path, persistent_display,
-                                                      **kwargs)
+        :meth:`~dispatch_io.manager.tiers.tier_restore.TierRestore.restore`. Returns (tree, stats).
+        Then local saves go on after the step restored, on every process (:meth:`resume`); if no
+        step was whole and none was named, from scratch."""
+        restore = tier_restore.TierRestore(self.dispatcher, self.root, self.path, self.tier.process_path("{process}"),
+                                           self.process, self.count)
+        try:
+            tree, stats = restore.restore(target, self.infos(), persistent_steps, persistent_path, persistent_display,
+                                          **kwargs)
+        except tier_restore.NoWholeStep:
+            if kwargs.get("step") is None:  # the job starts afresh: local saves from step 0 on, on every process alike
+                self.resume(None)
+            raise
+        self.resume(stats.step)
+        return tree, stats
 
     def abandoned(self, step: int) -> bool:
         """Whether local ``step`` is newer than the step the job goes on from (after a rollback, or
@@ -217,7 +311,7 @@ class LocalTiers:
     def resume(self, step: int | None):
         """After a restore of ``step`` (through the tiers or of a named step, onto any mesh): local
         saves go on after ``step`` -- and the first save of the resumed history (either tier)
-        deletes the local steps it makes stale (``local_steps.prepare_save``); until then a restore
+        deletes the local steps it makes stale (:meth:`save_with`); until then a restore
         deletes nothing. The same on every process, whatever each one's local directory holds (a
         per-process answer would make ``should_save`` differ: with replicas, a hang). None: no step
         was whole anywhere, the job starts afresh."""

@@ -1,7 +1,7 @@
-"""A restore through the tiers: gather what every process holds, plan (``tiers_plan``), fill.
+"""A restore through the tiers: gather what every process holds, plan (``placement``), fill.
 
 :meth:`TierRestore.restore` gathers, in one named room, the regions each process's local steps hold,
-plans with the pure ``tiers_plan.plan_restore`` and fills the target in at most two scale-out passes
+plans with the pure ``placement.plan_restore`` and fills the target in at most two scale-out passes
 (:class:`_Fill`): the local copies (each holder reads its own; the holders without one receive a
 peer's), then the persistent step for the regions no process has. Each byte of a local copy is read
 once: what a process reads (its own regions, and the copies it reads for others) is checked against
@@ -18,12 +18,12 @@ import jax
 from dispatch_io.read import loop as reading
 from dispatch_io.read import targets as restore_lib
 from dispatch_io.multihost import scaleout
-from dispatch_io.manager.tiers import plan as tiers_plan
+from dispatch_io.manager.tiers import placement
 from dispatch_io import tree as tree_lib
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
-from dispatch_io.manager.tiers import checks, local_steps, rebuild
+from dispatch_io.manager.tiers import checks, job_steps, local_steps, rebuild
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.progress import Progress
 from dispatch_io.storage import Location
@@ -44,55 +44,64 @@ class TierRestoreStats:
     bytes_received: int
 
 
-class TierRestore:
-    """One restore through the tiers of a :class:`~dispatch_io.manager.tiers.tier.LocalTiers` (this process's)."""
+class NoWholeStep(FileNotFoundError):
+    """No step (or not the one asked for) has every region of the target in any tier: the message
+    says what was looked at (raised by every process alike)."""
 
-    def __init__(self, local):
-        self.local, self.tier, self.dispatcher = local, local.tier, local.dispatcher
-        self.process, self.count, self.path, self._root = local.process, local.count, local.path, local.root
+
+class TierRestore:
+    """One restore through the tiers, in this process: its local tier's steps under ``root`` (a
+    ``StepRoot`` at ``path``; ``template``: the tier's path with ``{process}``, naming the job's room)
+    read through ``dispatcher``, this process being ``process`` of ``count``. It calls nothing of
+    the tier: what the restore decided is what it returns (:meth:`restore`)."""
+
+    def __init__(self, dispatcher, root, path: str, template: str, process: int, count: int):
+        self.dispatcher, self.root, self.path, self.template = dispatcher, root, path, template
+        self.process, self.count = process, count
         self._copies: dict[int, checks.LocalCopy] = {}   # this process's copy of each step the plans picked
         self._lost, self._sections, self.rebuilt = {}, {}, {}   # parity: rebuild.augment's; {step: processes rebuilt}
 
     def _copy(self, step: int, outputs_of) -> checks.LocalCopy:
         if step not in self._copies:
-            self._copies[step] = checks.LocalCopy.open(self._root.step_path(step), outputs_of)
+            self._copies[step] = checks.LocalCopy.open(self.root.step_path(step), outputs_of)
         return self._copies[step]
 
-    def restore(self, target, persistent_steps, persistent_path, persistent_display: str, *, partial: bool = False,
-                cast: bool = False, verify: bool = False, names=None, durability: str = "local", step=None):
+    def restore(self, target, infos: tuple[dict, list], persistent_steps, persistent_path, persistent_display: str, *,
+                partial: bool = False, cast: bool = False, verify: bool = False, names=None, durability: str = "local",
+                step=None):
         """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
         from ``step`` (None: the newest step the tiers hold whole); every process calls it together. Returns
-        (tree, :class:`TierRestoreStats`). ``persistent_path(step)``: where the root holds a step.
+        (tree, :class:`TierRestoreStats`): its ``step`` is the step the restore decided on.
+        ``infos``: ({step: info} of this process's local steps, [their unreadable info files])
+        (``local_steps.read_steps``). ``persistent_path(step)``: where the root holds a step.
         ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
         are always checked (``checks``: as they are read; a bad region is replaced by the next source),
         persistent ones with ``verify``, and always where the root replaces a bad local region
         (CorruptCheckpointError if it is bad there too).
-        ``durability``: the weakest step it may pick (``tiers_plan.eligible``: ``"replicated"`` skips
+        ``durability``: the weakest step it may pick (``placement.eligible``: ``"replicated"`` skips
         local steps some region of which had one copy; ``"persisted"`` picks a persistent step, read
         from local copies where they have it).
-        Then local saves go on after the step on every process, and the first save deletes the newer
-        local steps (``LocalTiers.resume``).
-        ValueError without a target; FileNotFoundError if no step has every region; BarrierTimeoutError
+        ValueError without a target; :class:`NoWholeStep` (a FileNotFoundError) if no step has every region; BarrierTimeoutError
         naming a process that does not report within the barrier timeout."""
         if target is None:
             raise ValueError("a restore through the local tier needs a target with global shardings: they say "
                              "which process holds which region (restore(step, ...) reads the root without one)")
-        tiers_plan.check_durability(durability)
+        placement.check_durability(durability)
         outputs_of = functools.partial(_outputs, target=target, partial=partial, cast=cast, names=names)
-        infos, unreadable = self.local.infos()
+        infos, unreadable = infos
         held = {str(s): info["held"] for s, info in infos.items()}
-        parity = {str(s): local_steps.parity_report(self._root, s, info) for s, info in infos.items()}
-        copies = {str(s): tiers_plan.copies_of({**info, **parity[str(s)]}) for s, info in infos.items()}  # as durability=
+        parity = {str(s): local_steps.parity_report(self.root, s, info) for s, info in infos.items()}
+        copies = {str(s): placement.copies_of({**info, **parity[str(s)]}) for s, info in infos.items()}  # as durability=
         newest = max(infos, default=None)
         room = saved_as = None
         if self.count > 1:
-            room = open_room("tiers", self.tier.process_path("{process}"), "the restore through the local tier",
+            room = open_room("tiers", self.template, "the restore through the local tier",
                              self.dispatcher.options.barrier_timeout)
             if room.leader:  # one listing of the root, one reading of names=, for every process
                 room.set("persistent", list(persistent_steps))
                 room.set("saved_as", self._saved_keypaths(target, names, newest, persistent_steps, persistent_path))
         gathered = _gather(room, "held", self.process, {"held": held, "copies": copies, "parity": parity})
-        reports = {p: {int(s): tiers_plan.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
+        reports = {p: {int(s): placement.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         self._lost, self._sections = rebuild.augment(gathered, reports, self.count)   # what parity rebuilds
         if room is not None:
             persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
@@ -102,37 +111,33 @@ class TierRestore:
         for r in gathered.values():
             for s, n in r["copies"].items():
                 recorded[int(s)] = min(n, recorded.get(int(s), n))
-        candidates = tiers_plan.eligible(durability, persistent_steps, recorded)
+        candidates = placement.eligible(durability, persistent_steps, recorded)
         if step is not None:
             candidates &= {step}
-        wanted = {saved_as.get(k, k): v for k, v in tiers_plan.wanted_regions(target, self.count).items()}
+        wanted = {saved_as.get(k, k): v for k, v in placement.wanted_regions(target, self.count).items()}
         fill = _Fill(self, target, saved_as, persistent_path, outputs_of, verify, room)
         plan = self._plan_and_fill(fill, wanted, reports, persistent_steps, candidates)
         if room is not None:  # not after a failure: the others may never come (the failure is what they raise)
             room.close()
         if plan is None:
-            if step is None:  # the job starts afresh: local saves from step 0 on, on every process alike
-                self.local.resume(None)
             lost = f" (unreadable, so not used: {', '.join(unreadable)})" if unreadable else ""
             if step is not None and fill.failed:   # a copy was there: say why it was not used
                 lost += (f"; the local copies of {', '.join(sorted(fill.failed))} at step {step} failed their CRC-32C "
                          "check or could not be read (logged)")
             which = (f"no step of {self.path} (or its peers') and {persistent_display} holds" if step is None else
                      f"at step {step}, neither {self.path} (nor its peers') nor {persistent_display} holds")
-            raise FileNotFoundError(f"{which} every region of the target{lost}" + (
+            raise NoWholeStep(f"{which} every region of the target{lost}" + (
                                         f" with durability {durability!r} or better" if durability != "local" else ""))
-        result = fill.result()
-        self.local.resume(plan.step)
-        return result
+        return fill.result()
 
     def _plan_and_fill(self, fill: "_Fill", wanted: dict, reports: dict, persistent_steps, candidates: set):
-        """Plan (``tiers_plan.plan_restore``), check what cannot be checked as it is read, fill; and
+        """Plan (``placement.plan_restore``), check what cannot be checked as it is read, fill; and
         again, every process alike, for the regions a bad copy left out (only those regions, from the
         next source, at the same step -- or, if none has them, everything at an older step). Returns
         the plan of the step filled, or None if no step has every region."""
         todo, allowed, attempt = wanted, candidates, 0
         while True:
-            plan = tiers_plan.plan_restore(todo, reports, persistent_steps, allowed)
+            plan = placement.plan_restore(todo, reports, persistent_steps, allowed)
             if plan is None and todo is not wanted:  # the left-out regions have no other source at that step
                 candidates, todo, allowed = candidates - {fill.step}, wanted, candidates - {fill.step}
                 fill.restart()
@@ -168,7 +173,9 @@ class TierRestore:
             return {}
         self.rebuilt[step] = set(lost)
         having = sorted(p for p, steps in reports.items() if step in steps and p not in lost)
-        copy, bad, received = rebuild.run(self, step, lost, self._sections[step], having, fill.room, fill.outputs_of)
+        copy, bad, received = rebuild.run(step, lost, self._sections[step], having, fill.room, fill.outputs_of,
+                                          process=self.process, step_path=self.root.step_path(step),
+                                          runner=self.dispatcher.runner)
         fill.received += received
         if copy is not None:
             self._copies[step] = copy
@@ -179,7 +186,7 @@ class TierRestore:
         {} without): steps record their regions by saved key path. Read from the manifest of this
         process's newest local step, else of the newest persistent step (one tree, alike in
         every process)."""
-        paths = (([self._root.step_path(newest)] if newest is not None else []) +
+        paths = (([self.root.step_path(newest)] if newest is not None else []) +
                  ([persistent_path(max(persistent_steps))] if persistent_steps else []))
         if names is None or not paths:
             return {}
@@ -195,7 +202,7 @@ class TierRestore:
                 found[jax.tree_util.keystr(path)] = saved.keypath
         return found
 
-    def _local_routes(self, by_leaf: list):
+    def local_routes(self, by_leaf: list):
         """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
         own; for the others, the route's reader reads its copy and delivers it to them (a reader
         that does not hold the region receives its own piece too: one buffer it never uses), or,
@@ -207,7 +214,7 @@ class TierRestore:
                 if route.parts:
                     held[region] = tuple(sorted(set(route.receivers).union(*(procs for _, procs in route.parts))))
                     may[region] = dict(route.parts)
-                elif route.kind == tiers_plan.PEER:  # the reader (a holder or not) delivers it to the receivers
+                elif route.kind == placement.PEER:  # the reader (a holder or not) delivers it to the receivers
                     held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
                     may[region] = (route.reader,)
                 travels = self.process in held.get(region, ())  # a reader gets it with the others
@@ -216,12 +223,12 @@ class TierRestore:
             return held, mine, may
         return routes
 
-    def _persistent_routes(self, by_leaf: list):
+    def persistent_routes(self, by_leaf: list):
         """The persistent pass's: the regions no holder has locally, as a scale-out restore reads them."""
         def routes(index, out):
             held, mine = {}, []
             for region, route in by_leaf[index].items():
-                if route.kind != tiers_plan.PERSISTENT:
+                if route.kind != placement.PERSISTENT:
                     continue
                 if len(route.receivers) > 1:
                     held[region] = route.receivers
@@ -230,7 +237,7 @@ class TierRestore:
             return held, mine, {}
         return routes
 
-    def _pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None) -> tuple[int, int]:
+    def fill_pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None) -> tuple[int, int]:
         """Fill the regions ``routes`` give this checkpoint (every process together); returns
         (bytes this process read into the result -- not counting a verify's reads -- bytes it
         received from others). ``check``: as ``scaleout.fill_outputs``, for what it reads of its copy."""
@@ -268,7 +275,7 @@ class _Fill:
         """Forget the buffers filled so far (the restore goes on at another step); the counts stay."""
         self.step = self.treedef = self.outputs = self.described = None
 
-    def run(self, plan: tiers_plan.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
+    def run(self, plan: placement.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
         """Fill the regions ``plan`` routes (every process together): the local pass (if any region
         is read from a local copy: what each process reads of its copy checked as read), then the persistent pass (if a
         region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
@@ -281,29 +288,29 @@ class _Fill:
         by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
         check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy,
                                  reports[self.restore.process].get(plan.step))
-        if any(r.own or r.kind == tiers_plan.PEER for regions in plan.routes.values() for r in regions.values()):
+        if any(r.own or r.kind == placement.PEER for regions in plan.routes.values() for r in regions.values()):
             self._local(plan, by_leaf, reports, copy, check)
-        if plan.regions(tiers_plan.PERSISTENT):
+        if plan.regions(placement.PERSISTENT):
             self._persistent(plan, by_leaf, self.verify or again)
-        self.peer_regions += plan.regions(tiers_plan.PEER)
-        self.persistent_regions += plan.regions(tiers_plan.PERSISTENT)
+        self.peer_regions += plan.regions(placement.PEER)
+        self.persistent_regions += plan.regions(placement.PERSISTENT)
         return check.bad
 
     def _local(self, plan, by_leaf: list, reports: dict, copy, check):
         restore = self.restore
         own = copy is not None and copy.opened is not None
         if self.described is None:  # a process without a copy plans with a peer's manifest, shared once per step
-            shared = local_steps.share_manifest(
+            shared = job_steps.share_manifest(
                 self.room, plan.step, sorted(p for p, steps in reports.items()
                                              if plan.step in steps and p not in restore.rebuilt.get(plan.step, ())),
                 restore.process,
-                lambda: Location.parse(restore._root.step_path(plan.step)).read_manifest()) if self.room else None
-            self.described = copy.opened.manifest if own else parse_manifest(shared, restore._root.step_path(plan.step))
+                lambda: Location.parse(restore.root.step_path(plan.step)).read_manifest()) if self.room else None
+            self.described = copy.opened.manifest if own else parse_manifest(shared, restore.root.step_path(plan.step))
         if self.outputs is None:
             self.treedef, self.outputs = (copy.treedef, copy.outputs) if own else self.outputs_of(self.described)
         reader = copy.open_reader(restore.dispatcher.runner) if own else None
-        display = f"local step {plan.step} of {restore.tier.process_path('{process}')}"
-        read, received = restore._pass(reader, self.outputs, display, restore._local_routes(by_leaf), False, check)
+        display = f"local step {plan.step} of {restore.template}"
+        read, received = restore.fill_pass(reader, self.outputs, display, restore.local_routes(by_leaf), False, check)
         self.read_local, self.received = self.read_local + read, self.received + received
 
     def _persistent(self, plan, by_leaf: list, verify: bool):
@@ -311,7 +318,7 @@ class _Fill:
         opened = open_checkpoint(self.persistent_path(plan.step))
         reader = restore.dispatcher.runner.open_reader(opened.arrays, opened.context)
         treedef, outputs = self.outputs_of(opened.manifest)
-        read, received = restore._pass(reader, outputs, opened.display, restore._persistent_routes(by_leaf), verify)
+        read, received = restore.fill_pass(reader, outputs, opened.display, restore.persistent_routes(by_leaf), verify)
         self.read_persistent, self.received = self.read_persistent + read, self.received + received
         opened.check_unchanged()
         if self.outputs is None:
@@ -345,7 +352,7 @@ def _drop(reports: dict, step: int, bad: dict) -> bool:
         held = reports.get(p, {}).get(step)
         if held is None:
             continue
-        for keypath, regions in tiers_plan.as_regions(found).items():
+        for keypath, regions in placement.as_regions(found).items():
             if regions & held.get(keypath, set()):
                 held[keypath] = held[keypath] - regions
                 dropped = True
@@ -359,7 +366,7 @@ def _redo(todo: dict, left_out: dict, routes: dict) -> dict:
     from ``left_out`` (process -> {key path: [region as JSON]}, what each found bad in its copy) and
     the pass's ``routes``: a holder that left its own region out, and the receivers of a region its
     peer route's reader found bad (the reader did not send it)."""
-    found = {p: tiers_plan.as_regions(regions) for p, regions in left_out.items()}
+    found = {p: placement.as_regions(regions) for p, regions in left_out.items()}
     redo: dict = {}
     for keypath, regions in todo.items():
         for region, holders in regions.items():

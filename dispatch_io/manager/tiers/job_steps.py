@@ -1,0 +1,169 @@
+"""What the job agrees about the local tier's steps: one gather per question, in a named room.
+
+Each process's local steps are its own (``local_steps``); these answers are the job's, the same on
+every process: whether two processes would share a directory and where the job goes on from
+(:func:`check_apart`), which local steps the job can restore whole (:func:`whole_steps`), whether
+every process committed a local save (:class:`SaveAgreement`), and a step's manifest for the
+processes without a copy (:func:`share_manifest`). Every function takes
+plain values (the tier's path template, this process's infos, the barrier timeout) and calls
+nothing of the tier; every process of the job calls it together.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from dispatch_io.errors import BarrierTimeoutError, CheckpointError
+from dispatch_io.manager.tiers import local_steps, parity_plan, placement
+from dispatch_io.multihost.coordination import open_room
+from dispatch_io.storage import StepRoot
+
+
+def share_manifest(room, step: int, having: list[int], process: int, read) -> dict | None:
+    """The manifest of local ``step`` (JSON) for a process without a copy of it -- every copy's
+    manifest describes the same stored arrays, so it plans its part with a peer's --, shared by the
+    first of ``having`` (the processes with a copy, ascending; ``read()`` gives it there) through
+    ``room``; None in the processes with a copy of their own, and where none has one.
+    BarrierTimeoutError naming the sharer if it does not share it within the room's timeout."""
+    if process in having:
+        if process == having[0]:
+            room.set(f"manifest/{step}", read())
+        return None
+    if not having:
+        return None
+    doc = room.wait_for(f"manifest/{step}", room.timeout)
+    if doc is None:
+        raise BarrierTimeoutError(f"process {having[0]} did not share the manifest of local step {step} within "
+                                  f"{room.timeout:g} s", processes=[having[0]], barrier=f"{room.prefix}/manifest/{step}")
+    return doc
+
+
+def reports(root: StepRoot, infos: dict[int, dict]) -> dict[int, dict]:
+    """{step: what this process tells the job of its local copy}: its held regions, leaf shapes,
+    copies and parity (``local_steps.parity_report``) -- ``placement.whole_steps``'s report."""
+    return {step: {"held": info["held"], "shapes": info.get("shapes"), "copies": info.get("copies"),
+                   **local_steps.parity_report(root, step, info)} for step, info in infos.items()}
+
+
+def whole_steps(root: StepRoot, infos: dict[int, dict], process: int, count: int, template: str, timeout: float,
+                persistent_steps: list[int]) -> dict[int, str]:
+    """{step: durability} of the steps the job can restore whole (``placement.whole_steps``):
+    ``persistent_steps`` and the local steps whose every region some process's local copy holds
+    (``infos``: this process's, under ``root``; parity rebuilds what it can). In a job of ``count``
+    processes, one gather in the room of the tier ``template`` of what each holds, with process 0's
+    listing of the root, so every process gets the same list. BarrierTimeoutError naming a process
+    that does not come within ``timeout``."""
+    mine = reports(root, infos)
+    if count == 1:
+        return placement.whole_steps({process: mine}, persistent_steps)
+    room = open_room("tiers-steps", template, f"the listing of the steps of the local tier {template}", timeout)
+    if room.leader:
+        room.set("persistent", list(persistent_steps))
+    room.set(f"held/{process}", {str(step): report for step, report in mine.items()})
+    gathered = room.gather("held")
+    persistent = room.from_leader("persistent")
+    room.close()
+    by_process = {p: {int(s): r for s, r in held.items()} for p, held in gathered.items()}
+    for step, lost in parity_plan.rebuilt_steps(by_process, count).items():   # parity rebuilds them
+        present = next(held[step] for held in by_process.values() if step in held)
+        for p, regions in lost.items():
+            by_process.setdefault(p, {})[step] = {**present, "held": {k: [[list(b) for b in r] for r in sorted(v)]
+                                                                      for k, v in regions.items()}}
+    return placement.whole_steps(by_process, persistent)
+
+
+def check_apart(template: str, path: str, process: int, count: int, timeout: float,
+                newest: int | None) -> tuple[list[str], int | None]:
+    """(each process's host name by process index, the newest of the processes' ``newest`` local
+    steps), gathered in one named room: the last local step every process starts from (a process
+    whose local directory was lost takes the others', so the local policy answers alike
+    everywhere). ValueError (in every process) if two processes of the job would save into the
+    same local directory (one host, a path without ``{process}``): they would replace each
+    other's steps."""
+    if count < 2:
+        return [socket.gethostname()], newest
+    room = open_room("tiers-paths", template, f"the local tier {template}", timeout)
+    room.set(f"path/{process}", [socket.gethostname(), os.path.realpath(path), newest])
+    places = room.gather("path")
+    room.close()
+    seen: dict[tuple, int] = {}
+    for p in sorted(places):
+        where = tuple(places[p][:2])
+        if where in seen:
+            raise ValueError(f"LocalTier({template!r}): processes {seen[where]} and {p} would both save into "
+                             f"{where[1]} on host {where[0]}; put {{process}} in the path (it becomes the "
+                             "process index)")
+        seen[where] = p
+    steps = [places[p][2] for p in range(count) if isinstance(places[p][2], int)]
+    return [places[p][0] for p in range(count)], max(steps, default=None)
+
+
+class LocalSaveError(CheckpointError):
+    """A local save did not commit on every process of the job: ``processes`` lists those whose save
+    (their share, parity rows or replicas) failed. The step is not whole job-wide."""
+
+    def __init__(self, message, *, processes=()):
+        self.processes = sorted(processes)
+        super().__init__(message)
+
+
+class SaveAgreement:
+    """Whether every process of the job committed a local step, agreed through the coordination
+    service: a process's commit alone says nothing of the job's (a step is whole only if every
+    process's share -- with its parity rows or replicas -- is there). One room for the tier's
+    lifetime (every process opens it together, :meth:`open`); each local save is one gather of one
+    report per process, in step order (every process takes the same local saves)."""
+
+    def __init__(self, room):
+        self.room = room
+        self._agreed: int | None = None   # the last step agreed: its keys go once the next is
+
+    @classmethod
+    def open(cls, template: str, count: int, timeout: float) -> "SaveAgreement":
+        """The agreement of the local tier ``template`` in a job of ``count`` processes (alone: no room)."""
+        if count == 1:
+            return cls(None)
+        return cls(open_room("tiers-whole", template, f"the local saves of the local tier {template}", timeout))
+
+    def begin(self, step: int, process: int):
+        """Wait until every process has come to its local save of ``step``: before the save's
+        collectives (a replica exchange, parity's), which with a dead peer may fail or hang in the
+        runtime (not ours to bound). BarrierTimeoutError naming the processes that did not come
+        within the barrier timeout."""
+        if self.room is not None:
+            self.room.set(f"begun/{step}/{process}", True)
+            self.room.gather(f"begun/{step}", doing=f"come to their local save of step {step} for", together=False)
+
+    def report(self, step: int, process: int, error: BaseException | None):
+        """Publish whether this process committed local ``step`` (``error``: why not), without waiting."""
+        if self.room is not None:
+            self.room.set(f"saved/{step}/{process}", None if error is None else f"{type(error).__name__}: {error}")
+
+    def agree(self, step: int, process: int, error: BaseException | None):
+        """Report (:meth:`report`) and wait for every process's report of ``step``; returns once every
+        process committed it (the step is whole job-wide). Otherwise every process that tries the
+        save fails, and none counts it whole: BarrierTimeoutError naming the processes that did not
+        report within the barrier timeout (dead, or stuck); :class:`LocalSaveError` naming those
+        whose save failed. This process's own failure (``error``) is the cause of either; alone in
+        the job, it is raised as it is."""
+        self.report(step, process, error)
+        if self.room is None:
+            if error is not None:
+                raise error
+            return
+        try:
+            reports = self.room.gather(f"saved/{step}", doing=f"report their local save of step {step} to",
+                                       together=False)
+        except BarrierTimeoutError as exc:
+            raise exc from error
+        failed = {p: why for p, why in sorted(reports.items()) if why is not None}
+        if failed:
+            raise LocalSaveError(f"local step {step} is not whole in the job: its save failed on process(es) "
+                                 f"{sorted(failed)} ({'; '.join(f'{p}: {why}' for p, why in failed.items())})",
+                                 processes=list(failed)) from error
+        if self.room.leader and self._agreed is not None:   # every process reported step, so read the last
+            for phase in (f"saved/{self._agreed}", f"begun/{self._agreed}"):   # gather's keys of that step
+                for key in (f"{phase}/", f"arrived/{phase}", f"complete/{phase}"):
+                    self.room.client.key_value_delete(f"{self.room.prefix}/{key}")
+        self._agreed = step

@@ -1,0 +1,83 @@
+"""One process of a 4-process x 2-CPU-device pure-FSDP job that loses process 1 and goes on saving
+(run by tests/test_tier_lost_process.py): the local tier must keep the newest step whole job-wide.
+
+    python job_lost_process.py PROCESS PORT ROOT LOCAL MODE PHASE
+
+MODE: the tier's redundancy -- ``neither``, ``replicas`` (``replicas=1``) or ``parity`` (``parity=2``);
+``LocalTier(save_policy=EveryNSteps(2), keep_policy=LatestN(2))`` beside a root that saves step 0.
+
+PHASE ``train``: steps 0..13, each local save waited for (``saved N``, or ``failed N <error type>
+processes [...]: <message>`` where the save or its wait raised). At step 9 each process prints
+``step 9`` and waits for the file ``ROOT/../go`` (the test SIGKILLs process 1 first); at the end it
+prints ``local steps [...]``, ``durability {step: what its info.json says}`` and ``trained``, then waits to be
+killed (a job with a dead process cannot shut down together).
+PHASE ``rowsfail`` (MODE ``parity``, nobody killed): as ``train`` without the wait at step 9, but
+process 2's parity rows of step 10 fail to save (a full disk, say); prints the same, then ``steps
+{step: durability}`` (the job's listing) and ends.
+PHASE ``resume``: prints ``latest N`` (``latest_step()``), restores it through the tiers and prints
+``resumed STEP exact BOOL`` (bit for bit against the state of that step).
+"""
+
+import json
+import os
+import sys
+import time
+
+import jax
+
+import dispatch_io as dio
+from dispatch_io import policies
+from job_states import JobState
+
+process, port, root, local, mode, phase = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], \
+    sys.argv[6]
+jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
+mesh = jax.make_mesh((8,), ("fsdp",))
+STATE = JobState(keys=True)
+tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(2), keep_policy=policies.LatestN(2),
+                     replicas=1 if mode == "replicas" else 0, parity=2 if mode == "parity" else 0,
+                     domains=(0, 0, 1, 1))
+dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
+mgr = dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(100), local=tier)
+if phase == "rowsfail" and process == 2:
+    save = dispatcher.save
+
+    def failing_rows(path, *args, **kwargs):
+        if path.endswith(os.path.join("10", "parity")):
+            raise dio.CheckpointError(f"{path}: no space left (the test's)")
+        return save(path, *args, **kwargs)
+    dispatcher.save = failing_rows
+if phase in ("train", "rowsfail"):
+    go = os.path.join(os.path.dirname(os.path.abspath(root)), "go")
+    for step in range(14):
+        if step == 9 and phase == "train":
+            print("step 9", flush=True)
+            while not os.path.exists(go):
+                time.sleep(0.05)
+        if mgr.should_save(step):
+            try:
+                mgr.save(step, STATE.state_at(mesh, step))
+                mgr.wait()
+                print(f"saved {step}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - what the survivors see is what the test checks
+                print(f"failed {step} {type(exc).__name__} processes {getattr(exc, 'processes', None)}: "
+                      f"{str(exc).splitlines()[0]}", flush=True)
+    print(f"local steps {mgr.local.steps()}", flush=True)
+    infos = mgr.local.infos()[0]
+    print(f"durability {json.dumps({s: i.get('durability') for s, i in sorted(infos.items())})}", flush=True)
+    print("trained", flush=True)
+    if phase == "train":
+        time.sleep(600)   # killed here
+    print(f"steps {mgr.steps()}", flush=True)
+    mgr.close()
+    dispatcher.close()
+    jax.distributed.shutdown()
+    sys.exit(0)
+latest = mgr.latest_step()
+print(f"latest {latest}", flush=True)
+restored = mgr.restore(None, STATE.target(mesh))
+step = mgr.last_tier_restore.step
+print(f"resumed {step} exact {STATE.exact(restored, step)}", flush=True)
+mgr.close()
+dispatcher.close()
+jax.distributed.shutdown()

@@ -1,0 +1,79 @@
+"""The local tier never loses the newest step whole job-wide (issue 45): a real 4-process x 2-device
+pure-FSDP job (tests/jobs/job_lost_process.py) whose process 1 is SIGKILLed at step 9 while the three
+survivors -- their training step has no cross-process collective -- go on training and saving.
+
+Each survivor's local saves of steps 10 and 12 fail, naming process 1, within the barrier timeout
+(their job-wide agreement cannot complete; with replicas or parity they stop before the save's
+collectives), and since no later step is whole job-wide, local retention (``LatestN(2)``) deletes
+nothing: step 8, the newest step every process committed, stays.
+The job restarted -- with process 1's disk gone where the tier can rebuild it (replicas, parity),
+with it kept where nothing else holds process 1's share (neither) -- resumes step 8 bit for bit."""
+
+import json
+import re
+import signal
+
+import pytest
+
+from conftest import finish_job, kill_job, start_job, wait_for
+
+BARRIER = 5   # seconds: the survivors' failed saves take about this long each
+
+
+def _train(tmp_path, mode):
+    """The train phase; each survivor's output (process 1 SIGKILLed once all reached step 9)."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    procs = start_job("job_lost_process.py", [root, local, mode, "train"], barrier_timeout=BARRIER)
+    try:
+        before = wait_for(procs, "step 9", limit=240)
+        procs[1].send_signal(signal.SIGKILL)
+        assert procs[1].wait(timeout=60) == -signal.SIGKILL
+        (tmp_path / "go").write_text("")
+        after = wait_for([procs[0], procs[2], procs[3]], "trained", limit=240)
+        return [before[p] + out for p, out in zip((0, 2, 3), after)]
+    finally:
+        kill_job(procs)
+
+
+@pytest.mark.parametrize("mode", ["neither", "replicas", "parity"])
+def test_survivors_of_a_killed_process_keep_the_newest_whole_step_and_resume_it(tmp_path, mode):
+    outs = _train(tmp_path, mode)
+    for out in outs:
+        assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
+        failed = re.findall(r"^failed (\d+) (\w+) processes (.*?):", out, re.M)
+        assert [s for s, _, _ in failed] == ["10", "12"], out          # each save after the loss fails...
+        assert all(who == "[1]" for _, _, who in failed), out          # ...naming the dead process
+        steps = json.loads(re.search(r"^local steps (\[.*\])$", out, re.M)[1])
+        # Retention kept the latest 2 while the job agreed (4 dropped), then nothing: 6 and 8 stay.
+        assert steps[:2] == [6, 8] and all(s > 8 for s in steps[2:]), out
+        durability = {int(s): d for s, d in
+                      json.loads(re.search(r"^durability (\{.*\})$", out, re.M)[1]).items()}
+        whole = {"neither": "local", "replicas": "replicated 2", "parity": "parity 2"}[mode]
+        assert durability[8] == whole, out
+        # A step the job never completed claims no redundancy it did not reach (with replicas or parity
+        # the save stops before its collectives: all of the job is not there).
+        assert all(durability[s] == "local" for s in steps[2:]) and (mode == "neither") == bool(steps[2:]), out
+    if mode != "neither":   # the host is gone with its disk: the tier rebuilds process 1's share
+        import shutil
+        shutil.rmtree(tmp_path / "local" / "1")
+    outs = finish_job(start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}",
+                                                         mode, "resume"], barrier_timeout=30), limit=240)
+    for out in outs:
+        assert re.search(r"^latest 8$", out, re.M), out
+        assert re.search(r"^resumed 8 exact True$", out, re.M), out
+
+
+def test_parity_rows_that_fail_on_one_process_fail_the_save_everywhere_and_claim_nothing(tmp_path):
+    """Nobody dies, but process 2's parity rows of step 10 fail to save (a full disk): the save of step 10
+    fails on every process, naming process 2 (not logged and counted), every process's info.json of
+    step 10 says "local" (its parity never completed job-wide) and the job lists it "local", while step
+    12, whose rows all committed, says "parity 2"; retention ran again only once step 12 was whole."""
+    outs = finish_job(start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}",
+                                                         "parity", "rowsfail"], barrier_timeout=BARRIER), limit=240)
+    for out in outs:
+        assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8", "12"], out
+        failed = re.findall(r"^failed (\d+) (\w+) processes (.*?):", out, re.M)
+        assert failed == [("10", "LocalSaveError", "[2]")], out    # process 2's own error is its cause
+        durability = json.loads(re.search(r"^durability (\{.*\})$", out, re.M)[1])
+        assert durability == {"10": "local", "12": "parity 2"}, out
+        assert re.search(r"^steps \{0: 'persisted', 10: 'local', 12: 'parity 2'\}$", out, re.M), out
