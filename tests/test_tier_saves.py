@@ -178,7 +178,7 @@ def test_replica_rows_carry_every_narrow_float_bit_pattern(mesh, name):
     """A replica travels in a row (pad, join, cut on the device): every bit pattern of a narrow float
     -- each NaN payload, the infinities, -0 -- comes out of the row as it went in. XLA may quiet NaN
     payloads when it pads, joins or cuts such floats (JAX 0.12's CPU backend does)."""
-    from dispatch_io.manager.tiers import rows
+    from dispatch_io.manager.tiers import packed_rows as rows
     from test_roundtrip import every_bit_pattern
 
     host = every_bit_pattern(name, (16, 8))
