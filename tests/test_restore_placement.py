@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io.read import loop as reading
-from conftest import assert_trees_bit_equal, hooked_dispatcher
+from conftest import assert_trees_bit_equal
 
 
 def test_each_leaf_is_placed_before_the_reads_two_batches_on(tmp_path, mesh, monkeypatch, dispatcher_cls):
@@ -25,14 +25,17 @@ def test_each_leaf_is_placed_before_the_reads_two_batches_on(tmp_path, mesh, mon
             events.append(("placed", out.saved.keypath))
         return finish(out)
 
-    def read(items):
-        with lock:
-            events.append(("read", tuple(sorted({p[0].keypath for item in items for p in item.pieces}))))
+    submit = reading.RegionReads.submit
+
+    def submitted(self, batch):  # recorded as the read is submitted, on the restoring thread (IO threads
+        with lock:                # run reads in any order)
+            events.append(("read", tuple(sorted({p[0].keypath for _, _, item in batch for p in item.pieces}))))
+        return submit(self, batch)
 
     monkeypatch.setattr(reading, "finish", placed)
+    monkeypatch.setattr(reading.RegionReads, "submit", submitted)
     # 32 KiB a leaf, batches of half the 64 KiB budget: one leaf a batch.
-    with hooked_dispatcher(dispatcher_cls, read_hook=read, host_memory_budget=64 << 10, small_leaf_bytes=0,
-                           progress=False) as d:
+    with dispatcher_cls(host_memory_budget=64 << 10, small_leaf_bytes=0, progress=False) as d:
         d.save(tmp_path / "ckpt", tree).wait()
         restored = d.restore(tmp_path / "ckpt", tree)
     assert_trees_bit_equal(tree, restored)
