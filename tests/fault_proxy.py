@@ -9,7 +9,8 @@ trickling network.
 * ``"stall"``: the request is accepted (its body read) and never answered; the connection stays
   open until the proxy stops -- what a hung server or a black-holed connection looks like.
 * ``"trickle"``: the request reaches the server, and its answer is sent back at ``rate`` bytes
-  per second (2 KiB/s by default): alive, so no idle timeout fires.
+  per second (2 KiB/s by default): alive, so no idle timeout fires. Only answers of at least
+  ``min_bytes`` count as matching (a data read, not a small index node).
 
 It counts the requests and the answer body bytes it sent per method, so a test can tell how many
 requests a call made and how many bytes it read (a hedged read costs bytes).
@@ -39,7 +40,8 @@ class Fault:
     contains: str = "arrays/"       # a part of the object's name
     nth: int = 1                    # the nth matching request (from 1) ...
     count: int = 1                  # ... and the count - 1 matching ones after it
-    rate: int = 2048                # trickle: bytes per second
+    rate: int = 2048                # trickle: bytes per second ...
+    min_bytes: int = 0              # ... of an answer this large or larger
     seen: int = 0
     hit: list = dataclasses.field(default_factory=list)
 
@@ -96,19 +98,23 @@ class SlowProxy(http.server.ThreadingHTTPServer):
         with self.lock:
             return sum(1 for m, name in self.requests if m == method and contains in name)
 
-    def fault_for(self, method: str, path: str) -> Fault | None:
-        """Count the request and return the fault that picks it, if any."""
+    def fault_for(self, method: str, path: str, answer_bytes: int | None = None) -> Fault | None:
+        """The fault that picks this request, if any: a stall as it arrives (``answer_bytes``
+        None; the request is counted then), a trickle once its answer's size is known."""
         name = object_name(method, path)
         with self.lock:
-            self.requests.append((method, name if name is not None else path))
+            if answer_bytes is None:
+                self.requests.append((method, name if name is not None else path))
             if name is None:
                 return None
             for fault in self.faults:
-                if fault.method == method and fault.contains in name:
-                    fault.seen += 1
-                    if fault.nth <= fault.seen < fault.nth + fault.count:
-                        fault.hit.append((method, name))
-                        return fault
+                if (fault.mode == "stall") != (answer_bytes is None) or fault.method != method \
+                        or fault.contains not in name or (answer_bytes or 0) < fault.min_bytes:
+                    continue
+                fault.seen += 1
+                if fault.nth <= fault.seen < fault.nth + fault.count:
+                    fault.hit.append((method, name))
+                    return fault
         return None
 
     def sent(self, method: str, n: int):
@@ -131,7 +137,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _handle(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         fault = self.server.fault_for(self.command, self.path)
-        if fault is not None and fault.mode == "stall":
+        if fault is not None:
             self.server.stopping.wait()     # never answered; the connection closes when the proxy stops
             self.close_connection = True
             return
@@ -143,6 +149,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             data = response.read()
         finally:
             upstream.close()
+        fault = self.server.fault_for(self.command, self.path, len(data))
         self.send_response(response.status)
         for name, value in response.getheaders():
             if name.lower() not in _HOP:

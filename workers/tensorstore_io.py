@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from . import packs, raw_bytes
+from . import deadlines, packs, raw_bytes
 from .runs import runs
 from .contract import RAW, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
 from .layouts import NODE_CACHE, layout_kvstore, storage_of
@@ -60,6 +60,8 @@ class Session:
         self.read_window = settings.read_window
         self.compression = settings.compression  # of the chunks this session writes
         storage = storage_of(kvstore)
+        if storage.get("driver") in ("gcs", "s3"):  # before this process's first HTTP request, if it is
+            deadlines.configure(settings.request_timeout, settings.min_request_rate)
         # Local files only: the directory whose page cache write_regions / read_regions drop.
         keep = settings.keep_page_cache
         self.directory = storage.get("path") if storage.get("driver") == "file" and not keep else None

@@ -1,0 +1,96 @@
+"""Saves and restores against an object store with one slow request (run by tests/test_slow_requests.py).
+
+    python slow_store_job.py SCHEME UPSTREAM_PORT PREFIX
+
+A process of its own: TensorStore reads its request deadline once per process (workers/deadlines.py),
+and these runs use a short one (``request_timeout=2``) that the rest of the suite must not get.
+A :class:`fault_proxy.SlowProxy` in this process forwards to the server on ``UPSTREAM_PORT``
+(``gs``: the fixture's precondition layer; ``s3``: moto) and slows one chosen request per case.
+Prints one line ``RESULT {json}``: per case, its seconds, whether the tree came back bit-exact,
+the requests the proxy slowed, and (for the case where nothing answers) the error raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+import dispatch_io as dio
+import dispatch_io.storage.objectstore as objectstore
+from fault_proxy import Fault, SlowProxy
+from gcs_server import gcs_environment
+from s3_server import s3_environment
+
+MiB = 1 << 20
+OPTIONS = dict(host_memory_budget=MiB, request_timeout=2, min_request_rate=64 << 10, data_file_bytes=256 << 10)
+
+
+def tree() -> dict:
+    rng = np.random.default_rng(7)
+    return {"w": jax.numpy.asarray(rng.standard_normal((1024, 768), dtype=np.float32)),   # 3 MiB
+            "b": jax.numpy.asarray(rng.integers(0, 1 << 30, (4096,), dtype=np.int32)),
+            "e": jax.numpy.asarray(rng.standard_normal((256, 256), dtype=np.float32))}
+
+
+def bit_exact(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(
+        np.asarray(got[k]).dtype == np.asarray(want[k]).dtype and np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes()
+        for k in want)
+
+
+def timed(fn):
+    start = time.monotonic()
+    value = fn()
+    return time.monotonic() - start, value
+
+
+def main(scheme: str, upstream_port: int, prefix: str) -> dict:
+    proxy = SlowProxy(upstream_port)
+    os.environ.update(gcs_environment(proxy.endpoint) if scheme == "gs" else s3_environment(proxy.endpoint))
+    # 3 attempts per request, quickly: the case where nothing answers ends in seconds.
+    objectstore.OBJECT_STORE_RETRIES = {"max_retries": 2, "initial_delay": "50ms", "max_delay": "200ms"}
+    upload = "POST" if scheme == "gs" else "PUT"
+    data = "/d/"                            # an OCDBT data file: arrays/<save>/<writer>/d/<name>
+    want, results = tree(), {}
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), want)
+
+    def case(name, fault, fn):
+        hit = proxy.add(fault).hit if fault is not None else []
+        proxy.reset_counts()
+        start = time.monotonic()
+        try:
+            seconds, value = timed(fn)
+            results[name] = {"seconds": seconds, "exact": value is None or bit_exact(value, want), "hit": list(hit)}
+        except dio.CheckpointError as exc:
+            results[name] = {"error": type(exc).__name__, "checkpoint_error": True, "message": str(exc),
+                             "seconds": time.monotonic() - start, "hit": list(hit)}
+        finally:
+            with proxy.lock:
+                proxy.faults.clear()
+        results[name]["data_gets"] = proxy.count("GET", data)
+        results[name]["get_bytes"] = proxy.bytes_sent.get("GET", 0)
+
+    try:
+        with dio.LocalDispatcher(**OPTIONS) as d:
+            case("save", None, lambda: d.save(f"{prefix}/a", want).wait() and None)
+            for _ in range(2):   # the second is the baseline: TensorStore and the connections warm
+                case("restore", None, lambda: d.restore(f"{prefix}/a", like))
+            case("restore_stalled_read", Fault("stall", "GET", data), lambda: d.restore(f"{prefix}/a", like))
+            case("restore_trickled_read", Fault("trickle", "GET", data, min_bytes=64 << 10), lambda: d.restore(f"{prefix}/a", like))
+            case("save_stalled_upload", Fault("stall", upload, data), lambda: d.save(f"{prefix}/b", want).wait() and None)
+            case("restore_after_stalled_upload", None, lambda: d.restore(f"{prefix}/b", like))
+            case("restore_no_data_answers", Fault("stall", "GET", data, count=1 << 30),
+                 lambda: d.restore(f"{prefix}/a", like))
+            case("restore_nothing_answers", Fault("stall", "GET", "", count=1 << 30), lambda: d.restore(f"{prefix}/a", like))
+    finally:
+        proxy.stop()
+    return results
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3])), flush=True)

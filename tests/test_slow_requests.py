@@ -1,0 +1,131 @@
+"""No slow request holds the job: an object-store request that is never answered, or answered at
+2 KiB/s, is abandoned and sent again (workers/deadlines.py), on the real GCS and S3 test servers
+behind a proxy that slows exactly one request (tests/fault_proxy.py).
+
+The saves and restores run in a process of their own (tests/slow_store_job.py), which sets a
+2 s deadline: TensorStore reads it once per process. Each slowed case must finish within
+max(20 s, 5x) the same restore with nothing slow, bit-exact; a store that never answers ends
+the call with a CheckpointError naming the path and the object, in bounded time.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from fault_proxy import Fault, SlowProxy, object_name
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_job(scheme: str, upstream_port: int, prefix: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "LOW_SPEED" not in k}
+    env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "slow_store_job.py"), scheme, str(upstream_port), prefix],
+                          env=env, capture_output=True, text=True, timeout=400)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module", params=["gs", "s3"])
+def slow_cases(request):
+    """The job's results on each store (run once per store for the tests below)."""
+    import uuid
+    if request.param == "gs":
+        port = request.getfixturevalue("gcs_server").port
+    else:
+        port = request.getfixturevalue("s3_server").port
+    return request.param, run_job(request.param, port, f"{request.param}://ckpts/slow-{uuid.uuid4().hex[:6]}")
+
+
+def bound(cases) -> float:
+    return max(20.0, 5 * cases["restore"]["seconds"])
+
+
+@pytest.mark.parametrize("name", ["restore_stalled_read", "restore_trickled_read"])
+def test_a_restore_with_one_slow_data_read_finishes_soon_and_bit_exact(slow_cases, name):
+    scheme, cases = slow_cases
+    case = cases[name]
+    assert "error" not in case, case
+    assert len(case["hit"]) == 1 and "/d/" in case["hit"][0][1], case      # one data read was slowed
+    assert case["exact"], f"{name}: restored tree differs"
+    assert case["seconds"] <= bound(cases), (case["seconds"], cases["restore"]["seconds"])
+
+
+def test_a_save_with_one_stalled_upload_finishes_soon_and_restores_bit_exact(slow_cases):
+    scheme, cases = slow_cases
+    save, restored = cases["save_stalled_upload"], cases["restore_after_stalled_upload"]
+    assert "error" not in save and "error" not in restored, (save, restored)
+    assert len(save["hit"]) == 1 and save["hit"][0][0] == ("POST" if scheme == "gs" else "PUT"), save
+    assert save["seconds"] <= max(20.0, 5 * cases["save"]["seconds"]), (save["seconds"], cases["save"]["seconds"])
+    assert restored["exact"]
+
+
+def test_a_store_that_never_answers_ends_the_call_with_a_checkpoint_error(slow_cases):
+    """Every GET accepted and never answered: each attempt is abandoned after the deadline,
+    the (3) attempts are spent, and the restore raises a CheckpointError naming the checkpoint
+    and the object it could not read -- in bounded time (the test's timeout)."""
+    scheme, cases = slow_cases
+    case = cases["restore_nothing_answers"]
+    assert case.get("error") == "CheckpointError", case
+    assert "/a: could not read COMMITTED" in case["message"], case["message"]
+    assert "retry attempts" in case["message"] and "abandoned and retried after 2 s" in case["message"], case["message"]
+    assert len(case["hit"]) >= 3, case["hit"]     # the first read and its retries, each abandoned
+    assert case["seconds"] < 60, case["seconds"]
+
+
+def test_data_that_never_comes_ends_the_restore_naming_the_leaf(slow_cases):
+    """Every data read accepted and never answered: the restore fails with a CheckpointError
+    (WorkerError) naming a leaf's key path and what was tried, in bounded time."""
+    scheme, cases = slow_cases
+    case = cases["restore_no_data_answers"]
+    assert case.get("checkpoint_error") and case["error"] == "WorkerError", case
+    assert any(f"['{leaf}']" in case["message"] for leaf in "wbe"), case["message"]
+    assert "retry attempts failed" in case["message"] and "/d/" in case["message"], case["message"]
+    assert case["seconds"] < 60, case["seconds"]
+
+
+def test_the_proxy_stalls_and_trickles_only_the_chosen_request(gcs_server, gcs_prefix):
+    """The fault layer itself: the 2nd GET of an object under ``arrays/`` trickles at 2 KiB/s
+    (4 KiB in about 2 s), the rest are answered at once and counted, and one stalled request
+    holds nothing but its own connection."""
+    proxy = SlowProxy(gcs_server.port)
+    try:
+        bucket_path = gcs_prefix[len("gs://ckpts/"):]
+        for i in range(3):
+            request = urllib.request.Request(
+                f"{proxy.endpoint}/upload/storage/v1/b/ckpts/o?uploadType=media&name={bucket_path}/arrays/{i}",
+                data=bytes([i]) * 4096, method="POST")
+            urllib.request.urlopen(request, timeout=30).close()
+        trickle = proxy.add(Fault("trickle", "GET", "arrays/", nth=2))
+        stall = proxy.add(Fault("stall", "GET", "arrays/2"))
+
+        def get(i, timeout=30):
+            url = f"{proxy.endpoint}/storage/v1/b/ckpts/o/{bucket_path}%2Farrays%2F{i}?alt=media"
+            start = time.monotonic()
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                return response.read(), time.monotonic() - start
+
+        assert get(0) [0] == bytes([0]) * 4096
+        data, seconds = get(1)
+        assert data == bytes([1]) * 4096 and 1.2 < seconds < 6, seconds
+        with pytest.raises(OSError):     # a timeout: never answered
+            get(2, timeout=1)
+        assert trickle.hit == [("GET", f"{bucket_path}/arrays/1")] and stall.hit == [("GET", f"{bucket_path}/arrays/2")]
+        assert proxy.count("GET") == 3 and proxy.count("POST") == 3
+        assert proxy.bytes_sent["GET"] == 2 * 4096
+    finally:
+        proxy.stop()
+
+
+def test_object_names_of_gcs_and_s3_requests():
+    assert object_name("GET", "/storage/v1/b/ckpts/o/run%2Farrays%2Fd%2Fx?alt=media") == "run/arrays/d/x"
+    assert object_name("POST", "/upload/storage/v1/b/ckpts/o?uploadType=media&name=run%2FCOMMITTED") == "run/COMMITTED"
+    assert object_name("PUT", "/ckpts/run/arrays/d/x") == "run/arrays/d/x"
+    assert object_name("GET", "/ckpts?list-type=2&prefix=run%2F") is None
+    assert object_name("GET", "/storage/v1/b/ckpts/o?prefix=run%2F") is None
