@@ -106,6 +106,15 @@ class Options:
     min_request_rate: the floor, in bytes/s, of ``request_timeout`` (default 32 KiB/s): a
         request that moves fewer bytes a second than this for that long is abandoned. Keep it
         well under the bandwidth one request gets when all run at once.
+    hedge_reads: on object stores, read again a region whose read lags the reads of the same
+        call (see ``hedge_after``) and use whichever answer comes first, cancelling the other:
+        one stalled or trickling read then costs about its peers' time, not ``request_timeout``.
+        At most 2 hedges in flight per read call, each read hedged once, their bytes at most
+        half the read window; reads land in TensorStore's arrays and are copied into place.
+        False: no hedges (every read still ends by ``request_timeout``).
+    hedge_after: the least time, in seconds, a read runs before it may be hedged (default 1.0).
+        Past it, a read is hedged once it takes 4x what the finished reads of the same call
+        predict for it, or moves under ``min_request_rate`` (docs/design.md).
     """
 
     host_memory_budget: int = 1 << 30
@@ -128,6 +137,8 @@ class Options:
     host_transfer: str = "auto"
     request_timeout: float | None = deadlines.DEFAULT_REQUEST_TIMEOUT
     min_request_rate: int = deadlines.DEFAULT_MIN_REQUEST_RATE
+    hedge_reads: bool = True
+    hedge_after: float = 1.0
 
     def __post_init__(self):
         if self.host_transfer not in HOST_TRANSFERS:
@@ -157,6 +168,11 @@ class Options:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         deadlines.check(self.request_timeout, self.min_request_rate)
+        if not isinstance(self.hedge_reads, bool):
+            raise ValueError(f"hedge_reads must be True or False, got {self.hedge_reads!r}")
+        if isinstance(self.hedge_after, bool) or not isinstance(self.hedge_after, (int, float)) \
+                or not self.hedge_after > 0:
+            raise ValueError(f"hedge_after must be a positive number of seconds, got {self.hedge_after!r}")
         if not isinstance(self.small_leaf_bytes, int) or isinstance(self.small_leaf_bytes, bool) \
                 or self.small_leaf_bytes < 0:
             raise ValueError(f"small_leaf_bytes must be a number of bytes >= 0, got {self.small_leaf_bytes!r}")
@@ -199,4 +215,5 @@ class Options:
                           read_window=self.read_batch_bytes, compression=compression_codec(self.compression),
                           data_file_bytes=self.data_file_bytes, io_concurrency=self.io_concurrency,
                           copy_concurrency=self.copy_concurrency, request_timeout=self.request_timeout,
-                          min_request_rate=self.min_request_rate)
+                          min_request_rate=self.min_request_rate, hedge_reads=self.hedge_reads,
+                          hedge_after=self.hedge_after)

@@ -9,8 +9,11 @@ trickling network.
 * ``"stall"``: the request is accepted (its body read) and never answered; the connection stays
   open until the proxy stops -- what a hung server or a black-holed connection looks like.
 * ``"trickle"``: the request reaches the server, and its answer is sent back at ``rate`` bytes
-  per second (2 KiB/s by default): alive, so no idle timeout fires. Only answers of at least
-  ``min_bytes`` count as matching (a data read, not a small index node).
+  per second (2 KiB/s by default): alive, so no idle timeout fires.
+
+With ``min_bytes``, only requests whose answer holds at least that many bytes match (a chunk's
+data, not an index node or a zarr.json): such a request reaches the server, and its answer is
+then stalled or trickled.
 
 It counts the requests and the answer body bytes it sent per method, so a test can tell how many
 requests a call made and how many bytes it read (a hedged read costs bytes).
@@ -99,8 +102,9 @@ class SlowProxy(http.server.ThreadingHTTPServer):
             return sum(1 for m, name in self.requests if m == method and contains in name)
 
     def fault_for(self, method: str, path: str, answer_bytes: int | None = None) -> Fault | None:
-        """The fault that picks this request, if any: a stall as it arrives (``answer_bytes``
-        None; the request is counted then), a trickle once its answer's size is known."""
+        """The fault that picks this request, if any: as it arrives (``answer_bytes`` None; the
+        request is counted then) a stall without ``min_bytes``, once its answer's size is known
+        the others."""
         name = object_name(method, path)
         with self.lock:
             if answer_bytes is None:
@@ -108,7 +112,8 @@ class SlowProxy(http.server.ThreadingHTTPServer):
             if name is None:
                 return None
             for fault in self.faults:
-                if (fault.mode == "stall") != (answer_bytes is None) or fault.method != method \
+                on_arrival = fault.mode == "stall" and not fault.min_bytes
+                if on_arrival != (answer_bytes is None) or fault.method != method \
                         or fault.contains not in name or (answer_bytes or 0) < fault.min_bytes:
                     continue
                 fault.seen += 1
@@ -150,6 +155,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         finally:
             upstream.close()
         fault = self.server.fault_for(self.command, self.path, len(data))
+        if fault is not None and fault.mode == "stall":
+            self.server.stopping.wait()
+            self.close_connection = True
+            return
         self.send_response(response.status)
         for name, value in response.getheaders():
             if name.lower() not in _HOP:

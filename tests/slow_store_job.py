@@ -1,9 +1,11 @@
 """Saves and restores against an object store with one slow request (run by tests/test_slow_requests.py).
 
-    python slow_store_job.py SCHEME UPSTREAM_PORT PREFIX
+    python slow_store_job.py SCHEME UPSTREAM_PORT PREFIX MODE
 
-A process of its own: TensorStore reads its request deadline once per process (workers/deadlines.py),
-and these runs use a short one (``request_timeout=2``) that the rest of the suite must not get.
+A process of its own: TensorStore reads its request deadline once per process (workers/deadlines.py).
+MODE ``deadline``: a short one (``request_timeout=2``, which the rest of the suite must not get)
+and no hedged reads, so what ends a slow request is the deadline alone. MODE ``hedge``: a long
+deadline (60 s) and hedged reads, so a slow read that ends soon was ended by its hedge.
 A :class:`fault_proxy.SlowProxy` in this process forwards to the server on ``UPSTREAM_PORT``
 (``gs``: the fixture's precondition layer; ``s3``: moto) and slows one chosen request per case.
 Prints one line ``RESULT {json}``: per case, its seconds, whether the tree came back bit-exact,
@@ -27,7 +29,8 @@ from gcs_server import gcs_environment
 from s3_server import s3_environment
 
 MiB = 1 << 20
-OPTIONS = dict(host_memory_budget=MiB, request_timeout=2, min_request_rate=64 << 10, data_file_bytes=256 << 10)
+OPTIONS = dict(host_memory_budget=MiB, min_request_rate=64 << 10, data_file_bytes=256 << 10)
+MODES = {"deadline": dict(request_timeout=2, hedge_reads=False), "hedge": dict(request_timeout=60, hedge_after=0.5)}
 
 
 def tree() -> dict:
@@ -49,7 +52,7 @@ def timed(fn):
     return time.monotonic() - start, value
 
 
-def main(scheme: str, upstream_port: int, prefix: str) -> dict:
+def main(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
     proxy = SlowProxy(upstream_port)
     os.environ.update(gcs_environment(proxy.endpoint) if scheme == "gs" else s3_environment(proxy.endpoint))
     # 3 attempts per request, quickly: the case where nothing answers ends in seconds.
@@ -76,12 +79,18 @@ def main(scheme: str, upstream_port: int, prefix: str) -> dict:
         results[name]["get_bytes"] = proxy.bytes_sent.get("GET", 0)
 
     try:
-        with dio.LocalDispatcher(**OPTIONS) as d:
+        with dio.LocalDispatcher(**OPTIONS, **MODES[mode]) as d:
             case("save", None, lambda: d.save(f"{prefix}/a", want).wait() and None)
             for _ in range(2):   # the second is the baseline: TensorStore and the connections warm
                 case("restore", None, lambda: d.restore(f"{prefix}/a", like))
-            case("restore_stalled_read", Fault("stall", "GET", data), lambda: d.restore(f"{prefix}/a", like))
-            case("restore_trickled_read", Fault("trickle", "GET", data, min_bytes=64 << 10), lambda: d.restore(f"{prefix}/a", like))
+            case("restore_stalled_read", Fault("stall", "GET", data, min_bytes=64 << 10), lambda: d.restore(f"{prefix}/a", like))
+            case("restore_trickled_read", Fault("trickle", "GET", data, min_bytes=64 << 10),
+                 lambda: d.restore(f"{prefix}/a", like))
+            if mode == "hedge":
+                with dio.LocalDispatcher(**OPTIONS, **MODES[mode], hedge_reads=False) as plain:
+                    case("restore_without_hedging", None, lambda: plain.restore(f"{prefix}/a", like))
+                case("restore_with_hedging", None, lambda: d.restore(f"{prefix}/a", like))
+                return results
             case("save_stalled_upload", Fault("stall", upload, data), lambda: d.save(f"{prefix}/b", want).wait() and None)
             case("restore_after_stalled_upload", None, lambda: d.restore(f"{prefix}/b", like))
             case("restore_no_data_answers", Fault("stall", "GET", data, count=1 << 30),
@@ -93,4 +102,4 @@ def main(scheme: str, upstream_port: int, prefix: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3])), flush=True)
+    print("RESULT " + json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])), flush=True)

@@ -2,8 +2,10 @@
 2 KiB/s, is abandoned and sent again (workers/deadlines.py), on the real GCS and S3 test servers
 behind a proxy that slows exactly one request (tests/fault_proxy.py).
 
-The saves and restores run in a process of their own (tests/slow_store_job.py), which sets a
-2 s deadline: TensorStore reads it once per process. Each slowed case must finish within
+The saves and restores run in processes of their own (tests/slow_store_job.py): TensorStore
+reads its request deadline once per process. In one, a 2 s deadline and no hedged reads (what
+ends a slow request is the deadline); in the other, a 60 s deadline and hedged reads (what ends
+a slow read soon is its hedge, workers/hedged.py). Each slowed case must finish within
 max(20 s, 5x) the same restore with nothing slow, bit-exact; a store that never answers ends
 the call with a CheckpointError naming the path and the object, in bounded time.
 """
@@ -22,34 +24,40 @@ from fault_proxy import Fault, SlowProxy, object_name
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_job(scheme: str, upstream_port: int, prefix: str) -> dict:
+def run_job(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "LOW_SPEED" not in k}
     env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "slow_store_job.py"), scheme, str(upstream_port), prefix],
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "slow_store_job.py"), scheme, str(upstream_port), prefix, mode],
                           env=env, capture_output=True, text=True, timeout=400)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.fixture(scope="module", params=["gs", "s3"])
-def slow_cases(request):
-    """The job's results on each store (run once per store for the tests below)."""
+def _job(request, mode: str) -> tuple[str, dict]:
     import uuid
-    if request.param == "gs":
-        port = request.getfixturevalue("gcs_server").port
-    else:
-        port = request.getfixturevalue("s3_server").port
-    return request.param, run_job(request.param, port, f"{request.param}://ckpts/slow-{uuid.uuid4().hex[:6]}")
+    scheme = request.param
+    port = request.getfixturevalue("gcs_server" if scheme == "gs" else "s3_server").port
+    return scheme, run_job(scheme, port, f"{scheme}://ckpts/slow-{mode}-{uuid.uuid4().hex[:6]}", mode)
+
+
+@pytest.fixture(scope="module", params=["gs", "s3"])
+def deadline_job(request):
+    """The job's results with a 2 s request deadline and no hedged reads, on each store."""
+    return _job(request, "deadline")
+
+
+@pytest.fixture(scope="module", params=["gs", "s3"])
+def hedge_job(request):
+    """The job's results with hedged reads and a 60 s request deadline, on each store."""
+    return _job(request, "hedge")
 
 
 def bound(cases) -> float:
     return max(20.0, 5 * cases["restore"]["seconds"])
 
 
-@pytest.mark.parametrize("name", ["restore_stalled_read", "restore_trickled_read"])
-def test_a_restore_with_one_slow_data_read_finishes_soon_and_bit_exact(slow_cases, name):
-    scheme, cases = slow_cases
+def check_slow_read(cases: dict, name: str):
     case = cases[name]
     assert "error" not in case, case
     assert len(case["hit"]) == 1 and "/d/" in case["hit"][0][1], case      # one data read was slowed
@@ -57,8 +65,27 @@ def test_a_restore_with_one_slow_data_read_finishes_soon_and_bit_exact(slow_case
     assert case["seconds"] <= bound(cases), (case["seconds"], cases["restore"]["seconds"])
 
 
-def test_a_save_with_one_stalled_upload_finishes_soon_and_restores_bit_exact(slow_cases):
-    scheme, cases = slow_cases
+@pytest.mark.parametrize("name", ["restore_stalled_read", "restore_trickled_read"])
+def test_the_deadline_ends_a_slow_data_read_soon_and_the_restore_is_bit_exact(deadline_job, name):
+    check_slow_read(deadline_job[1], name)
+
+
+@pytest.mark.parametrize("name", ["restore_stalled_read", "restore_trickled_read"])
+def test_a_hedge_ends_a_slow_data_read_soon_and_the_restore_is_bit_exact(hedge_job, name):
+    """The deadline is 60 s here: a restore done within 20 s had its slow read hedged."""
+    check_slow_read(hedge_job[1], name)
+    assert hedge_job[1][name]["data_gets"] > hedge_job[1]["restore"]["data_gets"]   # the hedge's read
+
+
+def test_hedged_reads_cost_few_bytes_on_a_healthy_store(hedge_job):
+    """The same restore with hedging on and off, nothing slow: at most 5 % more bytes read."""
+    on, off = hedge_job[1]["restore_with_hedging"], hedge_job[1]["restore_without_hedging"]
+    assert on["exact"] and off["exact"]
+    assert on["get_bytes"] <= 1.05 * off["get_bytes"], (on["get_bytes"], off["get_bytes"])
+
+
+def test_a_save_with_one_stalled_upload_finishes_soon_and_restores_bit_exact(deadline_job):
+    scheme, cases = deadline_job
     save, restored = cases["save_stalled_upload"], cases["restore_after_stalled_upload"]
     assert "error" not in save and "error" not in restored, (save, restored)
     assert len(save["hit"]) == 1 and save["hit"][0][0] == ("POST" if scheme == "gs" else "PUT"), save
@@ -66,11 +93,11 @@ def test_a_save_with_one_stalled_upload_finishes_soon_and_restores_bit_exact(slo
     assert restored["exact"]
 
 
-def test_a_store_that_never_answers_ends_the_call_with_a_checkpoint_error(slow_cases):
+def test_a_store_that_never_answers_ends_the_call_with_a_checkpoint_error(deadline_job):
     """Every GET accepted and never answered: each attempt is abandoned after the deadline,
     the (3) attempts are spent, and the restore raises a CheckpointError naming the checkpoint
-    and the object it could not read -- in bounded time (the test's timeout)."""
-    scheme, cases = slow_cases
+    and the object it could not read -- in bounded time."""
+    scheme, cases = deadline_job
     case = cases["restore_nothing_answers"]
     assert case.get("error") == "CheckpointError", case
     assert "/a: could not read COMMITTED" in case["message"], case["message"]
@@ -79,10 +106,10 @@ def test_a_store_that_never_answers_ends_the_call_with_a_checkpoint_error(slow_c
     assert case["seconds"] < 60, case["seconds"]
 
 
-def test_data_that_never_comes_ends_the_restore_naming_the_leaf(slow_cases):
+def test_data_that_never_comes_ends_the_restore_naming_the_leaf(deadline_job):
     """Every data read accepted and never answered: the restore fails with a CheckpointError
     (WorkerError) naming a leaf's key path and what was tried, in bounded time."""
-    scheme, cases = slow_cases
+    scheme, cases = deadline_job
     case = cases["restore_no_data_answers"]
     assert case.get("checkpoint_error") and case["error"] == "WorkerError", case
     assert any(f"['{leaf}']" in case["message"] for leaf in "wbe"), case["message"]

@@ -303,6 +303,8 @@ class IOSettings:
     request_timeout, min_request_rate: object stores: an HTTP request slower than
         ``min_request_rate`` bytes/s for ``request_timeout`` seconds is abandoned and retried
         (:mod:`workers.deadlines`, process-wide); None: no deadline.
+    hedge_reads, hedge_after: object stores: a read lagging its peers (at least ``hedge_after``
+        seconds) is read again, the first answer used (:mod:`workers.hedged`).
     """
 
     layout: str = "ocdbt"
@@ -317,6 +319,8 @@ class IOSettings:
     copy_concurrency: int = dataclasses.field(default_factory=host_cpus)
     request_timeout: float | None = deadlines.DEFAULT_REQUEST_TIMEOUT
     min_request_rate: int = deadlines.DEFAULT_MIN_REQUEST_RATE
+    hedge_reads: bool = True
+    hedge_after: float = 1.0
 
     def __post_init__(self):
         for name in ("threads", "io_concurrency", "copy_concurrency"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import math
 import posixpath
@@ -12,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from . import deadlines, packs, raw_bytes
+from . import deadlines, hedged, packs, raw_bytes
 from .runs import runs
 from .contract import RAW, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
 from .layouts import NODE_CACHE, layout_kvstore, storage_of
@@ -87,6 +88,11 @@ class Session:
         self.reference_sources = storage.get("driver") != "memory"
         self._open: dict[str, Any] = {}
         self._kvstore = None  # future of the opened kvstore, for raw byte-range reads
+        # Object stores: reads that lag their peers are read again in a session of its own (workers.hedged).
+        self.hedger = hedged.Hedger(
+            hedged.HedgePolicy(settings.hedge_after, settings.min_request_rate),
+            lambda: Session(kvstore, dataclasses.replace(settings, hedge_reads=False), context, cache_bytes),
+            self.read_window) if settings.hedge_reads and storage.get("driver") in ("gcs", "s3") else None
         self._lock = threading.Lock()
 
     @classmethod
@@ -109,6 +115,8 @@ class Session:
                 if (spec.name, spec.layers) not in self._open:
                     try:
                         future = ts.open(self._spec(spec, write), assume_metadata=write, open=True, context=self.context)
+                        if self.hedger is not None and not write:
+                            future = self.hedger.opening(future, spec)
                     except Exception as exc:  # noqa: BLE001 - raised by .result(), named by the caller
                         future = concurrent.futures.Future()
                         future.set_exception(exc)
@@ -251,6 +259,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     spans = packs.spans(regions)
     futures, waited = [], []
     stores = session.open_arrays([r.array for r in regions], write=False)
+    hedger = session.hedger  # hedged reads go into TensorStore's arrays, never into ``out`` (workers.hedged)
     region = None
     try:
         for pack, start, stop, keypath in spans:
@@ -261,7 +270,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
             if region.array.packed is not None:
                 continue
             source = stores[region.array.name].result()[region.index]
-            if dst is None:
+            if dst is None or hedger is not None:
                 futures.append(source.read())
             else:
                 stored = numpy_dtype(region.array.storage_dtype)
@@ -272,10 +281,10 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
         _wait_all(futures, waited)
         raise ChunkError(region.keypath, region.bounds, exc) from exc
     try:
-        arrays = _wait_all(futures, waited)
+        arrays = _wait_all(futures, waited) if hedger is None else hedged.wait_regions(hedger, futures, waited)
     except ChunkError:
         for span, future in zip(spans, futures):
-            if future.exception() is not None:
+            if not future.cancelled() and future.exception() is not None:
                 _blame_leaf(stores, regions, span)
         raise
     release_page_cache(session, waited, written=False)
@@ -287,7 +296,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     for region, dst in zip(regions, out):
         arr = packs.extract(region, read) if region.array.packed is not None else next(plain)
         if dst is not None:
-            if region.array.packed is not None:
+            if region.array.packed is not None or hedger is not None:
                 np.copyto(dst.view(arr.dtype) if dst.dtype != arr.dtype else dst, arr)
             results.append(dst)
             continue
