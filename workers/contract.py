@@ -330,6 +330,7 @@ class IOSettings:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         check_data_file_bytes(self.data_file_bytes)
+        deadlines.check(self.request_timeout, self.min_request_rate)
         if compression_codec(self.compression) != self.compression:
             raise ValueError(f"compression must be a (codec, level) pair or None, got {self.compression!r}")
 

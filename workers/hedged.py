@@ -96,6 +96,13 @@ class Hedger:
                 self._companion = self._companion_factory()
             return self._companion
 
+    def close(self):
+        """Close the companion session, if one was made."""
+        with self._lock:
+            companion, self._companion = self._companion, None
+        if companion is not None:
+            companion.close()
+
     def opening(self, future, spec) -> "HedgedOpen":
         """``future`` (``ts.open`` of the stored array ``spec`` for reading) as a :class:`HedgedOpen`:
         opened in the companion too when it takes ``SLOWER`` times the floor (opens have no peers)."""

@@ -147,6 +147,8 @@ class Session:
         with self._lock:
             self._open.clear()
             self._kvstore = None
+        if self.hedger is not None:
+            self.hedger.close()
 
 
 def _stacked(tspec: dict, spec: ArraySpec, kvstore: dict) -> dict:
