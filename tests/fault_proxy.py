@@ -8,6 +8,8 @@ trickling network.
 
 * ``"stall"``: the request is accepted (its body read) and never answered; the connection stays
   open until the proxy stops -- what a hung server or a black-holed connection looks like.
+* ``"lose"``: the request reaches the server (and takes effect there), its answer never comes
+  back -- a write whose success the client cannot learn.
 * ``"trickle"``: the request reaches the server, and its answer is sent back at ``rate`` bytes
   per second (2 KiB/s by default): alive, so no idle timeout fires.
 
@@ -38,7 +40,7 @@ class Fault:
     """Which request to slow, and how (see the module's docstring). ``hit``: the requests it
     was applied to, as (method, object name)."""
 
-    mode: str                       # "stall" or "trickle"
+    mode: str                       # "stall", "lose" or "trickle"
     method: str                     # HTTP method, e.g. "GET", "POST" (GCS upload), "PUT" (S3 upload)
     contains: str = "arrays/"       # a part of the object's name
     nth: int = 1                    # the nth matching request (from 1) ...
@@ -49,8 +51,8 @@ class Fault:
     hit: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
-        if self.mode not in ("stall", "trickle"):
-            raise ValueError(f"mode must be 'stall' or 'trickle', got {self.mode!r}")
+        if self.mode not in ("stall", "lose", "trickle"):
+            raise ValueError(f"mode must be 'stall', 'lose' or 'trickle', got {self.mode!r}")
 
 
 def object_name(method: str, path: str) -> str | None:
@@ -155,7 +157,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         finally:
             upstream.close()
         fault = self.server.fault_for(self.command, self.path, len(data))
-        if fault is not None and fault.mode == "stall":
+        if fault is not None and fault.mode in ("stall", "lose"):
             self.server.stopping.wait()
             self.close_connection = True
             return

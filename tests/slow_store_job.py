@@ -93,6 +93,9 @@ def main(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
                 return results
             case("save_stalled_upload", Fault("stall", upload, data), lambda: d.save(f"{prefix}/b", want).wait() and None)
             case("restore_after_stalled_upload", None, lambda: d.restore(f"{prefix}/b", like))
+            case("save_commit_answer_lost", Fault("lose", upload, "COMMITTED"),
+                 lambda: d.save(f"{prefix}/c", want).wait() and None)
+            case("restore_after_commit_answer_lost", None, lambda: d.restore(f"{prefix}/c", like))
             case("restore_no_data_answers", Fault("stall", "GET", data, count=1 << 30),
                  lambda: d.restore(f"{prefix}/a", like))
             case("restore_nothing_answers", Fault("stall", "GET", "", count=1 << 30), lambda: d.restore(f"{prefix}/a", like))

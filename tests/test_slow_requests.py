@@ -93,6 +93,17 @@ def test_a_save_with_one_stalled_upload_finishes_soon_and_restores_bit_exact(dea
     assert restored["exact"]
 
 
+def test_a_commit_whose_answer_is_lost_still_commits_once(deadline_job):
+    """The conditional write of COMMITTED reaches the server, its answer never comes back: the
+    deadline abandons it, TensorStore sends it again, the server refuses it (the marker exists
+    now) -- and the save finds its own marker there, so it committed, once, and restores."""
+    scheme, cases = deadline_job
+    save, restored = cases["save_commit_answer_lost"], cases["restore_after_commit_answer_lost"]
+    assert "error" not in save and "error" not in restored, (save, restored)
+    assert len(save["hit"]) == 1 and save["hit"][0][1].endswith("/c/COMMITTED"), save
+    assert restored["exact"]
+
+
 def test_a_store_that_never_answers_ends_the_call_with_a_checkpoint_error(deadline_job):
     """Every GET accepted and never answered: each attempt is abandoned after the deadline,
     the (3) attempts are spent, and the restore raises a CheckpointError naming the checkpoint

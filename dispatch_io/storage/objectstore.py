@@ -265,12 +265,18 @@ class KvWrite(WriteTarget):
 
     def _write_if_absent(self, key: str, value: bytes) -> bool:
         """Write ``key`` only if it does not exist (a conditional write: atomic where the store
-        has them); False if another writer got there first."""
+        has them); False if another writer got there first. ``value`` must be unique to this
+        writer (a marker): it is what tells a retried write of ours from another's."""
         current = self.location.wait(self.kv.read(key), f"read {key}")
         if current.state == "value":
             return False
         stamp = self.location.wait(self.kv.write(key, value, if_equal=current.stamp.generation), f"write {key}")
-        return bool(stamp.generation)  # empty: the condition failed
+        if stamp.generation:
+            return True
+        # The condition failed -- or an attempt of ours landed and its answer was lost, and the
+        # request, sent again (a deadline, a reset), found our own value: ``value`` is unique to
+        # this writer (a marker with an id of its own), so finding it proves the write was ours.
+        return self.location.wait(self.kv.read(key), f"read {key}").value == value
 
     def _still_ours(self) -> bool:
         return self.location._get(WRITING) == self.marker
