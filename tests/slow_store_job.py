@@ -21,6 +21,7 @@ import time
 
 import jax
 import numpy as np
+from absl import logging as absl_logging
 
 import dispatch_io as dio
 import dispatch_io.storage.objectstore as objectstore
@@ -53,6 +54,7 @@ def timed(fn):
 
 
 def main(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
+    absl_logging.set_verbosity(absl_logging.INFO)   # the straggler lines (hedged reads)
     proxy = SlowProxy(upstream_port)
     os.environ.update(gcs_environment(proxy.endpoint) if scheme == "gs" else s3_environment(proxy.endpoint))
     # 3 attempts per request, quickly: the case where nothing answers ends in seconds.

@@ -31,7 +31,9 @@ def run_job(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
                           env=env, capture_output=True, text=True, timeout=400)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    results = json.loads(lines[-1][len("RESULT "):])
+    results["stragglers logged"] = [line for line in proc.stderr.splitlines() if "dispatch_io: straggler:" in line]
+    return results
 
 
 def _job(request, mode: str) -> tuple[str, dict]:
@@ -75,6 +77,11 @@ def test_a_hedge_ends_a_slow_data_read_soon_and_the_restore_is_bit_exact(hedge_j
     """The deadline is 60 s here: a restore done within 20 s had its slow read hedged."""
     check_slow_read(hedge_job[1], name)
     assert hedge_job[1][name]["data_gets"] > hedge_job[1]["restore"]["data_gets"]   # the hedge's read
+
+
+def test_a_hedged_straggler_is_named_in_the_log(hedge_job):
+    logged = hedge_job[1]["stragglers logged"]
+    assert logged and all("['w']" in line or "['e']" in line for line in logged), logged
 
 
 def test_hedged_reads_cost_few_bytes_on_a_healthy_store(hedge_job):

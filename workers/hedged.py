@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from absl import logging
+
 from .contract import ChunkError, Region
 
 MAX_HEDGES = 2      # hedges in flight per call
@@ -109,11 +111,13 @@ class Hedger:
         return HedgedOpen(future, lambda: self.companion().open_arrays([spec], write=False)[spec.name],
                           SLOWER * self.policy.after)
 
-    def wait_all(self, futures: list, sizes: Sequence[int], reissue: Callable[[object, int], object]):
+    def wait_all(self, futures: list, sizes: Sequence[int], reissue: Callable[[object, int], object],
+                 names: Sequence[str] | None = None):
         """Wait for every read in ``futures`` (TensorStore futures of arrays, ``sizes[i]`` bytes
         each); returns ``(results, errors)``: per read its array, or None and its exception.
         ``reissue(session, i)`` makes read ``i`` again in ``session`` (blocking is fine: it
-        runs on a thread of its own). A read fails only once every attempt at it failed."""
+        runs on a thread of its own). A read fails only once every attempt at it failed.
+        ``names[i]``: read ``i`` in words, for the log line naming a straggler when it is hedged."""
         start = time.monotonic()
         ahead = list(itertools.accumulate(sizes))
         done: queue.Queue = queue.Queue()
@@ -138,7 +142,8 @@ class Hedger:
             try:
                 i, future = done.get(timeout=wait)
             except queue.Empty:
-                self._hedge_due(pending, sizes, ahead, finished, start, hedges, attempts, open_attempts, done, reissue)
+                self._hedge_due(pending, sizes, ahead, finished, start, hedges, attempts, open_attempts, done, reissue,
+                                names)
                 continue
             if resolved[i]:
                 continue                                          # the loser, ending late
@@ -163,7 +168,7 @@ class Hedger:
                 left -= 1
         return results, errors
 
-    def _hedge_due(self, pending, sizes, ahead, finished, start, hedges, attempts, open_attempts, done, reissue):
+    def _hedge_due(self, pending, sizes, ahead, finished, start, hedges, attempts, open_attempts, done, reissue, names):
         """Hedge the reads of ``pending`` past their deadline, while the bounds allow."""
         now = time.monotonic()
         for i in pending:
@@ -171,6 +176,9 @@ class Hedger:
                 return
             if sum(hedges.values()) + sizes[i] > self.window // 2 or now - start < self.policy.deadline(ahead[i], finished):
                 continue
+            logging.info("dispatch_io: straggler: the read of %s (%d bytes) has run %.1f s, past its %.1f s deadline "
+                         "(%d reads of the session finished); reading it again", names[i] if names else f"#{i}",
+                         sizes[i], now - start, self.policy.deadline(ahead[i], finished), len(finished))
             hedge = _Hedge(lambda i=i: reissue(self.companion(), i), lambda f, i=i: done.put((i, f)))
             attempts[i].append(hedge)
             open_attempts[i] += 1
@@ -241,7 +249,8 @@ def wait_regions(hedger: Hedger, futures: list, waited: Sequence[Region]) -> lis
         region = waited[i]
         store = companion.open_arrays([region.array], write=False)[region.array.stored.name].result()
         return store[region.index].read()
-    results, errors = hedger.wait_all(futures, [region.nbytes for region in waited], reissue)
+    results, errors = hedger.wait_all(futures, [region.nbytes for region in waited], reissue,
+                                      [f"{region.keypath} {list(region.bounds)}" for region in waited])
     for region, error in zip(waited, errors):
         if error is not None:
             raise ChunkError(region.keypath, region.bounds, error) from error
