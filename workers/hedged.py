@@ -159,7 +159,8 @@ class Hedger:
                     with self._lock:
                         self._samples.append((sizes[i], time.monotonic() - start))
                 else:
-                    self.stats.won += 1
+                    with self._lock:
+                        self.stats.won += 1
                 for other in attempts[i]:
                     if other is not future:
                         other.cancel()
@@ -183,8 +184,9 @@ class Hedger:
             attempts[i].append(hedge)
             open_attempts[i] += 1
             hedges[i] = sizes[i]
-            self.stats.hedged += 1
-            self.stats.bytes += sizes[i]
+            with self._lock:   # calls of one session run on several threads
+                self.stats.hedged += 1
+                self.stats.bytes += sizes[i]
             hedge.start()
 
 
