@@ -152,3 +152,12 @@ def test_deadline_options_are_checked():
     for timeout, rate in ((0, 1), (-1, 1), (True, 1), (1, 0), (1, 1.5)):
         with pytest.raises(ValueError, match="request_timeout|min_request_rate"):
             deadlines.check(timeout, rate)
+
+
+def test_an_open_that_fails_before_its_deadline_fails_without_a_hedge():
+    failing = FakeRead()
+    failing.finish(error=ValueError("no such array"))
+    opened = HedgedOpen(failing, lambda: pytest.fail("an open that failed was hedged"), after=5)
+    assert str(opened.exception()) == "no such array"
+    with pytest.raises(ValueError, match="no such array"):
+        opened.result()

@@ -225,6 +225,13 @@ class HedgedOpen:
             other.cancel()
 
     def result(self):
+        error = self.exception()
+        if error is not None:
+            raise error
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        """Wait for the open (hedging it when due); its failure, None if it opened."""
         if not self._done.wait(max(0.0, self._started + self._after - time.monotonic())):
             with self._lock:
                 hedge = len(self._futures) == 1 and not self._done.is_set()
@@ -235,9 +242,7 @@ class HedgedOpen:
                 future.add_done_callback(self._ended)   # may run at once: outside the lock
                 future.force()
             self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        return self._error
 
     def cancelled(self) -> bool:
         return False
