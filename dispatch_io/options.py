@@ -109,7 +109,7 @@ class Options:
     hedge_reads: on object stores, read again a region whose read lags the reads of the same
         call (see ``hedge_after``) and use whichever answer comes first, cancelling the other:
         one stalled or trickling read then costs about its peers' time, not ``request_timeout``.
-        At most 2 hedges in flight per read call, each read hedged once, their bytes at most
+        At most 2 hedges in flight per restore and process, each read hedged once, their bytes at most
         half the read window; reads land in TensorStore's arrays and are copied into place.
         False: no hedges (every read still ends by ``request_timeout``).
     hedge_after: the least time, in seconds, a read runs before it may be hedged (default 1.0).

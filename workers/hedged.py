@@ -17,9 +17,9 @@ far predict (their fastest latency plus those bytes at their throughput), at lea
 seconds, at most ``after`` plus those bytes at ``min_rate``. Before :data:`MIN_SAMPLES` reads
 finished, only the latter counts.
 
-Bounded: at most :data:`MAX_HEDGES` hedges in flight per call, each read hedged once, and the
-bytes hedged in flight at most half the call's read window (a hedge holds its region's bytes
-until it is copied out). Cannot make a result wrong: both reads are of the same stored bytes
+Bounded: at most :data:`MAX_HEDGES` hedges in flight per session (all its calls together), each
+read hedged once, and the bytes hedged in flight at most half the session's read window (a hedge
+holds its region's bytes until it is copied out). Cannot make a result wrong: both reads are of the same stored bytes
 (a committed checkpoint never changes), each checked by TensorStore as any read (and against
 its CRC-32C by ``verify``); reads go into TensorStore's own arrays, never the caller's buffers,
 so a loser that ends late writes nowhere the caller sees.
@@ -39,7 +39,7 @@ from absl import logging
 
 from .contract import ChunkError, Region
 
-MAX_HEDGES = 2      # hedges in flight per call
+MAX_HEDGES = 2      # hedges in flight per session
 SLOWER = 4.0        # a read this many times slower than its peers predict is a straggler
 MIN_SAMPLES = 2     # finished reads before the peers' prediction counts
 POLL = 0.1          # seconds between looks at the deadlines of reads still pending
@@ -91,6 +91,19 @@ class Hedger:
         self.stats = HedgeStats()
         self._lock = threading.Lock()
         self._samples: collections.deque = collections.deque(maxlen=SAMPLES)  # (bytes, seconds) of finished reads
+        self._in_flight: dict[tuple[int, int], int] = {}   # (call id, read) -> bytes: the session's hedges in flight
+
+    def _reserve(self, key: tuple[int, int], nbytes: int) -> bool:
+        """Count a hedge of ``nbytes`` in flight if the session's bounds allow it."""
+        with self._lock:
+            if len(self._in_flight) >= MAX_HEDGES or sum(self._in_flight.values()) + nbytes > self.window // 2:
+                return False
+            self._in_flight[key] = nbytes
+            return True
+
+    def _release(self, key: tuple[int, int]):
+        with self._lock:
+            self._in_flight.pop(key, None)
 
     def companion(self):
         with self._lock:
@@ -118,76 +131,91 @@ class Hedger:
         ``reissue(session, i)`` makes read ``i`` again in ``session`` (blocking is fine: it
         runs on a thread of its own). A read fails only once every attempt at it failed.
         ``names[i]``: read ``i`` in words, for the log line naming a straggler when it is hedged."""
-        start = time.monotonic()
-        ahead = list(itertools.accumulate(sizes))
-        done: queue.Queue = queue.Queue()
-        n = len(futures)
-        results, errors = [None] * n, [None] * n
-        attempts: list[list] = [[future] for future in futures]   # per read: its attempts' futures
-        open_attempts = [1] * n
-        resolved = [False] * n
-        hedges: dict[int, int] = {}                               # read -> bytes, hedges in flight
+        call = _Call(futures, list(sizes), reissue, names)
         for i, future in enumerate(futures):
-            future.add_done_callback(lambda f, i=i: done.put((i, f)))
+            future.add_done_callback(lambda f, i=i: call.done.put((i, f)))
             future.force()
-        left = n
+        try:
+            self._wait(call)
+        finally:
+            with self._lock:   # hedges of this call still running are no longer waited for
+                for key in [key for key in self._in_flight if key[0] == id(call)]:
+                    del self._in_flight[key]
+        return call.results, call.errors
+
+    def _wait(self, call: "_Call"):
+        left = len(call.results)
         while left:
-            pending = [i for i in range(n) if not resolved[i] and len(attempts[i]) == 1]
+            pending = [i for i in range(len(call.results)) if not call.resolved[i] and len(call.attempts[i]) == 1]
             with self._lock:
                 finished = list(self._samples)   # this call's and the session's other calls' (a restore makes several)
             wait = None
-            if pending and len(hedges) < MAX_HEDGES:
-                due = min(start + self.policy.deadline(ahead[i], finished) for i in pending)
+            if pending:
+                due = min(call.start + self.policy.deadline(call.ahead[i], finished) for i in pending)
                 wait = min(POLL, max(0.0, due - time.monotonic()))   # other calls' reads move the deadline too
             try:
-                i, future = done.get(timeout=wait)
+                i, future = call.done.get(timeout=wait)
             except queue.Empty:
-                self._hedge_due(pending, sizes, ahead, finished, start, hedges, attempts, open_attempts, done, reissue,
-                                names)
+                self._hedge_due(call, pending, finished)
                 continue
-            if resolved[i]:
+            if call.resolved[i]:
                 continue                                          # the loser, ending late
-            open_attempts[i] -= 1
-            if future is not attempts[i][0]:
-                hedges.pop(i, None)                               # the hedge is no longer in flight
+            call.open_attempts[i] -= 1
+            primary = future is call.attempts[i][0]
+            if not primary:
+                self._release((id(call), i))                      # the hedge is no longer in flight
             failure = _failure(future)
             if failure is None:
-                results[i], resolved[i] = future.result(), True
+                call.results[i], call.resolved[i] = future.result(), True
                 left -= 1
-                hedges.pop(i, None)
-                if future is attempts[i][0]:
-                    with self._lock:
-                        self._samples.append((sizes[i], time.monotonic() - start))
-                else:
-                    with self._lock:
+                self._release((id(call), i))
+                with self._lock:
+                    if primary:
+                        self._samples.append((call.sizes[i], time.monotonic() - call.start))
+                    else:
                         self.stats.won += 1
-                for other in attempts[i]:
+                for other in call.attempts[i]:
                     if other is not future:
                         other.cancel()
-            elif open_attempts[i] == 0:                           # every attempt failed
-                errors[i], resolved[i] = failure, True
+            elif call.open_attempts[i] == 0:                      # every attempt failed
+                call.errors[i], call.resolved[i] = failure, True
                 left -= 1
-        return results, errors
 
-    def _hedge_due(self, pending, sizes, ahead, finished, start, hedges, attempts, open_attempts, done, reissue, names):
-        """Hedge the reads of ``pending`` past their deadline, while the bounds allow."""
+    def _hedge_due(self, call: "_Call", pending: list[int], finished: list[tuple[int, float]]):
+        """Hedge the reads of ``pending`` past their deadline, while the session's bounds allow."""
         now = time.monotonic()
         for i in pending:
-            if len(hedges) >= MAX_HEDGES:
-                return
-            if sum(hedges.values()) + sizes[i] > self.window // 2 or now - start < self.policy.deadline(ahead[i], finished):
+            deadline = self.policy.deadline(call.ahead[i], finished)
+            if now - call.start < deadline or not self._reserve((id(call), i), call.sizes[i]):
                 continue
             logging.info("dispatch_io: straggler: the read of %s (%d bytes) has run %.1f s, past its %.1f s deadline "
-                         "(%d reads of the session finished); reading it again", names[i] if names else f"#{i}",
-                         sizes[i], now - start, self.policy.deadline(ahead[i], finished), len(finished))
-            hedge = _Hedge(lambda i=i: reissue(self.companion(), i), lambda f, i=i: done.put((i, f)))
-            attempts[i].append(hedge)
-            open_attempts[i] += 1
-            hedges[i] = sizes[i]
-            with self._lock:   # calls of one session run on several threads
+                         "(%d reads of the session finished); reading it again",
+                         call.names[i] if call.names else f"#{i}", call.sizes[i], now - call.start, deadline,
+                         len(finished))
+            hedge = _Hedge(lambda i=i: call.reissue(self.companion(), i), lambda f, i=i: call.done.put((i, f)))
+            call.attempts[i].append(hedge)
+            call.open_attempts[i] += 1
+            with self._lock:
                 self.stats.hedged += 1
-                self.stats.bytes += sizes[i]
+                self.stats.bytes += call.sizes[i]
             hedge.start()
+
+
+class _Call:
+    """The state of one :meth:`Hedger.wait_all`: per read its attempts (the primary first), how
+    many have not ended, whether it is resolved, and its result or error; ``done`` receives
+    ``(read, attempt)`` as attempts end."""
+
+    def __init__(self, futures: list, sizes: list[int], reissue, names):
+        self.start = time.monotonic()
+        self.sizes, self.reissue, self.names = sizes, reissue, names
+        self.ahead = list(itertools.accumulate(sizes))
+        self.done: queue.Queue = queue.Queue()
+        n = len(futures)
+        self.results, self.errors = [None] * n, [None] * n
+        self.attempts: list[list] = [[future] for future in futures]
+        self.open_attempts = [1] * n
+        self.resolved = [False] * n
 
 
 class HedgedOpen:
