@@ -150,7 +150,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
         try:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "upgrade", "http2-settings")}
+            headers = {k: v for k, v in self.headers.items()
+                       if k.lower() not in ("connection", "upgrade", "http2-settings")}
             upstream.request(self.command, self.path, body=body or None, headers=headers)
             response = upstream.getresponse()
             data = response.read()

@@ -42,9 +42,9 @@ def tree() -> dict:
 
 
 def bit_exact(got: dict, want: dict) -> bool:
-    return got.keys() == want.keys() and all(
-        np.asarray(got[k]).dtype == np.asarray(want[k]).dtype and np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes()
-        for k in want)
+    def same(a, b):
+        return np.asarray(a).dtype == np.asarray(b).dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    return got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
 
 
 def timed(fn):
@@ -85,7 +85,8 @@ def main(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
             case("save", None, lambda: d.save(f"{prefix}/a", want).wait() and None)
             for _ in range(2):   # the second is the baseline: TensorStore and the connections warm
                 case("restore", None, lambda: d.restore(f"{prefix}/a", like))
-            case("restore_stalled_read", Fault("stall", "GET", data, min_bytes=64 << 10), lambda: d.restore(f"{prefix}/a", like))
+            case("restore_stalled_read", Fault("stall", "GET", data, min_bytes=64 << 10),
+                 lambda: d.restore(f"{prefix}/a", like))
             case("restore_trickled_read", Fault("trickle", "GET", data, min_bytes=64 << 10),
                  lambda: d.restore(f"{prefix}/a", like))
             if mode == "hedge":
@@ -93,14 +94,16 @@ def main(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
                     case("restore_without_hedging", None, lambda: plain.restore(f"{prefix}/a", like))
                 case("restore_with_hedging", None, lambda: d.restore(f"{prefix}/a", like))
                 return results
-            case("save_stalled_upload", Fault("stall", upload, data), lambda: d.save(f"{prefix}/b", want).wait() and None)
+            case("save_stalled_upload", Fault("stall", upload, data),
+                 lambda: d.save(f"{prefix}/b", want).wait() and None)
             case("restore_after_stalled_upload", None, lambda: d.restore(f"{prefix}/b", like))
             case("save_commit_answer_lost", Fault("lose", upload, "COMMITTED"),
                  lambda: d.save(f"{prefix}/c", want).wait() and None)
             case("restore_after_commit_answer_lost", None, lambda: d.restore(f"{prefix}/c", like))
             case("restore_no_data_answers", Fault("stall", "GET", data, count=1 << 30),
                  lambda: d.restore(f"{prefix}/a", like))
-            case("restore_nothing_answers", Fault("stall", "GET", "", count=1 << 30), lambda: d.restore(f"{prefix}/a", like))
+            case("restore_nothing_answers", Fault("stall", "GET", "", count=1 << 30),
+                 lambda: d.restore(f"{prefix}/a", like))
     finally:
         proxy.stop()
     return results

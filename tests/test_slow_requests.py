@@ -27,7 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run_job(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "LOW_SPEED" not in k}
     env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "slow_store_job.py"), scheme, str(upstream_port), prefix, mode],
+    job = os.path.join(HERE, "slow_store_job.py")
+    proc = subprocess.run([sys.executable, job, scheme, str(upstream_port), prefix, mode],
                           env=env, capture_output=True, text=True, timeout=400)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
