@@ -10,6 +10,12 @@ each repetition saves over the last one (``overwrite=True``: its delete is timed
 training job's retention would pay it), then restores onto the tree's shardings (timed, bytes
 compared with the saved tree once). GCS is measured twice: through the precondition layer the
 tests need (every byte passes through its Python HTTP server) and against the emulator alone.
+
+Then one slow request (``--slow-reps``, 0: skipped), on GCS through the tests' fault proxy
+(tests/servers/fault_proxy.py): save and restore with nothing slow, with one data upload or read accepted
+and never answered, and with one read answered at 2 KiB/s (``--request-timeout``: the deadline
+that abandons them, process-wide; hedged reads on); and the bytes a restore reads with hedged
+reads on and off on a healthy store (the hedges' cost).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import dispatch_io as dio  # noqa: E402
+from dispatch_io.workers import deadlines  # noqa: E402
 from gcs_server import FakeGcsServer, GcsPreconditions, gcs_environment  # noqa: E402
+from fault_proxy import Fault, SlowProxy  # noqa: E402
 from s3_server import MotoServer, s3_environment  # noqa: E402
 
 MiB = 1 << 20
@@ -65,12 +73,57 @@ def run(where: str, tree, budget: int, reps: int) -> list[tuple[float, float]]:
     return times
 
 
+def run_slow(tree, budget: int, reps: int, upstream_port: int) -> list[str]:
+    """The lines of the slow-request cases' table (see the module's docstring), best of ``reps``."""
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    proxy = SlowProxy(upstream_port)
+    os.environ.update(gcs_environment(proxy.endpoint))
+    data = "/d/"   # OCDBT data files
+    cases = {"save, nothing slow": (None, "save"), "save, 1 upload never answered": (("stall", "POST", 0), "save"),
+             "restore, nothing slow": (None, "restore"),
+             "restore, 1 read never answered": (("stall", "GET", 64 << 10), "restore"),
+             "restore, 1 read at 2 KiB/s": (("trickle", "GET", 64 << 10), "restore")}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    read_bytes = {}
+    try:
+        with dio.LocalDispatcher(host_memory_budget=budget) as d:
+            path = "gs://bench/slow/ckpt"
+            d.save(path, tree, overwrite=True).wait()
+            for _ in range(reps):
+                for name, (fault, kind) in cases.items():
+                    if fault is not None:
+                        proxy.add(Fault(fault[0], fault[1], data, min_bytes=fault[2]))
+                    started = time.perf_counter()
+                    if kind == "save":
+                        d.save(path, tree, overwrite=True).wait()
+                    else:
+                        jax.block_until_ready(d.restore(path, target))
+                    times[name].append(time.perf_counter() - started)
+                    with proxy.lock:
+                        proxy.faults.clear()
+            for hedging in (False, True):
+                with dio.LocalDispatcher(host_memory_budget=budget, hedge_reads=hedging) as plain:
+                    proxy.reset_counts()
+                    jax.block_until_ready(plain.restore(path, target))
+                    read_bytes[hedging] = proxy.bytes_sent.get("GET", 0)
+    finally:
+        proxy.stop()
+    extra = read_bytes[True] / max(read_bytes[False], 1) - 1
+    return [f"\nOne slow request, GCS through the fault proxy, best of {reps}", "| case | seconds |", "|---|---|",
+            *(f"| {name} | {min(values):.2f} |" for name, values in times.items()),
+            f"\nhealthy restore: {read_bytes[False]} bytes read without hedged reads, {read_bytes[True]} with "
+            f"({100 * extra:+.2f} %)"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--budget-mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--slow-reps", type=int, default=1)
+    parser.add_argument("--request-timeout", type=float, default=20.0)
     args = parser.parse_args()
+    deadlines.configure(args.request_timeout)   # before the first request of this process
     tree = make_tree(args.size_mib)
     moto = MotoServer()
     emulator = FakeGcsServer()
@@ -87,6 +140,7 @@ def main():
                     "GCS (fake-gcs-server + layer)": run("gs://bench/run", tree, budget, args.reps)}
             os.environ.update(gcs_environment(emulator.endpoint))
             rows["GCS (fake-gcs-server alone)"] = run("gs://bench/alone", tree, budget, args.reps)
+            slow = run_slow(tree, budget, args.slow_reps, layer.port) if args.slow_reps else []
     finally:
         layer.stop()
         emulator.stop()
@@ -98,6 +152,7 @@ def main():
     for name, times in rows.items():
         save, restore = min(t[0] for t in times), min(t[1] for t in times)
         print(f"| {name} | {save:.2f} | {gib * 1.0737 / save:.2f} | {restore:.2f} | {gib * 1.0737 / restore:.2f} |")
+    print("\n".join(slow))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from dispatch_io.plan.batches import Priority, leaf_priorities, make_batches, sy
 from dispatch_io.formats.convert import StoredSource, check_apart, plan_stored, source_session
 from dispatch_io.errors import WorkerError
 from dispatch_io.options import Options
+from dispatch_io.workers import deadlines
 from dispatch_io.plan.save_plan import Plan, PlanCache, with_packs
 from dispatch_io.progress import RestoreStats
 from dispatch_io.runner import LocalRunner, Runner
@@ -58,6 +59,7 @@ class Dispatcher:
         if isinstance(runner, LocalRunner) and options.host_transfer not in (transfer.AUTO, runner.transfer):
             raise ValueError(f"host_transfer={options.host_transfer!r}, but the runner copies {runner.transfer!r} "
                              "(LocalRunner(transfer=transfer.resolve(options.host_transfer)))")
+        deadlines.configure(options.request_timeout, options.min_request_rate)  # before any object-store request
         self.options = options
         self.runner = runner
         self._plans = PlanCache(options.chunk_bytes, options.small_leaf_bytes)

@@ -8,6 +8,7 @@ from dispatch_io.plan.batches import ALIGN
 from dispatch_io.save.transfer import MODES as HOST_TRANSFERS
 from dispatch_io.workers import (LAYOUTS, IOSettings, check_data_file_bytes, compression_codec, default_io_concurrency,
                      default_threads, host_cpus)
+from dispatch_io.workers import deadlines
 
 MiB = 1 << 20
 MIN_OVERLAPPED_BATCH = 8 * MiB   # smallest save batch worth a writer's share of staging (batch_bytes)
@@ -94,6 +95,26 @@ class Options:
         operation, plus one every 2 s while a long one runs) or, when stderr is a terminal, one
         line rewritten in place. False: silent. ``SaveStats`` / ``RestoreStats`` and the
         ``jax.monitoring`` events (``dispatch_io.progress.EVENTS``) are there either way.
+    request_timeout: on object stores (``gs://``, ``s3://``), the seconds one HTTP request may
+        go on below ``min_request_rate`` -- accepted and never answered, or trickling -- before
+        it is abandoned and sent again (TensorStore's retries, at most 8, then the call fails
+        with a ``CheckpointError`` naming the object). Default 20 s; whole seconds. None: no
+        deadline (a request may wait as long as its connection lives). Process-wide and fixed
+        at the process's first object-store request (``workers.deadlines`` says why): the first
+        dispatcher's values hold, and the variables ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``
+        / ``_LIMIT_BYTES``, where exported, win over both options.
+    min_request_rate: the floor, in bytes/s, of ``request_timeout`` (default 32 KiB/s): a
+        request that moves fewer bytes a second than this for that long is abandoned. Keep it
+        well under the bandwidth one request gets when all run at once.
+    hedge_reads: on object stores, read again a region whose read lags the reads of the same
+        call (see ``hedge_after``) and use whichever answer comes first, cancelling the other:
+        one stalled or trickling read then costs about its peers' time, not ``request_timeout``.
+        At most 2 hedges in flight per restore and process, each read hedged once, their bytes at most
+        half the read window; reads land in TensorStore's arrays and are copied into place.
+        False: no hedges (every read still ends by ``request_timeout``).
+    hedge_after: the least time, in seconds, a read runs before it may be hedged (default 1.0).
+        Past it, a read is hedged once it takes 4x what the finished reads of the same call
+        predict for it, or moves under ``min_request_rate`` (docs/design.md).
     """
 
     host_memory_budget: int = 1 << 30
@@ -114,6 +135,10 @@ class Options:
     io_concurrency: int | None = None
     copy_concurrency: int | None = None
     host_transfer: str = "auto"
+    request_timeout: float | None = deadlines.DEFAULT_REQUEST_TIMEOUT
+    min_request_rate: int = deadlines.DEFAULT_MIN_REQUEST_RATE
+    hedge_reads: bool = True
+    hedge_after: float = 1.0
 
     def __post_init__(self):
         if self.host_transfer not in HOST_TRANSFERS:
@@ -142,6 +167,12 @@ class Options:
             raise ValueError(f"barrier_timeout must be a positive number of seconds, got {self.barrier_timeout!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        deadlines.check(self.request_timeout, self.min_request_rate)
+        if not isinstance(self.hedge_reads, bool):
+            raise ValueError(f"hedge_reads must be True or False, got {self.hedge_reads!r}")
+        if isinstance(self.hedge_after, bool) or not isinstance(self.hedge_after, (int, float)) \
+                or not self.hedge_after > 0:
+            raise ValueError(f"hedge_after must be a positive number of seconds, got {self.hedge_after!r}")
         if not isinstance(self.small_leaf_bytes, int) or isinstance(self.small_leaf_bytes, bool) \
                 or self.small_leaf_bytes < 0:
             raise ValueError(f"small_leaf_bytes must be a number of bytes >= 0, got {self.small_leaf_bytes!r}")
@@ -183,4 +214,6 @@ class Options:
                           keep_page_cache=self.keep_page_cache, threads=self.write_threads,
                           read_window=self.read_batch_bytes, compression=compression_codec(self.compression),
                           data_file_bytes=self.data_file_bytes, io_concurrency=self.io_concurrency,
-                          copy_concurrency=self.copy_concurrency)
+                          copy_concurrency=self.copy_concurrency, request_timeout=self.request_timeout,
+                          min_request_rate=self.min_request_rate, hedge_reads=self.hedge_reads,
+                          hedge_after=self.hedge_after)

@@ -25,6 +25,8 @@ import re
 import numpy as np
 import tensorstore as ts
 
+from . import deadlines
+
 LAYOUTS = ("ocdbt", "files")
 COMPRESSIONS = ("zstd",)
 RAW = "raw"                        # ArraySpec.driver of arrays stored as plain bytes at an offset
@@ -298,6 +300,11 @@ class IOSettings:
     copy_concurrency: threads a TensorStore session encodes, decodes and copies chunks on
         (default: this host's CPUs, :func:`host_cpus`; TensorStore's own default counts the
         machine's, not the CPUs this process may use).
+    request_timeout, min_request_rate: object stores: an HTTP request slower than
+        ``min_request_rate`` bytes/s for ``request_timeout`` seconds is abandoned and retried
+        (:mod:`workers.deadlines`, process-wide); None: no deadline.
+    hedge_reads, hedge_after: object stores: a read lagging its peers (at least ``hedge_after``
+        seconds) is read again, the first answer used (:mod:`workers.hedged`).
     """
 
     layout: str = "ocdbt"
@@ -310,6 +317,10 @@ class IOSettings:
     data_file_bytes: int | None = None
     io_concurrency: int = dataclasses.field(default_factory=lambda: default_io_concurrency(host_cpus()))
     copy_concurrency: int = dataclasses.field(default_factory=host_cpus)
+    request_timeout: float | None = deadlines.DEFAULT_REQUEST_TIMEOUT
+    min_request_rate: int = deadlines.DEFAULT_MIN_REQUEST_RATE
+    hedge_reads: bool = True
+    hedge_after: float = 1.0
 
     def __post_init__(self):
         for name in ("threads", "io_concurrency", "copy_concurrency"):
@@ -319,6 +330,7 @@ class IOSettings:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         check_data_file_bytes(self.data_file_bytes)
+        deadlines.check(self.request_timeout, self.min_request_rate)
         if compression_codec(self.compression) != self.compression:
             raise ValueError(f"compression must be a (codec, level) pair or None, got {self.compression!r}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import math
 import posixpath
@@ -12,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from . import packs, raw_bytes
+from . import deadlines, hedged, packs, raw_bytes
 from .runs import runs
 from .contract import RAW, ArraySpec, ChunkError, IOSettings, ReadItem, Region, numpy_dtype
 from .layouts import NODE_CACHE, layout_kvstore, storage_of
@@ -60,6 +61,8 @@ class Session:
         self.read_window = settings.read_window
         self.compression = settings.compression  # of the chunks this session writes
         storage = storage_of(kvstore)
+        if storage.get("driver") in ("gcs", "s3"):  # before this process's first HTTP request, if it is
+            deadlines.configure(settings.request_timeout, settings.min_request_rate)
         # Local files only: the directory whose page cache write_regions / read_regions drop.
         keep = settings.keep_page_cache
         self.directory = storage.get("path") if storage.get("driver") == "file" and not keep else None
@@ -85,6 +88,11 @@ class Session:
         self.reference_sources = storage.get("driver") != "memory"
         self._open: dict[str, Any] = {}
         self._kvstore = None  # future of the opened kvstore, for raw byte-range reads
+        # Object stores: reads that lag their peers are read again in a session of its own (workers.hedged).
+        self.hedger = hedged.Hedger(
+            hedged.HedgePolicy(settings.hedge_after, settings.min_request_rate),
+            lambda: Session(kvstore, dataclasses.replace(settings, hedge_reads=False), context, cache_bytes),
+            self.read_window) if settings.hedge_reads and storage.get("driver") in ("gcs", "s3") else None
         self._lock = threading.Lock()
 
     @classmethod
@@ -107,6 +115,8 @@ class Session:
                 if (spec.name, spec.layers) not in self._open:
                     try:
                         future = ts.open(self._spec(spec, write), assume_metadata=write, open=True, context=self.context)
+                        if self.hedger is not None and not write:
+                            future = self.hedger.opening(future, spec)
                     except Exception as exc:  # noqa: BLE001 - raised by .result(), named by the caller
                         future = concurrent.futures.Future()
                         future.set_exception(exc)
@@ -137,6 +147,8 @@ class Session:
         with self._lock:
             self._open.clear()
             self._kvstore = None
+        if self.hedger is not None:
+            self.hedger.close()
 
 
 def _stacked(tspec: dict, spec: ArraySpec, kvstore: dict) -> dict:
@@ -249,6 +261,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     spans = packs.spans(regions)
     futures, waited = [], []
     stores = session.open_arrays([r.array for r in regions], write=False)
+    hedger = session.hedger  # hedged reads go into TensorStore's arrays, never into ``out`` (workers.hedged)
     region = None
     try:
         for pack, start, stop, keypath in spans:
@@ -259,7 +272,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
             if region.array.packed is not None:
                 continue
             source = stores[region.array.name].result()[region.index]
-            if dst is None:
+            if dst is None or hedger is not None:
                 futures.append(source.read())
             else:
                 stored = numpy_dtype(region.array.storage_dtype)
@@ -270,10 +283,10 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
         _wait_all(futures, waited)
         raise ChunkError(region.keypath, region.bounds, exc) from exc
     try:
-        arrays = _wait_all(futures, waited)
+        arrays = _wait_all(futures, waited) if hedger is None else hedged.wait_regions(hedger, futures, waited)
     except ChunkError:
         for span, future in zip(spans, futures):
-            if future.exception() is not None:
+            if not future.cancelled() and future.exception() is not None:
                 _blame_leaf(stores, regions, span)
         raise
     release_page_cache(session, waited, written=False)
@@ -285,7 +298,7 @@ def read_regions(session: Session, regions: Sequence[Region], out: Sequence[np.n
     for region, dst in zip(regions, out):
         arr = packs.extract(region, read) if region.array.packed is not None else next(plain)
         if dst is not None:
-            if region.array.packed is not None:
+            if region.array.packed is not None or hedger is not None:
                 np.copyto(dst.view(arr.dtype) if dst.dtype != arr.dtype else dst, arr)
             results.append(dst)
             continue

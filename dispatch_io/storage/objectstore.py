@@ -21,7 +21,7 @@ from dispatch_io.errors import CheckpointError, CorruptCheckpointError, Incomple
 from dispatch_io.storage import (ARRAYS, COMMITTED, DELETING, INFO, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING,
                                  JoinedWrite, Location, StepRoot, WriteTarget)
 from dispatch_io.storage.markers import LIVE, Marker
-from dispatch_io.workers import brief_error, shared_context
+from dispatch_io.workers import brief_error, deadlines, shared_context
 
 # How often, and how patiently, a request to an object store is retried (429, 5xx, connection
 # errors) before the save or restore fails: ~80 s of backoff in all, doubling from 1 s. Without a
@@ -60,6 +60,7 @@ def kvstore_spec(url: str) -> dict:
         if os.environ.get("AWS_ACCESS_KEY_ID"):
             spec["aws_credentials"] = {"type": "environment"}
     if spec["driver"] in _RETRY_RESOURCE:
+        deadlines.configure()  # the defaults, unless a dispatcher (or the user) set them first
         spec["context"] = {_RETRY_RESOURCE[spec["driver"]]: dict(OBJECT_STORE_RETRIES)}
     return spec
 
@@ -122,11 +123,13 @@ class KvLocation(Location):
 
     def wait(self, future, what: str):
         """A store operation's result; its failure (unreachable, denied, retries exhausted) as a
-        CheckpointError naming the checkpoint."""
+        CheckpointError naming the checkpoint, the object (``what``) and the request deadline
+        that was applied to each attempt."""
         try:
             return future.result()
         except ValueError as exc:
-            raise CheckpointError(f"{self.display}: could not {what}: {brief_error(exc)}") from exc
+            tried = f" ({deadlines.in_effect()})" if self.spec["driver"] in _RETRY_RESOURCE else ""
+            raise CheckpointError(f"{self.display}: could not {what}: {brief_error(exc)}{tried}") from exc
 
     def read_bounded(self, key: str, limit: int, sub: str = "") -> bytes | None:
         """The value at ``key`` (under ``sub``, ``""`` or ending in ``/``); None if there is none.
@@ -262,12 +265,18 @@ class KvWrite(WriteTarget):
 
     def _write_if_absent(self, key: str, value: bytes) -> bool:
         """Write ``key`` only if it does not exist (a conditional write: atomic where the store
-        has them); False if another writer got there first."""
+        has them); False if another writer got there first. ``value`` must be unique to this
+        writer (a marker): it is what tells a retried write of ours from another's."""
         current = self.location.wait(self.kv.read(key), f"read {key}")
         if current.state == "value":
             return False
         stamp = self.location.wait(self.kv.write(key, value, if_equal=current.stamp.generation), f"write {key}")
-        return bool(stamp.generation)  # empty: the condition failed
+        if stamp.generation:
+            return True
+        # The condition failed -- or an attempt of ours landed and its answer was lost, and the
+        # request, sent again (a deadline, a reset), found our own value: ``value`` is unique to
+        # this writer (a marker with an id of its own), so finding it proves the write was ours.
+        return self.location.wait(self.kv.read(key), f"read {key}").value == value
 
     def _still_ours(self) -> bool:
         return self.location._get(WRITING) == self.marker

@@ -476,7 +476,7 @@ def restore_big(mesh, path):
     with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=64 << 10, barrier_timeout=BARRIER_TIMEOUT,
                              restore_broadcast=broadcast) as d:
         checks = restore_and_compare(d, path, abstract(mesh, table), mesh, table)
-        return {"bytes_read": d.last_restore_stats.bytes_read, **checks}
+        return {"bytes_read": d.last_restore_stats.bytes_read, "seconds": d.last_restore_stats.total_seconds, **checks}
 
 
 def loopback_bytes() -> int:
