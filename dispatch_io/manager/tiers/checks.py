@@ -26,7 +26,7 @@ from absl import logging
 from dispatch_io.read import loop as reading
 from dispatch_io.read import targets as restore_lib
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError, WorkerError
-from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.formats.detect import open_ours
 from dispatch_io.manager.tiers import placement
 from dispatch_io.progress import Progress
 from dispatch_io.workers import ChunkError, crc32c, numpy_dtype
@@ -141,7 +141,7 @@ class LocalCopy:
         """The copy at ``path`` (``outputs_of(manifest)``: the restore's (treedef, outputs)); a copy
         that cannot be opened is logged and has no ``opened``."""
         try:
-            opened = open_checkpoint(path)
+            opened = open_ours(path)
         except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
             logging.warning("dispatch_io: the local step %s is not used: %s", path, exc)
             return cls(None)

@@ -34,7 +34,7 @@ from dispatch_io.manager.tiers import promote_plan
 from dispatch_io.plan.batches import Priority, make_batches
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError
-from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.formats.detect import open_ours
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager.tiers import job_steps
@@ -357,7 +357,7 @@ def _job(local, step: int, path: str, version: str, clock) -> tuple[SaveJob, _Co
     info = {**info_lib.make(step, meta["started"], meta["metrics"] or {}, meta["metadata"], index, local.count,
                             version), "promoted": "local"}
     settings = dataclasses.replace(dispatcher.runner.settings, compression=manifest.compression)
-    opened = open_checkpoint(local.root.step_path(step)) if report["has"] else None
+    opened = open_ours(local.root.step_path(step)) if report["has"] else None
     described = _described(doc)
     batches = _batches(plan, dispatcher.options, local.process, manifest.compression is not None)
     job = SaveJob(plan, tuple(e.get("value") for e in doc["leaves"]), batches,

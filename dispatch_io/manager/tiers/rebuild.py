@@ -43,7 +43,7 @@ from absl import logging
 
 from dispatch_io.read import loop as reading
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
-from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.formats.detect import open_ours
 from dispatch_io.manager.tiers import checks, job_steps, parity_plan
 from dispatch_io.manager.tiers.parity import PARITY, row_name
 from dispatch_io.manifest import parse as parse_manifest
@@ -146,7 +146,7 @@ class _Source:
     def __init__(self, path: str, runner):
         self.path, self._reader = path, None
         try:
-            self.opened = open_checkpoint(path)
+            self.opened = open_ours(path)
         except (IncompleteCheckpointError, CorruptCheckpointError, OSError) as exc:
             logging.warning("dispatch_io: %s is not used to rebuild a lost process: %s", path, exc)
             self.opened = None
