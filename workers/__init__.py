@@ -25,16 +25,8 @@ from .contract import (
 )
 from .layouts import finish_arrays, layout_kvstore, write_files
 from .packs import pack_spec, packed_leaf
-from .tensorstore_io import (
-    Session,
-    aligned_empty,
-    checksum_regions,
-    crc32c,
-    read_items,
-    read_regions,
-    shared_context,
-    write_regions,
-)
+from .session import Session, aligned_empty, shared_context
+from .tensorstore_io import checksum_regions, crc32c, read_items, read_regions, write_regions
 
 __all__ = ["COMPRESSIONS", "LAYOUTS", "RAW", "ArraySpec", "ChunkError", "IOSettings", "ReadItem", "Region", "Session",
            "aligned_empty", "brief_error", "check_data_file_bytes", "checksum_regions", "compression_codec", "crc32c",

@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from .contract import IOSettings, ReadItem, Region, numpy_dtype
-from .tensorstore_io import Session, checksum_regions, read_items, write_regions
+from .session import Session
+from .tensorstore_io import checksum_regions, read_items, write_regions
 
 _HEADER = 8  # request length, little-endian uint64
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

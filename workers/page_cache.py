@@ -12,7 +12,7 @@ SKIP_UNCHANGED_FROM = 1 << 20   # files this large are chunk data: a write never
 
 def release_page_cache(session, regions: Sequence[Region], written: bool):
     """Ask the kernel to drop the page cache of the files the regions were ``written`` to (after
-    fsync) or read from. ``session``: a ``tensorstore_io.Session`` (its ``directory``, whether
+    fsync) or read from. ``session``: a ``session.Session`` (its ``directory``, whether
     it is ``transactional``, and the files it ``dropped``).
 
     A checkpoint's bytes are written or read once; kept cached, they push out pages the program

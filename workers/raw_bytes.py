@@ -51,7 +51,7 @@ def byte_runs(shape: tuple[int, ...], itemsize: int, bounds: tuple[tuple[int, in
 
 def read_regions(session, regions: Sequence[Region], out: Sequence[np.ndarray | None]) -> list[np.ndarray]:
     """Read each raw region (into ``out[i]`` where given, else a new array of the region's
-    logical dtype) with byte-range reads through ``session`` (a ``tensorstore_io.Session``: its
+    logical dtype) with byte-range reads through ``session`` (a ``session.Session``: its
     kvstore, context and ``read_window``; for a local folder, its ``raw_folder`` and whether to
     ``keep_page_cache``). Raises ChunkError naming the key path of the first
     region that fails (a key that is missing or shorter than the region's bytes).
