@@ -11,7 +11,10 @@ timing out and naming the processes that never came are written once:
   moves while the missing ones report progress);
 * :meth:`Room.from_leader` waits for what process 0 published.
 
-Each raises :class:`BarrierTimeoutError` naming the processes that did not arrive in time.
+Each raises :class:`BarrierTimeoutError` naming the processes that did not arrive in time. A gather
+names the processes it still waits for long before that (absl WARNING and a jax.monitoring event,
+:func:`first_straggler_report`): at a thousand hosts, one slow process holds every other at the
+next gather, and the log says which.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ import json
 import time
 
 import jax
+from absl import logging
 
 from dispatch_io.errors import BarrierTimeoutError, CheckpointError
+
+STRAGGLER_EVENT = "/dispatch_io/straggler_wait_secs"   # a gather still waiting for some processes
 
 
 def job_client():
@@ -112,6 +118,17 @@ class Room:
         found = self.client.key_value_dir_get(f"{self.prefix}/{directory}/")
         return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in found}
 
+    def _report_stragglers(self, phase: str, doing: str | None, missing: list[int], waited: float, left: float):
+        """Log (absl WARNING) and record (``/dispatch_io/straggler_wait_secs``) that this process has
+        waited ``waited`` seconds for ``missing`` at ``phase``. Never raises: it is a report."""
+        logging.warning("dispatch_io: process %d has waited %.1f s for process(es) %s to %s %s "
+                        "(a timeout in %.0f s unless they make progress)", self.process, waited, missing,
+                        doing or f"reach {phase!r} of", self.what, max(left, 0.0))
+        try:
+            jax.monitoring.record_event_duration_secs(STRAGGLER_EVENT, waited)
+        except Exception:  # noqa: BLE001 - a metrics sink's bug must not fail the checkpoint
+            logging.exception("dispatch_io: a jax.monitoring listener raised for %s", STRAGGLER_EVENT)
+
     def barrier(self, phase: str):
         """Wait until every process is here. Each process records its arrival first (outside
         the operation's keys, which the leader clears on open while others may already be
@@ -155,7 +172,8 @@ class Room:
         another process reported a failure). ``together``: then a barrier, so all leave
         together. ``doing`` says what the missing processes did not do, in the timeout's
         message (default: reach the phase)."""
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline, report_at = started + self.timeout, started + first_straggler_report(self.timeout)
         last_progress, pause = None, 0.002
         if self.arrive(f"arrived/{phase}"):   # the last to arrive wakes the others' waits below
             self.set(f"complete/{phase}", True)
@@ -168,7 +186,12 @@ class Room:
             progress = self.entries("progress")
             if progress != last_progress:
                 last_progress, deadline = progress, time.monotonic() + self.timeout
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= report_at:   # name who holds the job back, long before the timeout names them
+                self._report_stragglers(phase, doing, sorted(set(range(self.count)) - set(entries)),
+                                        now - started, deadline - now)
+                report_at = started + 2 * (now - started)
+            if now > deadline:
                 missing = sorted(set(range(self.count)) - set(entries))
                 raise BarrierTimeoutError(
                     f"process(es) {missing} did not {doing or f'reach {phase!r} of'} {self.what} "
@@ -179,6 +202,13 @@ class Room:
         if together:
             self.barrier(phase)
         return entries
+
+
+def first_straggler_report(timeout: float) -> float:
+    """Seconds a gather waits before it first names the processes it waits for (then again each
+    time the wait has doubled): a tenth of ``timeout``, at least 5 s and at most 60 s (never past the
+    timeout), so a slow process is named while there is time to act on it."""
+    return min(max(timeout / 10, 5.0), 60.0, timeout)
 
 
 def open_room(kind: str, key: str, what: str, timeout: float) -> Room:
