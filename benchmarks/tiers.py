@@ -1,6 +1,7 @@
 """Multi-tier benchmark: a real multi-process job with a local tier beside a persistent root.
 
     python benchmarks/tiers.py --mib 1024 --reps 3 [--mesh 2,4] [--replicas 0 | --parity K] [--priority sync]
+        [--root-store gcs]     # the persistent root on the tests' GCS server on loopback, not a directory
 
 A ``jax.distributed`` job of ``--processes`` processes x 2 CPU devices on this machine, mesh
 (data, fsdp) (``--mesh``; default 2,4: each region is held by the 2 processes of its data
@@ -104,13 +105,14 @@ def child(args):
     dispatcher = dio.LocalDispatcher(checksums=args.checksums, host_memory_budget=args.budget_mib * MiB,
                                      barrier_timeout=600, progress=False)
     local_path = os.path.join(args.local_dir, "{process}")
+    root = args.root_url or os.path.join(args.dir, "root")
     extra = {"replicas": args.replicas, "domains": args.domains} if args.replicas > 0 else {}
     extra = {"parity": args.parity, "domains": args.domains} if args.parity > 0 else extra
     persist_never = policies.EveryNSteps(10 ** 9)   # steps 1..: only force=True saves persistently
 
     def manager(local):
         tier = dio.LocalTier(local, keep_policy=policies.LatestN(2), **extra)
-        return dio.CheckpointManager(os.path.join(args.dir, "root"), dispatcher, save_policy=persist_never,
+        return dio.CheckpointManager(root, dispatcher, save_policy=persist_never,
                                      local=tier)
 
     priority = (lambda keypath, spec: dio.Priority.LOW) if args.priority == "low" else None
@@ -136,7 +138,7 @@ def child(args):
     du = lambda path: int(subprocess.run(["du", "-sb", path], capture_output=True, text=True, check=True)  # noqa: E731
                           .stdout.split()[0])
     emit(phase="storage", local=du(os.path.join(local_path.replace("{process}", str(args.pid)), str(step))),
-         persistent=du(os.path.join(args.dir, "root", str(step))) if args.pid == 0 else 0)
+         persistent=du(os.path.join(root, str(step))) if args.pid == 0 and not args.root_url else 0)
     sync("measured")
     mine = local_path.replace("{process}", str(args.pid))
     for rep, kind in interleaved(args.reps, ("tiers_whole", "tiers", "persistent")):
@@ -185,7 +187,12 @@ def main():
     parser.add_argument("--dir", default="/tmp/dio_tiers_bench", help="scratch: root/, local/<process>/")
     parser.add_argument("--local-dir", default="", help="the local tier's directory (default: <dir>/local; "
                         "/dev/shm/...: a RAM disk)")
+    parser.add_argument("--root-store", choices=("dir", "gcs"), default="dir",
+                        help="where the persistent root is: a directory under --dir, or gs:// on the tests' GCS server "
+                        "(fake-gcs-server on loopback, behind the generation-precondition layer): the tier against a root "
+                        "on an object store, as users keep it")
     parser.add_argument("--quick", action="store_true", help="that it runs: 64 MiB, 1 rep")
+    parser.add_argument("--root-url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -212,23 +219,36 @@ def main():
         shutil.rmtree(scratch, ignore_errors=True)
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    servers = []
+    if args.root_store == "gcs":
+        sys.path.insert(0, os.path.join(ROOT, "tests", "servers"))
+        from gcs_server import FakeGcsServer, GcsPreconditions, gcs_environment
+        servers.append(FakeGcsServer())
+        servers.append(GcsPreconditions(servers[0].port))
+        servers[0].create_bucket("bench")
+        env.update(gcs_environment(servers[1].endpoint))
+        args.root_url = f"gs://bench/tiers-{os.getpid()}"
     command = [sys.executable, __file__, "--child", "--port", str(free_port()),
                "--checksums" if args.checksums else "--no-checksums"] + [
         a for name in ("processes", "devices", "replicas", "parity", "mib", "budget_mib", "priority", "reps", "dir",
                                   "local_dir")
         for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))] + [
-        "--mesh", ",".join(map(str, args.mesh)), "--domains", ",".join(args.domains)]
+        "--mesh", ",".join(map(str, args.mesh)), "--domains", ",".join(args.domains), "--root-url", args.root_url]
     started = time.monotonic()
     procs = [subprocess.Popen(command + ["--pid", str(pid)], env=env, stdout=subprocess.PIPE, text=True)
              for pid in range(args.processes)]
     results = []
-    for proc in procs:
-        for line in proc.stdout:
-            if (result := results_of(line)) is not None:
-                results.append(result)
-                print(line.strip(), flush=True)
-        if proc.wait() != 0:
-            raise SystemExit(f"a process of the job failed (exit {proc.returncode})")
+    try:
+        for proc in procs:
+            for line in proc.stdout:
+                if (result := results_of(line)) is not None:
+                    results.append(result)
+                    print(line.strip(), flush=True)
+            if proc.wait() != 0:
+                raise SystemExit(f"a process of the job failed (exit {proc.returncode})")
+    finally:
+        for server in reversed(servers):
+            server.stop()
     report(results, args, time.monotonic() - started)
 
 
@@ -239,7 +259,7 @@ LABELS = {"tiers_whole": "through the tiers, no copy lost", "tiers": "through th
 def report(results, args, seconds):
     data, fsdp = args.mesh
     print(f"\n{args.processes} processes x {args.devices} CPU devices, mesh (data={data}, fsdp={fsdp}), "
-          f"{args.mib} MiB state, replicas={args.replicas}, parity={args.parity}"
+          f"{args.mib} MiB state, root {args.root_url or 'a directory'}, replicas={args.replicas}, parity={args.parity}"
           f"{' domains ' + ','.join(args.domains) if args.replicas or args.parity else ''}, budget {args.budget_mib} MiB/process, "
           f"priority {args.priority}, checksums {args.checksums}, {args.reps} reps, {seconds:.0f} s in all")
     print("\n| save | blocked s (slowest process) | wall s to committed (slowest process) |\n|---|---|---|")
@@ -259,7 +279,7 @@ def report(results, args, seconds):
     storage = sorted((r for r in results if r["phase"] == "storage"), key=lambda r: r["process"])
     print("\nlocal step on disk per process (du -sb): "
           + ", ".join(f"{r['process']}: {r['local'] / MiB:.1f} MiB" for r in storage)
-          + f"; the persistent step: {sum(r['persistent'] for r in storage) / MiB:.1f} MiB")
+          + ("" if args.root_url else f"; the persistent step: {sum(r['persistent'] for r in storage) / MiB:.1f} MiB"))
 
 
 if __name__ == "__main__":
