@@ -117,10 +117,8 @@ class Dispatcher:
                 packed, batches, describe = self._layout(plan, priorities, packs=not own)
         increment, attachments = None, attachments or Attachments()
         if incremental:  # only changed chunks are copied and written
-            if own:
-                raise ValueError("incremental=True is for a root's steps, not for a local tier's own saves")
-            batches, increment, attachments = incremental_lib.plan_save(location, packed, leaves, batches,
-                                                                        self.options.checksums, attachments, self._digests)
+            batches, increment, attachments = incremental_lib.plan_save(
+                location, packed, leaves, batches, self.options.checksums, attachments, self._digests, alone=own)
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,

@@ -240,11 +240,13 @@ def merger(increment: Increment, processes: int, process: int):
 
 
 def plan_save(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool, attachments,
-              cache: DigestCache):
+              cache: DigestCache, alone: bool = False):
     """(batches, ``SaveJob.increment``, attachments) of an incremental save (``Dispatcher.save``):
-    :func:`prepare`, and in a multi-process job this process's decisions attached for the leader."""
+    :func:`prepare`, and in a multi-process job this process's decisions attached for the leader.
+    ``alone``: a save this process commits by itself (``own=True``: a local tier's step, whose base
+    is this process's own newest local step), its decisions the whole manifest's."""
     batches, increment = prepare(location, plan, leaves, batches, checksums, cache)
-    processes, process = jax.process_count(), jax.process_index()
+    processes, process = (1, 0) if alone else (jax.process_count(), jax.process_index())
     if processes > 1:
         attachments = dataclasses.replace(attachments, files={**attachments.files,
                                                               FILE.format(process): increment.encode()})

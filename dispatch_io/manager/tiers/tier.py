@@ -35,6 +35,16 @@ from dispatch_io.save.job import Attachments
 from dispatch_io.storage import StepRoot
 
 
+def check_incremental(tier: "LocalTier", count: int):
+    """ValueError unless incremental local saves are built for ``tier`` in a job of ``count``
+    processes: a single process without replicas or parity (a peer's copy of a region, or a parity
+    row, would reference a step only its holder has)."""
+    if count > 1 or tier.replicas or tier.parity:
+        raise ValueError("incremental=True with a local tier is built for a single-process job without replicas or "
+                         f"parity only (this job has {count} processes, replicas={tier.replicas}, parity={tier.parity}): "
+                         "save the local tier in full (CheckpointManager(incremental=False)) or use no local tier")
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalTier:
     """A fast local tier beside a manager's persistent root (``CheckpointManager(local=...)``).
@@ -184,6 +194,7 @@ class LocalTiers:
         as new as (``root_latest``: (the newest step the manager saw persisted, a call listing the
         root's newest)): the root's would be of the history before a rollback, and a restore could
         mix them."""
+        save_kwargs = self.incremental_kwargs(save_kwargs, persist)   # refused before anything is deleted
         saves = self.should_save(step) if forced is None else forced
         if saves and not persist and root_latest and root_latest[0] is not None and step <= root_latest[0]:
             newest = root_latest[1]()   # listed only then: the manager's view may be stale
@@ -198,6 +209,17 @@ class LocalTiers:
         checksums = any(entry.get("crc32c") for entry in info["items"].values())  # as the root's step says
         return self.save(step, tree, items_lib.files(items, self.process, own_step=True, checksums=checksums)[0],
                          {k: info[k] for k in ("items", "metrics", "metadata")}, **save_kwargs)
+
+    def incremental_kwargs(self, save_kwargs: dict, persist: bool) -> dict:
+        """``save_kwargs`` for a local save: ``incremental`` (the manager's, or the save's own) on where
+        this process's local steps can reference each other -- the base, this process's newest local
+        step, holds what it referenced -- and off for a step promotion will copy byte for byte
+        (``persist`` with ``LocalTier(promote=True)``: it must hold every chunk itself). Raises as
+        :func:`check_incremental`."""
+        if not save_kwargs.get("incremental"):
+            return save_kwargs
+        check_incremental(self.tier, self.count)
+        return {**save_kwargs, "incremental": not (persist and self.tier.promote)}
 
     def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
