@@ -219,7 +219,7 @@ class LocalTiers:
         if not save_kwargs.get("incremental"):
             return save_kwargs
         check_incremental(self.tier, self.count)
-        return {**save_kwargs, "incremental": not (persist and self.tier.promote)}
+        return {**save_kwargs, "incremental": "whole" if persist and self.tier.promote else True}
 
     def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
