@@ -336,6 +336,28 @@ def test_every_verify_gives_one_answer_for_a_step_with_a_corrupt_item(tmp_path, 
         assert d.verify(sound).items_checked == 2   # the other step is untouched
 
 
+def test_every_verify_checks_the_items_of_a_local_tier_step(tmp_path):
+    """A local tier's step holds its process's item files: ``Dispatcher.verify`` and ``dispatch-io
+    verify`` of its directory check them as the manager's ``restore(verify=True)`` does."""
+    from dispatch_io import cli
+    items = {"data": dio.PerProcess(b"iterator state"), "config": dio.Json({"lr": 0.1})}
+    tier = dio.LocalTier(str(tmp_path / "local"), save_policy=P.EveryNSteps(1))
+    with dio.LocalDispatcher(checksums=True) as d, \
+            dio.CheckpointManager(tmp_path / "root", d, save_policy=P.EveryNSteps(100), local=tier) as mgr:
+        mgr.save(1, tree(1), items=items).wait()
+        mgr.wait()
+        step = str(tmp_path / "local" / "1")
+        assert d.verify(step).items_checked == 2 and cli.main(["verify", step]) == 0
+        data = tmp_path / "local" / "1" / "arrays" / "items" / "data" / "0.json"
+        flip_bit(data, data.read_bytes().index(b'"bytes": "') + len(b'"bytes": "') + 4)
+        message = r"item 'data' \(process 0's value\) of step 1 at .*1 does not match its CRC-32C"
+        with pytest.raises(dio.CorruptCheckpointError, match=message):
+            d.verify(step)
+        with pytest.raises(dio.CorruptCheckpointError, match=message):
+            mgr.restore(1, tree(0), verify=True)   # through the tiers: this process's local copy
+        assert cli.main(["verify", step]) == 1
+
+
 def test_items_on_an_object_store_root_commit_and_go_with_their_step(store_prefix):
     """On S3 and GCS (servers on loopback) the items live under the save's own arrays/<id>/ and
     info.json beside the manifest: both are written before COMMITTED and deleted with the step."""

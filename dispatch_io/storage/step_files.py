@@ -223,7 +223,7 @@ def verify_items(path, step: int | None = None) -> int:
         folder, number = info.arrays, info.step
     else:
         entries, process = local.get("items", {}), local.get("process")
-        if not items_ok(entries) or not _count(process + 1 if type(process) is int else None):
+        if not items_ok(entries) or not (type(process) is int and 0 <= process < 1 << 24):
             raise CorruptCheckpointError(f"{where}: its info's items are not what a local save records (malformed "
                                          "checkpoint)", path=where)
         files = [(name, entry, process, entry.get("processes", 1)) for name, entry in entries.items()]

@@ -32,7 +32,7 @@ from dispatch_io.manager.tiers import tier_restore
 from dispatch_io.errors import CheckpointError
 from dispatch_io.save.driver import SaveHandle
 from dispatch_io.save.job import Attachments
-from dispatch_io.storage import StepRoot
+from dispatch_io.storage import StepRoot, step_files
 
 
 def check_incremental(tier: "LocalTier", count: int):
@@ -167,12 +167,11 @@ class LocalTiers:
 
     def verify_items(self, step: int, persistent: str) -> int:
         """Read and check (against their CRC-32Cs, where saved with them) the item files of this
-        process's copy of local ``step``; how many. Raises as :meth:`read_item`."""
-        info = self.infos()[0].get(step)
-        names = list((info or {}).get("items") or ())
-        for name in names:
-            local_steps.read_item(self.root, step, info, name, self.process, self.count, persistent)
-        return len(names)
+        process's copy of local ``step``; how many (0: no copy here). The one check every verify of
+        the step's directory makes (``storage.step_files.verify_items``); raises as it does."""
+        if step not in self.infos()[0]:
+            return 0
+        return step_files.verify_items(self.root.step_path(step), step)
 
     def should_save(self, step: int, preempted: bool = False) -> bool:
         """Whether the local save policy saves ``step`` (never a step not newer than the last)."""
