@@ -2,21 +2,22 @@
 a LoRA-shaped state (a large frozen base, small adapters that change every step) saved every step
 stores the base once under the local path; every kept step restores bit-exact; local retention
 retires a step still referenced and deletes it once nothing kept references it; a step promotion
-copies is stored whole, so the promoted step is complete on its own; what is not built (several
-processes, replicas, parity) is refused with a ValueError naming it.
+copies is stored whole, so the promoted step is complete on its own; each process of a real job
+stores its share of the base once; what is not built (replicas, parity) is refused with a
+ValueError naming it.
 
 Stored bytes are measured on disk (every file under the local path).
 """
 
 import json
 import os
+import re
 
-import jax
 import numpy as np
 import pytest
 
 import dispatch_io as dio
-from conftest import assert_trees_bit_equal
+from conftest import assert_trees_bit_equal, finish_job, start_job
 from dispatch_io import policies as P
 from dispatch_io.manager.tiers.tier import check_incremental
 
@@ -85,15 +86,24 @@ def test_a_promoted_step_is_stored_whole_and_complete_in_the_root(tmp_path):
         assert_trees_bit_equal(mgr.restore(5, lora(0)), lora(5))
 
 
+def test_each_process_of_a_job_stores_its_share_of_the_base_once(tmp_path):
+    """A real 2-process job (tests/jobs/job_local_incremental.py): each process's local directory
+    holds its half of the base once, however many steps it keeps, and restores bit-exact."""
+    procs = start_job("job_local_incremental.py", [tmp_path / "root", tmp_path / "local" / "{process}"],
+                      processes=2, devices=1)
+    for out in finish_job(procs, limit=240):
+        found = re.search(r"^stored (\d+) steps (.*) exact (\w+)$", out, re.M)
+        assert found and found[3] == "True", out
+        assert found[2] == "['1', '6', '7']", out   # the base's step: retired, kept while referenced
+        assert BASE.nbytes // 2 < int(found[1]) < BASE.nbytes // 2 + 7 * ADAPTERS // 2 + 256 * 1024, out
+
+
 def test_what_is_not_built_is_refused_naming_it(tmp_path):
-    with pytest.raises(ValueError, match=r"single-process .*this job has 2 processes"):
-        check_incremental(dio.LocalTier(str(tmp_path)), 2)
-    with pytest.raises(ValueError, match=r"replicas=1"):
-        check_incremental(dio.LocalTier(str(tmp_path), replicas=1), 1)
-    check_incremental(dio.LocalTier(str(tmp_path)), 1)   # one process, no peers: built
+    with pytest.raises(ValueError, match=r"without replicas or parity .*replicas=1"):
+        check_incremental(dio.LocalTier(str(tmp_path), replicas=1))
+    check_incremental(dio.LocalTier(str(tmp_path)))   # no copies on peers: built
     with dio.CheckpointManager(tmp_path / "root", local=dio.LocalTier(str(tmp_path / "local"))) as mgr:
         mgr.save(1, lora(1), incremental=True).wait()   # a save's own incremental=True: the local tier's too
         mgr.save(2, lora(2), incremental=True).wait()
         mgr.wait()
         assert_trees_bit_equal(mgr.restore(2, lora(0)), lora(2))
-    assert jax.process_count() == 1

@@ -35,14 +35,14 @@ from dispatch_io.save.job import Attachments
 from dispatch_io.storage import StepRoot, step_files
 
 
-def check_incremental(tier: "LocalTier", count: int):
-    """ValueError unless incremental local saves are built for ``tier`` in a job of ``count``
-    processes: a single process without replicas or parity (a peer's copy of a region, or a parity
-    row, would reference a step only its holder has)."""
-    if count > 1 or tier.replicas or tier.parity:
-        raise ValueError("incremental=True with a local tier is built for a single-process job without replicas or "
-                         f"parity only (this job has {count} processes, replicas={tier.replicas}, parity={tier.parity}): "
-                         "save the local tier in full (CheckpointManager(incremental=False)) or use no local tier")
+def check_incremental(tier: "LocalTier"):
+    """ValueError unless incremental local saves are built for ``tier``: without replicas or parity
+    (each process's local steps reference only its own older steps; a peer's copy of a region or a
+    parity row saved incrementally is not built yet)."""
+    if tier.replicas or tier.parity:
+        raise ValueError("incremental=True with a local tier is built without replicas or parity only (this tier "
+                         f"has replicas={tier.replicas}, parity={tier.parity}): save the local tier in full "
+                         "(CheckpointManager(incremental=False)) or keep no copies on peers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +217,7 @@ class LocalTiers:
         :func:`check_incremental`."""
         if not save_kwargs.get("incremental"):
             return save_kwargs
-        check_incremental(self.tier, self.count)
+        check_incremental(self.tier)
         return {**save_kwargs, "incremental": "whole" if persist and self.tier.promote else True}
 
     def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
