@@ -214,22 +214,20 @@ def _size(text: str) -> int:
 
 
 def verify(path: str, budget_mib: int = 256, verbose: bool = False) -> int:
-    """``Dispatcher.verify``, then a manager step's items (``steps.verify_items``): chunk by chunk, so memory stays within the budget whatever the
+    """``Dispatcher.verify`` (a manager step's item files included): chunk by chunk, so memory stays within the budget whatever the
     checkpoint's size (progress on stderr when it is a terminal); ``verbose``: with the causes."""
     import dispatch_io as dio
-    from dispatch_io.manager.root_steps import verify_items
 
     _open(path)  # an unusable path is exit status 2, before reading
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20) as dispatcher:
         try:
             stats = dispatcher.verify(path)
-            items = verify_items(path)  # a manager's step: its item files too
         except (dio.CorruptCheckpointError, dio.WorkerError, dio.CheckpointError) as exc:
             print(f"dispatch-io verify: {path} is NOT sound: {exc}{_causes(exc) if verbose else ''}", file=sys.stderr)
             return EXIT_UNSOUND
     what = "every stored byte read and its CRC-32C checked" if stats.verified else \
         "every stored byte read (saved without checksums: Options(checksums=True) adds them)"
-    print(f"{path}: sound ({what}{f'; {items} item files checked' if items else ''})")
+    print(f"{path}: sound ({what}{f'; {stats.items_checked} item files checked' if stats.items_checked else ''})")
     return 0
 
 

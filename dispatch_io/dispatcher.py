@@ -80,7 +80,7 @@ class Dispatcher:
              on_transfer_end: Callable[[str], None] | None = None,
              on_write_end: Callable[[str], None] | None = None, overwrite: bool = False,
              attachments: Attachments | None = None, own: bool = False, copies=None,
-             incremental: bool = False) -> SaveHandle:
+             incremental: bool | str = False) -> SaveHandle:
         """Save ``tree`` to ``path``; returns once every SYNC leaf is off the device.
 
         ``priority(keypath, spec)`` gives each array leaf a :class:`Priority` (default SYNC).
@@ -91,7 +91,9 @@ class Dispatcher:
         local-tier save (``held.own_plan``), committed by this process alone, unpacked; ``copies``
         (with ``own``): key path -> other processes' regions received here (``held.Replica``), saved too.
         ``incremental``: ``path`` is ``<root>/<step>``; chunks unchanged since the root's newest
-        committed step are stored by reference to it, not copied or written (``incremental.changes``).
+        committed step are stored by reference to it, not copied or written (``incremental.changes``);
+        ``"whole"``: every chunk written and its digest recorded, so the incremental saves after it can
+        reference it (a local tier's step that promotion copies byte for byte).
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
         a callback argument not callable; a priority not a ``Priority``), ``RuntimeError`` (the
         priority callback raised, chained; after ``close()``; from this dispatcher's own
@@ -117,10 +119,9 @@ class Dispatcher:
                 packed, batches, describe = self._layout(plan, priorities, packs=not own)
         increment, attachments = None, attachments or Attachments()
         if incremental:  # only changed chunks are copied and written
-            if own:
-                raise ValueError("incremental=True is for a root's steps, not for a local tier's own saves")
-            batches, increment, attachments = incremental_lib.plan_save(location, packed, leaves, batches,
-                                                                        self.options.checksums, attachments, self._digests)
+            batches, increment, attachments = incremental_lib.plan_save(
+                location, packed, leaves, batches, self.options.checksums, attachments, self._digests, alone=own,
+                whole=incremental == "whole")
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,

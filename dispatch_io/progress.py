@@ -124,6 +124,7 @@ class RestoreStats:
     bytes_broadcast: int = 0  # result bytes received from other processes' reads (scale-out restore)
     bytes_received: int = 0   # bytes the scale-out restore's collectives brought here (rows: padding too)
     bytes_sent: int = 0       # bytes of this process's rows they took to other processes
+    items_checked: int = 0    # verify(): a manager step's item files read and checked (storage.step_files)
 
 def size(nbytes: float) -> str:
     """``412.3 MiB``."""

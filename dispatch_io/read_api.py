@@ -24,6 +24,7 @@ from dispatch_io.multihost import scaleout
 from dispatch_io.multihost.shared_verify import verify_shared
 from dispatch_io.options import Options
 from dispatch_io.progress import Progress, RestoreStats
+from dispatch_io.storage import step_files
 
 
 def restore(runner, options: Options, path, target, *, partial: bool, cast: bool, verify: bool,
@@ -66,10 +67,12 @@ def verify(runner, options: Options, path) -> RestoreStats:
         else:
             read_loop.verify_outputs(reader, outputs, options.read_batch_bytes, progress,
                                    compare=manifest.has_checksums)
+        items = step_files.verify_items(path)  # a manager's step: its item files, as every verify checks them
         times += [time.perf_counter()] * 2  # nothing read into a result
-        return None, manifest.has_checksums, scaleout.Exchanged(0, 0, 0)
+        return items, manifest.has_checksums, scaleout.Exchanged(0, 0, 0)
 
-    return read_checkpoint(runner, options, "verify", path, work)[1]
+    items, stats = read_checkpoint(runner, options, "verify", path, work)
+    return dataclasses.replace(stats, items_checked=items)
 
 
 def read_checkpoint(runner, options: Options, kind: str, path, work) -> tuple:

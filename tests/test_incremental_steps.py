@@ -201,9 +201,7 @@ def test_incremental_needs_a_step_path_and_a_persistent_save(tmp_path):
     d = _dispatcher()
     with pytest.raises(ValueError, match="step of a root"):
         d.save(str(tmp_path / "ckpt"), {"x": np.ones(4)}, incremental=True)
-    with pytest.raises(ValueError, match="local tier"):
-        d.save(str(tmp_path / "0"), {"x": np.ones(4)}, incremental=True, own=True)
-    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "0")
+    assert not os.path.exists(tmp_path / "ckpt")   # (own=True saves are incremental too: test_tier_incremental.py)
 
 
 def test_an_incremental_step_restores_onto_another_mesh(tmp_path, mesh):

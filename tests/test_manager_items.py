@@ -309,6 +309,55 @@ def test_items_carry_crc32cs_and_a_flipped_byte_is_named(tmp_path):
         assert mgr.item(1, "data") == state
 
 
+def test_every_verify_gives_one_answer_for_a_step_with_a_corrupt_item(tmp_path, capsys):
+    """``Dispatcher.verify``, ``dispatch-io verify`` and the manager's ``restore(verify=True)`` make
+    the one check of a step's item files (``storage.step_files.verify_items``): a sound step passes
+    all three, and one flipped byte of an item file fails all three, each naming the item."""
+    from dispatch_io import cli
+    items = {"data": dio.PerProcess(bytes(range(256)) * 4), "config": dio.Json({"lr": 0.1})}
+    with dio.LocalDispatcher(checksums=True) as d, dio.CheckpointManager(tmp_path, d) as mgr:
+        mgr.save(5, tree(5), items=items).wait()
+        mgr.save(6, tree(6), items=items).wait()
+        sound, step = str(tmp_path / "5"), str(tmp_path / "6")
+        assert d.verify(sound).items_checked == 2
+        assert cli.main(["verify", sound]) == 0
+        assert "2 item files checked" in capsys.readouterr().out
+        assert_trees_bit_equal(mgr.restore(5, verify=True), tree(5))
+
+        config = tmp_path / "6" / mgr.step_info(6).arrays / "items/config/value.json"
+        flip_bit(config, config.read_bytes().index(b"0.1") + 2)   # {"lr": 0.0}: valid JSON, wrong value
+        message = r"item 'config' of step 6 at .*6 does not match its CRC-32C"
+        with pytest.raises(dio.CorruptCheckpointError, match=message):
+            d.verify(step)
+        with pytest.raises(dio.CorruptCheckpointError, match=message):
+            mgr.restore(6, verify=True)
+        assert cli.main(["verify", step]) == 1
+        assert "NOT sound" in (err := capsys.readouterr().err) and "item 'config' of step 6" in err
+        assert d.verify(sound).items_checked == 2   # the other step is untouched
+
+
+def test_every_verify_checks_the_items_of_a_local_tier_step(tmp_path):
+    """A local tier's step holds its process's item files: ``Dispatcher.verify`` and ``dispatch-io
+    verify`` of its directory check them as the manager's ``restore(verify=True)`` does."""
+    from dispatch_io import cli
+    items = {"data": dio.PerProcess(b"iterator state"), "config": dio.Json({"lr": 0.1})}
+    tier = dio.LocalTier(str(tmp_path / "local"), save_policy=P.EveryNSteps(1))
+    with dio.LocalDispatcher(checksums=True) as d, \
+            dio.CheckpointManager(tmp_path / "root", d, save_policy=P.EveryNSteps(100), local=tier) as mgr:
+        mgr.save(1, tree(1), items=items).wait()
+        mgr.wait()
+        step = str(tmp_path / "local" / "1")
+        assert d.verify(step).items_checked == 2 and cli.main(["verify", step]) == 0
+        data = tmp_path / "local" / "1" / "arrays" / "items" / "data" / "0.json"
+        flip_bit(data, data.read_bytes().index(b'"bytes": "') + len(b'"bytes": "') + 4)
+        message = r"item 'data' \(process 0's value\) of step 1 at .*1 does not match its CRC-32C"
+        with pytest.raises(dio.CorruptCheckpointError, match=message):
+            d.verify(step)
+        with pytest.raises(dio.CorruptCheckpointError, match=message):
+            mgr.restore(1, tree(0), verify=True)   # through the tiers: this process's local copy
+        assert cli.main(["verify", step]) == 1
+
+
 def test_items_on_an_object_store_root_commit_and_go_with_their_step(store_prefix):
     """On S3 and GCS (servers on loopback) the items live under the save's own arrays/<id>/ and
     info.json beside the manifest: both are written before COMMITTED and deleted with the step."""

@@ -144,15 +144,16 @@ def _known(base: tuple[str, dict] | None) -> dict:
 
 
 def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool,
-            cache: DigestCache) -> tuple[tuple[Batch, ...], Increment]:
+            cache: DigestCache, whole: bool = False) -> tuple[tuple[Batch, ...], Increment]:
     """This process's ``batches`` without the chunks unchanged since the base step, and the
     :class:`Increment` saying so (see the module doc). Each chunk is sampled (``digests.sample``:
     a few KiB of it); only a chunk whose sample is the base's (or that the base lacks) is digested
     whole, so a state that changes everywhere costs a sample per chunk, not a pass over it. Its
     manifest entry is ``"<sample>"`` or ``"<sample>|<digest>"``. ``checksums``: the save records CRC-32Cs,
     so a chunk is taken as unchanged only where the step storing it has one to carry over;
-    ``cache``: digests of arrays saved before."""
-    known = _known(base_of(location))
+    ``cache``: digests of arrays saved before; ``whole``: no base (every chunk written, its digest
+    recorded: a step that must hold every chunk itself, the base of the incremental saves after it)."""
+    known = {} if whole else _known(base_of(location))
     wanted = [i for batch in batches for i in batch.chunks if plan.leaves[plan.chunks[i].leaf].packed is None]
     before = {i: _before(known, plan, i) for i in wanted}
     samples = _digests(plan, leaves, wanted, cache, digests_lib.sample)
@@ -240,11 +241,13 @@ def merger(increment: Increment, processes: int, process: int):
 
 
 def plan_save(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool, attachments,
-              cache: DigestCache):
+              cache: DigestCache, alone: bool = False, whole: bool = False):
     """(batches, ``SaveJob.increment``, attachments) of an incremental save (``Dispatcher.save``):
-    :func:`prepare`, and in a multi-process job this process's decisions attached for the leader."""
-    batches, increment = prepare(location, plan, leaves, batches, checksums, cache)
-    processes, process = jax.process_count(), jax.process_index()
+    :func:`prepare`, and in a multi-process job this process's decisions attached for the leader.
+    ``alone``: a save this process commits by itself (``own=True``: a local tier's step, whose base
+    is this process's own newest local step), its decisions the whole manifest's. ``whole``: as :func:`prepare`."""
+    batches, increment = prepare(location, plan, leaves, batches, checksums, cache, whole)
+    processes, process = (1, 0) if alone else (jax.process_count(), jax.process_index())
     if processes > 1:
         attachments = dataclasses.replace(attachments, files={**attachments.files,
                                                               FILE.format(process): increment.encode()})

@@ -23,16 +23,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import re
 from typing import Any, Mapping
 
-import numpy as np
 
-from dispatch_io.errors import CheckpointError, CorruptCheckpointError
-from dispatch_io.workers import crc32c
-
-ITEMS = "items/"
-NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")   # an item's name: never a path
+# Reading and checking item files is the storage's (``Dispatcher.verify`` checks them too).
+from dispatch_io.storage.step_files import ITEMS, NAME, _crc, _decode, decode, key, label, read  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +44,6 @@ class PerProcess:
     restores it only on the same number of processes, each getting back its own."""
 
     value: Any
-
-
-def _crc(content: bytes) -> int:
-    return crc32c(np.frombuffer(content, np.uint8))
 
 
 def _encode(name: str, value, checksums: bool) -> bytes:
@@ -74,35 +65,6 @@ def _encode(name: str, value, checksums: bool) -> bytes:
     if checksums:
         stored["crc32c"] = _crc(content)
     return json.dumps(stored).encode()
-
-
-def _decode(data: bytes, where: str, checked: bool):
-    """The value in an item file; with ``checked``, its CRC-32C must be there and match.
-    CorruptCheckpointError naming ``where`` otherwise, or if it is not an item file we wrote."""
-    try:
-        stored = json.loads(data)
-        kinds = set(stored) - {"crc32c"} if isinstance(stored, dict) else set()
-        if kinds == {"bytes"}:
-            value = base64.b64decode(stored["bytes"], validate=True)
-            content = value
-        elif kinds == {"json"}:
-            value = stored["json"]
-            content = json.dumps(value, allow_nan=False).encode()
-        else:
-            value = content = None
-    except (ValueError, TypeError, RecursionError):
-        value = content = None
-    if content is None:
-        raise CorruptCheckpointError(f"{where} is not an item file dispatch_io wrote (malformed checkpoint)",
-                                     path=where)
-    saved = stored.get("crc32c")
-    if checked and saved is None:
-        raise CorruptCheckpointError(f"{where}: its file has lost the CRC-32C the step info says it carries "
-                                     "(malformed checkpoint)", path=where)
-    if saved is not None and saved != _crc(content):
-        raise CorruptCheckpointError(f"{where} does not match its CRC-32C (saved {saved}, read "
-                                     f"{_crc(content)}): the stored item is corrupt", path=where)
-    return value
 
 
 def files(items: Mapping[str, Json | PerProcess] | None, process: int, own_step: bool = False,
@@ -137,40 +99,3 @@ def files(items: Mapping[str, Json | PerProcess] | None, process: int, own_step:
     return out, index
 
 
-def key(name: str, entry: Mapping, process: int, processes: int, where: str) -> str:
-    """The file (under the arrays folder) holding item ``name`` for ``process`` of a job of
-    ``processes``; CheckpointError naming the item and both counts if a PerProcess item was
-    saved by another number of processes."""
-    if entry.get("kind") == "json":
-        return f"{ITEMS}{name}/value.json"
-    saved = entry.get("processes")
-    if saved != processes:
-        raise CheckpointError(f"item {name!r} of {where} was saved by {saved} processes, one value each; this job "
-                              f"has {processes}: each process's own value cannot be told (restore it with "
-                              f"{saved} processes, or start the item afresh)")
-    return f"{ITEMS}{name}/{process}.json"
-
-
-def label(name: str, entry: Mapping, step: int, process: int, where: str) -> str:
-    """How messages name item ``name`` of ``step`` at ``where`` as ``process`` reads it."""
-    whose = "" if entry.get("kind") == "json" else f" (process {process}'s value)"
-    return f"item {name!r}{whose} of step {step} at {where}"
-
-
-def decode(data: bytes | None, entry: Mapping, label: str):
-    """The value of the item whose step-info entry is ``entry`` from its file's bytes (None: the
-    file is missing), checked against its CRC-32C where the entry says it has one. ``label``
-    (:func:`label`) names it in errors: CheckpointError for a missing file,
-    CorruptCheckpointError for a malformed or corrupt one."""
-    if data is None:
-        raise CheckpointError(f"{label} is listed but its file is missing (malformed checkpoint)")
-    return _decode(data, label, entry.get("crc32c") is True)
-
-
-def read(read_file, name: str, entry: Mapping, step: int, process: int, processes: int, where: str):
-    """Item ``name`` (step-info ``entry``) of ``step`` at ``where`` for ``process`` of a job of
-    ``processes``: its file read with ``read_file(key under the arrays folder)``, decoded and
-    checked (:func:`key`, :func:`decode`). Returns (its key, its file's bytes, its value)."""
-    key_ = key(name, entry, process, processes, where)
-    data = read_file(key_)
-    return key_, data, decode(data, entry, label(name, entry, step, process, where))

@@ -11,7 +11,7 @@ from dispatch_io.errors import CheckpointError
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager import orbax_items, retention
-from dispatch_io.storage import INFO, Location, StepRoot
+from dispatch_io.storage import INFO, Location, StepRoot, step_files
 
 
 def started(step_info, step: int | None, now: float) -> float:
@@ -75,23 +75,12 @@ def verify_items(path: str, step: int | None = None) -> int:
     """Read every item file of the step at ``path`` (every process's value of a PerProcess item)
     and check each against its CRC-32C where the step info says it carries one; the number of
     files checked (0: a step without items, an Orbax step, or a checkpoint that is no manager's
-    step). ``step``: its number (None: as its info says). Raises as :func:`read_item`: a flipped
-    byte is a CorruptCheckpointError naming the step, the item and the process."""
+    step). ``step``: its number (None: as its info says). The one check every verify makes
+    (``storage.step_files.verify_items``: ``Dispatcher.verify`` too); raises as :func:`read_item`:
+    a flipped byte is a CorruptCheckpointError naming the step, the item and the process."""
     if orbax_items.is_orbax_step(path):
         return 0
-    location = Location.parse(path)
-    data = location.read_file(INFO)
-    if data is None:
-        return 0
-    info = info_lib.parse(data, step, path)
-    checked = 0
-    for name, entry in info.item_entries.items():
-        processes = entry.get("processes", 1)
-        for process in range(processes):
-            items_lib.read(lambda key: location.read_file(info.arrays + key), name, entry, info.step, process,
-                           processes, path)
-            checked += 1
-    return checked
+    return step_files.verify_items(path, step)
 
 
 def pytree_path(path: str, item: str | None) -> str:

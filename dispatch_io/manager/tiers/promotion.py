@@ -342,6 +342,10 @@ def _job(local, step: int, path: str, version: str, clock) -> tuple[SaveJob, _Co
     if doc is None:
         raise FileNotFoundError(f"{where}: no process has a local copy of step {step}: it cannot be promoted")
     manifest = manifest_lib.parse(doc, where)
+    if doc.get(manifest_lib.REFERENCES):   # its unchanged chunks are in an older local step's arrays, not its own
+        steps = ", ".join(sorted({str(r.get("step")) for r in doc[manifest_lib.REFERENCES]}, key=int))
+        raise ValueError(f"{where} was saved incrementally (it references local step(s) {steps}): it cannot be copied byte for byte; a step saved "
+                         "to both tiers with LocalTier(promote=True) is stored whole locally, and promotes")
     try:
         plan = promote_plan.plan_promotion(manifest, {p: r["held"] for p, r in reports.items() if r["has"]}, where)
     except FileNotFoundError as exc:

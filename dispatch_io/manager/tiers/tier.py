@@ -32,7 +32,17 @@ from dispatch_io.manager.tiers import tier_restore
 from dispatch_io.errors import CheckpointError
 from dispatch_io.save.driver import SaveHandle
 from dispatch_io.save.job import Attachments
-from dispatch_io.storage import StepRoot
+from dispatch_io.storage import StepRoot, step_files
+
+
+def check_incremental(tier: "LocalTier"):
+    """ValueError unless incremental local saves are built for ``tier``: without replicas or parity
+    (each process's local steps reference only its own older steps; a peer's copy of a region or a
+    parity row saved incrementally is not built yet)."""
+    if tier.replicas or tier.parity:
+        raise ValueError("incremental=True with a local tier is built without replicas or parity only (this tier "
+                         f"has replicas={tier.replicas}, parity={tier.parity}): save the local tier in full "
+                         "(CheckpointManager(incremental=False)) or keep no copies on peers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,12 +167,11 @@ class LocalTiers:
 
     def verify_items(self, step: int, persistent: str) -> int:
         """Read and check (against their CRC-32Cs, where saved with them) the item files of this
-        process's copy of local ``step``; how many. Raises as :meth:`read_item`."""
-        info = self.infos()[0].get(step)
-        names = list((info or {}).get("items") or ())
-        for name in names:
-            local_steps.read_item(self.root, step, info, name, self.process, self.count, persistent)
-        return len(names)
+        process's copy of local ``step``; how many (0: no copy here). The one check every verify of
+        the step's directory makes (``storage.step_files.verify_items``); raises as it does."""
+        if step not in self.infos()[0]:
+            return 0
+        return step_files.verify_items(self.root.step_path(step), step)
 
     def should_save(self, step: int, preempted: bool = False) -> bool:
         """Whether the local save policy saves ``step`` (never a step not newer than the last)."""
@@ -184,6 +193,7 @@ class LocalTiers:
         as new as (``root_latest``: (the newest step the manager saw persisted, a call listing the
         root's newest)): the root's would be of the history before a rollback, and a restore could
         mix them."""
+        save_kwargs = self.incremental_kwargs(save_kwargs, persist)   # refused before anything is deleted
         saves = self.should_save(step) if forced is None else forced
         if saves and not persist and root_latest and root_latest[0] is not None and step <= root_latest[0]:
             newest = root_latest[1]()   # listed only then: the manager's view may be stale
@@ -198,6 +208,17 @@ class LocalTiers:
         checksums = any(entry.get("crc32c") for entry in info["items"].values())  # as the root's step says
         return self.save(step, tree, items_lib.files(items, self.process, own_step=True, checksums=checksums)[0],
                          {k: info[k] for k in ("items", "metrics", "metadata")}, **save_kwargs)
+
+    def incremental_kwargs(self, save_kwargs: dict, persist: bool) -> dict:
+        """``save_kwargs`` for a local save: ``incremental`` (the manager's, or the save's own) on where
+        this process's local steps can reference each other -- the base, this process's newest local
+        step, holds what it referenced -- and off for a step promotion will copy byte for byte
+        (``persist`` with ``LocalTier(promote=True)``: it must hold every chunk itself). Raises as
+        :func:`check_incremental`."""
+        if not save_kwargs.get("incremental"):
+            return save_kwargs
+        check_incremental(self.tier)
+        return {**save_kwargs, "incremental": "whole" if persist and self.tier.promote else True}
 
     def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
         """Save this process's regions of ``tree`` as local ``step`` (after the local save in
