@@ -10,9 +10,10 @@ import jax
 import jax.monitoring
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+from dispatch_io.jax_compat import single_device_sharding
 from dispatch_io.save import pinned_save
 from dispatch_io.plan.batches import make_batches
 from dispatch_io.plan.save_plan import plan_tree
@@ -68,7 +69,7 @@ def test_a_shard_larger_than_a_batch_is_sliced_by_one_program_per_leaf(mesh, tmp
     compiles one program per leaf shape and device -- 3 for three single-device leaves, not one
     per offset (10 or more chunks each) -- and 3 x 8 for the same leaves sharded over 8 devices."""
     rows = 160   # 16 chunks of 10 rows (600, 800, 1000 bytes) per leaf; batches of 2048 bytes
-    single = SingleDeviceSharding(jax.devices()[5])
+    single = single_device_sharding(jax.devices()[5])
     tree = {f"w{i}": jax.device_put(np.arange(rows * (i + 3) * 5, dtype=np.float32).reshape(rows, (i + 3) * 5)
                                     + 0.5, single) for i in range(3)}
     sharded = _tree(mesh, 4 * 40)   # shards of 40 rows of 60, 80, 100 bytes, 4 chunks each
@@ -95,7 +96,7 @@ def test_every_dtype_and_key_impl_bit_exact_through_whole_shards(mesh, tmp_path,
         for name in DEVICE_DTYPES:
             host = random_bits(name, (64, 6), seed=len(name) + 1)
             tree[name] = {"sharded": jax.device_put(host, sharded),
-                          "single": jax.device_put(host[:8], SingleDeviceSharding(jax.devices()[2])),
+                          "single": jax.device_put(host[:8], single_device_sharding(jax.devices()[2])),
                           "replicated": jax.device_put(host[:4], NamedSharding(mesh, P()))}
         for impl in IMPLS:
             key = jax.random.key(11, impl=impl)
@@ -173,3 +174,4 @@ def test_growing_the_pinned_pool_leaves_nothing_allocated():
     assert pinned_pool.grow(jax.devices()[0], 4 * MiB) > 0
     assert pinned_pool.grow(jax.devices()[0], 0) == 0
     assert len(jax.live_arrays()) == before
+

@@ -11,10 +11,11 @@ import threading
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io import runner
+from dispatch_io.jax_compat import single_device_sharding
 from dispatch_io.read import ring as read_ring
 from conftest import assert_trees_bit_equal
 from test_roundtrip import DEVICE_DTYPES, IMPLS, random_bits
@@ -36,7 +37,7 @@ def test_every_dtype_and_key_impl_round_trips_through_the_ring(mesh, tmp_path, m
         for name in DEVICE_DTYPES:
             host = random_bits(name, (64, 6), seed=len(name) + 2)
             tree[name] = {"sharded": jax.device_put(host, sharded),
-                          "single": jax.device_put(host[:5], SingleDeviceSharding(jax.devices()[3])),
+                          "single": jax.device_put(host[:5], single_device_sharding(jax.devices()[3])),
                           "replicated": jax.device_put(host[:2], NamedSharding(mesh, P()))}
         for impl in IMPLS:
             key = jax.random.key(5, impl=impl)

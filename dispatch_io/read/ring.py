@@ -27,6 +27,7 @@ import threading
 import jax
 import numpy as np
 
+from dispatch_io.jax_compat import single_device_sharding
 from dispatch_io.plan.batches import aligned, pack
 from dispatch_io.progress import Progress
 from dispatch_io.read import loop as read_loop
@@ -99,7 +100,7 @@ def _place(view: np.ndarray, out, device) -> jax.Array:
     """``view`` (a region in a slot) on ``device``, in the target's memory kind; a copy that no
     longer reads the slot once it is ready."""
     kind = getattr(out.sharding, "memory_kind", None)
-    where = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+    where = single_device_sharding(device, memory_kind=kind)
     if device.platform == "cpu":   # JAX would adopt the slot's memory itself on CPU: copy it
         view = np.array(view)
     return jax.device_put(view, where)
