@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import jax
 import numpy as np
@@ -151,3 +152,41 @@ def test_a_restore_that_finds_the_ring_taken_reads_without_it(tmp_path, monkeypa
     assert_trees_bit_equal(tree, second)
     assert_trees_bit_equal(tree, results["first"])
     assert len(placed) == 4
+
+
+def test_an_interrupted_restore_returns_no_slot_still_being_read_into(tmp_path, monkeypatch):
+    """A restore interrupted (KeyboardInterrupt: no ``Exception``) while later batches are still
+    being read into their slots returns only once those reads have ended -- a slot given back
+    while TensorStore still writes into it would be read into by the next restore too -- and
+    the next restore through the ring is bit-exact with every slot free after it."""
+    read = runner.LocalReader.read
+    calls, running, lock = [0], [0], threading.Lock()
+
+    def interrupted(self, items, out=None):
+        with lock:
+            calls[0] += 1
+            running[0] += 1   # from its submission: a read queued for a thread is one in flight too
+            first = calls[0] == 1
+
+        def run():
+            try:
+                if first:
+                    raise KeyboardInterrupt
+                time.sleep(1.0)   # the later reads are still running when the first has failed
+                return runner.read_items(self._session, items, out)
+            finally:
+                with lock:
+                    running[0] -= 1
+        return self._threads.submit(run)
+
+    tree = {f"w{i}": jax.device_put(np.full((256, 64), i, np.float32), jax.devices()[i]) for i in range(8)}
+    with dio.LocalDispatcher(256 << 10, host_transfer="pinned", small_leaf_bytes=0, progress=False) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        monkeypatch.setattr(runner.LocalReader, "read", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            d.restore(tmp_path / "ckpt", tree)
+        assert running[0] == 0 and calls[0] == 3
+        monkeypatch.setattr(runner.LocalReader, "read", read)
+        assert_trees_bit_equal(tree, d.restore(tmp_path / "ckpt", tree))
+        ring = d._read_ring
+        assert sorted(ring._free) == list(range(ring.slots))
