@@ -190,3 +190,31 @@ def test_every_dtype_bit_exact_through_device_slices(tmp_path, slices):
             d.save(tmp_path / "ckpt", tree).wait()
             assert {shape for shape, _ in slices} == {(1024, 8)} and len(slices) >= 4 * len(tree)
             assert_trees_bit_equal(tree, d.restore(tmp_path / "ckpt", tree))
+
+
+def test_a_batch_whose_hand_over_raises_leaves_no_staging_held(mesh, tmp_path, monkeypatch):
+    """Handing batch k to its writer raises (here the writer refusing work, as a shut-down pool
+    does) while batch k+1's transfers are started: the save fails, batch k+1 is awaited and its
+    staging room given back -- a ticket left held in the ring would block every later save of
+    the dispatcher once the ring wraps around to it -- and the next save is bit-exact."""
+    from dispatch_io import runner
+    write, calls = runner.LocalWriter.write, [0]
+
+    def refusing(self, regions, buffers):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return write(self, regions, buffers)
+
+    sharding = NamedSharding(mesh, P("data", "model"))
+    tree = {f"w{i}": jax.device_put(np.arange(1 << 18, dtype=np.float32).reshape(512, 512) + i, sharding)
+            for i in range(6)}   # 1 MiB each; batches of 2 MiB
+    with dio.LocalDispatcher(8 * MiB, host_transfer="pinned", write_threads=3, small_leaf_bytes=0,
+                             progress=False) as d:
+        monkeypatch.setattr(runner.LocalWriter, "write", refusing)
+        with pytest.raises(Exception, match="cannot schedule new futures"):
+            d.save(tmp_path / "broken", tree).wait()
+        assert d._ring.in_use == 0 and not d._ring._live
+        monkeypatch.setattr(runner.LocalWriter, "write", write)
+        d.save(tmp_path / "ckpt", tree).wait()
+        assert_trees_bit_equal(tree, d.restore(tmp_path / "ckpt", tree))
