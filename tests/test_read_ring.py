@@ -10,6 +10,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -190,3 +191,25 @@ def test_an_interrupted_restore_returns_no_slot_still_being_read_into(tmp_path, 
         assert_trees_bit_equal(tree, d.restore(tmp_path / "ckpt", tree))
         ring = d._read_ring
         assert sorted(ring._free) == list(range(ring.slots))
+
+
+def test_a_restore_that_casts_reads_through_the_ring(mesh, tmp_path):
+    """``cast=True`` onto narrower and wider dtypes (float32 -> bfloat16, int32 -> int16,
+    int16 -> float32) through ring slots: each region's slot view is its target's bytes, not
+    the stored ones' (the stored width made 'cannot reshape' of a narrower target and would let a
+    wider one run past its slot)."""
+    sharded = NamedSharding(mesh, P("data", "model"))
+    values = np.arange(64 * 32).reshape(64, 32) % 251   # exact in every dtype here
+    tree = {"f32": jax.device_put(values.astype(np.float32), sharded),
+            "i32": jax.device_put(values.astype(np.int32), sharded),
+            "i16": jax.device_put(values.astype(np.int16), single_device_sharding(jax.devices()[6]))}
+    wanted = {"f32": jnp.bfloat16, "i32": np.int16, "i16": np.float32}
+    target = {k: jax.ShapeDtypeStruct(v.shape, wanted[k], sharding=NamedSharding(mesh, P("model")))
+              for k, v in tree.items()}
+    with dio.LocalDispatcher(64 << 10, host_transfer="pinned", max_chunk_bytes=1024, small_leaf_bytes=0,
+                             progress=False) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        back = d.restore(tmp_path / "ckpt", target, cast=True)
+    for k, x in back.items():
+        assert x.dtype == np.dtype(wanted[k]) and x.sharding == target[k].sharding, k
+        assert np.asarray(x).tobytes() == values.astype(wanted[k]).tobytes(), k

@@ -22,6 +22,7 @@ is host memory too (a copy made here, since JAX would adopt the slot itself).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 
 import jax
@@ -122,12 +123,18 @@ def read_outputs(reader, outputs: list, ring: ReadRing, chunk_limit: int, batch_
         ring.taken.release()
 
 
+def _slot_bytes(item) -> int:
+    """The bytes ``item``'s buffer takes in a slot: its result's dtype, which ``cast=True`` may
+    make narrower or wider than the stored one (``item.nbytes``)."""
+    return aligned(math.prod(item.shape) * numpy_dtype(item.dtype).itemsize)
+
+
 def _read_through(reader, outputs: list, ring: ReadRing, chunk_limit: int, progress: Progress):
     work = [(out, region, read_item(out, region, chunk_limit)) for out, region in needed_regions(outputs)]
     fits = lambda w: (w[0].where == DEVICE and not w[0].whole  # noqa: E731
-                      and aligned(w[2].nbytes) <= ring.slot_bytes)
+                      and _slot_bytes(w[2]) <= ring.slot_bytes)
     batches = [_Batch(items, fits(items[0])) for items, _ in
-               pack(work, lambda w: aligned(w[2].nbytes), ring.slot_bytes, group=fits)]
+               pack(work, lambda w: _slot_bytes(w[2]), ring.slot_bytes, group=fits)]
     placements: list[concurrent.futures.Future] = []
 
     def submit(batch):
@@ -138,8 +145,8 @@ def _read_through(reader, outputs: list, ring: ReadRing, chunk_limit: int, progr
         views, offset = [], 0
         for item in items:
             dtype = numpy_dtype(item.dtype)
-            views.append(buffer[offset:offset + item.nbytes].view(dtype).reshape(item.shape))
-            offset += aligned(item.nbytes)
+            views.append(buffer[offset:offset + math.prod(item.shape) * dtype.itemsize].view(dtype).reshape(item.shape))
+            offset += _slot_bytes(item)
         try:
             return reader.read(items, views)
         except BaseException:
