@@ -270,9 +270,22 @@ def _versions() -> str:
     return f"dispatch-io {__version__} (Python {sys.version.split()[0]}, {stack})"
 
 
+class _Version(argparse.Action):
+    """``--version``: prints :func:`_versions` as one line and exits (argparse's own version
+    action wraps its text to the terminal's width)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version of dispatch-io and of its stack, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_versions())
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dispatch-io", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=_versions())
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="on an error, also print its causes in full")

@@ -40,8 +40,16 @@ def slice_exact(array, index):
     Returns:
       the part, of ``array``'s type and dtype.
     """
-    if not isinstance(array, jax.Array) or not jax.numpy.issubdtype(array.dtype, jax.numpy.floating) \
-            or ml_dtypes.finfo(array.dtype).bits > 16:  # XLA emulates only narrow floats; a float64 array
-        return array[index]                              # outside enable_x64 has no uint64 to travel as
-    bits = _UINT_OF_BITS[ml_dtypes.finfo(array.dtype).bits]
+    bits = exact_carrier(array.dtype) if isinstance(array, jax.Array) else None
+    if bits is None:
+        return array[index]
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(array, bits)[index], array.dtype)
+
+
+def exact_carrier(dtype):
+    """The unsigned integer dtype a device op (slice, concatenate, pad) must move ``dtype`` as to
+    keep every bit: that of its width for floats of 16 bits or fewer, None for any other dtype
+    (moved as it is). Use inside jitted code as ``bitcast_convert_type`` there and back."""
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating) or ml_dtypes.finfo(dtype).bits > 16:
+        return None   # XLA emulates only narrow floats; a float64 outside enable_x64 has no uint64 to travel as
+    return _UINT_OF_BITS[ml_dtypes.finfo(dtype).bits]

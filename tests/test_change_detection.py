@@ -94,3 +94,23 @@ def test_a_sample_is_the_same_for_the_same_bytes(algorithm):
     chunk = np.random.default_rng(1).standard_normal(100_000, dtype=np.float32)
     assert digests.sample(chunk, force) == digests.sample(chunk.copy(), force)
     assert digests.sample(chunk + 1, force) != digests.sample(chunk, force)
+
+
+def test_a_changed_nan_payload_of_a_narrow_float_on_a_device_is_a_change(tmp_path, monkeypatch):
+    """On an accelerator a chunk is cut out of its shard on the device and digested there: a
+    chunk whose only change is one float8_e5m2 NaN payload (0x7D -> 0x7E) is saved, and the
+    increment restores the new bits. Forced on CPU devices (their arrays taken as device
+    arrays); JAX 0.12 quiets both payloads to 0x7F in a plain slice of the floats."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    monkeypatch.setattr(digests, "on_device", lambda data: isinstance(data, jax.Array))
+    raw = np.zeros((64, 64), np.uint8)
+    raw[40, 3] = 0x7D
+    changed = raw.copy()
+    changed[40, 3] = 0x7E
+    sharding = NamedSharding(jax.make_mesh((8,), ("d",)), P("d"))
+    with dio.LocalDispatcher(16 << 20, max_chunk_bytes=128, small_leaf_bytes=0, progress=False) as d:
+        for step, bits in enumerate((raw, changed)):
+            x = jax.device_put(bits.view(ml_dtypes.float8_e5m2), sharding)
+            d.save(str(tmp_path / str(step)), {"x": x}, incremental=True).wait()
+        assert np.asarray(d.restore(str(tmp_path / "1"))["x"]).view(np.uint8).tobytes() == changed.tobytes()

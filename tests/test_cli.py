@@ -246,3 +246,17 @@ def test_convert_overwrite_flag_and_a_destination_within_the_source(saved, tmp_p
             with pytest.raises(ValueError, match=f"the destination {where} the source"):
                 d.convert(saved, dst, overwrite=True)
     assert sorted(os.listdir(saved)) == before
+
+
+def test_version_is_one_line_whatever_the_terminal_width(monkeypatch, capsys):
+    """``dispatch-io --version`` names the package and its stack on one line (what a bug report
+    pastes, what a script greps), also in a narrow terminal: argparse's own version action
+    wraps its text to the terminal's width."""
+    from dispatch_io import cli
+    monkeypatch.setenv("COLUMNS", "40")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    assert out.count("\n") == 1 and re.fullmatch(
+        r"dispatch-io \S+ \(Python \S+, jax \S+, jaxlib \S+, tensorstore \S+, numpy \S+\)\n", out), out

@@ -258,6 +258,22 @@ def test_python_floats_beyond_narrow_float_dtypes_are_refused(tmp_path, dispatch
                                  "ok": np.array(6, ml_dtypes.float4_e2m1fn)})
 
 
+def test_python_numbers_a_narrow_float_turns_into_nan_are_refused(tmp_path, dispatcher):
+    """float8_e8m0fnu holds only powers of two, none of them zero or negative: 0.0, -0.0, -1.0 and
+    -2 become its NaN -- not the value rounded, so refused (with or without cast), as a value
+    beyond the dtype's largest is; a power of two converts."""
+    tree = {"zero": 0.0, "minus_zero": -0.0, "neg": -1.0, "neg_int": -2, "ok": 4.0}
+    path = tmp_path / "ckpt"
+    dispatcher.save(path, tree).wait(TIMEOUT)
+    target = {k: jax.ShapeDtypeStruct((), ml_dtypes.float8_e8m0fnu) for k in tree}
+    for cast in (False, True):
+        with pytest.raises(dio.TreeMismatchError) as info:
+            dispatcher.restore(path, target, cast=cast)
+        assert {k for k, _ in info.value.problems} == {"['zero']", "['minus_zero']", "['neg']", "['neg_int']"}
+    out = jax.device_get(dispatcher.restore(path, {"ok": target["ok"]}, partial=True))
+    assert_trees_bit_equal(out, {"ok": np.array(4, ml_dtypes.float8_e8m0fnu)})
+
+
 def test_python_scalar_targets_are_checked_like_arrays(tmp_path, dispatcher):
     """A Python scalar target of another type: a str never stands for a number nor a number for
     a str; another kind of number needs cast=True and then converts as Python does, where the

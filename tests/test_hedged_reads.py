@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import dispatch_io as dio
 from dispatch_io.workers import deadlines
 from dispatch_io.workers.hedged import MAX_HEDGES, SLOWER, HedgedOpen, Hedger, HedgePolicy
 
@@ -148,10 +149,22 @@ def test_a_slow_open_is_opened_again_and_the_first_open_wins():
 
 
 def test_deadline_options_are_checked():
+    """Each bad value is refused naming its option -- an infinite timeout too, which
+    ``deadlines.configure`` (run when a dispatcher is made) could not turn into whole seconds."""
     deadlines.check(None, 1)
-    for timeout, rate in ((0, 1), (-1, 1), (True, 1), (1, 0), (1, 1.5)):
-        with pytest.raises(ValueError, match="request_timeout|min_request_rate"):
+    for timeout, rate, name in ((0, 1, "request_timeout"), (-1, 1, "request_timeout"), (True, 1, "request_timeout"),
+                                (float("inf"), 1, "request_timeout"), (float("nan"), 1, "request_timeout"),
+                                (1, 0, "min_request_rate"), (1, 1.5, "min_request_rate"),
+                                (1, True, "min_request_rate")):
+        with pytest.raises(ValueError, match=f"^{name} "):
             deadlines.check(timeout, rate)
+    for bad in (0, -1.0, True, float("nan"), "1"):
+        with pytest.raises(ValueError, match="^hedge_after "):
+            dio.Options(hedge_after=bad)
+    with pytest.raises(ValueError, match="^hedge_reads "):
+        dio.Options(hedge_reads=1)
+    with pytest.raises(ValueError, match="^request_timeout "):
+        dio.Options(request_timeout=float("inf"))
 
 
 def test_an_open_that_fails_before_its_deadline_fails_without_a_hedge():

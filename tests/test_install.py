@@ -63,3 +63,15 @@ def test_the_wheel_installs_in_a_clean_venv_and_runs(dist, tmp_path, python):
     out = run(str(venv / "bin" / "python"), str(ROOT / "examples" / "save_restore.py"), str(away / "ckpt"),
               cwd=away, env=env)
     assert out.count("bit-exact") == 2 and out.splitlines()[-1] == "OK", out
+
+
+def test_every_package_of_the_checkout_is_listed_for_the_wheel():
+    """pyproject.toml names the packages the wheel ships one by one (``workers/`` maps to
+    ``dispatch_io.workers``): a package folder added to the checkout and not listed there would
+    be left out of the wheel while the suite, run from the checkout, still imports it."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "dispatch_io").rglob("__init__.py")}
+    found |= {".".join(("dispatch_io",) + init.parent.relative_to(ROOT).parts)
+              for init in (ROOT / "workers").rglob("__init__.py")}
+    assert listed == found, (sorted(found - listed), sorted(listed - found))

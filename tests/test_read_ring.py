@@ -7,14 +7,17 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io import runner
+from dispatch_io.jax_compat import single_device_sharding
 from dispatch_io.read import ring as read_ring
 from conftest import assert_trees_bit_equal
 from test_roundtrip import DEVICE_DTYPES, IMPLS, random_bits
@@ -36,7 +39,7 @@ def test_every_dtype_and_key_impl_round_trips_through_the_ring(mesh, tmp_path, m
         for name in DEVICE_DTYPES:
             host = random_bits(name, (64, 6), seed=len(name) + 2)
             tree[name] = {"sharded": jax.device_put(host, sharded),
-                          "single": jax.device_put(host[:5], SingleDeviceSharding(jax.devices()[3])),
+                          "single": jax.device_put(host[:5], single_device_sharding(jax.devices()[3])),
                           "replicated": jax.device_put(host[:2], NamedSharding(mesh, P()))}
         for impl in IMPLS:
             key = jax.random.key(5, impl=impl)
@@ -150,3 +153,63 @@ def test_a_restore_that_finds_the_ring_taken_reads_without_it(tmp_path, monkeypa
     assert_trees_bit_equal(tree, second)
     assert_trees_bit_equal(tree, results["first"])
     assert len(placed) == 4
+
+
+def test_an_interrupted_restore_returns_no_slot_still_being_read_into(tmp_path, monkeypatch):
+    """A restore interrupted (KeyboardInterrupt: no ``Exception``) while later batches are still
+    being read into their slots returns only once those reads have ended -- a slot given back
+    while TensorStore still writes into it would be read into by the next restore too -- and
+    the next restore through the ring is bit-exact with every slot free after it."""
+    read = runner.LocalReader.read
+    calls, running, lock = [0], [0], threading.Lock()
+
+    def interrupted(self, items, out=None):
+        with lock:
+            calls[0] += 1
+            running[0] += 1   # from its submission: a read queued for a thread is one in flight too
+            first = calls[0] == 1
+
+        def run():
+            try:
+                if first:
+                    raise KeyboardInterrupt
+                time.sleep(1.0)   # the later reads are still running when the first has failed
+                return runner.read_items(self._session, items, out)
+            finally:
+                with lock:
+                    running[0] -= 1
+        return self._threads.submit(run)
+
+    tree = {f"w{i}": jax.device_put(np.full((256, 64), i, np.float32), jax.devices()[i]) for i in range(8)}
+    with dio.LocalDispatcher(256 << 10, host_transfer="pinned", small_leaf_bytes=0, progress=False) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        monkeypatch.setattr(runner.LocalReader, "read", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            d.restore(tmp_path / "ckpt", tree)
+        assert running[0] == 0 and calls[0] == 3
+        monkeypatch.setattr(runner.LocalReader, "read", read)
+        assert_trees_bit_equal(tree, d.restore(tmp_path / "ckpt", tree))
+        ring = d._read_ring
+        assert sorted(ring._free) == list(range(ring.slots))
+
+
+def test_a_restore_that_casts_reads_through_the_ring(mesh, tmp_path):
+    """``cast=True`` onto narrower and wider dtypes (float32 -> bfloat16, int32 -> int16,
+    int16 -> float32) through ring slots: each region's slot view is its target's bytes, not
+    the stored ones' (the stored width made 'cannot reshape' of a narrower target and would let a
+    wider one run past its slot)."""
+    sharded = NamedSharding(mesh, P("data", "model"))
+    values = np.arange(64 * 32).reshape(64, 32) % 251   # exact in every dtype here
+    tree = {"f32": jax.device_put(values.astype(np.float32), sharded),
+            "i32": jax.device_put(values.astype(np.int32), sharded),
+            "i16": jax.device_put(values.astype(np.int16), single_device_sharding(jax.devices()[6]))}
+    wanted = {"f32": jnp.bfloat16, "i32": np.int16, "i16": np.float32}
+    target = {k: jax.ShapeDtypeStruct(v.shape, wanted[k], sharding=NamedSharding(mesh, P("model")))
+              for k, v in tree.items()}
+    with dio.LocalDispatcher(64 << 10, host_transfer="pinned", max_chunk_bytes=1024, small_leaf_bytes=0,
+                             progress=False) as d:
+        d.save(tmp_path / "ckpt", tree).wait()
+        back = d.restore(tmp_path / "ckpt", target, cast=True)
+    for k, x in back.items():
+        assert x.dtype == np.dtype(wanted[k]) and x.sharding == target[k].sharding, k
+        assert np.asarray(x).tobytes() == values.astype(wanted[k]).tobytes(), k

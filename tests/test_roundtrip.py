@@ -777,3 +777,19 @@ def test_pathlib_paths(dispatcher, mesh, tmp_path, monkeypatch):
     assert_trees_bit_equal(state, dispatcher.restore(tmp_path / "rel" / "ckpt", state))
     assert dio.metadata(pathlib.Path("rel/ckpt"))["name"] == "run-17"
 
+
+
+@pytest.mark.parametrize("name", NARROW_FLOATS)
+def test_narrow_floats_keep_their_bits_through_the_pageable_paths_device_cuts(mesh, tmp_path, monkeypatch, name):
+    """On an accelerator the pageable path cuts each chunk out of its shard on the device
+    (``transfer.copy_chunks_to_host``), then copies it to the host: every bit pattern survives
+    that cut. Forced on CPU devices by taking their memory for device memory (they are read on
+    the host otherwise)."""
+    from dispatch_io.save import transfer
+    monkeypatch.setattr(transfer, "in_host_memory", lambda array: False)
+    host = every_bit_pattern(name)
+    x = jax.device_put(host, ns(mesh, "data", "model"))
+    with dio.LocalDispatcher(host_memory_budget=1 << 20, max_chunk_bytes=32, progress=False) as d:
+        d.save(tmp_path / "cut", {"x": x}).wait()
+        monkeypatch.undo()
+        assert host_bytes(d.restore(tmp_path / "cut", {"x": x})["x"]) == host.tobytes(), name

@@ -183,10 +183,12 @@ def test_replica_rows_carry_every_narrow_float_bit_pattern(mesh, name):
 
     host = every_bit_pattern(name, (16, 8))
     x = jax.device_put(host, NamedSharding(mesh, P("data", "model")))
-    leaf = rows.leaf("x", x)
-    shards = [{s.device: s.data for s in x.addressable_shards}]
+    y = jax.device_put(host[::-1].copy(), NamedSharding(mesh, P("data")))   # a second leaf: at an offset
+    group = [rows.leaf("x", x), rows.leaf("y", y)]
+    shards = [{s.device: s.data for s in a.addressable_shards} for a in (x, y)]
     for shard in x.addressable_shards:
-        row = rows.row([leaf], shard.device, shards)
-        shape = shard.data.shape
-        (back,) = rows.unpack(row, spans=((0, shape),))
-        assert back.dtype == x.dtype and np.asarray(back).tobytes() == np.asarray(shard.data).tobytes(), shard.device
+        d = shard.device
+        row = rows.row(group, d, shards)
+        spans = ((0, shards[0][d].shape), (group[0].width, shards[1][d].shape))
+        for held, back in zip(shards, rows.unpack(row, spans=spans)):
+            assert back.dtype == x.dtype and np.asarray(back).tobytes() == np.asarray(held[d]).tobytes(), d

@@ -40,11 +40,14 @@ DEFAULT_MIN_REQUEST_RATE = 32 << 10   # bytes/s: the floor (Options.min_request_
 
 
 def check(request_timeout: float | None, min_request_rate: int) -> None:
-    """ValueError unless ``request_timeout`` is None or > 0 seconds and ``min_request_rate``
-    an integer >= 1 bytes/s (the options' names in the message)."""
+    """ValueError unless ``request_timeout`` is None or a finite number > 0 of seconds (no deadline
+    is None: an infinite one has no whole seconds for TensorStore) and ``min_request_rate`` an
+    integer >= 1 bytes/s (the options' names in the message)."""
     if request_timeout is not None and (isinstance(request_timeout, bool) or
-                                        not isinstance(request_timeout, (int, float)) or not request_timeout > 0):
-        raise ValueError(f"request_timeout must be a positive number of seconds or None, got {request_timeout!r}")
+                                        not isinstance(request_timeout, (int, float)) or
+                                        not 0 < request_timeout < math.inf):
+        raise ValueError(f"request_timeout must be a finite positive number of seconds or None, "
+                         f"got {request_timeout!r}")
     if type(min_request_rate) is not int or min_request_rate < 1:
         raise ValueError(f"min_request_rate must be an integer >= 1 (bytes/s), got {min_request_rate!r}")
 

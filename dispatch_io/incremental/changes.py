@@ -30,6 +30,7 @@ from dispatch_io.incremental import digests as digests_lib
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.incremental import references
 from dispatch_io.errors import CheckpointError
+from dispatch_io.jax_compat import slice_exact
 from dispatch_io.plan.batches import Batch, aligned
 from dispatch_io.save.sources import Sources
 from dispatch_io.storage import COMMITTED, STEP, Location, StepRoot
@@ -217,8 +218,8 @@ def _digest(sources: Sources, chunk, how) -> str:
     if len(parts) == 1 and not parts[0][2]:
         data, local, _ = parts[0]
         if not digests_lib.on_device(data):  # host memory (numpy, CPU devices): a view, no copy
-            data = np.asarray(data)
-        return how(data[local])
+            return how(np.asarray(data)[local])
+        return how(slice_exact(data, local))   # cut on the device keeping NaN payloads (JAX 0.12 quiets them)
     return how(sources.locate(chunk)[0])  # a small leaf copied whole
 
 

@@ -51,34 +51,36 @@ def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futur
         batches = list(batches)
         totals = len(batches), sum(map(size, batches))
     progress.phase(phase, *totals)
-    in_flight: collections.deque = collections.deque()   # (batch, its future)
+    in_flight: collections.deque = collections.deque()   # (batch, its future), until its result is taken
     pending = iter(batches)
-    while True:
-        while len(in_flight) < depth:  # the next ones read meanwhile
-            batch = next(pending, None)
-            if batch is None:
-                break
-            in_flight.append((batch, submit(batch)))
-        if not in_flight:
-            return
-        batch, future = in_flight.popleft()
-        try:
+    try:
+        while True:
+            while len(in_flight) < depth:  # the next ones read meanwhile
+                batch = next(pending, None)
+                if batch is None:
+                    break
+                in_flight.append((batch, submit(batch)))
+            if not in_flight:
+                return
+            batch, future = in_flight[0]
             try:
-                result = future.result()
-            except Exception as exc:  # noqa: BLE001 - raised below unless ``again`` gets the result
-                if again is None:
-                    raise
-                result = again(exc, batch)
-        except Exception as exc:  # noqa: BLE001 - each caller says what a failed batch means
-            concurrent.futures.wait([f for _, f in in_flight])
-            raise failure(exc, batch) from exc
-        try:
+                try:
+                    result = future.result()
+                except Exception as exc:  # noqa: BLE001 - raised below unless ``again`` gets the result
+                    if again is None:
+                        raise
+                    result = again(exc, batch)
+            except Exception as exc:  # noqa: BLE001 - each caller says what a failed batch means
+                raise failure(exc, batch) from exc
+            in_flight.popleft()
             consume(batch, result)
-        except BaseException:
-            concurrent.futures.wait([f for _, f in in_flight])
-            raise
-        del result  # what consume did not keep is freed before the next batch is submitted
-        progress.advance(size(batch))
+            del result  # what consume did not keep is freed before the next batch is submitted
+            progress.advance(size(batch))
+    except BaseException:
+        # Whatever ends the loop (a failure, KeyboardInterrupt while waiting), no read is left
+        # running: a caller frees or reuses the buffers they read into (the read ring's slots).
+        concurrent.futures.wait([f for _, f in in_flight])
+        raise
 
 
 def needed_regions(outputs: list, only: Callable | None = None) -> list[tuple[Output, tuple]]:

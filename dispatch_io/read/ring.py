@@ -22,11 +22,13 @@ is host memory too (a copy made here, since JAX would adopt the slot itself).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 
 import jax
 import numpy as np
 
+from dispatch_io.jax_compat import single_device_sharding
 from dispatch_io.plan.batches import aligned, pack
 from dispatch_io.progress import Progress
 from dispatch_io.read import loop as read_loop
@@ -99,7 +101,7 @@ def _place(view: np.ndarray, out, device) -> jax.Array:
     """``view`` (a region in a slot) on ``device``, in the target's memory kind; a copy that no
     longer reads the slot once it is ready."""
     kind = getattr(out.sharding, "memory_kind", None)
-    where = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+    where = single_device_sharding(device, memory_kind=kind)
     if device.platform == "cpu":   # JAX would adopt the slot's memory itself on CPU: copy it
         view = np.array(view)
     return jax.device_put(view, where)
@@ -121,12 +123,18 @@ def read_outputs(reader, outputs: list, ring: ReadRing, chunk_limit: int, batch_
         ring.taken.release()
 
 
+def _slot_bytes(item) -> int:
+    """The bytes ``item``'s buffer takes in a slot: its result's dtype, which ``cast=True`` may
+    make narrower or wider than the stored one (``item.nbytes``)."""
+    return aligned(math.prod(item.shape) * numpy_dtype(item.dtype).itemsize)
+
+
 def _read_through(reader, outputs: list, ring: ReadRing, chunk_limit: int, progress: Progress):
     work = [(out, region, read_item(out, region, chunk_limit)) for out, region in needed_regions(outputs)]
     fits = lambda w: (w[0].where == DEVICE and not w[0].whole  # noqa: E731
-                      and aligned(w[2].nbytes) <= ring.slot_bytes)
+                      and _slot_bytes(w[2]) <= ring.slot_bytes)
     batches = [_Batch(items, fits(items[0])) for items, _ in
-               pack(work, lambda w: aligned(w[2].nbytes), ring.slot_bytes, group=fits)]
+               pack(work, lambda w: _slot_bytes(w[2]), ring.slot_bytes, group=fits)]
     placements: list[concurrent.futures.Future] = []
 
     def submit(batch):
@@ -137,8 +145,8 @@ def _read_through(reader, outputs: list, ring: ReadRing, chunk_limit: int, progr
         views, offset = [], 0
         for item in items:
             dtype = numpy_dtype(item.dtype)
-            views.append(buffer[offset:offset + item.nbytes].view(dtype).reshape(item.shape))
-            offset += aligned(item.nbytes)
+            views.append(buffer[offset:offset + math.prod(item.shape) * dtype.itemsize].view(dtype).reshape(item.shape))
+            offset += _slot_bytes(item)
         try:
             return reader.read(items, views)
         except BaseException:

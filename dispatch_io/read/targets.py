@@ -110,8 +110,9 @@ def _scalar_array(value, dtype: np.dtype) -> np.ndarray | None:
     """The Python bool / int / float / complex ``value`` as a 0-d array of ``dtype``, rounded as
     numpy rounds (floats toward zero into integers); None where the result would not be the value
     rounded: an integer out of range, NaN or inf as an integer, a finite value beyond the dtype's
-    largest (which becomes inf, NaN or that largest value, by dtype), inf or NaN where the dtype
-    has none, a nonzero imaginary part a real dtype would drop."""
+    largest (which becomes inf, NaN or that largest value, by dtype) or one the dtype turns into NaN
+    (zero or a negative as float8_e8m0fnu), inf or NaN where the dtype has none, a nonzero imaginary
+    part a real dtype would drop."""
     if isinstance(value, complex) and not jax.dtypes.issubdtype(dtype, np.complexfloating):
         if value.imag:
             return None
@@ -137,6 +138,8 @@ def _scalar_array(value, dtype: np.dtype) -> np.ndarray | None:
         g = float(g)
         if isinstance(p, float) and not math.isfinite(p) and not (p == g or (math.isnan(p) and math.isnan(g))):
             return None
+        if (isinstance(p, int) or math.isfinite(p)) and not math.isfinite(g):   # e.g. 0 or -1 as float8_e8m0fnu
+            return None   # a finite value became NaN or inf: not the value rounded
     return array
 
 

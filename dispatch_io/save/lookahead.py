@@ -52,9 +52,18 @@ class Lookahead:
             ring.release(ticket)
             run._fail(run._worker_error("copying to host", exc, chunks))
             return False
-        if self.pending is not None and not self._hand_pending():
-            self._abandon((k, batch, ticket, staging, started))
-            return False
+        except BaseException:
+            ring.release(ticket)
+            raise
+        if self.pending is not None:
+            try:
+                handed = self._hand_pending()
+            except BaseException:   # raised on: this batch is nobody's but ours to await and give back
+                self._abandon((k, batch, ticket, staging, started))
+                raise
+            if not handed:
+                self._abandon((k, batch, ticket, staging, started))
+                return False
         self.pending = (k, batch, ticket, staging, started)
         return True
 

@@ -14,6 +14,8 @@ import time
 import jax
 import numpy as np
 
+from dispatch_io.jax_compat import single_device_sharding
+
 
 def grow(device, nbytes: int) -> float:
     """Allocate ``nbytes`` of ``device``'s ``pinned_host`` memory and free it again (into XLA's
@@ -24,7 +26,7 @@ def grow(device, nbytes: int) -> float:
         return 0.0
     t0 = time.perf_counter()
     pinned = jax.device_put(np.zeros(nbytes, np.uint8),
-                            jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+                            single_device_sharding(device, memory_kind="pinned_host"))
     pinned.block_until_ready()
     pinned.delete()
     return time.perf_counter() - t0

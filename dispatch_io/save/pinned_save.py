@@ -30,6 +30,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from dispatch_io.jax_compat import exact_carrier
 from dispatch_io.plan.save_plan import Chunk, Plan
 from dispatch_io.save.transfer import HOST_KINDS
 from dispatch_io.workers import ChunkError, aligned_empty
@@ -37,7 +38,10 @@ from dispatch_io.workers import ChunkError, aligned_empty
 
 @functools.partial(jax.jit, static_argnums=2)
 def _dynamic_slice(data, starts, sizes):
-    return jax.lax.dynamic_slice(data, [starts[i] for i in range(len(sizes))], sizes)
+    bits = exact_carrier(data.dtype)   # JAX 0.12 quiets float8 NaN payloads it slices as floats
+    raw = data if bits is None else jax.lax.bitcast_convert_type(data, bits)
+    part = jax.lax.dynamic_slice(raw, [starts[i] for i in range(len(sizes))], sizes)
+    return part if bits is None else jax.lax.bitcast_convert_type(part, data.dtype)
 
 
 def device_slice(data: jax.Array, local: tuple) -> jax.Array:

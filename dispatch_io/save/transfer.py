@@ -70,7 +70,7 @@ def copy_chunks_to_host(plan: Plan, chunks: Sequence[Chunk], sources, staging: n
                 elif in_host_memory(data):
                     np.copyto(part, np.asarray(data)[local])
                 else:
-                    piece = data[local]
+                    piece = slice_exact(data, local)   # a cut on the device that keeps NaN payloads
                     piece.copy_to_host_async()
                     pending.append((part, piece, spec, chunk))
             out.append(dst)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dispatch_io.jax_compat import exact_carrier
 from dispatch_io.plan.save_plan import index_region
 
 ROW_BYTES = 64 << 20   # the most one device sends in one collective: bounds the transient device memory
@@ -91,14 +92,17 @@ def _flat(shard, dtype):
 def pack(shards, *, widths, present, dtype, pad=0):
     """One device's row, (1, sum(widths) + pad): its shards flattened (as ``dtype``: their bytes
     for uint8), each padded to its leaf's width (zeros for leaves it holds no shard of)."""
+    carrier = exact_carrier(dtype)   # JAX 0.12 quiets float8 NaN payloads it pads or joins as floats
+    as_bits = (lambda a: a) if carrier is None else (lambda a: jax.lax.bitcast_convert_type(a, carrier))
     shards, parts = iter(shards), []
     for width, held in zip(widths, present):
         if held:
-            flat = _flat(next(shards), dtype)
+            flat = as_bits(_flat(next(shards), dtype))
             parts.append(jnp.pad(flat, (0, width - flat.size)))
         else:
-            parts.append(jnp.zeros(width, dtype))
-    return jnp.concatenate(parts + [jnp.zeros(pad, dtype)])[None]
+            parts.append(jnp.zeros(width, carrier or dtype))
+    joined = jnp.concatenate(parts + [jnp.zeros(pad, carrier or dtype)])[None]
+    return joined if carrier is None else jax.lax.bitcast_convert_type(joined, dtype)
 
 
 def row(group: list[Leaf], device, shards: list[dict], by_bytes: bool = False, pad: int = 0):
@@ -116,7 +120,10 @@ def row(group: list[Leaf], device, shards: list[dict], by_bytes: bool = False, p
 @functools.partial(jax.jit, static_argnames=("spans",))
 def unpack(row, *, spans):
     """The regions ``spans`` ((offset, shape), ...) cut out of one received row."""
-    return tuple(row[0, offset:offset + math.prod(shape)].reshape(shape) for offset, shape in spans)
+    carrier = exact_carrier(row.dtype)   # cut as bits: see pack
+    bits = row if carrier is None else jax.lax.bitcast_convert_type(row, carrier)
+    cut = tuple(bits[0, offset:offset + math.prod(shape)].reshape(shape) for offset, shape in spans)
+    return cut if carrier is None else tuple(jax.lax.bitcast_convert_type(part, row.dtype) for part in cut)
 
 
 def sharding(devices: list) -> NamedSharding:
