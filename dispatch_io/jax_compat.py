@@ -6,9 +6,13 @@
 * XLA may quiet NaN payloads when it slices narrow floats: JAX 0.12's CPU backend turns
   float8_e5m2's 0x7D into 0x7F, and float8_e4m3 / e3m4 likewise, where numpy and JAX 0.10 keep every
   bit. A checkpoint's promise is the bytes, so every cut of a device array in the save and restore
-  paths goes through :func:`slice_exact`: floats of 16 bits or fewer are sliced as the unsigned integers of their width
-  (a bitcast is a reinterpretation, never a conversion) and viewed back.
+  paths goes through :func:`slice_exact`: floats of 16 bits or fewer are sliced as the unsigned integers
+  of their width (a bitcast is a reinterpretation, never a conversion) and viewed back, by one jitted
+  ``dynamic_slice`` whose offsets are traced: one compile per (shape, dtype, device, cut size), never
+  one per offset.
 """
+
+import functools
 
 import jax
 import ml_dtypes
@@ -35,15 +39,30 @@ def slice_exact(array, index):
     """``array[index]`` with every bit kept.
 
     Args:
-      array: a numpy array (sliced on the host, a view) or a ``jax.Array`` (sliced on its device).
-      index: a tuple of slices (or anything numpy / JAX indexing takes).
+      array: a numpy array (sliced on the host, a view) or a ``jax.Array`` on one device (cut there
+        by one compiled program per shape, dtype and cut size, whatever the offsets).
+      index: a tuple of slices with steps of 1, one per leading axis (missing ones: whole).
     Returns:
       the part, of ``array``'s type and dtype.
+    Raises:
+      ValueError: a slice of ``index`` with a step other than 1 (on a ``jax.Array``).
     """
-    bits = exact_carrier(array.dtype) if isinstance(array, jax.Array) else None
-    if bits is None:
+    if not isinstance(array, jax.Array):
         return array[index]
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(array, bits)[index], array.dtype)
+    index = tuple(index) + (slice(None),) * (array.ndim - len(index))
+    bounds = [sl.indices(n) for sl, n in zip(index, array.shape)]
+    if any(step != 1 for _, _, step in bounds):
+        raise ValueError(f"slice_exact cuts with steps of 1 only, not {index}")
+    starts = np.array([start for start, _, _ in bounds], np.int32)
+    return _cut(array, starts, tuple(max(stop - start, 0) for start, stop, _ in bounds))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _cut(data, starts, sizes):
+    bits = exact_carrier(data.dtype)
+    raw = data if bits is None else jax.lax.bitcast_convert_type(data, bits)
+    part = jax.lax.dynamic_slice(raw, [starts[i] for i in range(len(sizes))], sizes)
+    return part if bits is None else jax.lax.bitcast_convert_type(part, data.dtype)
 
 
 def exact_carrier(dtype):

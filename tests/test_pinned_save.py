@@ -37,10 +37,10 @@ def compiles():
 
 @pytest.fixture
 def slices(monkeypatch):
-    """Each (shape, slice) ``pinned_save.device_slice`` is asked for during the test."""
+    """Each (shape, slice) the pinned path cuts on the device (``pinned_save.slice_exact``) during the test."""
     seen = []
-    real = pinned_save.device_slice
-    monkeypatch.setattr(pinned_save, "device_slice", lambda data, local: seen.append((data.shape, local)) or
+    real = pinned_save.slice_exact
+    monkeypatch.setattr(pinned_save, "slice_exact", lambda data, local: seen.append((data.shape, local)) or
                         real(data, local))
     return seen
 

@@ -10,7 +10,7 @@ start one batch's transfers before it waits for the previous batch's (:func:`sta
   compute stream, no device allocation -- and each chunk is a numpy view of its rows of that
   pinned buffer. The writers read those views as they are (no host copy either).
 * **Part of a shard** (the shard is larger than a batch may hold): the chunk is cut on the
-  device by :func:`device_slice`, one compiled program per leaf shape -- the offset is a traced
+  device by ``jax_compat.slice_exact``, one compiled program per leaf shape -- the offset is a traced
   argument, not a constant, so the first save does not compile a program per offset -- and
   that slice goes to pinned memory. Pinning the whole shard there would hold more pinned
   bytes than the budget counts.
@@ -23,34 +23,16 @@ the batch's chunks' bytes, which the staging ring counts (``StagingRing.acquire(
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
 import jax
 import numpy as np
 
-from dispatch_io.jax_compat import exact_carrier
+from dispatch_io.jax_compat import slice_exact
 from dispatch_io.plan.save_plan import Chunk, Plan
 from dispatch_io.save.transfer import HOST_KINDS
 from dispatch_io.workers import ChunkError, aligned_empty
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _dynamic_slice(data, starts, sizes):
-    bits = exact_carrier(data.dtype)   # JAX 0.12 quiets float8 NaN payloads it slices as floats
-    raw = data if bits is None else jax.lax.bitcast_convert_type(data, bits)
-    part = jax.lax.dynamic_slice(raw, [starts[i] for i in range(len(sizes))], sizes)
-    return part if bits is None else jax.lax.bitcast_convert_type(part, data.dtype)
-
-
-def device_slice(data: jax.Array, local: tuple) -> jax.Array:
-    """``data[local]`` cut on ``data``'s device by one jitted ``dynamic_slice`` whose start
-    offsets are a traced argument: one compile per (shape, dtype, device, slice size), whatever
-    the offset. ``local``: one ``slice`` per axis, steps of 1."""
-    starts = np.array([sl.start or 0 for sl in local], np.int32)
-    sizes = tuple((sl.stop if sl.stop is not None else n) - (sl.start or 0) for sl, n in zip(local, data.shape))
-    return _dynamic_slice(data, starts, sizes)
 
 
 def pinned(data: jax.Array) -> jax.Array:
@@ -141,7 +123,7 @@ def start(plan: Plan, chunks: Sequence[Chunk], sources) -> PinnedBatch:
                     batch.whole_shards += 1
                     continue
                 for k, chunk, local in members:
-                    batch.transfers.append((pinned(device_slice(data, local)), "part", (k, None)))
+                    batch.transfers.append((pinned(slice_exact(data, local)), "part", (k, None)))
                     batch.device_slices += 1
             except Exception as exc:  # noqa: BLE001
                 raise batch._error(members[0][1], exc) from exc
