@@ -23,7 +23,7 @@ from typing import Mapping
 import numpy as np
 
 # Reading step info is the storage's (a verify below the manager checks a step's items too).
-from dispatch_io.storage.step_files import FORMAT, VERSION, StepInfo, _finite, items_ok, parse  # noqa: F401
+from dispatch_io.storage.step_files import FORMAT, VERSION, StepInfo, finite, items_ok, parse  # noqa: F401
 
 
 def _number(name: str, value) -> float | None:
@@ -36,12 +36,12 @@ def _number(name: str, value) -> float | None:
         value = value.item()
     if not isinstance(value, numbers.Real):
         raise TypeError
-    return float(value) if _finite(value) else None
+    return float(value) if finite(value) else None
 
 
 def metric(value) -> float | None:
     """A stored metric as StepInfo holds it: a float, None where it is not finite."""
-    return float(value) if _finite(value) else None
+    return float(value) if finite(value) else None
 
 
 def metrics_of(metrics: Mapping | None) -> dict[str, float | None]:

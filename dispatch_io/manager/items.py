@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 
 # Reading and checking item files is the storage's (``Dispatcher.verify`` checks them too).
-from dispatch_io.storage.step_files import ITEMS, NAME, _crc, _decode, decode, key, label, read  # noqa: F401
+from dispatch_io.storage.step_files import ITEMS, NAME, decode, item_crc, key, label, read  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _encode(name: str, value, checksums: bool) -> bytes:
                              "the same JSON string, e.g. 1 and '1')")
         stored = {"json": value}
     if checksums:
-        stored["crc32c"] = _crc(content)
+        stored["crc32c"] = item_crc(content)
     return json.dumps(stored).encode()
 
 

@@ -73,7 +73,8 @@ class StepInfo:
     durability: str | None = None
 
 
-def _finite(value) -> bool:
+def finite(value) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool): what a step's metric may be."""
     try:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     except OverflowError:  # an int too large for a float
@@ -92,8 +93,8 @@ def parse(data: bytes | None, step: int | None, where: str) -> StepInfo:
         info = json.loads(data)
         ok = (isinstance(info, dict) and info.get("format") == FORMAT and info.get("version") == VERSION
               and isinstance(info.get("metrics"), dict) and items_ok(info.get("items"))
-              and all(v is None or _finite(v) for v in info["metrics"].values())
-              and all(info.get(k) is None or (_finite(info[k]) and 0 <= info[k] <= _LAST_SECOND)
+              and all(v is None or finite(v) for v in info["metrics"].values())
+              and all(info.get(k) is None or (finite(info[k]) and 0 <= info[k] <= _LAST_SECOND)
                       for k in ("started", "committed"))
               and _count(info.get("processes"))
               and isinstance(info.get("arrays"), str) and _ARRAYS.fullmatch(info["arrays"]) is not None
@@ -126,7 +127,8 @@ def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1 << 24
 
 
-def _crc(content: bytes) -> int:
+def item_crc(content: bytes) -> int:
+    """The CRC-32C an item file's entry records of its bytes."""
     return crc32c(np.frombuffer(content, np.uint8))
 
 
@@ -154,9 +156,9 @@ def _decode(data: bytes, where: str, checked: bool):
     if checked and saved is None:
         raise CorruptCheckpointError(f"{where}: its file has lost the CRC-32C the step info says it carries "
                                      "(malformed checkpoint)", path=where)
-    if saved is not None and saved != _crc(content):
+    if saved is not None and saved != item_crc(content):
         raise CorruptCheckpointError(f"{where} does not match its CRC-32C (saved {saved}, read "
-                                     f"{_crc(content)}): the stored item is corrupt", path=where)
+                                     f"{item_crc(content)}): the stored item is corrupt", path=where)
     return value
 
 
