@@ -2,7 +2,9 @@
 what a lost process is rebuilt from, which lost processes can be rebuilt, and what it costs."""
 
 import collections
+import functools
 
+import numpy as np
 import pytest
 
 from dispatch_io.manager.tiers import parity_plan as pp
@@ -122,3 +124,38 @@ def test_a_step_whose_parity_did_not_commit_everywhere_is_not_called_parity():
     assert placement.whole_steps(reports, []) == {8: "local"}
     reports[3][8]["committed"] = True
     assert placement.whole_steps(reports, []) == {8: "parity 2"}
+
+
+@pytest.mark.parametrize("n", range(3, 9))
+def test_the_transfer_rounds_bring_each_lost_row_back_receiving_it_once(n):
+    """The rounds, run on random rows: each lost process's row comes back bit for bit, from its k pieces
+    alone (each piece finished by its holder: the share crosses once), no process sends or receives twice
+    in a round, and a holder sends its piece only after every member's piece reached it."""
+    rng = np.random.default_rng(n)
+    for k in range(2, n):
+        order = pp.ring([p % 2 for p in range(n)])
+        width = 4
+        rows = {p: rng.integers(0, 256, k * width, dtype="uint8") for p in range(n)}
+        piece = lambda p, j: rows[p][j * width:(j + 1) * width]  # noqa: E731
+        parity = {h: functools.reduce(lambda a, b: a ^ b, (piece(m, j) for j, m in enumerate(group)))
+                  for h, group in pp.members(order, k).items()}
+        # lost processes one per group: every (k + 1)-th place of the ring from a random start
+        start = int(rng.integers(n))
+        lost = {order[(start + t) % n] for t in range(0, n - k, k + 1)}
+        held = {key: value.copy() for key, value in parity.items()}
+        got = {p: {} for p in lost}
+        sent_after = {}
+        for r, moves in enumerate(pp.transfers(order, k, lost)):
+            assert len({m[0] for m in moves}) == len(moves) == len({m[1] for m in moves}), moves
+            for sender, receiver, p, j, i in moves:
+                assert sender not in lost
+                if receiver == p:                  # the holder's finished piece
+                    assert i == j and pp.members(order, k)[sender][j] == p
+                    got[p][j] = held[sender]
+                    sent_after[(p, j)] = r
+                else:                              # a member's piece, into the holder covering it
+                    assert (p, j) not in sent_after and pp.members(order, k)[receiver][i] == sender
+                    held[receiver] = held[receiver] ^ piece(sender, i)
+        for p in lost:
+            assert sorted(got[p]) == list(range(k))            # k pieces of 1/k: its row once
+            assert b"".join(got[p][j].tobytes() for j in range(k)) == rows[p].tobytes()

@@ -89,8 +89,9 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
                for r in results), results
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
     assert results[1][3] == SHARE, results                            # 1: its share rebuilt (read from memory),
-    # 1 receives its rows' pieces from the 3 others, one round each (one way: nothing goes back), b from a peer
-    assert [r[5] for r in results] == [0, 3 * ROWS + B, 0, 0], results
+    # 1 receives its rows once (each piece finished by its holder: 2 for piece 0, 0 for piece 1, ring 0, 2, 1, 3)
+    # and b from a peer; each holder first receives the piece its parity covers from the group's other member
+    assert [r[5] for r in results] == [ROWS // 2, ROWS + B, ROWS // 2, 0], results
     assert [r[3] for r in results] == [SHARE + B + S, SHARE, SHARE + B, SHARE + B], results
     # Onto a mesh of each process's first device alone: each region of process 1's is its two rebuilt
     # regions (one per device) together, read from memory as one -- still nothing from the root.
@@ -187,7 +188,7 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
 
 def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_whole(tmp_path):
     """A process holding both device regions of a small leaf saves them as one stored chunk (its
-    CRC-32C is of the whole chunk): each region read to rebuild a lost process (``rebuild._Source.read``)
+    CRC-32C is of the whole chunk): each region read to rebuild a lost process (``rebuild_reads.Source.read``)
     is checked with its whole chunks and cut from them, bit-exact -- it was refused as corrupt, so the
     groups it fed fell back to the root or an older step. A flipped byte still refuses both."""
     import jax
@@ -195,7 +196,7 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import dispatch_io as dio
-    from dispatch_io.manager.tiers import rebuild
+    from dispatch_io.manager.tiers import rebuild_reads
 
     devices = sorted(jax.devices(), key=lambda d: d.id)
     host = np.arange(32, dtype=np.float32).reshape(8, 4)
@@ -204,9 +205,9 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
     with dio.LocalDispatcher(checksums=True) as d:
         d.save(str(tmp_path / "8"), {"s": s}, own=True).wait()
         assert list(sh.chunks(tmp_path / "8", "['s']")) == [(0, 0)]      # one chunk: both regions
-        with contextlib.closing(rebuild._Source(str(tmp_path / "8"), d.runner)) as source:
+        with contextlib.closing(rebuild_reads.Source(str(tmp_path / "8"), d.runner)) as source:
             read = source.read(wanted)
         assert [read[w].tobytes() for w in wanted] == [host[:4].tobytes(), host[4:].tobytes()]
         sh.flip_byte(sh.chunks(tmp_path / "8", "['s']")[(0, 0)])
-        with contextlib.closing(rebuild._Source(str(tmp_path / "8"), d.runner)) as source:
+        with contextlib.closing(rebuild_reads.Source(str(tmp_path / "8"), d.runner)) as source:
             assert source.read(wanted) == dict.fromkeys(wanted)

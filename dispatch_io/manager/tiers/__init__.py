@@ -12,7 +12,9 @@ Pure plans first, then the runtime that uses them:
 * ``replicas``: moving regions to the peers that keep their copies;
 * ``parity``: making each process's parity rows on the devices at a local save;
 * ``rebuild``: a lost process's regions rebuilt from its peers' copies and parity;
+* ``rebuild_reads``: what a rebuild reads (checked as read) and the rebuilt copy it serves from memory;
 * ``tier_restore``: a restore mixing the tiers (own copy, a peer's, persistent storage);
+* ``tier_fill``: the passes that fill such a restore's result, and what it read;
 * ``checks``: a restore's CRC-32C checks of local copies (in memory as they are read);
 * ``promotion``: turning a local step into a persistent one without the devices;
 * ``tier``: :class:`LocalTier` (the user's settings) and ``LocalTiers`` (its saves and steps).

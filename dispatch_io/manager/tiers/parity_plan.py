@@ -79,6 +79,35 @@ def sources(order: Sequence[int], k: int, lost: int) -> list[tuple[int, int, tup
     return found
 
 
+def transfers(order: Sequence[int], k: int, lost) -> list[tuple[tuple[int, int, int, int, int], ...]]:
+    """The rounds that bring the ``lost`` processes' pieces back (at most one lost per group), each
+    a tuple of transfers (sender, receiver, lost process, its piece ``j``, the piece of the
+    sender's row it carries) in which a process sends at most once and receives at most once (one
+    collective permute a round). First each other member of a lost piece's group sends the piece of
+    its row that the holder's parity covers to that holder, which XORs it into its parity row; then
+    each holder sends the finished piece to the lost process (``receiver == lost``). Every transfer
+    carries one piece, so a lost process receives its share once, whatever ``k``: ``k - 1`` pieces
+    into each holder, then ``k`` into the lost process, in about ``2k - 1`` rounds."""
+    into_holders, into_lost = [], []
+    for p in sorted(lost):
+        for j, holder, others in sources(order, k, p):
+            into_holders += [(m, holder, p, j, i) for m, i in others]
+            into_lost.append((holder, p, p, j, j))
+    return _rounds(into_holders) + _rounds(into_lost)
+
+
+def _rounds(moves: list[tuple]) -> list[tuple]:
+    """``moves`` ((sender, receiver, ...), ...) packed in order into the fewest rounds a greedy
+    pass finds in which no process sends twice or receives twice."""
+    rounds: list[list] = []
+    for move in moves:
+        free = next((r for r in rounds if all(move[0] != m[0] and move[1] != m[1] for m in r)), None)
+        if free is None:
+            rounds.append(free := [])
+        free.append(move)
+    return [tuple(r) for r in rounds]
+
+
 def storage(section: Mapping, own: int) -> int:
     """The bytes of parity rows a process keeps for a step (``section``: its ``"parity"`` record,
     ``own``: its devices): ``W / k`` per group and device -- (1 + 1/k)x its share, with the share."""

@@ -2,8 +2,11 @@
 
 :meth:`TierRestore.restore` gathers, in one named room, the regions each process's local steps hold,
 plans with the pure ``placement.plan_restore`` and fills the target in at most two scale-out passes
-(:class:`_Fill`): the local copies (each holder reads its own; the holders without one receive a
-peer's), then the persistent step for the regions no process has. Each byte of a local copy is read
+(``tier_fill.Fill``): the local copies (each holder reads its own; the holders without one receive a
+peer's), then the persistent step for the regions no process has. A process lost with its disk and
+rebuilt from parity reads nothing in the local pass: its regions are rebuilt after it, the members
+of its groups giving what they have just read (nothing read twice), and it places them from memory
+(``rebuild``). Each byte of a local copy is read
 once: what a process reads (its own regions, and the copies it reads for others) is checked against
 the CRC-32Cs as it is read (``checks``), and a region that fails is filled again alone, from the next
 source, for every process it was read for, in one more pass; only what cannot be checked in memory
@@ -19,29 +22,12 @@ from dispatch_io.read import loop as reading
 from dispatch_io.read import targets as restore_lib
 from dispatch_io.multihost import scaleout
 from dispatch_io.manager.tiers import placement
-from dispatch_io import tree as tree_lib
 from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
-from dispatch_io.manager.tiers import checks, job_steps, local_steps, rebuild
-from dispatch_io.manifest import parse as parse_manifest
+from dispatch_io.manager.tiers import checks, local_steps, rebuild
+from dispatch_io.manager.tiers.tier_fill import Fill
 from dispatch_io.progress import Progress
-from dispatch_io.storage import Location
-
-
-@dataclasses.dataclass(frozen=True)
-class TierRestoreStats:
-    """What a restore through the tiers did, in this process: the step, how many regions came
-    from a peer / persistent storage (job-wide), and the bytes this process read from its own
-    local copy (a process rebuilt from parity: from its rebuilt copy, in memory), read from persistent
-    storage, and received from other processes (a parity rebuild's rows too)."""
-
-    step: int
-    peer_regions: int
-    persistent_regions: int
-    bytes_read_local: int
-    bytes_read_persistent: int
-    bytes_received: int
 
 
 class NoWholeStep(FileNotFoundError):
@@ -71,7 +57,7 @@ class TierRestore:
                 step=None):
         """Restore ``target`` (a pytree of ``jax.ShapeDtypeStruct`` / arrays with global shardings)
         from ``step`` (None: the newest step the tiers hold whole); every process calls it together. Returns
-        (tree, :class:`TierRestoreStats`): its ``step`` is the step the restore decided on.
+        (tree, :class:`~dispatch_io.manager.tiers.tier_fill.TierRestoreStats`): its ``step`` is the step the restore decided on.
         ``infos``: ({step: info} of this process's local steps, [their unreadable info files])
         (``local_steps.read_steps``). ``persistent_path(step)``: where the root holds a step.
         ``partial`` / ``cast`` / ``names``: as ``Dispatcher.restore``; local copies saved with checksums
@@ -115,7 +101,7 @@ class TierRestore:
         if step is not None:
             candidates &= {step}
         wanted = {saved_as.get(k, k): v for k, v in placement.wanted_regions(target, self.count).items()}
-        fill = _Fill(self, target, saved_as, persistent_path, outputs_of, verify, room)
+        fill = Fill(self, target, saved_as, persistent_path, outputs_of, verify, room)
         plan = self._plan_and_fill(fill, wanted, reports, persistent_steps, candidates)
         if room is not None:  # not after a failure: the others may never come (the failure is what they raise)
             room.close()
@@ -130,7 +116,7 @@ class TierRestore:
                                         f" with durability {durability!r} or better" if durability != "local" else ""))
         return fill.result()
 
-    def _plan_and_fill(self, fill: "_Fill", wanted: dict, reports: dict, persistent_steps, candidates: set):
+    def _plan_and_fill(self, fill: Fill, wanted: dict, reports: dict, persistent_steps, candidates: set):
         """Plan (``placement.plan_restore``), check what cannot be checked as it is read, fill; and
         again, every process alike, for the regions a bad copy left out (only those regions, from the
         next source, at the same step -- or, if none has them, everything at an older step). Returns
@@ -145,9 +131,12 @@ class TierRestore:
             if plan is None:
                 return None
             attempt += 1
-            rebuilt_bad = self._rebuild(plan.step, fill, reports)
+            lost = self._lost.get(plan.step)
+            later = lost is not None and _after_own_reads(plan, lost)   # rebuild from what the survivors read
+            rebuilt_bad = {} if later else self._rebuild(plan.step, fill, reports)
             mine = reports[self.process].get(plan.step)
-            copy = self._copy(plan.step, fill.outputs_of) if mine is not None else None
+            copy = self._copy(plan.step, fill.outputs_of) if mine is not None and not (
+                later and self.process in lost) else None
             if copy is not None and copy.opened is None:   # its copy cannot be opened: lost to this process
                 bad = {k: [list(map(list, r)) for r in v] for k, v in mine.items()}
             else:
@@ -157,17 +146,23 @@ class TierRestore:
             fill.failed.update(k for found in bad.values() for k in found)
             if _drop(reports, plan.step, bad):
                 continue   # some copy the plan reads is bad: plan again without it
-            found = fill.run(plan, reports, copy, again=todo is not wanted)
+            if later:
+                self.rebuilt[plan.step] = set(lost)
+            found = fill.run(plan, reports, copy, again=todo is not wanted, defer=lost if later else ())
+            if later:   # the members' pieces from what they just read; the lost process places its regions
+                found = _merged(found, self._rebuild(plan.step, fill, reports, have=fill.in_memory(found)))
+                if self.process in lost:
+                    fill.place(plan, self._copies[plan.step], found)
             left_out = _gather(fill.room, f"after{attempt}", self.process, found)
             fill.failed.update(k for found in left_out.values() for k in found)
             if not _drop(reports, plan.step, left_out):
                 return plan
             todo, allowed = _redo(todo, left_out, plan.routes), {plan.step}   # again, from the next source
 
-    def _rebuild(self, step: int, fill: "_Fill", reports: dict) -> dict:
+    def _rebuild(self, step: int, fill: Fill, reports: dict, have=None) -> dict:
         """Rebuild the regions lost processes hold at ``step`` through parity (``rebuild.run``: every
-        process together, once per step; this process's rebuilt copy, if it is lost, becomes its copy).
-        {key path: [region]} of its rebuilt regions that could not be rebuilt."""
+        process together, once per step; this process's rebuilt copy, if it is lost, becomes its copy;
+        ``have``: as ``rebuild.run``'s). {key path: [region]} of its rebuilt regions that could not be rebuilt."""
         lost = self._lost.pop(step, None)
         if lost is None:
             return {}
@@ -175,7 +170,7 @@ class TierRestore:
         having = sorted(p for p, steps in reports.items() if step in steps and p not in lost)
         copy, bad, received = rebuild.run(step, lost, self._sections[step], having, fill.room, fill.outputs_of,
                                           process=self.process, step_path=self.root.step_path(step),
-                                          runner=self.dispatcher.runner)
+                                          runner=self.dispatcher.runner, have=have)
         fill.received += received
         if copy is not None:
             self._copies[step] = copy
@@ -202,7 +197,7 @@ class TierRestore:
                 found[jax.tree_util.keystr(path)] = saved.keypath
         return found
 
-    def local_routes(self, by_leaf: list):
+    def local_routes(self, by_leaf: list, defer=()):
         """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
         own; for the others, the route's reader reads its copy and delivers it to them (a reader
         that does not hold the region receives its own piece too: one buffer it never uses), or,
@@ -218,7 +213,7 @@ class TierRestore:
                     held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
                     may[region] = (route.reader,)
                 travels = self.process in held.get(region, ())  # a reader gets it with the others
-                if self.process in route.own and region in out.regions and not travels:
+                if self.process in route.own and region in out.regions and not travels and self.process not in defer:
                     mine.append(region)
             return held, mine, may
         return routes
@@ -237,19 +232,21 @@ class TierRestore:
             return held, mine, {}
         return routes
 
-    def fill_pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None) -> tuple[int, int]:
-        """Fill the regions ``routes`` give this checkpoint (every process together); returns
-        (bytes this process read into the result -- not counting a verify's reads -- bytes it
-        received from others). ``check``: as ``scaleout.fill_outputs``, for what it reads of its copy."""
+    def fill_pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None,
+                  alone: bool = False) -> tuple[int, int]:
+        """Fill the regions ``routes`` give this checkpoint (every process together; ``alone``: this
+        process only, ``routes`` then giving the regions it reads itself); returns (bytes this process read into
+        the result -- not counting a verify's reads -- bytes it received from others). ``check``: as
+        ``scaleout.fill_outputs``, for what it reads of its copy."""
         options = self.dispatcher.options
         progress = Progress("restore", display, enabled=options.progress)
         try:
             with progress:
-                if self.count > 1:
+                if self.count > 1 and not alone:
                     received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=[],
                                                      routes=routes, check=check).useful
-                else:  # one process: nothing travels, its own regions are read as a restore reads them
-                    received, mine = 0, (lambda index, out: routes(index, out)[1])
+                else:  # nothing travels: its own regions are read as a restore reads them
+                    received, mine = 0, routes if alone else (lambda index, out: routes(index, out)[1])
                     if verify:
                         reading.verify_outputs(reader, outputs, options.read_batch_bytes, progress, only=mine)
                     reading.read_outputs(reader, outputs, options.chunk_bytes, options.read_batch_bytes, progress,
@@ -260,87 +257,27 @@ class TierRestore:
         return sum(p.bytes_done for name, p in progress.phases.items() if name != "verify"), received
 
 
-class _Fill:
-    """The result of one restore through the tiers, filled pass by pass (:meth:`run`), and what it read."""
-
-    def __init__(self, restore: TierRestore, target, saved_as: dict, persistent_path, outputs_of, verify: bool, room):
-        self.restore, self.saved_as, self.persistent_path = restore, saved_as, persistent_path
-        self.outputs_of, self.verify, self.room = outputs_of, verify, room
-        self.leaves = [k for k, _ in tree_lib.flatten(target)[0]]
-        self.read_local = self.read_persistent = self.received = self.peer_regions = self.persistent_regions = 0
-        self.failed: set[str] = set()   # key paths of which a local copy failed its check (for messages)
-        self.restart()
-
-    def restart(self):
-        """Forget the buffers filled so far (the restore goes on at another step); the counts stay."""
-        self.step = self.treedef = self.outputs = self.described = None
-
-    def run(self, plan: placement.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False) -> dict:
-        """Fill the regions ``plan`` routes (every process together): the local pass (if any region
-        is read from a local copy: what each process reads of its copy checked as read), then the persistent pass (if a
-        region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
-        its check are not taken unchecked from the root either). ``reports``: what each process holds
-        (who shares the step's manifest with the processes without a copy). Returns {key path: [region]}
-        of the own regions this process read that failed their check (left out)."""
-        if plan.step != self.step:
-            self.restart()
-            self.step = plan.step
-        by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
-        check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy,
-                                 reports[self.restore.process].get(plan.step))
-        if any(r.own or r.kind == placement.PEER for regions in plan.routes.values() for r in regions.values()):
-            self._local(plan, by_leaf, reports, copy, check)
-        if plan.regions(placement.PERSISTENT):
-            self._persistent(plan, by_leaf, self.verify or again)
-        self.peer_regions += plan.regions(placement.PEER)
-        self.persistent_regions += plan.regions(placement.PERSISTENT)
-        return check.bad
-
-    def _local(self, plan, by_leaf: list, reports: dict, copy, check):
-        restore = self.restore
-        own = copy is not None and copy.opened is not None
-        if self.described is None:  # a process without a copy plans with a peer's manifest, shared once per step
-            shared = job_steps.share_manifest(
-                self.room, plan.step, sorted(p for p, steps in reports.items()
-                                             if plan.step in steps and p not in restore.rebuilt.get(plan.step, ())),
-                restore.process,
-                lambda: Location.parse(restore.root.step_path(plan.step)).read_manifest()) if self.room else None
-            self.described = copy.opened.manifest if own else parse_manifest(shared, restore.root.step_path(plan.step))
-        if self.outputs is None:
-            self.treedef, self.outputs = (copy.treedef, copy.outputs) if own else self.outputs_of(self.described)
-        reader = copy.open_reader(restore.dispatcher.runner) if own else None
-        display = f"local step {plan.step} of {restore.template}"
-        read, received = restore.fill_pass(reader, self.outputs, display, restore.local_routes(by_leaf), False, check)
-        self.read_local, self.received = self.read_local + read, self.received + received
-
-    def _persistent(self, plan, by_leaf: list, verify: bool):
-        restore = self.restore
-        opened = open_checkpoint(self.persistent_path(plan.step))
-        reader = restore.dispatcher.runner.open_reader(opened.arrays, opened.context)
-        treedef, outputs = self.outputs_of(opened.manifest)
-        read, received = restore.fill_pass(reader, outputs, opened.display, restore.persistent_routes(by_leaf), verify)
-        self.read_persistent, self.received = self.read_persistent + read, self.received + received
-        opened.check_unchanged()
-        if self.outputs is None:
-            self.treedef, self.outputs = treedef, outputs
-        else:
-            for out, pout in zip(self.outputs, outputs):
-                if isinstance(out, restore_lib.Output):
-                    out.buffers.update(pout.buffers)
-
-    def result(self):
-        """(the restored tree, :class:`TierRestoreStats`)."""
-        tree = jax.tree_util.tree_unflatten(self.treedef, [restore_lib.finish(o) for o in self.outputs])
-        return tree, TierRestoreStats(self.step, self.peer_regions, self.persistent_regions, self.read_local,
-                                      self.read_persistent, self.received)
-
-
 def _gather(room, phase: str, process: int, value) -> dict:
     """{process: value} of every process (through ``room``; alone: this one's)."""
     if room is None:
         return {process: value}
     room.set(f"{phase}/{process}", value)
     return room.gather(phase)
+
+
+def _after_own_reads(plan: placement.TierPlan, lost) -> bool:
+    """Whether the ``lost`` processes' regions can be rebuilt after the local pass, from what the
+    others read in it: no region is read from a lost process's copy for another process."""
+    return not any(route.parts or (route.kind == placement.PEER and route.reader in lost)
+                   for regions in plan.routes.values() for route in regions.values())
+
+
+def _merged(a: dict, b: dict) -> dict:
+    """{key path: [region]} of both."""
+    found = {k: list(v) for k, v in a.items()}
+    for keypath, regions in b.items():
+        found.setdefault(keypath, []).extend(r for r in regions if r not in found[keypath])
+    return found
 
 
 def _drop(reports: dict, step: int, bad: dict) -> bool:

@@ -1,0 +1,141 @@
+"""One restore through the tiers, filled pass by pass (``tier_restore`` plans and drives it).
+
+:class:`Fill` holds the result's buffers and what was read: the local pass (each holder reads its
+own copy, the others receive a peer's; processes rebuilt from parity may read theirs after it,
+:meth:`Fill.place`, from what the others read in it, :meth:`Fill.in_memory`), then the persistent
+pass for the regions no local copy has. :class:`TierRestoreStats` is what it did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from dispatch_io import tree as tree_lib
+from dispatch_io.formats.detect import open_checkpoint
+from dispatch_io.manager.tiers import checks, job_steps, placement
+from dispatch_io.manifest import parse as parse_manifest
+from dispatch_io.read import targets as restore_lib
+from dispatch_io.storage import Location
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRestoreStats:
+    """What a restore through the tiers did, in this process: the step, how many regions came
+    from a peer / persistent storage (job-wide), and the bytes this process read from its own
+    local copy (a process rebuilt from parity: from its rebuilt copy, in memory), read from persistent
+    storage, and received from other processes (a parity rebuild's rows too)."""
+
+    step: int
+    peer_regions: int
+    persistent_regions: int
+    bytes_read_local: int
+    bytes_read_persistent: int
+    bytes_received: int
+
+
+
+class Fill:
+    """The result of one restore through the tiers, filled pass by pass (:meth:`run`), and what it read."""
+
+    def __init__(self, restore, target, saved_as: dict, persistent_path, outputs_of, verify: bool, room):
+        self.restore, self.saved_as, self.persistent_path = restore, saved_as, persistent_path
+        self.outputs_of, self.verify, self.room = outputs_of, verify, room
+        self.leaves = [k for k, _ in tree_lib.flatten(target)[0]]
+        self.read_local = self.read_persistent = self.received = self.peer_regions = self.persistent_regions = 0
+        self.failed: set[str] = set()   # key paths of which a local copy failed its check (for messages)
+        self.restart()
+
+    def restart(self):
+        """Forget the buffers filled so far (the restore goes on at another step); the counts stay."""
+        self.step = self.treedef = self.outputs = self.described = None
+
+    def run(self, plan: placement.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False,
+            defer=()) -> dict:
+        """Fill the regions ``plan`` routes (every process together): the local pass (if any region
+        is read from a local copy: what each process reads of its copy checked as read), then the persistent pass (if a
+        region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
+        its check are not taken unchecked from the root either). ``reports``: what each process holds
+        (who shares the step's manifest with the processes without a copy); ``defer``: processes that
+        read none of their own regions in this pass (rebuilt from parity after it, :meth:`place`). Returns
+        {key path: [region]} of the own regions this process read that failed their check (left out)."""
+        if plan.step != self.step:
+            self.restart()
+            self.step = plan.step
+        by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
+        check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy,
+                                 reports[self.restore.process].get(plan.step))
+        if any(r.own or r.kind == placement.PEER for regions in plan.routes.values() for r in regions.values()):
+            self._local(plan, by_leaf, reports, copy, check, defer)
+        if plan.regions(placement.PERSISTENT):
+            self._persistent(plan, by_leaf, self.verify or again)
+        self.peer_regions += plan.regions(placement.PEER)
+        self.persistent_regions += plan.regions(placement.PERSISTENT)
+        return check.bad
+
+    def _local(self, plan, by_leaf: list, reports: dict, copy, check, defer=()):
+        restore = self.restore
+        own = copy is not None and copy.opened is not None
+        if self.described is None:  # a process without a copy plans with a peer's manifest, shared once per step
+            shared = job_steps.share_manifest(
+                self.room, plan.step, sorted(p for p, steps in reports.items()
+                                             if plan.step in steps and p not in restore.rebuilt.get(plan.step, ())),
+                restore.process,
+                lambda: Location.parse(restore.root.step_path(plan.step)).read_manifest()) if self.room else None
+            self.described = copy.opened.manifest if own else parse_manifest(shared, restore.root.step_path(plan.step))
+        if self.outputs is None:
+            self.treedef, self.outputs = (copy.treedef, copy.outputs) if own else self.outputs_of(self.described)
+        reader = copy.open_reader(restore.dispatcher.runner) if own else None
+        display = f"local step {plan.step} of {restore.template}"
+        read, received = restore.fill_pass(reader, self.outputs, display, restore.local_routes(by_leaf, defer), False,
+                                           check)
+        self.read_local, self.received = self.read_local + read, self.received + received
+
+    def in_memory(self, bad: dict):
+        """``rebuild.run``'s ``have``: a region of this process's copy the local pass read and checked
+        (its host buffer, as stored), None for one it did not, or left out (``bad``: {key path: [region]})."""
+        outputs = {o.saved.keypath: o for o in self.outputs or () if isinstance(o, restore_lib.Output)}
+
+        def have(keypath: str, stored: tuple):
+            out = outputs.get(keypath)
+            region = None if out is None else stored[:len(out.saved.shape)]
+            buffer = None if out is None else out.buffers.get(region)
+            if buffer is None or [list(b) for b in region] in bad.get(keypath, ()) or \
+                    buffer.shape != tuple(hi - lo for lo, hi in stored) or buffer.dtype != out.saved_dtype:
+                return None
+            return buffer
+        return have
+
+    def place(self, plan, copy: checks.LocalCopy, left_out: dict):
+        """Read this process's own regions at ``plan.step`` from its copy rebuilt in memory (alone: no
+        other process takes part), but those ``left_out`` ({key path: [region]}: not rebuilt)."""
+        restore = self.restore
+        by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
+        routes, skip = restore.local_routes(by_leaf), placement.as_regions(left_out)
+        only = lambda index, out: [r for r in routes(index, out)[1]  # noqa: E731
+                                   if r not in skip.get(out.saved.keypath, ())]
+        read, _ = restore.fill_pass(copy.open_reader(restore.dispatcher.runner), self.outputs,
+                                    f"local step {plan.step} of {restore.template}", only, False, alone=True)
+        self.read_local += read
+
+    def _persistent(self, plan, by_leaf: list, verify: bool):
+        restore = self.restore
+        opened = open_checkpoint(self.persistent_path(plan.step))
+        reader = restore.dispatcher.runner.open_reader(opened.arrays, opened.context)
+        treedef, outputs = self.outputs_of(opened.manifest)
+        read, received = restore.fill_pass(reader, outputs, opened.display, restore.persistent_routes(by_leaf), verify)
+        self.read_persistent, self.received = self.read_persistent + read, self.received + received
+        opened.check_unchanged()
+        if self.outputs is None:
+            self.treedef, self.outputs = treedef, outputs
+        else:
+            for out, pout in zip(self.outputs, outputs):
+                if isinstance(out, restore_lib.Output):
+                    out.buffers.update(pout.buffers)
+
+    def result(self):
+        """(the restored tree, :class:`TierRestoreStats`)."""
+        tree = jax.tree_util.tree_unflatten(self.treedef, [restore_lib.finish(o) for o in self.outputs])
+        return tree, TierRestoreStats(self.step, self.peer_regions, self.persistent_regions, self.read_local,
+                                      self.read_persistent, self.received)
