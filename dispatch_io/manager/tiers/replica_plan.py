@@ -79,7 +79,7 @@ def replica_variants(domains: Sequence, replicas: int, most: int = SPREAD) -> li
     leaves sent by different variants (:func:`assign_variants`) put a process's share on several peers.
 
     Candidates: the base orders shifted a further ``v`` places along the domain-by-domain order,
-    each relabeled by rotating the processes within every domain ``r`` places (a relabeling that
+    each relabeled by rotating the processes within every domain ``r < most`` places (a relabeling that
     keeps domains keeps every domain property); those that keep the rule, in that order. For
     domains 0, 0, 1, 1 (two hosts of two): ``(2, 3, 0, 1)`` and ``(3, 2, 1, 0)``; for one
     process per domain, or one domain, shifts by 1, 2, 3, ... (up to ``most``).
@@ -92,13 +92,16 @@ def replica_variants(domains: Sequence, replicas: int, most: int = SPREAD) -> li
     least, total = _quality(domains, base)
     found = [base]
     for v in range(len(order)):
-        for r in range(m):
+        for r in range(min(m, most)):   # bounds the search: O(most * processes) candidates of O(processes) each
+            if len(found) >= most:
+                return found
             rotate = {p: group[(i + r) % len(group)] for group in members.values() for i, p in enumerate(group)}
             variant = tuple(tuple(rotate[q] for q in _shifted(order, shift + v))
                             for shift in _shifts(len(order), m, replicas))
+            if any(variant[0][p] == other[0][p] for other in found for p in order):
+                continue
             quality = _quality(domains, variant)
-            if len(found) < most and quality is not None and quality[0] >= least and quality[1] >= total \
-                    and all(variant[0][p] != other[0][p] for other in found for p in order):
+            if quality is not None and quality[0] >= least and quality[1] >= total:
                 found.append(variant)
     return found
 

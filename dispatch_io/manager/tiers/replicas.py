@@ -73,7 +73,7 @@ def domains_of(domains) -> tuple:
 def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple]]:
     """(the failure domain of each process, the replica variants) of ``tier`` in a job of
     ``count`` processes whose host names are ``hosts``: ``replica_plan.replica_variants``, each a
-    tuple of ``tier.replicas`` permutations (:func:`send` sends each leaf by one). None for ``replicas=0``.
+    tuple of ``tier.replicas`` permutations (:func:`send` sends each leaf by one); none for ``replicas=0``.
     ValueError for domains not one per process, too few processes for the replicas or the
     parity (``parity_plan.check``), or, with either, processes with different numbers of devices."""
     domains = list(tier.domains) if tier.domains is not None else list(hosts)
@@ -120,7 +120,7 @@ def send(tree, variants: list[tuple], replicas: int, domains,
     (``replica_plan.assign_variants``, from the shardings alone: the same plan everywhere); leaves of
     one variant and dtype travel together, each device's shards packed in one row of at most about
     ``row_bytes``: one collective per group and order. Every process calls it, in the same order."""
-    found = []   # (key path, leaf, replicas it needs, variants needing no more, {process: bytes it holds})
+    found = []   # (key path, packed leaf, the variants needing the fewest replicas for it, {process: bytes})
     for keypath, leaf in tree_lib.flatten(tree)[0] if variants else ():
         if not isinstance(leaf, jax.Array) or not leaf.size:
             continue
