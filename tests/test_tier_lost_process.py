@@ -7,7 +7,9 @@ Each survivor's local saves of steps 10 and 12 fail, naming process 1, within th
 collectives), and since no later step is whole job-wide, local retention (``LatestN(2)``) deletes
 nothing: step 8, the newest step every process committed, stays.
 The job restarted -- with process 1's disk gone where the tier can rebuild it (replicas, parity),
-with it kept where nothing else holds process 1's share (neither) -- resumes step 8 bit for bit."""
+with it kept where nothing else holds process 1's share (neither) -- resumes step 8 bit for bit; with
+replicas, process 1's share is read back by both processes of the other host (each leaf's replica went
+by one of two orders: ``replica_plan.assign_variants``), not by one."""
 
 import json
 import re
@@ -18,6 +20,8 @@ import pytest
 from conftest import finish_job, kill_job, start_job, wait_for
 
 BARRIER = 5   # seconds: the survivors' failed saves take about this long each
+SHARE = (64 * 16 * 4 + 16 * 64 * 4 + 8 * 2 * 4) // 4   # w, m, k (job_states.py): a quarter each process
+B, S = 32 * 4, 8 * 4 * 4                               # b (everywhere), s (process 0's)
 
 
 def _train(tmp_path, mode):
@@ -61,6 +65,12 @@ def test_survivors_of_a_killed_process_keep_the_newest_whole_step_and_resume_it(
     for out in outs:
         assert re.search(r"^latest 8$", out, re.M), out
         assert re.search(r"^resumed 8 exact True$", out, re.M), out
+    if mode == "replicas":   # process 1's share comes back from both processes of the other host, not one
+        read = [tuple(map(int, re.search(r"^read local (\d+) received (\d+)$", out, re.M).groups())) for out in outs]
+        extra = [local - own for (local, _), own in zip(read, (SHARE + B + S, 0, SHARE + B, SHARE + B))]
+        # process 1 receives all it holds; each of its regions is read once for it (b by a holder reading it anyway)
+        assert read[1] == (0, SHARE + B) and sum(extra) == SHARE, read
+        assert extra[0] == 0 and extra[2] > 0 and extra[3] > 0, read   # 2 and 3 each read a part of process 1's share
 
 
 def test_parity_rows_that_fail_on_one_process_fail_the_save_everywhere_and_claim_nothing(tmp_path):

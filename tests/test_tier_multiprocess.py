@@ -46,7 +46,8 @@ def _resumed(outs):
     return [(int(m[1]), m[2] == "True", int(m[3]), int(m[4]), int(m[5]), int(m[6]), int(m[7])) for m in found]
 
 
-SHARE = (64 * 16 * 4 + 16 * 64 * 4 + 8 * 2 * 4 + 4096 * 256 * 4) // 4     # w, m, k, big: a quarter each process
+W, M, K, BIG = 64 * 16 * 4 // 4, 16 * 64 * 4 // 4, 8 * 2 * 4 // 4, 4096 * 256 * 4 // 4   # a process's share of each
+SHARE = W + M + K + BIG                                                       # w, m, k, big: a quarter each process
 B, S = 32 * 4, 8 * 4 * 4                                                      # b (everywhere), s (process 0's)
 B, S = 32 * 4, 8 * 4 * 4                                                      # b (everywhere), s (process 0's)
 
@@ -267,10 +268,17 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     train_fsdp(root, local)
     info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
     assert [(i["copies"], i["domains"], i["durability"]) for i in info] == [(2, 2, "replicated 2")] * 4, info
-    # Process 2 keeps process 0's regions (the replica goes to the other host), s (process 0's alone) too.
-    assert info[2]["held"]["['w']"] == [[[0, 8], [0, 16]], [[8, 16], [0, 16]], [[32, 40], [0, 16]],
+    # Each process's replicas are spread over both processes of the other host, leaf by leaf (bytes
+    # balanced: big, 4 MiB, by the first variant (p + 2) % 4; w, m, k and s by the second, 0 <-> 3, 1 <-> 2).
+    for p in range(4):   # the peers holding copies of regions p alone holds (not b's, held by all)
+        peers = {q for q in range(4) if q != p for keypath, regions in info[p]["sharded"].items()
+                 if any(region in info[q]["held"].get(keypath, ()) and region not in info[q]["sharded"].get(keypath, ())
+                        for region in regions)}
+        assert peers == ({2, 3} if p < 2 else {0, 1}), (p, peers)
+    assert info[2]["held"]["['w']"] == [[[16, 24], [0, 16]], [[24, 32], [0, 16]], [[32, 40], [0, 16]],
                                         [[40, 48], [0, 16]]], info[2]
-    assert "['s']" in info[2]["held"] and "['s']" not in info[2]["sharded"], info[2]
+    assert info[2]["held"]["['big']"][:2] == [[[0, 512], [0, 256]], [[512, 1024], [0, 256]]], info[2]
+    assert "['s']" in info[3]["held"] and "['s']" not in info[3]["sharded"], info[3]
     # A restart onto another mesh, (data=2, fsdp=4): each region is cut from two saved ones, all local.
     results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "reshard")))
     print("onto (data=2, fsdp=4), per process (step, exact, local, persistent, received):", results)
@@ -295,20 +303,20 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
     assert all(promoted), outs
     assert [int(m[1]) > 0 for m in promoted] == [False, False, True, True], outs
     assert sum(int(m[1]) for m in promoted) == 4 * SHARE + B + S, outs   # every stored byte, once
-    # Process 3 lost too: process 1's regions have no local copy left -> step 8 (now persisted); only they
-    # are read from the root.
+    # Process 3 lost too: only process 2's copy is left (its own regions, 0's big, 1's w, m and k) -> step 8
+    # (now persisted); the rest is read from the root.
     shutil.rmtree(str(local).replace("{process}", "3"))
-    # and a flipped byte in process 2's replica of one of process 0's w regions (rows 0..8): a restore
+    # and a flipped byte in process 2's replica of one of process 1's w regions (rows 16..24): a restore
     # with every own copy intact leaves replicas unchecked; one that reads them checks them as it reads them
-    # for process 0 (in memory: no pass before) and does not send the bad one
-    sh.flip_byte(sh.chunks(tmp_path / "local" / "2" / "8", "['w']")[(0, 0)])
+    # for process 1 (in memory: no pass before) and does not send the bad one
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "2" / "8", "['w']")[(2, 0)])
     results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "resume")))
     print("per process (step, exact, local, persistent, received):", results)
     assert all(r[:2] == (8, True) for r in results), results
-    # from the root: processes 1's and 3's shares (no copy left), and the one bad replica region (8 x 16 x 4 B)
-    assert [r[3] for r in results] == [8 * 16 * 4, SHARE, 0, SHARE], results
-    assert results[2][2] == 2 * SHARE + B + S and 0.95 * results[2][2] <= results[2][5] <= 1.05 * results[2][2], \
-        results   # process 2 read its copy once: its own regions, process 0's replicas, s and b
+    # from the root: 0's w, m, k and s, 1's big, 3's share (no copy left), and the one bad replica region
+    assert [r[3] for r in results] == [W + M + K + S, BIG + 8 * 16 * 4, 0, SHARE], results
+    assert results[2][2] == 2 * SHARE + B and 0.95 * results[2][2] <= results[2][5] <= 1.05 * results[2][2], \
+        results   # process 2 read its copy once: its own regions, b and its replicas (of 0's big, 1's w, m, k)
 
 
 def test_a_clock_policy_with_replicas_takes_the_same_local_saves_everywhere(tmp_path):

@@ -132,6 +132,60 @@ def test_replica_orders_for_two_replicas_use_distinct_processes_and_refuse_too_f
         replica_plan.replica_orders((0, 1), 2)
 
 
+def _spans(domains, orders):
+    """Per process: the failure domains its regions and their replicas span under ``orders`` (which
+    must put no replica on the process itself and its replicas on distinct processes)."""
+    spans = []
+    for p in range(len(domains)):
+        places = [p] + [order[p] for order in orders]
+        assert len(set(places)) == len(places), (p, orders)
+        spans.append(len({domains[q] for q in places}))
+    return spans
+
+
+@pytest.mark.parametrize("domains, replicas, count", [
+    ((0, 0, 1, 1), 1, 2),                  # two hosts of two: the other host's two processes
+    (("a", "b", "a", "b"), 1, 2),          # domains interleaved by process index
+    ((0, 1, 2, 3), 1, 3),                  # one process per host: any other one
+    ((7, 7, 7, 7), 1, 3),                  # one host: another process at least
+    ((0, 0, 0, 1, 1), 1, 2),               # unequal hosts: the third of host 0 cannot leave it
+    ((0, 0, 1, 1, 2, 2), 2, 2),            # two replicas: three hosts each time
+    (tuple(range(8)), 1, replica_plan.SPREAD),   # capped: each variant is one more collective
+])
+def test_replica_variants_keep_the_domain_rule_with_other_peers(domains, replicas, count):
+    """Every variant keeps what :func:`replica_orders` promises (no replica on its process, distinct
+    holders, as many domains spanned -- the fewest and in all), and each gives every process a first
+    replica holder no other variant does: a process's leaves sent by different variants land on different peers."""
+    variants = replica_plan.replica_variants(domains, replicas)
+    base = _spans(domains, replica_plan.replica_orders(domains, replicas))
+    assert list(variants[0]) == replica_plan.replica_orders(domains, replicas) and len(variants) == count, variants
+    for orders in variants:
+        assert len(orders) == replicas and all(sorted(order) == list(range(len(domains))) for order in orders)
+        spans = _spans(domains, orders)
+        assert min(spans) >= min(base) and sum(spans) >= sum(base), (orders, spans, base)
+    for p in range(len(domains)):
+        assert len({orders[0][p] for orders in variants}) == len(variants), variants
+    assert replica_plan.replica_variants((0, 0, 1, 1), 1) == [((2, 3, 0, 1),), ((3, 2, 1, 0),)]
+
+
+def test_assign_variants_splits_each_process_share_within_one_leaf():
+    """Leaves of random sizes over 4 processes (pure FSDP: a quarter each) and 2 variants: each
+    process's bytes per variant (per peer) differ by at most one leaf's share; a leaf only some
+    processes hold loads only theirs; a leaf goes by an allowed variant; one leaf is not split."""
+    import random
+
+    rng = random.Random(7)
+    shares = [{p: rng.randrange(1, 1 << 20) // 4 * 4 for p in range(4)} for _ in range(40)]
+    shares = [{p: share[0] for p in range(4)} for share in shares] + [{0: 5000}, {1: 3000, 3: 3000}]
+    chosen = replica_plan.assign_variants(shares, [[0, 1]] * len(shares))
+    assert chosen == replica_plan.assign_variants(shares, [[0, 1]] * len(shares))   # the same plan everywhere
+    for p in range(4):
+        per = [sum(s.get(p, 0) for s, v in zip(shares, chosen) if v == w) for w in (0, 1)]
+        assert abs(per[0] - per[1]) <= max(s.get(p, 0) for s in shares) and min(per) > 0, (p, per)
+    assert replica_plan.assign_variants(shares[:3], [[1], [0, 1], [1]]) == [1, 0, 1]   # 0, 2: only variant 1
+    assert replica_plan.assign_variants([{p: 1 << 30 for p in range(4)}], [[0, 1]]) == [0]   # the limit: one giant leaf
+
+
 def test_replicas_needed_counts_data_parallel_replicas():
     orders = replica_plan.replica_orders((0, 0, 1, 1), 1)
     assert replica_plan.replicas_needed([{0, 2}, {1, 3}], orders, 1) == 0      # data=2: already two holders

@@ -5,7 +5,8 @@
 
 Mesh (fsdp=8): every region of w, m and k is held by one process; s by process 0 alone; b by
 all. ``LocalTier(replicas=1, domains=(0, 0, 1, 1))``: processes 0, 1 share a host, as do 2, 3,
-so the replica of what process p holds goes to process (p + 2) % 4, on the other host.
+so the replicas of what process p holds go to the other host, spread leaf by leaf over its two
+processes (``replica_plan.assign_variants``): big to (p + 2) % 4, w, m, k and s to 3 - p.
 
 MODE ``train``: steps 0..9, local saves every 2 steps, persistent every 6 (each waited for);
 prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores through the

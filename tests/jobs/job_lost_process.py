@@ -15,7 +15,8 @@ PHASE ``rowsfail`` (MODE ``parity``, nobody killed): as ``train`` without the wa
 process 2's parity rows of step 10 fail to save (a full disk, say); prints the same, then ``steps
 {step: durability}`` (the job's listing) and ends.
 PHASE ``resume``: prints ``latest N`` (``latest_step()``), restores it through the tiers and prints
-``resumed STEP exact BOOL`` (bit for bit against the state of that step).
+``resumed STEP exact BOOL`` (bit for bit against the state of that step) and ``read local L received R``
+(the bytes this process read from its local copy and received from peers).
 """
 
 import json
@@ -76,8 +77,10 @@ if phase in ("train", "rowsfail"):
 latest = mgr.latest_step()
 print(f"latest {latest}", flush=True)
 restored = mgr.restore(None, STATE.target(mesh))
-step = mgr.last_tier_restore.step
+stats = mgr.last_tier_restore
+step = stats.step
 print(f"resumed {step} exact {STATE.exact(restored, step)}", flush=True)
+print(f"read local {stats.bytes_read_local} received {stats.bytes_received}", flush=True)
 mgr.close()
 dispatcher.close()
 jax.distributed.shutdown()

@@ -3,16 +3,38 @@
 A local step holds what each process's devices hold; a region held by fewer than
 ``replicas + 1`` processes is also sent to peers (``manager/replicas.py`` moves the bytes).
 :func:`replica_orders` says where: one permutation of the processes per replica, each copy in
-another failure domain (host) than the original while the domains allow. :func:`replicas_needed`
-says how many of them a leaf needs (data-parallel replicas already count). A received region is
-a :class:`Replica`; ``Dispatcher.save(own=True, copies=...)`` saves them with the process's own
+another failure domain (host) than the original while the domains allow. :func:`replica_variants`
+gives alternatives to those orders that keep the same rule, and :func:`assign_variants` gives each leaf one
+of them, balancing bytes, so that what a process holds is copied to several peers, not one: a lost
+process's share is then read back by several holders at once. :func:`replicas_needed` says how
+many of a variant's orders a leaf needs (data-parallel replicas already count). A received region
+is a :class:`Replica`; ``Dispatcher.save(own=True, copies=...)`` saves them with the process's own
 regions (:func:`copies_by_leaf` checks them against the plan).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from typing import Mapping, Sequence
+
+SPREAD = 4   # the most variants: each is one more collective per group of leaves at a save
+
+
+def _cycle(domains: Sequence) -> tuple[list[int], int]:
+    """(the processes ordered domain by domain, in order of each domain's first process; the size
+    of the largest domain)."""
+    first: dict = {}
+    for p, domain in enumerate(domains):
+        first.setdefault(domain, p)
+    return sorted(range(len(domains)), key=lambda p: (first[domains[p]], p)), max(collections.Counter(domains).values())
+
+
+def _shifted(order: list[int], shift: int) -> tuple[int, ...]:
+    """The permutation sending the process at place i of ``order`` to the one ``shift`` places on."""
+    perm = [0] * len(order)
+    for i, p in enumerate(order):
+        perm[p] = order[(i + shift) % len(order)]
+    return tuple(perm)
 
 
 def replica_orders(domains: Sequence, replicas: int) -> list[tuple[int, ...]]:
@@ -26,20 +48,81 @@ def replica_orders(domains: Sequence, replicas: int) -> list[tuple[int, ...]]:
     if not 0 < replicas < count:
         raise ValueError(f"replicas={replicas}: every region held by {replicas + 1} processes needs as many "
                          f"processes; the job has {count}")
-    first: dict = {}
-    for p, domain in enumerate(domains):
-        first.setdefault(domain, p)
-    order = sorted(range(count), key=lambda p: (first[domains[p]], p))
-    m = max(collections.Counter(domains).values())
+    order, m = _cycle(domains)
+    return [_shifted(order, shift) for shift in _shifts(count, m, replicas)]
+
+
+def _shifts(count: int, m: int, replicas: int) -> list[int]:
+    """How many places on (:func:`_cycle`'s order) each replica goes: ``j * m``, then the nearest other places."""
     shifts = [j * m for j in range(1, count) if j * m < count]
-    shifts += [k for k in range(1, count) if k not in shifts]
-    orders = []
-    for shift in shifts[:replicas]:
-        perm = [0] * count
-        for i, p in enumerate(order):
-            perm[p] = order[(i + shift) % count]
-        orders.append(tuple(perm))
-    return orders
+    return (shifts + [k for k in range(1, count) if k not in shifts])[:replicas]
+
+
+def _quality(domains: Sequence, orders: Sequence[tuple[int, ...]]) -> tuple[int, int] | None:
+    """(the fewest failure domains any process's region and its replicas span, their sum over the
+    processes) under ``orders``; None if some replica of a process lands on it or two on one process."""
+    spans = []
+    for p in range(len(domains)):
+        places = [p] + [order[p] for order in orders]
+        if len(set(places)) < len(places):
+            return None
+        spans.append(len({domains[q] for q in places}))
+    return min(spans), sum(spans)
+
+
+def replica_variants(domains: Sequence, replicas: int, most: int = SPREAD) -> list[tuple[tuple[int, ...], ...]]:
+    """Alternative replica orders, each a tuple of ``replicas`` permutations like
+    :func:`replica_orders` (the first variant: those orders), at most ``most``. Every variant keeps
+    the rule: no replica of a process on itself, its replicas on distinct processes, spanning as
+    many failure domains as :func:`replica_orders` does (the fewest over the processes, and in
+    all). And each gives every process a first replica holder no other variant gives it, so
+    leaves sent by different variants (:func:`assign_variants`) put a process's share on several peers.
+
+    Candidates: the base orders shifted a further ``v`` places along the domain-by-domain order,
+    each relabeled by rotating the processes within every domain ``r < most`` places (a relabeling that
+    keeps domains keeps every domain property); those that keep the rule, in that order. For
+    domains 0, 0, 1, 1 (two hosts of two): ``(2, 3, 0, 1)`` and ``(3, 2, 1, 0)``; for one
+    process per domain, or one domain, shifts by 1, 2, 3, ... (up to ``most``).
+    ValueError as :func:`replica_orders`."""
+    base = tuple(replica_orders(domains, replicas))
+    order, m = _cycle(domains)
+    members = collections.defaultdict(list)
+    for p in order:
+        members[domains[p]].append(p)
+    least, total = _quality(domains, base)
+    found = [base]
+    for v in range(len(order)):
+        for r in range(min(m, most)):   # bounds the search: O(most * processes) candidates of O(processes) each
+            if len(found) >= most:
+                return found
+            rotate = {p: group[(i + r) % len(group)] for group in members.values() for i, p in enumerate(group)}
+            variant = tuple(tuple(rotate[q] for q in _shifted(order, shift + v))
+                            for shift in _shifts(len(order), m, replicas))
+            if any(variant[0][p] == other[0][p] for other in found for p in order):
+                continue
+            quality = _quality(domains, variant)
+            if quality is not None and quality[0] >= least and quality[1] >= total:
+                found.append(variant)
+    return found
+
+
+def assign_variants(shares: Sequence[Mapping[int, int]], allowed: Sequence[Sequence[int]]) -> list[int]:
+    """Which variant (:func:`replica_variants`) each leaf is sent by: ``shares[i]`` {process:
+    bytes of leaf ``i`` it holds}, ``allowed[i]`` the variants leaf ``i`` may take (those needing
+    the fewest replicas for it). Largest leaf first, each onto the allowed variant under which its
+    holders have sent the fewest bytes so far (the most any of them has; then in all; then the
+    first): every process's share is split among its variants' peers within one leaf's share.
+    Deterministic (every process computes the same plan: it orders collectives). A state of one
+    leaf (or one much larger than the rest) is not spread: a leaf goes whole by one variant."""
+    load: dict = collections.defaultdict(int)   # (variant, process) -> bytes sent so far
+    chosen = [0] * len(shares)
+    for i in sorted(range(len(shares)), key=lambda i: (-sum(shares[i].values()), i)):
+        share = shares[i]
+        chosen[i] = min(allowed[i], key=lambda v: (max((load[v, p] + n for p, n in share.items()), default=0),
+                                                   sum(load[v, p] for p in share), v))
+        for p, n in share.items():
+            load[chosen[i], p] += n
+    return chosen
 
 
 def replicas_needed(holders: Sequence[set], orders: Sequence[tuple[int, ...]], replicas: int,

@@ -7,16 +7,20 @@ FSDP state, a leaf on one process's devices) is lost with that process. With
 * where: :func:`placement` orders the processes by failure domain (``LocalTier.domains``,
   default their host names) and gives ``k`` permutations (``replica_plan.replica_orders``):
   replica ``j`` of what process ``p`` holds goes to process ``orders[j][p]``, in another
-  domain while the domains allow;
+  domain while the domains allow -- and up to ``replica_plan.SPREAD`` variants of them that keep
+  that rule with other peers (``replica_plan.replica_variants``);
 * what: :func:`send` takes, leaf by leaf, as many of those permutations as the leaf needs --
   none where data parallelism already spreads each region over ``k + 1`` processes
-  (``replica_plan.replicas_needed``) -- and moves each shard of the leaf from its device to
+  (``replica_plan.replicas_needed``) -- from the variant ``replica_plan.assign_variants`` gives
+  it (balancing bytes, so each process's share is split over several peers and a lost
+  process's share is read back by several holders at once; one leaf is never split: a state of
+  one giant leaf does not spread), and moves each shard of the leaf from its device to
   the device in the same place on the peer process. Each process then saves, with its own
   regions, the regions it received (``Dispatcher.save(own=True, copies=...)``): one local
   step per process holding both, its info listing them.
 
 The move is device to device over the interconnect (gloo on CPU, ICI / NVLink on
-accelerators), one collective per replica and group of leaves of one dtype: each device packs
+accelerators), one collective per variant, replica and group of leaves of one dtype: each device packs
 its shards of the group, flattened and padded to their leaf's largest shard, into one row (of
 at most about ``packed_rows.ROW_BYTES``) of an array over all the job's devices, and ``jax.device_put``
 onto the same devices permuted delivers each row to its peer -- whatever the leaves' shardings,
@@ -32,6 +36,7 @@ flight (about three rows) and the received regions until the save has staged the
 from __future__ import annotations
 
 import collections
+import math
 from typing import Mapping
 
 import jax
@@ -65,9 +70,10 @@ def domains_of(domains) -> tuple:
     return domains
 
 
-def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple[int, ...]]]:
-    """(the failure domain of each process, the replica permutations) of ``tier`` in a job of
-    ``count`` processes whose host names are ``hosts``. No permutations for ``replicas=0``.
+def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple]]:
+    """(the failure domain of each process, the replica variants) of ``tier`` in a job of
+    ``count`` processes whose host names are ``hosts``: ``replica_plan.replica_variants``, each a
+    tuple of ``tier.replicas`` permutations (:func:`send` sends each leaf by one); none for ``replicas=0``.
     ValueError for domains not one per process, too few processes for the replicas or the
     parity (``parity_plan.check``), or, with either, processes with different numbers of devices."""
     domains = list(tier.domains) if tier.domains is not None else list(hosts)
@@ -84,11 +90,11 @@ def placement(tier, hosts: list[str], count: int) -> tuple[list, list[tuple[int,
     if not tier.replicas:
         parity_plan.check(tier.parity, count)
         return domains, []
-    orders = replica_plan.replica_orders(domains, tier.replicas)
+    variants = replica_plan.replica_variants(domains, tier.replicas)
     if len(set(domains)) == 1:
         logging.warning("dispatch_io: every process of the job is in one failure domain (%s): the local tier's "
                         "replicas survive lost processes, not a lost host; set LocalTier(domains=...)", domains[0])
-    return domains, orders
+    return domains, variants
 
 
 def decisions(tier, count: int, timeout: float) -> SharedDecisions:
@@ -104,30 +110,44 @@ def decisions(tier, count: int, timeout: float) -> SharedDecisions:
     return SharedDecisions(None)
 
 
-def send(tree, orders: list[tuple[int, ...]], replicas: int, domains,
+def send(tree, variants: list[tuple], replicas: int, domains,
          row_bytes: int = packed_rows.ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(moves, copies) of the array leaves of ``tree`` whose regions fewer than ``replicas + 1``
     processes hold: ``moves`` {key path: the orders each was sent by}, ``copies`` {key path:
     (:class:`~dispatch_io.plan.held.Replica`, ...)}: the regions of other processes this
-    process received (see the module doc; ``domains[process]``: its failure domain). Leaves of
-    one dtype travel together, each device's shards packed in one row of at most about
+    process received (see the module doc; ``variants``: :func:`placement`'s replica orders,
+    ``domains[process]``: its failure domain). Each leaf goes by one variant
+    (``replica_plan.assign_variants``, from the shardings alone: the same plan everywhere); leaves of
+    one variant and dtype travel together, each device's shards packed in one row of at most about
     ``row_bytes``: one collective per group and order. Every process calls it, in the same order."""
-    moves, leaves = {}, []
-    for keypath, leaf in tree_lib.flatten(tree)[0] if orders else ():
+    found = []   # (key path, packed leaf, the variants needing the fewest replicas for it, {process: bytes})
+    for keypath, leaf in tree_lib.flatten(tree)[0] if variants else ():
         if not isinstance(leaf, jax.Array) or not leaf.size:
             continue
         holders = [{d.process_index for d in held} for held in device_regions(leaf.sharding, leaf.shape).values()]
-        needed = replica_plan.replicas_needed(holders, orders, replicas, domains)
-        if needed:
-            moves[keypath] = tuple(orders[:needed])
-            leaves.append(packed_rows.leaf(keypath, leaf, needed))
+        needed = [replica_plan.replicas_needed(holders, orders, replicas, domains) for orders in variants]
+        if min(needed):
+            packed = packed_rows.leaf(keypath, leaf, min(needed))
+            found.append((keypath, packed, [v for v, n in enumerate(needed) if n == packed.needed], _shares(packed)))
+    chosen = replica_plan.assign_variants([shares for *_, shares in found], [allowed for _, _, allowed, _ in found])
+    moves = {keypath: variants[v][:leaf.needed] for (keypath, leaf, _, _), v in zip(found, chosen)}
     copies = collections.defaultdict(list)
     devices = sorted(jax.devices(), key=lambda d: d.id)
-    for j, order in enumerate(orders):
-        for group in packed_rows.groups([leaf for leaf in leaves if leaf.needed > j], row_bytes):
-            for keypath, replica in _exchange(group, order, devices):
-                copies[keypath].append(replica)
+    for v, orders in enumerate(variants):
+        leaves = [leaf for (_, leaf, _, _), w in zip(found, chosen) if w == v]
+        for j, order in enumerate(orders):
+            for group in packed_rows.groups([leaf for leaf in leaves if leaf.needed > j], row_bytes):
+                for keypath, replica in _exchange(group, order, devices):
+                    copies[keypath].append(replica)
     return moves, {keypath: tuple(received) for keypath, received in copies.items()}
+
+
+def _shares(leaf: packed_rows.Leaf) -> dict[int, int]:
+    """{process: bytes of ``leaf``'s distinct regions its devices hold} (what it sends, per replica)."""
+    shares: collections.Counter = collections.Counter()
+    for process, region in {(d.process_index, region) for d, region in leaf.places.items()}:
+        shares[process] += math.prod(hi - lo for lo, hi in region) * leaf.data.dtype.itemsize
+    return dict(shares)
 
 
 def _exchange(group: list[packed_rows.Leaf], order: tuple[int, ...], devices: list) -> list[tuple[str, Replica]]:

@@ -108,7 +108,7 @@ class LocalTiers:
         newest = max(local_steps.read_steps(self.root, self._owner)[0], default=None)
         hosts, self._last_step = job_steps.check_apart(tier.process_path("{process}"), self.path, process, count,
                                                          dispatcher.options.barrier_timeout, newest)
-        self.domains, self._orders = replicas.placement(tier, hosts, count)
+        self.domains, self._variants = replicas.placement(tier, hosts, count)
         self._ring = parity.placement(tier.parity, self.domains, count) if tier.parity else None
         self._decisions = replicas.decisions(tier, count, dispatcher.options.barrier_timeout)
         self._times = self._shared_clock()
@@ -232,7 +232,7 @@ class LocalTiers:
         if self.tier.replicas or self._ring:   # the job is all here before its collectives (not after a death)
             self._agreement.begin(step, self.process)
         try:
-            moves, copies = replicas.send(tree, self._orders, self.tier.replicas, self.domains)  # every process, in step order
+            moves, copies = replicas.send(tree, self._variants, self.tier.replicas, self.domains)  # every process, in step order
             rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
             started = self._times.time_of(step)
             agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
