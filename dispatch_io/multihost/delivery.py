@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import itertools
 import math
 from typing import Sequence
 
@@ -220,9 +221,14 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
         load[reader] += todo[i][7]
     for (lists, index, region, bounds, stored, procs, _, nbytes, name), reader in zip(todo, chosen):
         lists[reader].append(Piece(index, region, bounds, stored, name, reader, procs, nbytes))
-    rounds: list[Round] = []
-    for groups, pieces in by_groups.items():
-        rounds += _rounds(groups, pieces, max(64, batch_limit // len(groups[0])), len(rounds))
+    # The rounds of different partitions taken in turn, not one partition's after another's: each
+    # process reads its next round while one is exchanged, so where the partitions' readers differ
+    # (a lost process's share spread over several holders, each with the lost process in its groups)
+    # they read at the same time.
+    by_partition = [_rounds(groups, pieces, max(64, batch_limit // len(groups[0])), 0)
+                    for groups, pieces in by_groups.items()]
+    rounds = [dataclasses.replace(r, index=i) for i, r in enumerate(
+        r for turn in itertools.zip_longest(*by_partition) for r in turn if r is not None)]
     # With the share: processes with different budgets would cut different rounds.
     digest = hashlib.sha256(repr((batch_limit, [(i, out.saved.keypath) for i, out, _ in shared], [
         (r.groups, r.width, r.summed, r.sent, [(p, [(x.output, x.region, x.local, x.dtype) for x in row])
