@@ -174,6 +174,10 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     member = Source(step_path, runner)   # its own copy: read only for what ``have`` does not hold
     own = sections[me]["layouts"][str(me)] if pieces else None
     have = have or (lambda keypath, bounds: None)
+    # Every process is here before the rounds' collectives: one that is not fails the rebuild everywhere
+    # within the barrier timeout, naming it, rather than leaving the others in a collective without it.
+    room.set(f"rebuilding/{step}/{me}", True)
+    room.gather(f"rebuilding/{step}", doing="start rebuilding the lost processes' regions")
     try:
         groups = [_Rows(k, [group], devices, g) for g, group in enumerate(first["groups"])]
         # A holder reads its parity rows of the next row group while it packs, sends and receives this one's.
