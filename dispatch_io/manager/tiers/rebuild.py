@@ -112,10 +112,11 @@ def _parity_rows(source: Source, rows: _Rows) -> tuple[dict, set]:
 
 
 def _own_pieces(rows: _Rows, own: list, pieces: set, have, source: Source) -> tuple[dict, dict]:
-    """({(device position, piece): that piece of this process's row of ``rows``' group there, packed
-    from its own regions by its layout ``own``} for each of ``pieces``, {device position: the pieces with
-    a byte it could not get}). Each region is ``have(key path, stored bounds)`` (what the restore
-    already read and checked, in memory; None if it does not hold it) or else read from its copy (``source``)."""
+    """({piece: that piece of this process's rows of ``rows``' group, every device position's in turn
+    (a row as a transfer carries it), packed from its own regions by its layout ``own``} for each of
+    ``pieces``, {device position: the pieces with a byte it could not get}). Each region is
+    ``have(key path, stored bounds)`` (what the restore already read and checked, in memory; None if
+    it does not hold it) or else read from its copy (``source``)."""
     width = rows.groups[0]["W"] // rows.k
     hits = lambda start, nbytes: {j for j in range(rows.k) if start < (j + 1) * width and j * width < start + nbytes}  # noqa: E731
     wanted = sorted({(kp, _stored(group, kp, region)) for g, group, i, _, _ in rows.cells()
@@ -124,11 +125,10 @@ def _own_pieces(rows: _Rows, own: list, pieces: set, have, source: Source) -> tu
     missing = [key for key, array in read.items() if array is None]
     if missing:
         read.update(source.read(missing))
-    found, broken = {}, {}
+    found = {j: np.zeros(rows.devices * width, np.uint8) for j in pieces}
+    broken = {}
     for g, group, i, _, _ in rows.cells():
         broken[i] = set()
-        for j in pieces:
-            found[(i, j)] = np.zeros(width, np.uint8)
         for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]):
             touched = hits(start, nbytes) & pieces
             data = read.get((kp, _stored(group, kp, region))) if touched else None
@@ -136,10 +136,28 @@ def _own_pieces(rows: _Rows, own: list, pieces: set, have, source: Source) -> tu
                 broken[i] |= touched
                 continue
             flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8) if touched else None
-            for j in touched:   # the bytes of this region inside piece j
+            for j in touched:   # the bytes of this region inside piece j, at device position i's place
                 lo, hi = max(start, j * width), min(start + nbytes, (j + 1) * width)
-                found[(i, j)][lo - j * width:hi - j * width] = flat[lo - start:hi - start]
+                at = i * width - j * width
+                found[j][at + lo:at + hi] = flat[lo - start:hi - start]
     return found, broken
+
+
+def _finished(held: dict, members: np.ndarray | None, devices: int, width: int) -> np.ndarray:
+    """A holder's finished piece, every device position's in turn: its parity row there (``held``
+    {device position: row}; zeros where it could not be read) XOR what the group's other members
+    sent it (``members``; None: nothing), written once into the row that travels."""
+    row = np.empty(devices * width, np.uint8)
+    for i in range(devices):
+        place = row[i * width:(i + 1) * width]
+        parity = held.get(i)
+        if parity is None:
+            place[:] = 0 if members is None else members[i * width:(i + 1) * width]
+        elif members is None:
+            place[:] = parity
+        else:
+            np.bitwise_xor(parity, members[i * width:(i + 1) * width], out=place)
+    return row
 
 
 def _send(row: np.ndarray, moves: tuple) -> np.ndarray:
@@ -199,11 +217,9 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
                     elif out[1] == out[2]:   # a holder's finished piece, to the lost process: its parity row XOR the rest
                         held, unread = kept.result()
                         bad += [(out[2], g, i, out[3]) for i in unread]
-                        row = np.concatenate([held.get(i, np.zeros(width, np.uint8)) for i in range(devices)])
-                        if out[2:4] in into_holder:
-                            np.bitwise_xor(row, into_holder.pop(out[2:4]), out=row)
+                        row = _finished(held, into_holder.pop(out[2:4], None), devices, width)
                     else:                    # a member's piece, to the holder whose parity covers it
-                        row = np.concatenate([mine[(i, out[4])] for i in range(devices)])
+                        row = mine[out[4]]
                         bad += [(out[2], g, i, out[3]) for i in range(devices) if out[4] in broken[i]]
                     got = _send(row, moves)
                     if into is None:
@@ -213,10 +229,10 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
                         for i in range(devices):
                             start = i * rows.groups[0]["W"] + into[3] * width
                             data[start:start + width] = got[i * width:(i + 1) * width]
-                    elif into[2:4] in into_holder:
-                        np.bitwise_xor(into_holder[into[2:4]], got, out=into_holder[into[2:4]])
+                    elif into[2:4] in into_holder:   # k > 2: several members' pieces
+                        into_holder[into[2:4]] = np.bitwise_xor(into_holder[into[2:4]], got)
                     else:
-                        into_holder[into[2:4]] = got.copy()
+                        into_holder[into[2:4]] = got
                 if data is not None:
                     rebuilt.append((rows, data))
     finally:
