@@ -276,6 +276,12 @@ def report(results, args, seconds):
         print(f"| {LABELS[kind]} | {_median(walls)} | {total('local'):.0f} | {total('persistent'):.0f} "
               f"| {total('received'):.0f} | {rows[0]['peer_regions']} / {rows[0]['persistent_regions']} "
               f"| {all(r['exact'] for r in rows)} |")
+    wall = {kind: [max(r["wall"] for r in results if r["phase"] == "restore" and r["kind"] == kind and r["rep"] == rep)
+                   for rep in range(args.reps)] for kind in LABELS}
+    # Each repetition's restores ran one after the other: their ratio is steadier than the medians' on a shared machine.
+    ratio = lambda other: _median([a / b for a, b in zip(wall["tiers"], wall[other])], "{:.2f}")  # noqa: E731
+    print(f"\nrestore after a lost process, per repetition: {ratio('tiers_whole')}x the one with nothing lost, "
+          f"{ratio('persistent')}x the one all from the root")
     storage = sorted((r for r in results if r["phase"] == "storage"), key=lambda r: r["process"])
     print("\nlocal step on disk per process (du -sb): "
           + ", ".join(f"{r['process']}: {r['local'] / MiB:.1f} MiB" for r in storage)
