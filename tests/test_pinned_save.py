@@ -18,7 +18,7 @@ from dispatch_io.save import pinned_save
 from dispatch_io.plan.batches import make_batches
 from dispatch_io.plan.save_plan import plan_tree
 from conftest import assert_trees_bit_equal
-from test_roundtrip import DEVICE_DTYPES, IMPLS, random_bits
+from test_roundtrip import DEVICE_DTYPES, every_dtype_tree, random_bits
 
 MiB = 1 << 20
 COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -90,17 +90,8 @@ def test_a_shard_larger_than_a_batch_is_sliced_by_one_program_per_leaf(mesh, tmp
 def test_every_dtype_and_key_impl_bit_exact_through_whole_shards(mesh, tmp_path, cls, options):
     """Every device dtype and PRNG key impl, with shards cut into chunks that fit a batch whole
     (the views path), sharded, single-device and replicated."""
-    sharded = NamedSharding(mesh, P("data", "model"))
-    tree = {}
     with jax.enable_x64(True):
-        for name in DEVICE_DTYPES:
-            host = random_bits(name, (64, 6), seed=len(name) + 1)
-            tree[name] = {"sharded": jax.device_put(host, sharded),
-                          "single": jax.device_put(host[:8], single_device_sharding(jax.devices()[2])),
-                          "replicated": jax.device_put(host[:4], NamedSharding(mesh, P()))}
-        for impl in IMPLS:
-            key = jax.random.key(11, impl=impl)
-            tree[impl] = {"one": key, "batch": jax.device_put(jax.random.split(key, 16).reshape(8, 2), sharded)}
+        tree = every_dtype_tree(mesh, seed=1, single=8, replicated=4, device=2)
         with cls(host_memory_budget=MiB, progress=False, max_chunk_bytes=24, small_leaf_bytes=0, **options) as d:
             d.save(tmp_path / "ckpt", tree).wait()
             assert_trees_bit_equal(tree, d.restore(tmp_path / "ckpt", tree))

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dispatch_io as dio
 from dispatch_io.save import pinned_save, transfer
 from conftest import assert_trees_bit_equal, hooked_dispatcher, host_bytes
-from test_roundtrip import DEVICE_DTYPES, IMPLS, dtype_of, random_bits
+from test_roundtrip import DEVICE_DTYPES, dtype_of, every_dtype_tree
 from dispatch_io.jax_compat import single_device_sharding
 
 MiB = 1 << 20
@@ -62,17 +62,8 @@ def test_auto_is_pinned_only_off_cpu():
 def test_every_dtype_and_key_impl_round_trips_bit_exact(forced, mesh, tmp_path):
     """One tree of every device dtype (sharded, a slice of a shard per chunk, single-device,
     replicated) and every PRNG key impl, under a budget that cuts the shards into chunks."""
-    sharded = NamedSharding(mesh, P("data", "model"))
-    tree, x64 = {}, jax.enable_x64(True)
-    with x64:
-        for name in DEVICE_DTYPES:
-            host = random_bits(name, (64, 6), seed=len(name))
-            tree[name] = {"sharded": jax.device_put(host, sharded),
-                          "single": jax.device_put(host[:5], single_device_sharding(jax.devices()[3])),
-                          "replicated": jax.device_put(host[:2], NamedSharding(mesh, P()))}
-        for impl in IMPLS:
-            key = jax.random.key(7, impl=impl)
-            tree[impl] = {"one": key, "batch": jax.device_put(jax.random.split(key, 16).reshape(8, 2), sharded)}
+    with jax.enable_x64(True):
+        tree = every_dtype_tree(mesh, seed=0)
         with forced(budget=4096, max_chunk_bytes=256, small_leaf_bytes=0) as d:
             d.save(tmp_path / "ckpt", tree).wait()
             restored = d.restore(tmp_path / "ckpt", tree)

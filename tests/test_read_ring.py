@@ -20,7 +20,7 @@ from dispatch_io import runner
 from dispatch_io.jax_compat import single_device_sharding
 from dispatch_io.read import ring as read_ring
 from conftest import assert_trees_bit_equal
-from test_roundtrip import DEVICE_DTYPES, IMPLS, random_bits
+from test_roundtrip import DEVICE_DTYPES, every_dtype_tree
 
 MiB = 1 << 20
 
@@ -33,17 +33,8 @@ def test_every_dtype_and_key_impl_round_trips_through_the_ring(mesh, tmp_path, m
     place = read_ring._place
     monkeypatch.setattr(read_ring, "_place", lambda view, out, device: placed.append(view.nbytes) or
                         place(view, out, device))
-    sharded = NamedSharding(mesh, P("data", "model"))
-    tree = {}
     with jax.enable_x64(True):
-        for name in DEVICE_DTYPES:
-            host = random_bits(name, (64, 6), seed=len(name) + 2)
-            tree[name] = {"sharded": jax.device_put(host, sharded),
-                          "single": jax.device_put(host[:5], single_device_sharding(jax.devices()[3])),
-                          "replicated": jax.device_put(host[:2], NamedSharding(mesh, P()))}
-        for impl in IMPLS:
-            key = jax.random.key(5, impl=impl)
-            tree[impl] = {"one": key, "batch": jax.device_put(jax.random.split(key, 16).reshape(8, 2), sharded)}
+        tree = every_dtype_tree(mesh, seed=2)
         with dio.LocalDispatcher(16 << 10, host_transfer="pinned", max_chunk_bytes=256, small_leaf_bytes=0,
                                  progress=False) as d:
             d.save(tmp_path / "ckpt", tree).wait()

@@ -352,6 +352,24 @@ def test_big_endian_numpy_leaves_are_their_values_in_native_byte_order(dispatche
 IMPLS = {"threefry2x32": "key<fry>", "rbg": "key<rbg>", "unsafe_rbg": "key<urbg>"}
 
 
+def every_dtype_tree(mesh, seed: int, single: int = 5, replicated: int = 2, device: int = 3) -> dict:
+    """{dtype name: {"sharded": a (64, 6) leaf over ``mesh``'s data x model, "single": its first ``single``
+    rows on device ``device``, "replicated": its first ``replicated`` rows on every device}} of every device
+    dtype, and {impl: {"one": a key, "batch": (8, 2) keys sharded}} of every PRNG key impl, from random
+    bits seeded by ``seed``. Build it under ``jax.enable_x64(True)`` (64-bit dtypes)."""
+    sharded = NamedSharding(mesh, P("data", "model"))
+    tree = {}
+    for name in DEVICE_DTYPES:
+        host = random_bits(name, (64, 6), seed=len(name) + seed)
+        tree[name] = {"sharded": jax.device_put(host, sharded),
+                      "single": jax.device_put(host[:single], single_device_sharding(jax.devices()[device])),
+                      "replicated": jax.device_put(host[:replicated], NamedSharding(mesh, P()))}
+    for impl in IMPLS:
+        key = jax.random.key(seed + 5, impl=impl)
+        tree[impl] = {"one": key, "batch": jax.device_put(jax.random.split(key, 16).reshape(8, 2), sharded)}
+    return tree
+
+
 def key_tree(mesh, impl):
     key = jax.random.key(42, impl=impl)
     batch = jax.random.split(key, 16).reshape(8, 2)

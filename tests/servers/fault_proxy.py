@@ -31,6 +31,7 @@ import time
 import urllib.parse
 
 from gcs_server import object_of
+from s3_server import LoopbackHTTPServer, QuietHandler
 
 _HOP = ("content-length", "transfer-encoding", "connection", "server", "date", "keep-alive")
 
@@ -68,13 +69,10 @@ def object_name(method: str, path: str) -> str | None:
     return urllib.parse.unquote(key) if bucket and key else None
 
 
-class SlowProxy(http.server.ThreadingHTTPServer):
+class SlowProxy(LoopbackHTTPServer):
     """Forwards every request to the server on ``upstream_port`` (loopback), slowing the ones
     :meth:`add` picks. ``endpoint`` is what to point TensorStore at; :meth:`stop` ends it and
     closes every connection it holds (stalled ones too)."""
-
-    daemon_threads = True
-    request_queue_size = 128
 
     def __init__(self, upstream_port: int):
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -130,19 +128,13 @@ class SlowProxy(http.server.ThreadingHTTPServer):
 
     def stop(self):
         self.stopping.set()
-        self.shutdown()
-        self.server_close()
+        super().stop()
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(QuietHandler):
     server: SlowProxy
 
-    def log_message(self, *args):
-        pass
-
-    def _handle(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    def answer(self, body: bytes):
         fault = self.server.fault_for(self.command, self.path)
         if fault is not None:
             self.server.stopping.wait()     # never answered; the connection closes when the proxy stops
@@ -187,5 +179,3 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             self.server.sent(self.command, len(data[start:start + step]))
             time.sleep(0.1)
-
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle

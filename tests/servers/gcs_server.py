@@ -18,14 +18,13 @@ conditional write is atomic with respect to every other change of that object.
 
 from __future__ import annotations
 
-import http.server
 import json
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from s3_server import LoopbackServer, relay
+from s3_server import LoopbackHTTPServer, LoopbackServer, QuietHandler, relay
 
 
 class FakeGcsServer(LoopbackServer):
@@ -67,13 +66,10 @@ def precondition_holds(query: dict[str, str], generation: int) -> bool:
     return True
 
 
-class GcsPreconditions(http.server.ThreadingHTTPServer):
+class GcsPreconditions(LoopbackHTTPServer):
     """Forwards every request to the GCS server on ``upstream_port``; an upload or delete whose
     generation precondition fails is answered 412 (``conditionNotMet``) without reaching it.
     ``refused`` lists (method, object name) of each request answered so."""
-
-    daemon_threads = True
-    request_queue_size = 128
 
     def __init__(self, upstream_port: int):
         super().__init__(("127.0.0.1", 0), _PreconditionHandler)
@@ -102,20 +98,10 @@ class GcsPreconditions(http.server.ThreadingHTTPServer):
                 return 0
             raise
 
-    def stop(self):
-        self.shutdown()
-        self.server_close()
-
-
-class _PreconditionHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _PreconditionHandler(QuietHandler):
     server: GcsPreconditions
 
-    def log_message(self, *args):
-        pass
-
-    def _handle(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    def answer(self, body: bytes):
         target = object_of(self.command, self.path)
         if target is None:
             relay(self, self.server.upstream_port, body)
@@ -140,8 +126,6 @@ class _PreconditionHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
         self.wfile.write(reply)
-
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
 
 
 def gcs_environment(endpoint: str) -> dict[str, str]:

@@ -68,13 +68,39 @@ class MotoServer(LoopbackServer):
         urllib.request.urlopen(request, timeout=10).close()
 
 
-class FaultyProxy(http.server.ThreadingHTTPServer):
-    """Forwards every request to ``upstream``; :meth:`fail` makes the next requests (optionally
-    only those of one HTTP method) answer ``status`` without reaching the server, each fault
-    on a different object (so a retry after backoff gets through)."""
+class LoopbackHTTPServer(http.server.ThreadingHTTPServer):
+    """A threaded HTTP server on a free loopback port (the tests' proxies and precondition layer),
+    up until :meth:`stop`."""
 
     daemon_threads = True
     request_queue_size = 128  # socketserver's 5 drops concurrent connects: each waits a 1 s SYN retry
+
+    def stop(self):
+        self.shutdown()
+        self.server_close()
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """HTTP/1.1, nothing logged; every method goes to :meth:`answer` with the request's body."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, body: bytes):
+        raise NotImplementedError
+
+    def _any(self):
+        self.answer(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _any
+
+
+class FaultyProxy(LoopbackHTTPServer):
+    """Forwards every request to ``upstream``; :meth:`fail` makes the next requests (optionally
+    only those of one HTTP method) answer ``status`` without reaching the server, each fault
+    on a different object (so a retry after backoff gets through)."""
 
     def __init__(self, upstream_port: int):
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
@@ -130,20 +156,10 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
                 out.append(dict(urllib.parse.parse_qsl(url.query))["name"])
         return out
 
-    def stop(self):
-        self.shutdown()
-        self.server_close()
-
-
-class _ProxyHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _ProxyHandler(QuietHandler):
     server: FaultyProxy
 
-    def log_message(self, *args):
-        pass
-
-    def _relay(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    def answer(self, body: bytes):
         status = self.server.fault_for(self.command, self.path)
         time.sleep(self.server.delay_for(self.path))
         if status is not None:
@@ -159,8 +175,6 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             with self.server.lock:
                 self.server.bytes_sent[self.command] = self.server.bytes_sent.get(self.command, 0) + sent
                 self.server.bytes_by_path[self.path] = self.server.bytes_by_path.get(self.path, 0) + sent
-
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
 
 
 def relay(handler: http.server.BaseHTTPRequestHandler, upstream_port: int, body: bytes) -> int | None:
