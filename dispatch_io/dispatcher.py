@@ -121,7 +121,7 @@ class Dispatcher:
         if incremental:  # only changed chunks are copied and written
             batches, increment, attachments = incremental_lib.plan_save(
                 location, packed, leaves, batches, self.options.checksums, attachments, self._digests, alone=own,
-                whole=incremental == "whole")
+                whole=incremental == "whole", copies=copies)
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,

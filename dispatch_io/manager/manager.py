@@ -104,8 +104,6 @@ class CheckpointManager(StepReads):
             self._decisions = SharedDecisions(room)
             self._last_saved_step = self._latest_persistent()
             self._last_save = root_steps.started(self.step_info, self._last_saved_step, self._clock())
-            if incremental and local is not None:
-                tiers.check_incremental(local)
             self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
                                                                      self._processes, self._root)
         except BaseException:

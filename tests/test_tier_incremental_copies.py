@@ -1,0 +1,52 @@
+"""Incremental local saves with replicas or parity (issue 45): a real 4-process x 2-CPU-device
+pure-FSDP job (tests/jobs/job_local_incremental_copies.py) saves a LoRA-shaped state (a frozen base,
+small adapters that change every step) every step with ``CheckpointManager(incremental=True)`` to a
+local tier with ``replicas=1`` or ``parity=2`` and ``LatestN(2)``:
+
+* each process stores its share of the base once -- and with replicas, the peer's share it keeps
+  once too -- however many steps it keeps (measured on disk); parity rows are stored whole in each
+  kept step (a third of a process's share here);
+* retention keeps the base's step (retired: unlisted, its bytes kept) while the kept steps reference it;
+* with one process's local directory deleted (a lost host), the restarted job restores the newest
+  step bit for bit through the tiers -- the lost share read from a peer's copy, or rebuilt from
+  parity -- reading nothing from the root.
+"""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from conftest import finish_job, start_job
+
+SHARE = 1024 * 256 * 4 // 4                               # a process's quarter of the 1 MiB base
+ADAPTERS = (1024 * 8 * 4 + 8 * 256 * 4) // 4              # a process's quarter of the adapters
+SLACK = 96 * 1024                                         # manifests, infos, markers of 3 steps
+
+
+def stored(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+@pytest.mark.parametrize("mode", ["replicas", "parity"])
+def test_a_lora_state_is_saved_incrementally_with_copies_and_restored_after_a_lost_process(tmp_path, mode):
+    root, local = tmp_path / "root", tmp_path / "local"
+    outs = finish_job(start_job("job_local_incremental_copies.py", [root, local / "{process}", mode, "train"]),
+                      limit=240)
+    for process, out in enumerate(outs):
+        steps = json.loads(re.search(r"^steps (\[.*\])$", out, re.M)[1])
+        refs = {int(s): r for s, r in json.loads(re.search(r"^references (\{.*\})$", out, re.M)[1]).items()}
+        assert steps == [1, 5, 6] and refs == {5: [1], 6: [1]}, out   # the base's step 1: retired, kept
+        size = stored(local / str(process))
+        if mode == "replicas":   # its own share and the peer's it keeps, once each; 3 steps' adapters
+            assert 2 * SHARE < size < 2 * SHARE + 3 * 2 * ADAPTERS + SLACK, (process, size)
+        else:   # its share once; each step folder's parity rows whole (k = 2: half a share each)
+            assert SHARE < size < SHARE + 3 * (ADAPTERS + (SHARE + ADAPTERS) // 2) + SLACK, (process, size)
+    shutil.rmtree(local / "1")   # process 1's host is gone with its disk
+    outs = finish_job(start_job("job_local_incremental_copies.py", [root, local / "{process}", mode, "resume"]),
+                      limit=240)
+    for out in outs:
+        assert re.search(r"^resumed 6 exact True persistent 0 0$", out, re.M), out
+    assert not root.exists() or not os.listdir(root)
