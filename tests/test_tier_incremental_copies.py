@@ -1,15 +1,19 @@
 """Incremental local saves with replicas or parity (issue 45): a real 4-process x 2-CPU-device
 pure-FSDP job (tests/jobs/job_local_incremental_copies.py) saves a LoRA-shaped state (a frozen base,
 small adapters that change every step) every step with ``CheckpointManager(incremental=True)`` to a
-local tier with ``replicas=1`` or ``parity=2`` and ``LatestN(2)``:
+local tier with ``replicas=1`` or ``parity=2``, ``LatestN(2)`` and ``promote=True`` (the root saves step 4):
 
 * each process stores its share of the base once -- and with replicas, the peer's share it keeps
   once too -- however many steps it keeps (measured on disk); parity rows are stored whole in each
   kept step (a third of a process's share here);
-* retention keeps the base's step (retired: unlisted, its bytes kept) while the kept steps reference it;
+* step 4, which promotion copies, is stored whole locally (the base of the steps after it); the root's
+  step 4 is complete on its own and bit-exact;
+* retention keeps the base's step (retired: unlisted, its bytes kept) while the kept steps reference
+  it, and deletes step 1 (the first base) once none does;
 * with one process's local directory deleted (a lost host), the restarted job restores the newest
-  step bit for bit through the tiers -- the lost share read from a peer's copy, or rebuilt from
-  parity -- reading nothing from the root.
+  step bit for bit through the tiers (``verify=True``: every chunk read, referenced ones too, checked
+  against its CRC-32C) -- the lost share read from a peer's copy, or rebuilt from parity -- reading
+  nothing from the root.
 """
 
 import json
@@ -38,7 +42,9 @@ def test_a_lora_state_is_saved_incrementally_with_copies_and_restored_after_a_lo
     for process, out in enumerate(outs):
         steps = json.loads(re.search(r"^steps (\[.*\])$", out, re.M)[1])
         refs = {int(s): r for s, r in json.loads(re.search(r"^references (\{.*\})$", out, re.M)[1]).items()}
-        assert steps == [1, 5, 6] and refs == {5: [1], 6: [1]}, out   # the base's step 1: retired, kept
+        # step 4 (promoted): stored whole, the base of 5 and 6 (retired: kept while they reference it)
+        assert steps == [4, 5, 6] and refs == {5: [4], 6: [4]}, out
+        assert re.search(r"^root 4 exact True verified True$", out, re.M), out
         size = stored(local / str(process))
         if mode == "replicas":   # its own share and the peer's it keeps, once each; 3 steps' adapters
             assert 2 * SHARE < size < 2 * SHARE + 3 * 2 * ADAPTERS + SLACK, (process, size)
@@ -47,6 +53,6 @@ def test_a_lora_state_is_saved_incrementally_with_copies_and_restored_after_a_lo
     shutil.rmtree(local / "1")   # process 1's host is gone with its disk
     outs = finish_job(start_job("job_local_incremental_copies.py", [root, local / "{process}", mode, "resume"]),
                       limit=240)
-    for out in outs:
+    for out in outs:   # the newest step from the local tier, though the root holds step 4
         assert re.search(r"^resumed 6 exact True persistent 0 0$", out, re.M), out
-    assert not root.exists() or not os.listdir(root)
+    assert sorted(os.listdir(root)) == ["4"]

@@ -5,11 +5,14 @@ saved every step to a local tier kept safe by replicas or parity, with ``Checkpo
     python job_local_incremental_copies.py PROCESS PORT ROOT LOCAL MODE PHASE
 
 MODE: ``replicas`` (``LocalTier(replicas=1)``) or ``parity`` (``parity=2``); ``keep_policy=LatestN(2)``,
-each process in its own directory (``LOCAL`` has ``{process}``), the root saving nothing.
+``promote=True``, each process in its own directory (``LOCAL`` has ``{process}``); the root saves step 4
+alone (``EveryNSteps(4)``), by promotion of its local copies.
 PHASE ``train``: steps 1..6, each waited for; prints ``steps [...]`` (the step folders in this process's
-directory, retired ones too) and ``references {step: [steps it references]}`` of its kept steps.
-PHASE ``resume``: restores the newest step through the tiers (the test deleted a process's directory
-first); prints ``resumed STEP exact BOOL persistent REGIONS BYTES`` (bit for bit against the state
+directory, retired ones too), ``references {step: [steps it references]}`` of its kept steps and
+``root 4 exact BOOL verified BOOL`` (the root's step 4 restored with the dispatcher, bit for bit, and
+every chunk checked against its CRC-32C).
+PHASE ``resume``: restores the newest step through the tiers, checking CRC-32Cs (the test deleted a
+process's directory first); prints ``resumed STEP exact BOOL persistent REGIONS BYTES`` (bit for bit against the state
 saved at that step; the regions and bytes read from the root).
 """
 
@@ -48,11 +51,15 @@ def exact(restored, step):
                for i in range(len(x.addressable_shards)))
 
 
+def target():
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state(0))
+
+
 tier = dio.LocalTier(local, save_policy=policies.EveryNSteps(1), keep_policy=policies.LatestN(2),
                      replicas=1 if mode == "replicas" else 0, parity=2 if mode == "parity" else 0,
-                     domains=(0, 0, 1, 1))
+                     domains=(0, 0, 1, 1), promote=True)
 with dio.LocalDispatcher(barrier_timeout=60, checksums=True) as dispatcher, \
-        dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(1000), local=tier,
+        dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(4), local=tier,
                               incremental=True) as mgr:
     mine = local.replace("{process}", str(process))
     if phase == "train":
@@ -66,9 +73,11 @@ with dio.LocalDispatcher(barrier_timeout=60, checksums=True) as dispatcher, \
                 refs[step] = sorted(int(r["step"]) for r in json.load(f).get("references", []))
         print(f"steps {sorted(int(s) for s in os.listdir(mine))}", flush=True)
         print(f"references {json.dumps(refs)}", flush=True)
+        promoted = dispatcher.restore(os.path.join(root, "4"), target())
+        print(f"root 4 exact {exact(promoted, 4)} verified {dispatcher.verify(os.path.join(root, '4')).verified}",
+              flush=True)
     else:
-        restored = mgr.restore(None, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                                 sharding=x.sharding), state(0)))
+        restored = mgr.restore(None, target(), verify=True)
         stats = mgr.last_tier_restore
         print(f"resumed {stats.step} exact {exact(restored, stats.step)} persistent {stats.persistent_regions} "
               f"{stats.bytes_read_persistent}", flush=True)
