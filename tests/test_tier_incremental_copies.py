@@ -5,7 +5,7 @@ local tier with ``replicas=1`` or ``parity=2``, ``LatestN(2)`` and ``promote=Tru
 
 * each process stores its share of the base once -- and with replicas, the peer's share it keeps
   once too -- however many steps it keeps (measured on disk); parity rows are stored whole in each
-  kept step (a third of a process's share here);
+  kept step (half a process's share here, k = 2), and deleted from a step retention retired;
 * step 4, which promotion copies, is stored whole locally (the base of the steps after it); the root's
   step 4 is complete on its own and bit-exact;
 * retention keeps the base's step (retired: unlisted, its bytes kept) while the kept steps reference
@@ -48,8 +48,10 @@ def test_a_lora_state_is_saved_incrementally_with_copies_and_restored_after_a_lo
         size = stored(local / str(process))
         if mode == "replicas":   # its own share and the peer's it keeps, once each; 3 steps' adapters
             assert 2 * SHARE < size < 2 * SHARE + 3 * 2 * ADAPTERS + SLACK, (process, size)
-        else:   # its share once; each step folder's parity rows whole (k = 2: half a share each)
-            assert SHARE < size < SHARE + 3 * (ADAPTERS + (SHARE + ADAPTERS) // 2) + SLACK, (process, size)
+        else:   # its share once; each kept step's parity rows whole (k = 2: half a share each), the retired's deleted
+            assert [(local / str(process) / str(s) / "parity").is_dir() for s in steps] == [False, True, True]
+            assert SHARE + 2 * SHARE // 2 < size < SHARE + 3 * ADAPTERS + 2 * (SHARE + ADAPTERS) // 2 + SLACK, \
+                (process, size)
     shutil.rmtree(local / "1")   # process 1's host is gone with its disk
     outs = finish_job(start_job("job_local_incremental_copies.py", [root, local / "{process}", mode, "resume"]),
                       limit=240)

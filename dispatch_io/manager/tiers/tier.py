@@ -253,7 +253,8 @@ class LocalTiers:
         within the barrier timeout, is raised here -- by :meth:`wait` -- naming the processes, and the
         step is not whole). Once whole: its info says ``"parity k"`` (its rows and every other
         process's committed), and the local steps the keep policy drops are deleted -- never the
-        step just agreed whole (logged, never raised: the save committed). ``now``: the save's
+        step just agreed whole (logged, never raised: the save committed), and the parity rows of the
+        steps it retired (``parity.drop_retired_rows``). ``now``: the save's
         job-wide time, if agreed (the policy then sees the same on every process)."""
         error = None
         try:
@@ -279,6 +280,8 @@ class LocalTiers:
             dropped = retention.steps_to_delete(records, self.tier.keep_policy, self._clock() if now is None else now)
             retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting and s != self.whole],
                                      lambda step: None)
+            if self._ring:   # a retired step's rows are never read again (incremental saves)
+                parity.drop_retired_rows(self.root)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
             logging.exception("dispatch_io: retention of the local tier %s failed", self.path)
 
