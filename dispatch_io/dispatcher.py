@@ -91,7 +91,8 @@ class Dispatcher:
         local-tier save (``held.own_plan``), committed by this process alone, unpacked; ``copies``
         (with ``own``): key path -> other processes' regions received here (``held.Replica``), saved too.
         ``incremental``: ``path`` is ``<root>/<step>``; chunks unchanged since the root's newest
-        committed step are stored by reference to it, not copied or written (``incremental.changes``);
+        committed step are stored by reference to it, not copied or written (``incremental.changes``;
+        with ``own``, the ``copies`` received too);
         ``"whole"``: every chunk written and its digest recorded, so the incremental saves after it can
         reference it (a local tier's step that promotion copies byte for byte).
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
