@@ -13,7 +13,7 @@ local tier with ``replicas=1`` or ``parity=2``, ``LatestN(2)`` and ``promote=Tru
 * with one process's local directory deleted (a lost host), the restarted job restores the newest
   step bit for bit through the tiers (``verify=True``: every chunk read, referenced ones too, checked
   against its CRC-32C) -- the lost share read from a peer's copy, or rebuilt from parity -- reading
-  nothing from the root.
+  nothing from the root; the job then goes on saving incrementally, each process against its own base.
 """
 
 import json
@@ -55,6 +55,8 @@ def test_a_lora_state_is_saved_incrementally_with_copies_and_restored_after_a_lo
     shutil.rmtree(local / "1")   # process 1's host is gone with its disk
     outs = finish_job(start_job("job_local_incremental_copies.py", [root, local / "{process}", mode, "resume"]),
                       limit=240)
-    for out in outs:   # the newest step from the local tier, though the root holds step 4
+    for process, out in enumerate(outs):   # the newest step from the local tier, though the root holds step 4
         assert re.search(r"^resumed 6 exact True persistent 0 0$", out, re.M), out
+        # then each goes on against its own base; process 1, its directory new, writes step 7 whole
+        assert f"\nthen 7 references {[] if process == 1 else [4]} exact True\n" in out, out
     assert sorted(os.listdir(root)) == ["4"]

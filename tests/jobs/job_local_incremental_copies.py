@@ -13,7 +13,8 @@ directory, retired ones too), ``references {step: [steps it references]}`` of it
 every chunk checked against its CRC-32C).
 PHASE ``resume``: restores the newest step through the tiers, checking CRC-32Cs (the test deleted a
 process's directory first); prints ``resumed STEP exact BOOL persistent REGIONS BYTES`` (bit for bit against the state
-saved at that step; the regions and bytes read from the root).
+saved at that step; the regions and bytes read from the root); then saves step 7 and prints ``then 7
+references [...] exact BOOL`` (the steps its manifest references; its restore through the tiers, bit for bit).
 """
 
 import json
@@ -81,4 +82,9 @@ with dio.LocalDispatcher(barrier_timeout=60, checksums=True) as dispatcher, \
         stats = mgr.last_tier_restore
         print(f"resumed {stats.step} exact {exact(restored, stats.step)} persistent {stats.persistent_regions} "
               f"{stats.bytes_read_persistent}", flush=True)
+        mgr.save(7, {**state(7), "base": restored["base"]})   # the job goes on: incremental against what is left
+        mgr.wait()
+        with open(os.path.join(mine, "7", "manifest.json")) as f:
+            print(f"then 7 references {sorted(int(r['step']) for r in json.load(f).get('references', []))} exact "
+                  f"{exact(mgr.restore(7, target()), 7)}", flush=True)
 jax.distributed.shutdown()
