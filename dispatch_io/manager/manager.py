@@ -67,7 +67,8 @@ class CheckpointManager(StepReads):
     store chunks unchanged since the newest step by reference (``save(..., incremental=...)`` per save;
     design.md "Incremental saves"), and local saves since each process's newest local step (with
     ``replicas`` the peers' regions it keeps too; with ``parity`` the rows are saved whole). Raises
-    ``TypeError`` for a policy used in the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad numbers or a keep policy given twice."""
+    ``TypeError`` for a policy used in the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad
+    numbers or a keep policy given twice."""
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: step_policies.Policy | None = None,
                  keep_policy: step_policies.Policy | None = None, max_to_keep: int | None = None,
