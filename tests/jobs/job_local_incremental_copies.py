@@ -1,5 +1,6 @@
 """One process of a 4-process x 2-CPU-device pure-FSDP job (run by tests/test_tier_incremental_copies.py):
-a LoRA-shaped state -- a frozen base sharded over the 8 devices, small adapters that change every step --
+a LoRA-shaped state -- a frozen base sharded over the 8 devices, a small frozen leaf on process 0's devices
+alone, small adapters that change every step --
 saved every step to a local tier kept safe by replicas or parity, with ``CheckpointManager(incremental=True)``.
 
     python job_local_incremental_copies.py PROCESS PORT ROOT LOCAL MODE PHASE
@@ -23,7 +24,7 @@ import sys
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io import policies
@@ -33,14 +34,21 @@ process, port, root, local, mode, phase = int(sys.argv[1]), sys.argv[2], sys.arg
 jax.distributed.initialize(f"127.0.0.1:{port}", 4, process)
 mesh = jax.make_mesh((8,), ("fsdp",))
 BASE = np.random.default_rng(0).standard_normal((1024, 256)).astype(np.float32)   # 1 MiB: 256 KiB a process
+SOLO = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)      # 8 KiB
 
 
 def sharded(value, spec):
     return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec), lambda i: value[i])
 
 
+def solo():   # a frozen leaf on process 0's devices alone: saved whole (one chunk), kept by a peer as a copy
+    devices = np.array([d for d in jax.devices() if d.process_index == 0])
+    return jax.make_array_from_callback(SOLO.shape, NamedSharding(Mesh(devices, ("x",)), P("x")), lambda i: SOLO[i],
+                                        dtype=SOLO.dtype)
+
+
 def state(step):
-    return {"base": sharded(BASE, P("fsdp", None)),
+    return {"base": sharded(BASE, P("fsdp", None)), "solo": solo(),
             "lora": {"a": sharded(np.full((1024, 8), step, np.float32), P("fsdp", None)),
                      "b": sharded(np.full((8, 256), -step, np.float32), P(None, "fsdp"))}}
 
@@ -64,9 +72,9 @@ with dio.LocalDispatcher(barrier_timeout=60, checksums=True) as dispatcher, \
                               incremental=True) as mgr:
     mine = local.replace("{process}", str(process))
     if phase == "train":
-        base = state(1)["base"]   # one jax.Array, as a frozen parameter is
+        frozen = {k: v for k, v in state(1).items() if k != "lora"}   # the same jax.Arrays, as frozen parameters are
         for step in range(1, 7):
-            mgr.save(step, {**state(step), "base": base})
+            mgr.save(step, {**state(step), **frozen})
             mgr.wait()
         refs = {}
         for step in mgr.local.steps():
