@@ -6,7 +6,7 @@ local tier with ``replicas=1`` or ``parity=2``, ``LatestN(2)`` and ``promote=Tru
 * each process stores its share of the base once -- and with replicas, the peer's share it keeps
   once too -- however many steps it keeps (measured on disk); parity rows are stored whole in each
   kept step (half a process's share here, k = 2), and deleted from a step retention retired;
-  a frozen leaf on process 0 alone (saved whole, one chunk) is referenced there and in its peer.s copy;
+  a frozen leaf on process 0 alone (saved whole, one chunk) is referenced there and in its peer's copy;
 * step 4, which promotion copies, is stored whole locally (the base of the steps after it); the root's
   step 4 is complete on its own and bit-exact;
 * retention keeps the base's step (retired: unlisted, its bytes kept) while the kept steps reference
