@@ -91,7 +91,8 @@ class Dispatcher:
         local-tier save (``held.own_plan``), committed by this process alone, unpacked; ``copies``
         (with ``own``): key path -> other processes' regions received here (``held.Replica``), saved too.
         ``incremental``: ``path`` is ``<root>/<step>``; chunks unchanged since the root's newest
-        committed step are stored by reference to it, not copied or written (``incremental.changes``);
+        committed step are stored by reference to it, not copied or written (``incremental.changes``;
+        with ``own``, the ``copies`` received too);
         ``"whole"``: every chunk written and its digest recorded, so the incremental saves after it can
         reference it (a local tier's step that promotion copies byte for byte).
         Raises before anything is written: ``TypeError`` (unsupported leaf, naming its key path;
@@ -121,7 +122,7 @@ class Dispatcher:
         if incremental:  # only changed chunks are copied and written
             batches, increment, attachments = incremental_lib.plan_save(
                 location, packed, leaves, batches, self.options.checksums, attachments, self._digests, alone=own,
-                whole=incremental == "whole")
+                whole=incremental == "whole", copies=copies)
         job = SaveJob(packed, manifest_lib.scalar_values(plan, leaves),
                       batches, location.display, on_transfer_end, on_write_end, started,
                       plan_seconds=time.perf_counter() - started, plan_cached=cached,

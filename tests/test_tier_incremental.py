@@ -3,8 +3,7 @@ a LoRA-shaped state (a large frozen base, small adapters that change every step)
 stores the base once under the local path; every kept step restores bit-exact; local retention
 retires a step still referenced and deletes it once nothing kept references it; a step promotion
 copies is stored whole, so the promoted step is complete on its own; each process of a real job
-stores its share of the base once; what is not built (replicas, parity) is refused with a
-ValueError naming it.
+stores its share of the base once (with replicas or parity: tests/test_tier_incremental_copies.py).
 
 Stored bytes are measured on disk (every file under the local path).
 """
@@ -19,7 +18,6 @@ import pytest
 import dispatch_io as dio
 from conftest import assert_trees_bit_equal, finish_job, start_job
 from dispatch_io import policies as P
-from dispatch_io.manager.tiers.tier import check_incremental
 
 BASE = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)   # 2 MiB, frozen
 ADAPTERS = 512 * 8 * 4 + 8 * 1024 * 4                                                # 48 KiB, changing
@@ -98,12 +96,14 @@ def test_each_process_of_a_job_stores_its_share_of_the_base_once(tmp_path):
         assert BASE.nbytes // 2 < int(found[1]) < BASE.nbytes // 2 + 7 * ADAPTERS // 2 + 256 * 1024, out
 
 
-def test_what_is_not_built_is_refused_naming_it(tmp_path):
-    with pytest.raises(ValueError, match=r"without replicas or parity .*replicas=1"):
-        check_incremental(dio.LocalTier(str(tmp_path), replicas=1))
-    check_incremental(dio.LocalTier(str(tmp_path)))   # no copies on peers: built
-    with dio.CheckpointManager(tmp_path / "root", local=dio.LocalTier(str(tmp_path / "local"))) as mgr:
-        mgr.save(1, lora(1), incremental=True).wait()   # a save's own incremental=True: the local tier's too
+def test_a_saves_own_incremental_is_the_local_tiers_too(tmp_path):
+    """``save(..., incremental=True)`` on a manager built without it saves the local step incrementally
+    too (replicas and parity: tests/test_tier_incremental_copies.py)."""
+    local = tmp_path / "local"
+    tier = dio.LocalTier(str(local), save_policy=P.EveryNSteps(1))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=P.EveryNSteps(5), local=tier) as mgr:
+        mgr.save(1, lora(1), incremental=True).wait()
         mgr.save(2, lora(2), incremental=True).wait()
         mgr.wait()
+        assert references(local / "2") == [1] and stored(local / "2") < 2 * ADAPTERS + 64 * 1024
         assert_trees_bit_equal(mgr.restore(2, lora(0)), lora(2))

@@ -145,7 +145,7 @@ def _known(base: tuple[str, dict] | None) -> dict:
 
 
 def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool,
-            cache: DigestCache, whole: bool = False) -> tuple[tuple[Batch, ...], Increment]:
+            cache: DigestCache, whole: bool = False, copies: dict | None = None) -> tuple[tuple[Batch, ...], Increment]:
     """This process's ``batches`` without the chunks unchanged since the base step, and the
     :class:`Increment` saying so (see the module doc). Each chunk is sampled (``digests.sample``:
     a few KiB of it); only a chunk whose sample is the base's (or that the base lacks) is digested
@@ -153,17 +153,21 @@ def prepare(location: Location, plan, leaves: list, batches: tuple[Batch, ...], 
     manifest entry is ``"<sample>"`` or ``"<sample>|<digest>"``. ``checksums``: the save records CRC-32Cs,
     so a chunk is taken as unchanged only where the step storing it has one to carry over;
     ``cache``: digests of arrays saved before; ``whole``: no base (every chunk written, its digest
-    recorded: a step that must hold every chunk itself, the base of the incremental saves after it)."""
+    recorded: a step that must hold every chunk itself, the base of the incremental saves after it);
+    ``copies``: a local-tier save's regions of other processes received here (leaf index ->
+    ``held.Replica``s, ``held.own_plan``), digested from the replicas like any chunk: a peer's region
+    unchanged since this process's base step is stored by reference too."""
     known = {} if whole else _known(base_of(location))
     wanted = [i for batch in batches for i in batch.chunks if plan.leaves[plan.chunks[i].leaf].packed is None]
     before = {i: _before(known, plan, i) for i in wanted}
-    samples = _digests(plan, leaves, wanted, cache, digests_lib.sample)
+    sources = Sources(plan, leaves, copies)
+    samples = _digests(sources, plan, leaves, wanted, cache, digests_lib.sample)
     # A full digest where the chunk may be unchanged (no base to tell, or its sample is the base's),
     # and for every chunk of a leaf that changed here only in part (sparse updates: a chunk that
     # changed now may not next time); not for the chunks of a leaf that changed everywhere here.
     maybe = {i for i in wanted if before[i] is None or before[i][0] == samples[i]}
     partly = {plan.chunks[i].leaf for i in maybe}
-    full = _digests(plan, leaves, [i for i in wanted if i in maybe or plan.chunks[i].leaf in partly], cache,
+    full = _digests(sources, plan, leaves, [i for i in wanted if i in maybe or plan.chunks[i].leaf in partly], cache,
                     digests_lib.digest)
     increment = Increment({i: samples[i] + (f"|{full[i]}" if i in full else "") for i in wanted}, {}, {})
     for i, cell in before.items():
@@ -195,11 +199,12 @@ def _before(known: dict, plan, i: int) -> tuple | None:
     return sampled, full or None, cell[1], cell[2]
 
 
-def _digests(plan, leaves: list, wanted: list[int], cache: DigestCache, how) -> dict[int, str]:
+def _digests(sources: Sources, plan, leaves: list, wanted: list[int], cache: DigestCache, how) -> dict[int, str]:
     """{chunk index: ``how(chunk data)``} (``digests.sample`` or ``digests.digest``) of the
-    ``wanted`` chunks: from ``cache``, or computed by up to 8 threads (the hash releases the GIL;
-    device digests are dispatched from them)."""
-    sources = Sources(plan, leaves)
+    ``wanted`` chunks, found in ``sources``: from ``cache``, or computed by up to 8 threads (the
+    hash releases the GIL; device digests are dispatched from them). The cache is keyed by the
+    leaf's array and the chunk's region, a peer's region received as a replica too: a
+    ``jax.Array`` is the same everywhere, so a replica of its region holds the same bytes."""
 
     def run(share: list[int]) -> list[tuple[int, str]]:
         return [(i, cache.get(leaves[plan.chunks[i].leaf], (plan.chunks[i].region, how.__name__),
@@ -242,12 +247,13 @@ def merger(increment: Increment, processes: int, process: int):
 
 
 def plan_save(location: Location, plan, leaves: list, batches: tuple[Batch, ...], checksums: bool, attachments,
-              cache: DigestCache, alone: bool = False, whole: bool = False):
+              cache: DigestCache, alone: bool = False, whole: bool = False, copies: dict | None = None):
     """(batches, ``SaveJob.increment``, attachments) of an incremental save (``Dispatcher.save``):
     :func:`prepare`, and in a multi-process job this process's decisions attached for the leader.
     ``alone``: a save this process commits by itself (``own=True``: a local tier's step, whose base
-    is this process's own newest local step), its decisions the whole manifest's. ``whole``: as :func:`prepare`."""
-    batches, increment = prepare(location, plan, leaves, batches, checksums, cache, whole)
+    is this process's own newest local step), its decisions the whole manifest's. ``whole``, ``copies``: as
+    :func:`prepare`."""
+    batches, increment = prepare(location, plan, leaves, batches, checksums, cache, whole, copies)
     processes, process = (1, 0) if alone else (jax.process_count(), jax.process_index())
     if processes > 1:
         attachments = dataclasses.replace(attachments, files={**attachments.files,

@@ -65,8 +65,10 @@ class CheckpointManager(StepReads):
     ``ValueError``). ``clock``: UNIX seconds, for the policies (tests pass their own). ``local``: a fast local tier
     (:class:`~dispatch_io.manager.tiers.tier.LocalTier`; design.md "Tiers"). ``incremental``: persistent saves
     store chunks unchanged since the newest step by reference (``save(..., incremental=...)`` per save;
-    design.md "Incremental saves"). Raises ``TypeError`` for a policy used in
-    the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad numbers or a keep policy given twice."""
+    design.md "Incremental saves"), and local saves since each process's newest local step (with
+    ``replicas`` the peers' regions it keeps too; with ``parity`` the rows are saved whole). Raises
+    ``TypeError`` for a policy used in the wrong role (``LatestN`` cannot decide saves), ``ValueError`` for bad
+    numbers or a keep policy given twice."""
 
     def __init__(self, root, dispatcher: Dispatcher | None = None, *, save_policy: step_policies.Policy | None = None,
                  keep_policy: step_policies.Policy | None = None, max_to_keep: int | None = None,
@@ -104,8 +106,6 @@ class CheckpointManager(StepReads):
             self._decisions = SharedDecisions(room)
             self._last_saved_step = self._latest_persistent()
             self._last_save = root_steps.started(self.step_info, self._last_saved_step, self._clock())
-            if incremental and local is not None:
-                tiers.check_incremental(local)
             self.local = None if local is None else tiers.LocalTiers(local, dispatcher, clock, self._process,
                                                                      self._processes, self._root)
         except BaseException:

@@ -14,6 +14,8 @@ device). The parity rows are saved after the step commits, as the step's nested 
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +23,27 @@ import numpy as np
 from absl import logging
 
 from dispatch_io import tree as tree_lib
+from dispatch_io.manager import incremental_retention
 from dispatch_io.manager.tiers import parity_plan, packed_rows
 from dispatch_io.plan.save_plan import device_regions
+from dispatch_io.storage import DirectoryRoot, StepRoot
 
 PARITY = "parity"   # the nested checkpoint of a local step that holds this process's parity rows
+
+
+def drop_retired_rows(root: StepRoot):
+    """Delete the parity rows (``<step>/parity``) of the steps of this process's local ``root`` that
+    retention retired (``incremental_retention``: unlisted, their arrays kept because a kept
+    incremental step references them). A retired step is never restored, so its rows are never read:
+    a lost process's regions of a kept step are rebuilt from that step's own rows (saved whole at
+    every step), its members' regions read through their references. A deletion cut short is
+    finished by the next call (nothing reads the rows meanwhile)."""
+    if not isinstance(root, DirectoryRoot):   # a local tier is a directory on each host
+        return
+    for step in incremental_retention.retired_steps(root):
+        rows = os.path.join(root.step_path(step), PARITY)
+        if os.path.isdir(rows):
+            shutil.rmtree(rows)
 
 
 def placement(k: int, domains: list, count: int) -> tuple[int, ...]:

@@ -35,16 +35,6 @@ from dispatch_io.save.job import Attachments
 from dispatch_io.storage import StepRoot, step_files
 
 
-def check_incremental(tier: "LocalTier"):
-    """ValueError unless incremental local saves are built for ``tier``: without replicas or parity
-    (each process's local steps reference only its own older steps; a peer's copy of a region or a
-    parity row saved incrementally is not built yet)."""
-    if tier.replicas or tier.parity:
-        raise ValueError("incremental=True with a local tier is built without replicas or parity only (this tier "
-                         f"has replicas={tier.replicas}, parity={tier.parity}): save the local tier in full "
-                         "(CheckpointManager(incremental=False)) or keep no copies on peers")
-
-
 @dataclasses.dataclass(frozen=True)
 class LocalTier:
     """A fast local tier beside a manager's persistent root (``CheckpointManager(local=...)``).
@@ -210,14 +200,14 @@ class LocalTiers:
                          {k: info[k] for k in ("items", "metrics", "metadata")}, **save_kwargs)
 
     def incremental_kwargs(self, save_kwargs: dict, persist: bool) -> dict:
-        """``save_kwargs`` for a local save: ``incremental`` (the manager's, or the save's own) on where
-        this process's local steps can reference each other -- the base, this process's newest local
-        step, holds what it referenced -- and off for a step promotion will copy byte for byte
-        (``persist`` with ``LocalTier(promote=True)``: it must hold every chunk itself). Raises as
-        :func:`check_incremental`."""
+        """``save_kwargs`` for a local save: ``incremental`` (the manager's, or the save's own) as it
+        asks -- each process's local step references its own newest local step (its base), for its
+        own regions and the peers' regions it keeps (``replicas``) alike; parity rows (a step's nested
+        ``parity`` checkpoint) are always saved whole -- and ``"whole"`` for a step promotion will copy
+        byte for byte (``persist`` with ``LocalTier(promote=True)``: it must hold every chunk itself,
+        its digests recorded for the steps after it). See docs/design.md "Incremental local steps"."""
         if not save_kwargs.get("incremental"):
             return save_kwargs
-        check_incremental(self.tier)
         return {**save_kwargs, "incremental": "whole" if persist and self.tier.promote else True}
 
     def save(self, step: int, tree, files=None, described=None, **save_kwargs) -> SaveHandle:
@@ -263,7 +253,8 @@ class LocalTiers:
         within the barrier timeout, is raised here -- by :meth:`wait` -- naming the processes, and the
         step is not whole). Once whole: its info says ``"parity k"`` (its rows and every other
         process's committed), and the local steps the keep policy drops are deleted -- never the
-        step just agreed whole (logged, never raised: the save committed). ``now``: the save's
+        step just agreed whole (logged, never raised: the save committed), and the parity rows of the
+        steps it retired (``parity.drop_retired_rows``). ``now``: the save's
         job-wide time, if agreed (the policy then sees the same on every process)."""
         error = None
         try:
@@ -289,6 +280,8 @@ class LocalTiers:
             dropped = retention.steps_to_delete(records, self.tier.keep_policy, self._clock() if now is None else now)
             retention.delete_dropped(self.root, [s for s in dropped if s not in self.promoting and s != self.whole],
                                      lambda step: None)
+            if self._ring:   # a retired step's rows are never read again (incremental saves)
+                parity.drop_retired_rows(self.root)
         except Exception:  # noqa: BLE001 - logged; the next local save tries again
             logging.exception("dispatch_io: retention of the local tier %s failed", self.path)
 
