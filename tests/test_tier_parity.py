@@ -8,6 +8,7 @@ ones is read from memory whole; with process ids permuted on a restart, parity r
 rows are of the savers' places in the ring) and the job resumes an older step, bit-exact."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -211,3 +212,143 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
         sh.flip_byte(sh.chunks(tmp_path / "8", "['s']")[(0, 0)])
         with contextlib.closing(rebuild_reads.Source(str(tmp_path / "8"), d.runner)) as source:
             assert source.read(wanted) == dict.fromkeys(wanted)
+
+
+def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=()):
+    """``rebuild.run`` in ``n`` threads standing for ``n`` single-device processes (ring 0..n-1, rows
+    of ``k`` pieces) of which ``lost`` have lost their copies: the rows the job saved (``packed_rows``,
+    as ``parity.encode`` packs them), each process's own parity section (``parity.record``), its parity
+    rows XORed from them, its regions as the restore's local pass read them (``have``; none for the
+    ``unreadable`` (process, key path) and the copy it falls back to is not there), and a room on an
+    in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
+    check (as ``rebuild._parity_rows`` finds). Only the collective (``_send``, a mailbox per round here) and the manifest's
+    sharing are stood in for. Returns ({lost process: its rebuilt regions}, {lost process: its
+    regions left out}, {process: bytes received})."""
+    import concurrent.futures
+    import threading
+
+    import jax
+    import numpy as np
+
+    from dispatch_io.manager.tiers import packed_rows, parity, rebuild
+    from dispatch_io.multihost.coordination import Room
+    from test_coordination import MemoryService
+
+    devices = sorted(jax.devices(), key=lambda d: d.id)[:n]
+    order, by_process = tuple(range(n)), {p: [devices[p]] for p in range(n)}
+    group = [packed_rows.leaf(f"['{name}']", array) for name, array in tree.items()]
+    sections = {}
+    for p in range(n):   # each process records its own section
+        with monkeypatch.context() as patch:
+            patch.setattr(parity.jax, "process_index", lambda p=p: p)
+            sections[p] = parity.record([group], order, k, by_process)
+    W = sections[0]["groups"][0]["W"]
+    shards = [{s.device: s.data for s in item.data.addressable_shards} for item in group]
+    rows = {p: np.asarray(packed_rows.row(group, devices[p], shards, by_bytes=True,
+                                          pad=W - sum(item.nbytes for item in group)))[0] for p in range(n)}
+    width = W // k
+    parity_rows = {h: np.bitwise_xor.reduce([rows[m][j * width:(j + 1) * width] for j, m in enumerate(covered)])
+                   for h, covered in parity_plan.members(order, k).items()}
+    regions = {p: {} for p in range(n)}   # {process: {(key path, stored bounds): its region}}
+    for item in group:
+        for shard in item.data.addressable_shards:
+            bounds = tuple((s.start or 0, m if s.stop is None else s.stop) for s, m in zip(shard.index, item.data.shape))
+            regions[devices.index(shard.device)][(item.keypath, bounds)] = np.asarray(shard.data)
+
+    me, wire = threading.local(), {"box": {}, "cond": threading.Condition()}
+
+    def send(row, moves):
+        calls = me.calls
+        calls[moves] = calls.get(moves, -1) + 1
+        out = next((m for m in moves if m[0] == me.p), None)
+        into = next((m for m in moves if m[1] == me.p), None)
+        with wire["cond"]:
+            if out is not None:
+                wire["box"][(moves, calls[moves], me.p)] = np.array(row)
+                wire["cond"].notify_all()
+            if into is None:
+                return np.zeros_like(row)
+            key = (moves, calls[moves], into[0])
+            assert wire["cond"].wait_for(lambda: key in wire["box"], 60), key
+            return wire["box"].pop(key)
+
+    def parity_read(source, rows_):
+        p = int(source.path.split(os.sep)[-3])
+        return ({}, {0}) if p in bad_rows else ({0: parity_rows[p].copy()}, set())
+
+    @dataclasses.dataclass(frozen=True)
+    class Described:
+        leaves: tuple = ()
+
+    monkeypatch.setattr(rebuild, "_send", send)
+    monkeypatch.setattr(rebuild, "_parity_rows", parity_read)
+    monkeypatch.setattr(rebuild.job_steps, "share_manifest", lambda *args: None)
+    monkeypatch.setattr(rebuild, "parse_manifest", lambda doc, path: Described())
+    class Service(MemoryService):   # with the barriers a gather ends with
+        def wait_at_barrier(self, name, timeout_in_ms):
+            with self.cond:
+                self.values[name] = str(int(self.values.get(name, "0")) + 1)
+                self.cond.notify_all()
+                if not self.cond.wait_for(lambda: int(self.values[name]) % n == 0, timeout_in_ms / 1000):
+                    raise RuntimeError(f"DEADLINE_EXCEEDED: {name}")
+
+    service = Service()
+    having = [p for p in range(n) if p not in lost]
+
+    def process(p):
+        me.p, me.calls = p, {}
+        room = Room(service, p, n, 30, "restore", "simulated", "the simulated restore")
+        have = lambda kp, bounds: None if (p, kp) in unreadable else regions[p].get((kp, bounds))  # noqa: E731
+        return rebuild.run(8, dict.fromkeys(lost), {q: sections[q] for q in having}, having, room,
+                           lambda described: (None, []), process=p, step_path=f"/nonexistent/{p}/8",
+                           runner=None, have=have)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        results = [f.result(timeout=120) for f in [pool.submit(process, p) for p in range(n)]]
+    rebuilt = {p: results[p][0].regions for p in lost}
+    for p in lost:
+        for (kp, bounds), want in regions[p].items():
+            got = rebuilt[p].get(kp, {}).get(bounds)
+            if got is not None:   # what came back comes back bit for bit, in its dtype
+                assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (p, kp, bounds)
+    return rebuilt, {p: results[p][1] for p in lost}, {p: results[p][2] for p in range(n)}
+
+
+def _mixed_tree(n):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[:n]), ("x",))
+    on = NamedSharding(mesh, P("x"))
+    values = np.arange(-700, 700) * 37 % 251
+    return {"bf": jax.device_put(values[:n * 6].reshape(n * 2, 3).astype(jnp.bfloat16), on),
+            "f8": jax.device_put((values[:n * 5] / 7).astype(jnp.float8_e4m3fn), on),
+            "f": jax.device_put(values[:n * 3].astype(np.float32) / 3, on),
+            "key": jax.device_put(jax.random.split(jax.random.key(3), n), on)}
+
+
+def test_a_rebuild_with_three_pieces_brings_back_two_lost_processes_of_different_groups(monkeypatch):
+    """k = 3 over 8 processes, processes 1 and 5 lost (no group holds both): each holder XORs two
+    members' pieces into its parity row (``into_holder``, k > 2) and every lost region -- bfloat16,
+    float8, float32, PRNG key data -- comes back bit for bit, each lost process receiving its row once."""
+    rebuilt, failed, received = _simulated_rebuild(monkeypatch, 8, 3, (1, 5), _mixed_tree(8))
+    assert failed == {1: {}, 5: {}}
+    assert all(len(rebuilt[p][kp]) == 1 for p in (1, 5) for kp in ("['bf']", "['f8']", "['f']", "['key']")), rebuilt
+    holders = {h for p in (1, 5) for _, h, _ in parity_plan.sources(tuple(range(8)), 3, p)}
+    assert holders == {0, 7, 6, 4, 3, 2}
+    assert received[1] == received[5] == max(received.values()) and received[1] > 0, received
+
+
+def test_a_bad_parity_row_or_member_region_loses_only_the_lost_regions_it_feeds(monkeypatch):
+    """k = 3 over 8, 1 and 5 lost; the row (39 bytes, pieces of 13): bf [0, 12), f8 [12, 17), f [17, 29),
+    key [29, 37). The parity row of process 0 (process 1's piece 0) failing its check loses
+    process 1's bf and f8 (each with a byte in piece 0); process 6's key region, not in memory and its copy
+    gone, loses its piece 2, which feeds process 5's piece 1 (through holder 3): 5's f8 and f. Process 6's
+    bf, in its piece 0 (covered by 5's parity, not used), loses nothing. The rest comes back bit for bit."""
+    rebuilt, failed, _ = _simulated_rebuild(monkeypatch, 8, 3, (1, 5), _mixed_tree(8), bad_rows={0},
+                                            unreadable={(6, "['bf']"), (6, "['key']")})
+    assert failed == {1: {"['bf']": [[[2, 4], [0, 3]]], "['f8']": [[[5, 10]]]},
+                      5: {"['f8']": [[[25, 30]]], "['f']": [[[15, 18]]]}}, failed
+    assert sorted(rebuilt[1]) == ["['f']", "['key']"] and sorted(rebuilt[5]) == ["['bf']", "['key']"], rebuilt
