@@ -214,7 +214,7 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
             assert source.read(wanted) == dict.fromkeys(wanted)
 
 
-def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=()):
+def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=(), absent=(), timeout=30):
     """``rebuild.run`` in ``n`` threads standing for ``n`` single-device processes (ring 0..n-1, rows
     of ``k`` pieces) of which ``lost`` have lost their copies: the rows the job saved (``packed_rows``,
     as ``parity.encode`` packs them), each process's own parity section (``parity.record``), its parity
@@ -222,7 +222,8 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     ``unreadable`` (process, key path) and the copy it falls back to is not there), and a room on an
     in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
     check (as ``rebuild._parity_rows`` finds). Only the collective (``_send``, a mailbox per round here) and the manifest's
-    sharing are stood in for. Returns ({lost process: its rebuilt regions}, {lost process: its
+    sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s): then
+    it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
     regions left out}, {process: bytes received})."""
     import concurrent.futures
     import threading
@@ -258,6 +259,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     me, wire = threading.local(), {"box": {}, "cond": threading.Condition()}
 
     def send(row, moves):
+        assert not absent, "a collective entered without every process"
         calls = me.calls
         calls[moves] = calls.get(moves, -1) + 1
         out = next((m for m in moves if m[0] == me.p), None)
@@ -297,14 +299,17 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
 
     def process(p):
         me.p, me.calls = p, {}
-        room = Room(service, p, n, 30, "restore", "simulated", "the simulated restore")
+        room = Room(service, p, n, timeout, "restore", "simulated", "the simulated restore")
         have = lambda kp, bounds: None if (p, kp) in unreadable else regions[p].get((kp, bounds))  # noqa: E731
         return rebuild.run(8, dict.fromkeys(lost), {q: sections[q] for q in having}, having, room,
                            lambda described: (None, []), process=p, step_path=f"/nonexistent/{p}/8",
                            runner=None, have=have)
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        results = [f.result(timeout=120) for f in [pool.submit(process, p) for p in range(n)]]
+        futures = {p: pool.submit(process, p) for p in range(n) if p not in absent}
+        if absent:
+            return {p: f.exception(timeout=120) for p, f in futures.items()}
+        results = [futures[p].result(timeout=120) for p in range(n)]
     rebuilt = {p: results[p][0].regions for p in lost}
     for p in lost:
         for (kp, bounds), want in regions[p].items():
@@ -352,3 +357,16 @@ def test_a_bad_parity_row_or_member_region_loses_only_the_lost_regions_it_feeds(
     assert failed == {1: {"['bf']": [[[2, 4], [0, 3]]], "['f8']": [[[5, 10]]]},
                       5: {"['f8']": [[[25, 30]]], "['f']": [[[15, 18]]]}}, failed
     assert sorted(rebuilt[1]) == ["['f']", "['key']"] and sorted(rebuilt[5]) == ["['bf']", "['key']"], rebuilt
+
+
+def test_a_process_missing_when_the_rebuild_starts_is_named_before_any_collective(monkeypatch):
+    """Process 3 (a member of process 1's groups) never comes to the rebuild: every other process
+    raises BarrierTimeoutError naming it at ``rebuilding/<step>``, within the timeout, without
+    entering a round's collective (where it would wait for 3 for ever)."""
+    from dispatch_io.errors import BarrierTimeoutError
+
+    raised = _simulated_rebuild(monkeypatch, 4, 2, (1,), _mixed_tree(4), absent=(3,), timeout=2)
+    assert sorted(raised) == [0, 1, 2]
+    for p, exc in raised.items():
+        assert isinstance(exc, BarrierTimeoutError) and exc.processes == [3], (p, exc)
+        assert "rebuilding/8" in str(exc) or "rebuilding/8" in exc.barrier, (p, exc)
