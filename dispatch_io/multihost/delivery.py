@@ -14,7 +14,8 @@ and of one size S (:func:`replica_groups`), the job is partitioned into groups o
 all-gathered *within* each group: a process receives the rows of the S - 1 other holders of
 its regions, nothing else; a round's collective runs over the groups in which a member reads
 (the others, agreeing from the same plan, take part in none). Leaves with the same groups
-(sorted: one partition, one key) share rounds. Where the holder sets
+(sorted: one partition, one key) share rounds; the rounds of different partitions are taken in
+turn, so their readers read at the same time. Where the holder sets
 overlap or differ in size, one group holds the whole job (an all-gather over every process, the
 fallback: correct for any sharding, every process receiving every row).
 
