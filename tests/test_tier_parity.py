@@ -370,3 +370,42 @@ def test_a_process_missing_when_the_rebuild_starts_is_named_before_any_collectiv
     for p, exc in raised.items():
         assert isinstance(exc, BarrierTimeoutError) and exc.processes == [3], (p, exc)
         assert "rebuilding/8" in str(exc) or "rebuilding/8" in exc.barrier, (p, exc)
+
+
+def test_a_rebuild_takes_from_memory_only_regions_held_as_stored():
+    """``Fill.in_memory`` (a member's ``have`` in a rebuild after the local pass) hands over a region's
+    host buffer only as stored: not one read as another dtype (``cast=True``: float32 read as bfloat16,
+    or as int32, the same size), not a region its own read left out (failed its check), not one it does
+    not hold whole in one buffer (another mesh's region, a ``whole`` result placed early, its buffers
+    gone); a PRNG key's data (stored bounds with the key's dimension) is handed over as it is."""
+    import numpy as np
+
+    from dispatch_io import tree
+    from dispatch_io.manager.tiers.tier_fill import Fill
+    from dispatch_io.manifest import SavedLeaf
+    from dispatch_io.read.targets import DEVICE, Output
+    from dispatch_io.workers import ArraySpec
+
+    def output(name, shape, stored_dtype, dtype, kind=tree.ARRAY, trail=()):
+        stored = ArraySpec(name, tuple(shape) + trail, stored_dtype, tuple(shape) + trail)
+        return Output(SavedLeaf(f"['{name}']", kind, "jax", tuple(shape), np.dtype(stored_dtype), stored=stored),
+                      DEVICE, np.dtype(dtype))
+
+    same, bf, i32 = output("f", (8, 4), "float32", "float32"), output("b", (8, 4), "float32", "bfloat16"), \
+        output("i", (8, 4), "float32", "int32")
+    key = output("k", (8,), "uint32", "uint32", tree.KEY, (2,))
+    region = ((0, 4), (0, 4))
+    for out in (same, bf, i32):
+        out.buffers[region] = np.zeros((4, 4), out.dtype)
+    key.buffers[((0, 4),)] = np.arange(8, dtype=np.uint32).reshape(4, 2)
+    fill = Fill.__new__(Fill)
+    fill.outputs = [same, bf, i32, key, 7]   # a Python scalar's output is no Output
+    have = fill.in_memory({"['f']": [[[4, 8], [0, 4]]]})
+    assert have("['f']", region) is same.buffers[region]
+    assert have("['b']", region) is None and have("['i']", region) is None      # cast: read from the copy
+    assert have("['k']", ((0, 4), (0, 2))) is key.buffers[((0, 4),)]
+    assert have("['f']", ((0, 2), (0, 4))) is None and have("['x']", region) is None
+    same.buffers[((4, 8), (0, 4))] = np.zeros((4, 4), np.float32)
+    assert have("['f']", ((4, 8), (0, 4))) is None                              # its read failed its check
+    same.buffers.clear()                                                        # placed early: buffers gone
+    assert have("['f']", region) is None
