@@ -25,8 +25,9 @@ restore takes them from the next source (the root), or an older step.
 It goes one row group (``packed_rows.ROW_BYTES`` per device at most) at a time: a feeder holds one
 group's pieces (and a holder the next group's parity rows) on the host at once, whatever its share.
 
-Costs: the holders read their parity rows (1/k of a share); each member sends ``k - 1`` pieces of
-1/k of its protected share per lost process it feeds, each holder one; a lost process holds its
+Costs: the holders read their parity rows (1/k of a share); per lost process, each member sends one
+piece (1/k of its protected rows) per group of the lost process's it is in -- ``k - |d|`` for the
+member ``d`` places from it in the ring, ``k (k - 1)`` in all --, each holder one; a lost process holds its
 rebuilt share on the host until the restore has placed it (beyond the restore's staging bound).
 """
 
