@@ -409,3 +409,24 @@ def test_a_rebuild_takes_from_memory_only_regions_held_as_stored():
     assert have("['f']", ((4, 8), (0, 4))) is None                              # its read failed its check
     same.buffers.clear()                                                        # placed early: buffers gone
     assert have("['f']", region) is None
+
+
+def test_with_three_pieces_a_lost_process_is_rebuilt_through_holders_xoring_two_members(tmp_path):
+    """``LocalTier(parity=3)`` over the 4 processes (ring 0, 2, 1, 3: each holder covers the 3
+    others): process 2's disk wiped, each of its 3 pieces is finished by a holder that XORs the pieces
+    of the group's 2 other members -- sent over the devices, from what they read in the local pass --
+    into its parity row; the job resumes step 8 bit-exact, nothing from the root, process 2 receiving
+    its rows once (3 pieces of a third) and each holder 2 pieces."""
+    extra = {"DIO_TEST_PARITY": "3"}
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, extra)
+    info = json.loads((tmp_path / "local" / "0" / "8" / "info.json").read_text())
+    assert (info["parity"]["k"], info["durability"]) == (3, "parity 3"), info
+    rows = sum(group["W"] for group in info["parity"]["groups"]) * 2   # a process's rows, 2 devices
+    shutil.rmtree(str(local).replace("{process}", "2"))
+    results = _run(root, local, "resume", extra=extra)
+    print("parity 3, process 2 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[2][3] == SHARE, results             # 2: its share rebuilt, read from memory
+    # holders 0, 3, 1 (pieces 0, 1, 2); 2 gets b from a peer too
+    assert [r[5] for r in results] == [2 * rows // 3, 2 * rows // 3, rows + B, 2 * rows // 3], results
