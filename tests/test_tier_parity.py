@@ -430,3 +430,28 @@ def test_with_three_pieces_a_lost_process_is_rebuilt_through_holders_xoring_two_
     assert results[2][3] == SHARE, results             # 2: its share rebuilt, read from memory
     # holders 0, 3, 1 (pieces 0, 1, 2); 2 gets b from a peer too
     assert [r[5] for r in results] == [2 * rows // 3, 2 * rows // 3, rows + B, 2 * rows // 3], results
+
+
+def test_a_lost_process_is_rebuilt_under_a_restore_that_casts(tmp_path):
+    """A restore with ``cast=True`` (w as bfloat16, m as float32) after process 1's disk is wiped:
+    the members' buffers hold the cast values, so a rebuild cannot take them from memory
+    (``Fill.in_memory``: only buffers as stored) -- it reads those regions from their copies -- and
+    every process's result is the stored values cast, bit for bit, nothing from the root; a flipped
+    byte in process 3's own w region (fed to process 1's piece 0 through process 2's group, k = 2)
+    at step 6 sends process 1's k and m regions of that device, and that region of 3's, to the root,
+    cast alike."""
+    extra = {**PARITY, "DIO_TEST_CAST": "1"}
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, PARITY)
+    shutil.rmtree(str(local).replace("{process}", "1"))
+    results = _run(root, local, "resume", extra=extra)
+    print("cast, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    for p in (0, 2, 3):   # at step 6 (persisted), with a flipped byte in a member's region
+        shutil.rmtree(tmp_path / "local" / str(p) / "8")
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "3" / "6", "['w']")[(7, 0)])    # rows 56:64, process 3's device 7
+    results = _run(root, local, "resume", extra=extra)
+    print("cast, process 1 lost, a bad member region:", results)
+    assert all(r[1:3] == (6, True) for r in results), results
+    km = 2 * 4 + 16 * 8 * 4                                  # a device's k[i:i+1] and m[:, 8i:8i+8] (bytes as stored)
+    assert [r[4] for r in results] == [0, km, 0, 8 * 16 * 4], results

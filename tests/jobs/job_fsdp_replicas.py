@@ -21,6 +21,8 @@ fast); prints ``local steps [...]``. MODE ``promote``: as
 With ``DIO_TEST_PARITY=K`` the tier keeps parity of groups of K instead of the replica
 (``LocalTier(parity=K)``); with ``DIO_TEST_DURABILITY`` its restores require that durability; ``resume`` then first prints ``steps {step: durability}`` (the job's
 listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` (TierRestoreStats).
+With ``DIO_TEST_CAST`` the restores read ``w`` as bfloat16 and ``m`` as float32 (``cast=True``), compared
+with the values cast.
 """
 
 import os
@@ -28,6 +30,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -49,6 +52,8 @@ targets = {"reshard": jax.make_mesh((2, 4), ("data", "fsdp")),   # each process'
            "narrow": Mesh(np.array([min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
                                     for p in range(4)]), ("fsdp",))}
 target = STATE.target(targets.get(mode, mesh))
+CAST = {"w": jnp.bfloat16, "m": np.float32} if os.environ.get("DIO_TEST_CAST") else {}   # restored with cast=True
+target = {name: jax.ShapeDtypeStruct(t.shape, CAST.get(name, t.dtype), sharding=t.sharding) for name, t in target.items()}
 tier = dio.LocalTier(local, save_policy=local_policy, replicas=0 if parity else 1, parity=parity, domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier,
@@ -74,11 +79,12 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
     for _ in range(2):  # the second restore's bytes read from /proc/self/io (the first reads modules as well)
         with open("/proc/self/io") as f:
             rchar = -int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
-        restored = mgr.restore(None, target, durability=os.environ.get("DIO_TEST_DURABILITY", "local"))
+        restored = mgr.restore(None, target, durability=os.environ.get("DIO_TEST_DURABILITY", "local"),
+                               **({"cast": True} if CAST else {}))
         with open("/proc/self/io") as f:
             rchar += int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
     s = mgr.last_tier_restore
-    exact = STATE.exact(restored, s.step)
+    exact = STATE.exact(restored, s.step, CAST)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
           f"received {s.bytes_received} rchar {rchar}", flush=True)
     if parity:
