@@ -432,11 +432,13 @@ def test_with_three_pieces_a_lost_process_is_rebuilt_through_holders_xoring_two_
     assert [r[5] for r in results] == [2 * rows // 3, 2 * rows // 3, rows + B, 2 * rows // 3], results
 
 
-def test_a_lost_process_is_rebuilt_under_a_restore_that_casts(tmp_path):
+def test_a_lost_process_is_rebuilt_under_a_restore_that_casts_or_renames(tmp_path):
     """A restore with ``cast=True`` (w as bfloat16, m as float32) after process 1's disk is wiped:
     the members' buffers hold the cast values, so a rebuild cannot take them from memory
     (``Fill.in_memory``: only buffers as stored) -- it reads those regions from their copies -- and
-    every process's result is the stored values cast, bit for bit, nothing from the root; a flipped
+    every process's result is the stored values cast, bit for bit, nothing from the root. One with the
+    target's leaves renamed, read through ``names=`` (the members' buffers looked up by saved key path):
+    bit-exact, nothing from the root, the holders receiving one piece each. A flipped
     byte in process 3's own w region (fed to process 1's piece 0 through process 2's group, k = 2)
     at step 6 sends process 1's k and m regions of that device, and that region of 3's, to the root,
     cast alike."""
@@ -447,6 +449,10 @@ def test_a_lost_process_is_rebuilt_under_a_restore_that_casts(tmp_path):
     results = _run(root, local, "resume", extra=extra)
     print("cast, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    results = _run(root, local, "resume", extra={**PARITY, "DIO_TEST_NAMES": "1"})   # the leaves renamed: names=
+    print("names=, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[1][3] == SHARE and [r[5] for r in results] == [ROWS // 2, ROWS + B, ROWS // 2, 0], results
     for p in (0, 2, 3):   # at step 6 (persisted), with a flipped byte in a member's region
         shutil.rmtree(tmp_path / "local" / str(p) / "8")
     sh.flip_byte(sh.chunks(tmp_path / "local" / "3" / "6", "['w']")[(7, 0)])    # rows 56:64, process 3's device 7

@@ -22,7 +22,8 @@ With ``DIO_TEST_PARITY=K`` the tier keeps parity of groups of K instead of the r
 (``LocalTier(parity=K)``); with ``DIO_TEST_DURABILITY`` its restores require that durability; ``resume`` then first prints ``steps {step: durability}`` (the job's
 listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` (TierRestoreStats).
 With ``DIO_TEST_CAST`` the restores read ``w`` as bfloat16 and ``m`` as float32 (``cast=True``), compared
-with the values cast.
+with the values cast; with ``DIO_TEST_NAMES`` the target's leaves are named in upper case and read
+through ``names=`` (the saved name: the lower case).
 """
 
 import os
@@ -54,6 +55,9 @@ targets = {"reshard": jax.make_mesh((2, 4), ("data", "fsdp")),   # each process'
 target = STATE.target(targets.get(mode, mesh))
 CAST = {"w": jnp.bfloat16, "m": np.float32} if os.environ.get("DIO_TEST_CAST") else {}   # restored with cast=True
 target = {name: jax.ShapeDtypeStruct(t.shape, CAST.get(name, t.dtype), sharding=t.sharding) for name, t in target.items()}
+NAMES = bool(os.environ.get("DIO_TEST_NAMES"))   # the target's leaves renamed (upper case), read through names=
+if NAMES:
+    target = {name.upper(): t for name, t in target.items()}
 tier = dio.LocalTier(local, save_policy=local_policy, replicas=0 if parity else 1, parity=parity, domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier,
@@ -80,7 +84,9 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
         with open("/proc/self/io") as f:
             rchar = -int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
         restored = mgr.restore(None, target, durability=os.environ.get("DIO_TEST_DURABILITY", "local"),
-                               **({"cast": True} if CAST else {}))
+                               **({"cast": True} if CAST else {}),
+                               **({"names": lambda path: path[0].key.lower()} if NAMES else {}))
+        restored = {name.lower(): leaf for name, leaf in restored.items()}
         with open("/proc/self/io") as f:
             rchar += int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
     s = mgr.last_tier_restore
