@@ -461,3 +461,16 @@ def test_a_lost_process_is_rebuilt_under_a_restore_that_casts_or_renames(tmp_pat
     assert all(r[1:3] == (6, True) for r in results), results
     km = 2 * 4 + 16 * 8 * 4                                  # a device's k[i:i+1] and m[:, 8i:8i+8] (bytes as stored)
     assert [r[4] for r in results] == [0, km, 0, 8 * 16 * 4], results
+
+
+def test_the_leaders_lost_disk_is_rebuilt_its_own_leaf_too(tmp_path):
+    """Process 0 -- the room's leader, the one holder of ``s`` (on its two devices; a small leaf read
+    whole) -- loses its disk: its share and ``s`` are rebuilt from parity and placed from memory,
+    bit-exact, nothing from the root; the manifest comes from process 1 (the first with a copy)."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, PARITY)
+    shutil.rmtree(str(local).replace("{process}", "0"))
+    results = _run(root, local, "resume")
+    print("process 0 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[0][3] == SHARE + S, results     # its share and s, from its rebuilt copy
