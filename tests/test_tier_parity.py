@@ -474,3 +474,18 @@ def test_the_leaders_lost_disk_is_rebuilt_its_own_leaf_too(tmp_path):
     print("process 0 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
     assert results[0][3] == SHARE + S, results     # its share and s, from its rebuilt copy
+
+
+def test_a_lost_process_whose_regions_another_process_needs_is_rebuilt_first(tmp_path):
+    """Onto the devices in reverse order, each process's regions are held by another: process 1's
+    (lost) are read from its copy for process 2 (``Route.reader`` a lost process: the rebuild runs
+    before the local pass, the members reading their regions from their copies, checked). Bit-exact,
+    nothing from the root; each process receives the share it now holds (another's), the holders of
+    process 1's pieces (0 and 2) one piece each, and process 1 its rows and b."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, PARITY)
+    shutil.rmtree(str(local).replace("{process}", "1"))
+    results = _run(root, local, "reversed")
+    print("onto reversed devices, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert [r[5] for r in results] == [SHARE + ROWS // 2, SHARE + ROWS + B, SHARE + ROWS // 2, SHARE], results

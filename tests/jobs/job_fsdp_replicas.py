@@ -13,7 +13,8 @@ prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores
 tiers (twice) and prints ``resumed STEP exact BOOL local L persistent P received R rchar C`` (C: bytes the
 second restore read, from ``/proc/self/io``); MODE ``reshard``
 likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions; MODE ``narrow``
-onto the first device of each process (fsdp=4): each of its regions is the two its process saved. MODE
+onto the first device of each process (fsdp=4): each of its regions is the two its process saved; MODE
+``reversed`` onto the devices in reverse order: each process's regions are another process's. MODE
 ``clock``: local saves by ``EveryNSeconds(25)`` with clocks that disagree (process 1's twice as
 fast); prints ``local steps [...]``. MODE ``promote``: as
 ``resume``, then promotes that step to the root and restores it from there: ``promoted STEP exact BOOL written W``.
@@ -51,7 +52,8 @@ if "DIO_TEST_ROW_BYTES" in os.environ:   # small rows: a local save's parity spa
 STATE = JobState(keys=True, big=not parity)   # big: bytes read measurable (replicas); parity's tests count small leaves
 targets = {"reshard": jax.make_mesh((2, 4), ("data", "fsdp")),   # each process's first device alone:
            "narrow": Mesh(np.array([min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-                                    for p in range(4)]), ("fsdp",))}
+                                    for p in range(4)]), ("fsdp",)),
+           "reversed": Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[::-1]), ("fsdp",))}
 target = STATE.target(targets.get(mode, mesh))
 CAST = {"w": jnp.bfloat16, "m": np.float32} if os.environ.get("DIO_TEST_CAST") else {}   # restored with cast=True
 target = {name: jax.ShapeDtypeStruct(t.shape, CAST.get(name, t.dtype), sharding=t.sharding) for name, t in target.items()}
