@@ -95,11 +95,6 @@ class _Rows:
     def size(self) -> int:
         return sum(group["W"] for group in self.groups) * self.devices
 
-    def add(self, row: np.ndarray, offset: int, j: int, piece: np.ndarray):
-        """XOR ``piece`` into piece ``j`` of the slot at ``offset`` of ``row``."""
-        start = offset + j * piece.size
-        row[start:start + piece.size] ^= piece
-
 
 def _parity_rows(source: Source, rows: _Rows) -> tuple[dict, set]:
     """({device position: this process's parity row of ``rows``' group there, read from ``source``
