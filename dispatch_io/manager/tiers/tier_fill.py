@@ -35,7 +35,6 @@ class TierRestoreStats:
     bytes_received: int
 
 
-
 class Fill:
     """The result of one restore through the tiers, filled pass by pass (:meth:`run`), and what it read."""
 
