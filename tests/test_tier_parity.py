@@ -399,7 +399,11 @@ def test_a_rebuild_takes_from_memory_only_regions_held_as_stored():
         out.buffers[region] = np.zeros((4, 4), out.dtype)
     key.buffers[((0, 4),)] = np.arange(8, dtype=np.uint32).reshape(4, 2)
     fill = Fill.__new__(Fill)
+    fill.restart()
     fill.outputs = [same, bf, i32, key, 7]   # a Python scalar's output is no Output
+    mine = {"['f']": [region, ((4, 8), (0, 4))], "['b']": [region], "['i']": [region], "['k']": [((0, 4),)]}
+    for index, out in enumerate(fill.outputs[:4]):   # the local pass read these of its copy
+        fill._reading_own(lambda index, o: ({}, mine[o.saved.keypath], {}))(index, out)
     have = fill.in_memory({"['f']": [[[4, 8], [0, 4]]]})
     assert have("['f']", region) is same.buffers[region]
     assert have("['b']", region) is None and have("['i']", region) is None      # cast: read from the copy
@@ -489,3 +493,36 @@ def test_a_lost_process_whose_regions_another_process_needs_is_rebuilt_first(tmp
     print("onto reversed devices, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
     assert [r[5] for r in results] == [SHARE + ROWS // 2, SHARE + ROWS + B, SHARE + ROWS // 2, SHARE], results
+
+
+def test_a_rebuild_takes_from_memory_only_what_the_member_read_of_its_own_copy():
+    """A member whose own copy of a region was dropped (it could not be opened, or failed a check
+    before the read) receives that region from a peer holding it too (a leaf replicated within one
+    failure domain is parity-protected): its buffer is allocated empty and filled piece by piece, and
+    a piece the peer's read found bad is not sent -- left as it was, until the next pass fills it again,
+    after the rebuild. ``Fill.in_memory`` hands over only the regions this process read itself of its
+    own copy in the local pass (the routes' own regions), never such a received buffer: the rebuild
+    reads it from the copy (or loses the pieces it feeds), rather than XOR bytes no one checked into
+    a lost process's regions (rebuilt regions carry no checksum of their own)."""
+    import numpy as np
+
+    from dispatch_io import tree
+    from dispatch_io.manager.tiers.tier_fill import Fill
+    from dispatch_io.manifest import SavedLeaf
+    from dispatch_io.read.targets import DEVICE, Output
+    from dispatch_io.workers import ArraySpec
+
+    stored = ArraySpec("w", (8, 4), "float32", (4, 4))
+    out = Output(SavedLeaf("['w']", tree.ARRAY, "jax", (8, 4), np.dtype("float32"), stored=stored),
+                 DEVICE, np.dtype("float32"))
+    own, received = ((0, 4), (0, 4)), ((4, 8), (0, 4))
+    out.buffers[own] = np.ones((4, 4), np.float32)                  # read of its copy, checked
+    out.buffers[received] = np.empty((4, 4), np.float32)            # a peer's piece never came
+    fill = Fill.__new__(Fill)
+    fill.restart()
+    fill.outputs = [out]
+    routes = fill._reading_own(lambda index, o: ({received: (0, 1)}, [own], {received: (1,)}))
+    assert routes(0, out) == ({received: (0, 1)}, [own], {received: (1,)})   # the routes as they were
+    have = fill.in_memory({})
+    assert have("['w']", own) is out.buffers[own]
+    assert have("['w']", received) is None
