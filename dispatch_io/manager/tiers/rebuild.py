@@ -7,8 +7,9 @@ its own. When a plan picks such a step, :func:`run` (every process together, onc
 
 * each other member of a lost piece's group packs the piece of its row that the holder's parity
   covers, from its own protected regions -- as the restore's local pass has just read and checked
-  them (``have``: nothing is read twice; what it does not hold in memory, e.g. a restore onto
-  another mesh, is read from its copy, checked as read) --, and sends it to that holder;
+  them (``have``: nothing is read twice; what that pass did not read of its copy -- a region
+  received from a peer, read as another dtype, or on another mesh -- is read from its copy, checked
+  as read) --, and sends it to that holder;
 * each holder XORs those into its parity row (``<step>/parity``, read and checked while it packs
   and sends: one row group ahead) and sends the finished piece to the lost process
   (``parity_plan.transfers``: the rounds, a collective permute among each round's processes,
@@ -173,8 +174,8 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     their own; ``outputs_of(manifest)``: the restore's (treedef, outputs); ``process``: this one;
     ``step_path``: its local step's directory (its copy, and its parity rows under it); ``runner``:
     the dispatcher's, which opens the readers; ``have(key path, stored bounds)``: a region of this
-    process's own the restore already holds in memory, checked (None where it does not: read from
-    its copy). Returns (this process's :class:`RebuiltCopy` if it is lost, else None; {key path:
+    process's own that the restore's local pass read of its copy and checked, in memory as stored
+    (None where it is not: read from its copy; ``tier_fill.Fill.in_memory``). Returns (this process's :class:`RebuiltCopy` if it is lost, else None; {key path:
     [region as JSON]} of its regions that could not be rebuilt; the bytes it received from the others)."""
     me = process
     first = sections[min(sections)]
