@@ -228,3 +228,25 @@ def test_processes_holding_nothing_of_a_restore_receive_nothing(tmp_path):
     for r in results[2:]:
         assert r["checked"] == 0 and r["read"] == 0
         assert r["received"] == 0, r
+
+
+def test_the_rounds_of_several_partitions_are_taken_in_turn():
+    """Three leaves held by (0, 1), (0, 2) and (0, 3): three group partitions with different numbers of
+    rounds. The plan takes them in turn (a, b, c, a, b, a, ...: a process reads its next round while
+    one is exchanged, so the readers of different partitions read at the same time), every round
+    indexed in sequence (the scale-out loop's ``ready/<index>`` keys), every piece delivered once to
+    its holders alone, and the same plan (digest) wherever it is made."""
+    def make():
+        return [(0, leaf("a", (384, 64), (16, 64)), {((0, 384), (0, 64)): (0, 1)}),
+                (1, leaf("b", (128, 64), (16, 64)), {((0, 128), (0, 64)): (0, 2)}),
+                (2, leaf("c", (8, 64), (8, 64)), {((0, 8), (0, 64)): (0, 3)})]
+    shared = make()
+    plan = plan_delivery(shared, 4, 4 * KiB, 8 * KiB)
+    _check(plan, shared, 4)
+    assert [r.index for r in plan.rounds] == list(range(len(plan.rounds)))
+    partitions = [r.groups for r in plan.rounds]
+    a, b, c = (replica_groups({holders}, 4) for holders in ((0, 1), (0, 2), (0, 3)))
+    counts = {g: partitions.count(g) for g in (a, b, c)}
+    assert counts[a] > counts[b] > counts[c] >= 1 and sum(counts.values()) == len(partitions), counts
+    assert partitions == [g for turn in range(counts[a]) for g in (a, b, c) if turn < counts[g]], partitions
+    assert plan.digest == plan_delivery(make(), 4, 4 * KiB, 8 * KiB).digest

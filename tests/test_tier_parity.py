@@ -8,6 +8,7 @@ ones is read from memory whole; with process ids permuted on a restart, parity r
 rows are of the savers' places in the ring) and the job resumes an older step, bit-exact."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -211,3 +212,317 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
         sh.flip_byte(sh.chunks(tmp_path / "8", "['s']")[(0, 0)])
         with contextlib.closing(rebuild_reads.Source(str(tmp_path / "8"), d.runner)) as source:
             assert source.read(wanted) == dict.fromkeys(wanted)
+
+
+def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=(), absent=(), timeout=30):
+    """``rebuild.run`` in ``n`` threads standing for ``n`` single-device processes (ring 0..n-1, rows
+    of ``k`` pieces) of which ``lost`` have lost their copies: the rows the job saved (``packed_rows``,
+    as ``parity.encode`` packs them), each process's own parity section (``parity.record``), its parity
+    rows XORed from them, its regions as the restore's local pass read them (``have``; none for the
+    ``unreadable`` (process, key path) and the copy it falls back to is not there), and a room on an
+    in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
+    check (as ``rebuild._parity_rows`` finds). Only the collective (``_send``, a mailbox per round here) and the manifest's
+    sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s): then
+    it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
+    regions left out}, {process: bytes received})."""
+    import concurrent.futures
+    import threading
+
+    import jax
+    import numpy as np
+
+    from dispatch_io.manager.tiers import packed_rows, parity, rebuild
+    from dispatch_io.multihost.coordination import Room
+    from test_coordination import MemoryService
+
+    devices = sorted(jax.devices(), key=lambda d: d.id)[:n]
+    order, by_process = tuple(range(n)), {p: [devices[p]] for p in range(n)}
+    group = [packed_rows.leaf(f"['{name}']", array) for name, array in tree.items()]
+    sections = {}
+    for p in range(n):   # each process records its own section
+        with monkeypatch.context() as patch:
+            patch.setattr(parity.jax, "process_index", lambda p=p: p)
+            sections[p] = parity.record([group], order, k, by_process)
+    W = sections[0]["groups"][0]["W"]
+    shards = [{s.device: s.data for s in item.data.addressable_shards} for item in group]
+    rows = {p: np.asarray(packed_rows.row(group, devices[p], shards, by_bytes=True,
+                                          pad=W - sum(item.nbytes for item in group)))[0] for p in range(n)}
+    width = W // k
+    parity_rows = {h: np.bitwise_xor.reduce([rows[m][j * width:(j + 1) * width] for j, m in enumerate(covered)])
+                   for h, covered in parity_plan.members(order, k).items()}
+    regions = {p: {} for p in range(n)}   # {process: {(key path, stored bounds): its region}}
+    for item in group:
+        for shard in item.data.addressable_shards:
+            bounds = tuple((s.start or 0, m if s.stop is None else s.stop) for s, m in zip(shard.index, item.data.shape))
+            regions[devices.index(shard.device)][(item.keypath, bounds)] = np.asarray(shard.data)
+
+    me, wire = threading.local(), {"box": {}, "cond": threading.Condition()}
+
+    def send(row, moves):
+        assert not absent, "a collective entered without every process"
+        calls = me.calls
+        calls[moves] = calls.get(moves, -1) + 1
+        out = next((m for m in moves if m[0] == me.p), None)
+        into = next((m for m in moves if m[1] == me.p), None)
+        with wire["cond"]:
+            if out is not None:
+                wire["box"][(moves, calls[moves], me.p)] = np.array(row)
+                wire["cond"].notify_all()
+            if into is None:
+                return np.zeros_like(row)
+            key = (moves, calls[moves], into[0])
+            assert wire["cond"].wait_for(lambda: key in wire["box"], 60), key
+            return wire["box"].pop(key)
+
+    def parity_read(source, rows_):
+        p = int(source.path.split(os.sep)[-3])
+        return ({}, {0}) if p in bad_rows else ({0: parity_rows[p].copy()}, set())
+
+    @dataclasses.dataclass(frozen=True)
+    class Described:
+        leaves: tuple = ()
+
+    monkeypatch.setattr(rebuild, "_send", send)
+    monkeypatch.setattr(rebuild, "_parity_rows", parity_read)
+    monkeypatch.setattr(rebuild.job_steps, "share_manifest", lambda *args: None)
+    monkeypatch.setattr(rebuild, "parse_manifest", lambda doc, path: Described())
+    class Service(MemoryService):   # with the barriers a gather ends with
+        def wait_at_barrier(self, name, timeout_in_ms):
+            with self.cond:
+                self.values[name] = str(int(self.values.get(name, "0")) + 1)
+                self.cond.notify_all()
+                if not self.cond.wait_for(lambda: int(self.values[name]) % n == 0, timeout_in_ms / 1000):
+                    raise RuntimeError(f"DEADLINE_EXCEEDED: {name}")
+
+    service = Service()
+    having = [p for p in range(n) if p not in lost]
+
+    def process(p):
+        me.p, me.calls = p, {}
+        room = Room(service, p, n, timeout, "restore", "simulated", "the simulated restore")
+        have = lambda kp, bounds: None if (p, kp) in unreadable else regions[p].get((kp, bounds))  # noqa: E731
+        return rebuild.run(8, dict.fromkeys(lost), {q: sections[q] for q in having}, having, room,
+                           lambda described: (None, []), process=p, step_path=f"/nonexistent/{p}/8",
+                           runner=None, have=have)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = {p: pool.submit(process, p) for p in range(n) if p not in absent}
+        if absent:
+            return {p: f.exception(timeout=120) for p, f in futures.items()}
+        results = [futures[p].result(timeout=120) for p in range(n)]
+    rebuilt = {p: results[p][0].regions for p in lost}
+    for p in lost:
+        for (kp, bounds), want in regions[p].items():
+            got = rebuilt[p].get(kp, {}).get(bounds)
+            if got is not None:   # what came back comes back bit for bit, in its dtype
+                assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (p, kp, bounds)
+    return rebuilt, {p: results[p][1] for p in lost}, {p: results[p][2] for p in range(n)}
+
+
+def _mixed_tree(n):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[:n]), ("x",))
+    on = NamedSharding(mesh, P("x"))
+    values = np.arange(-700, 700) * 37 % 251
+    return {"bf": jax.device_put(values[:n * 6].reshape(n * 2, 3).astype(jnp.bfloat16), on),
+            "f8": jax.device_put((values[:n * 5] / 7).astype(jnp.float8_e4m3fn), on),
+            "f": jax.device_put(values[:n * 3].astype(np.float32) / 3, on),
+            "key": jax.device_put(jax.random.split(jax.random.key(3), n), on)}
+
+
+def test_a_rebuild_with_three_pieces_brings_back_two_lost_processes_of_different_groups(monkeypatch):
+    """k = 3 over 8 processes, processes 1 and 5 lost (no group holds both): each holder XORs two
+    members' pieces into its parity row (``into_holder``, k > 2) and every lost region -- bfloat16,
+    float8, float32, PRNG key data -- comes back bit for bit, each lost process receiving its row once."""
+    rebuilt, failed, received = _simulated_rebuild(monkeypatch, 8, 3, (1, 5), _mixed_tree(8))
+    assert failed == {1: {}, 5: {}}
+    assert all(len(rebuilt[p][kp]) == 1 for p in (1, 5) for kp in ("['bf']", "['f8']", "['f']", "['key']")), rebuilt
+    holders = {h for p in (1, 5) for _, h, _ in parity_plan.sources(tuple(range(8)), 3, p)}
+    assert holders == {0, 7, 6, 4, 3, 2}
+    assert received[1] == received[5] == max(received.values()) and received[1] > 0, received
+
+
+def test_a_bad_parity_row_or_member_region_loses_only_the_lost_regions_it_feeds(monkeypatch):
+    """k = 3 over 8, 1 and 5 lost; the row (39 bytes, pieces of 13): bf [0, 12), f8 [12, 17), f [17, 29),
+    key [29, 37). The parity row of process 0 (process 1's piece 0) failing its check loses
+    process 1's bf and f8 (each with a byte in piece 0); process 6's key region, not in memory and its copy
+    gone, loses its piece 2, which feeds process 5's piece 1 (through holder 3): 5's f8 and f. Process 6's
+    bf, in its piece 0 (covered by 5's parity, not used), loses nothing. The rest comes back bit for bit."""
+    rebuilt, failed, _ = _simulated_rebuild(monkeypatch, 8, 3, (1, 5), _mixed_tree(8), bad_rows={0},
+                                            unreadable={(6, "['bf']"), (6, "['key']")})
+    assert failed == {1: {"['bf']": [[[2, 4], [0, 3]]], "['f8']": [[[5, 10]]]},
+                      5: {"['f8']": [[[25, 30]]], "['f']": [[[15, 18]]]}}, failed
+    assert sorted(rebuilt[1]) == ["['f']", "['key']"] and sorted(rebuilt[5]) == ["['bf']", "['key']"], rebuilt
+
+
+def test_a_process_missing_when_the_rebuild_starts_is_named_before_any_collective(monkeypatch):
+    """Process 3 (a member of process 1's groups) never comes to the rebuild: every other process
+    raises BarrierTimeoutError naming it at ``rebuilding/<step>``, within the timeout, without
+    entering a round's collective (where it would wait for 3 for ever)."""
+    from dispatch_io.errors import BarrierTimeoutError
+
+    raised = _simulated_rebuild(monkeypatch, 4, 2, (1,), _mixed_tree(4), absent=(3,), timeout=2)
+    assert sorted(raised) == [0, 1, 2]
+    for p, exc in raised.items():
+        assert isinstance(exc, BarrierTimeoutError) and exc.processes == [3], (p, exc)
+        assert "rebuilding/8" in str(exc) or "rebuilding/8" in exc.barrier, (p, exc)
+
+
+def test_a_rebuild_takes_from_memory_only_regions_held_as_stored():
+    """``Fill.in_memory`` (a member's ``have`` in a rebuild after the local pass) hands over a region's
+    host buffer only as stored: not one read as another dtype (``cast=True``: float32 read as bfloat16,
+    or as int32, the same size), not a region its own read left out (failed its check), not one it does
+    not hold whole in one buffer (another mesh's region, a ``whole`` result placed early, its buffers
+    gone); a PRNG key's data (stored bounds with the key's dimension) is handed over as it is."""
+    import numpy as np
+
+    from dispatch_io import tree
+    from dispatch_io.manager.tiers.tier_fill import Fill
+    from dispatch_io.manifest import SavedLeaf
+    from dispatch_io.read.targets import DEVICE, Output
+    from dispatch_io.workers import ArraySpec
+
+    def output(name, shape, stored_dtype, dtype, kind=tree.ARRAY, trail=()):
+        stored = ArraySpec(name, tuple(shape) + trail, stored_dtype, tuple(shape) + trail)
+        return Output(SavedLeaf(f"['{name}']", kind, "jax", tuple(shape), np.dtype(stored_dtype), stored=stored),
+                      DEVICE, np.dtype(dtype))
+
+    same, bf, i32 = output("f", (8, 4), "float32", "float32"), output("b", (8, 4), "float32", "bfloat16"), \
+        output("i", (8, 4), "float32", "int32")
+    key = output("k", (8,), "uint32", "uint32", tree.KEY, (2,))
+    region = ((0, 4), (0, 4))
+    for out in (same, bf, i32):
+        out.buffers[region] = np.zeros((4, 4), out.dtype)
+    key.buffers[((0, 4),)] = np.arange(8, dtype=np.uint32).reshape(4, 2)
+    fill = Fill.__new__(Fill)
+    fill.restart()
+    fill.outputs = [same, bf, i32, key, 7]   # a Python scalar's output is no Output
+    mine = {"['f']": [region, ((4, 8), (0, 4))], "['b']": [region], "['i']": [region], "['k']": [((0, 4),)]}
+    for index, out in enumerate(fill.outputs[:4]):   # the local pass read these of its copy
+        fill._reading_own(lambda index, o: ({}, mine[o.saved.keypath], {}))(index, out)
+    have = fill.in_memory({"['f']": [[[4, 8], [0, 4]]]})
+    assert have("['f']", region) is same.buffers[region]
+    assert have("['b']", region) is None and have("['i']", region) is None      # cast: read from the copy
+    assert have("['k']", ((0, 4), (0, 2))) is key.buffers[((0, 4),)]
+    assert have("['f']", ((0, 2), (0, 4))) is None and have("['x']", region) is None
+    same.buffers[((4, 8), (0, 4))] = np.zeros((4, 4), np.float32)
+    assert have("['f']", ((4, 8), (0, 4))) is None                              # its read failed its check
+    same.buffers.clear()                                                        # placed early: buffers gone
+    assert have("['f']", region) is None
+
+
+def test_with_three_pieces_a_lost_process_is_rebuilt_through_holders_xoring_two_members(tmp_path):
+    """``LocalTier(parity=3)`` over the 4 processes (ring 0, 2, 1, 3: each holder covers the 3
+    others): process 2's disk wiped, each of its 3 pieces is finished by a holder that XORs the pieces
+    of the group's 2 other members -- sent over the devices, from what they read in the local pass --
+    into its parity row; the job resumes step 8 bit-exact, nothing from the root, process 2 receiving
+    its rows once (3 pieces of a third) and each holder 2 pieces."""
+    extra = {"DIO_TEST_PARITY": "3"}
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, extra)
+    info = json.loads((tmp_path / "local" / "0" / "8" / "info.json").read_text())
+    assert (info["parity"]["k"], info["durability"]) == (3, "parity 3"), info
+    rows = sum(group["W"] for group in info["parity"]["groups"]) * 2   # a process's rows, 2 devices
+    shutil.rmtree(str(local).replace("{process}", "2"))
+    results = _run(root, local, "resume", extra=extra)
+    print("parity 3, process 2 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[2][3] == SHARE, results             # 2: its share rebuilt, read from memory
+    # holders 0, 3, 1 (pieces 0, 1, 2); 2 gets b from a peer too
+    assert [r[5] for r in results] == [2 * rows // 3, 2 * rows // 3, rows + B, 2 * rows // 3], results
+
+
+def test_a_lost_process_is_rebuilt_under_a_restore_that_casts_or_renames(tmp_path):
+    """A restore with ``cast=True`` (w as bfloat16, m as float32) after process 1's disk is wiped:
+    the members' buffers hold the cast values, so a rebuild cannot take them from memory
+    (``Fill.in_memory``: only buffers as stored) -- it reads those regions from their copies -- and
+    every process's result is the stored values cast, bit for bit, nothing from the root. One with the
+    target's leaves renamed, read through ``names=`` (the members' buffers looked up by saved key path):
+    bit-exact, nothing from the root, the holders receiving one piece each. A flipped
+    byte in process 3's own w region (fed to process 1's piece 0 through process 2's group, k = 2)
+    at step 6 sends process 1's k and m regions of that device, and that region of 3's, to the root,
+    cast alike."""
+    extra = {**PARITY, "DIO_TEST_CAST": "1"}
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, PARITY)
+    shutil.rmtree(str(local).replace("{process}", "1"))
+    results = _run(root, local, "resume", extra=extra)
+    print("cast, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    results = _run(root, local, "resume", extra={**PARITY, "DIO_TEST_NAMES": "1"})   # the leaves renamed: names=
+    print("names=, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[1][3] == SHARE and [r[5] for r in results] == [ROWS // 2, ROWS + B, ROWS // 2, 0], results
+    for p in (0, 2, 3):   # at step 6 (persisted), with a flipped byte in a member's region
+        shutil.rmtree(tmp_path / "local" / str(p) / "8")
+    sh.flip_byte(sh.chunks(tmp_path / "local" / "3" / "6", "['w']")[(7, 0)])    # rows 56:64, process 3's device 7
+    results = _run(root, local, "resume", extra=extra)
+    print("cast, process 1 lost, a bad member region:", results)
+    assert all(r[1:3] == (6, True) for r in results), results
+    km = 2 * 4 + 16 * 8 * 4                                  # a device's k[i:i+1] and m[:, 8i:8i+8] (bytes as stored)
+    assert [r[4] for r in results] == [0, km, 0, 8 * 16 * 4], results
+
+
+def test_the_leaders_lost_disk_is_rebuilt_its_own_leaf_too(tmp_path):
+    """Process 0 -- the room's leader, the one holder of ``s`` (on its two devices; a small leaf read
+    whole) -- loses its disk: its share and ``s`` are rebuilt from parity and placed from memory,
+    bit-exact, nothing from the root; the manifest comes from process 1 (the first with a copy)."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, PARITY)
+    shutil.rmtree(str(local).replace("{process}", "0"))
+    results = _run(root, local, "resume")
+    print("process 0 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert results[0][3] == SHARE + S, results     # its share and s, from its rebuilt copy
+
+
+def test_a_lost_process_whose_regions_another_process_needs_is_rebuilt_first(tmp_path):
+    """Onto the devices in reverse order, each process's regions are held by another: process 1's
+    (lost) are read from its copy for process 2 (``Route.reader`` a lost process: the rebuild runs
+    before the local pass, the members reading their regions from their copies, checked). Bit-exact,
+    nothing from the root; each process receives the share it now holds (another's), the holders of
+    process 1's pieces (0 and 2) one piece each, and process 1 its rows and b."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, PARITY)
+    shutil.rmtree(str(local).replace("{process}", "1"))
+    results = _run(root, local, "reversed")
+    print("onto reversed devices, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+    assert [r[5] for r in results] == [SHARE + ROWS // 2, SHARE + ROWS + B, SHARE + ROWS // 2, SHARE], results
+
+
+def test_a_rebuild_takes_from_memory_only_what_the_member_read_of_its_own_copy():
+    """A member whose own copy of a region was dropped (it could not be opened, or failed a check
+    before the read) receives that region from a peer holding it too (a leaf replicated within one
+    failure domain is parity-protected): its buffer is allocated empty and filled piece by piece, and
+    a piece the peer's read found bad is not sent -- left as it was, until the next pass fills it again,
+    after the rebuild. ``Fill.in_memory`` hands over only the regions this process read itself of its
+    own copy in the local pass (the routes' own regions), never such a received buffer: the rebuild
+    reads it from the copy (or loses the pieces it feeds), rather than XOR bytes no one checked into
+    a lost process's regions (rebuilt regions carry no checksum of their own)."""
+    import numpy as np
+
+    from dispatch_io import tree
+    from dispatch_io.manager.tiers.tier_fill import Fill
+    from dispatch_io.manifest import SavedLeaf
+    from dispatch_io.read.targets import DEVICE, Output
+    from dispatch_io.workers import ArraySpec
+
+    stored = ArraySpec("w", (8, 4), "float32", (4, 4))
+    out = Output(SavedLeaf("['w']", tree.ARRAY, "jax", (8, 4), np.dtype("float32"), stored=stored),
+                 DEVICE, np.dtype("float32"))
+    own, received = ((0, 4), (0, 4)), ((4, 8), (0, 4))
+    out.buffers[own] = np.ones((4, 4), np.float32)                  # read of its copy, checked
+    out.buffers[received] = np.empty((4, 4), np.float32)            # a peer's piece never came
+    fill = Fill.__new__(Fill)
+    fill.restart()
+    fill.outputs = [out]
+    routes = fill._reading_own(lambda index, o: ({received: (0, 1)}, [own], {received: (1,)}))
+    assert routes(0, out) == ({received: (0, 1)}, [own], {received: (1,)})   # the routes as they were
+    have = fill.in_memory({})
+    assert have("['w']", own) is out.buffers[own]
+    assert have("['w']", received) is None

@@ -214,3 +214,30 @@ def test_leaves_travel_in_rows_of_one_dtype_within_the_row_budget():
     assert [[x.keypath for x in g] for g in _groups(leaves, row_bytes=80)] == [["a", "c"], ["d"], ["e"], ["b"]]
     assert [[x.keypath for x in g] for g in _groups(leaves, row_bytes=1 << 20)] == [["a", "c", "d", "e"], ["b"]]
     assert [[x.keypath for x in g] for g in _groups(leaves, 80, by_dtype=False)] == [["a", "b"], ["c"], ["d"], ["e"]]
+
+
+def test_replica_variants_keep_the_rule_for_any_domains():
+    """400 random jobs (2 to 12 processes; one domain, all distinct, hosts of unequal sizes; 1 to
+    n - 1 replicas): every variant is ``replicas`` permutations keeping the rule (:func:`_spans`: no
+    replica on its process, distinct holders; as many domains spanned as the base orders, the fewest
+    and in all), the first variant is the base, and no two variants share a process's first holder."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(400):
+        n = rng.randrange(2, 13)
+        kind = rng.randrange(4)
+        domains = ((0,) * n if kind == 0 else tuple(range(n)) if kind == 1 else
+                   tuple(sorted(rng.randrange(rng.randrange(1, n + 1)) for _ in range(n))) if kind == 2 else
+                   tuple(rng.choice("abc") for _ in range(n)))
+        replicas = rng.randrange(1, n)
+        variants = replica_plan.replica_variants(domains, replicas)
+        base = replica_plan.replica_orders(domains, replicas)
+        assert list(variants[0]) == base and 1 <= len(variants) <= replica_plan.SPREAD
+        least = _spans(domains, base)
+        for orders in variants:
+            assert len(orders) == replicas and all(sorted(o) == list(range(n)) for o in orders), (domains, orders)
+            spans = _spans(domains, orders)
+            assert min(spans) >= min(least) and sum(spans) >= sum(least), (domains, replicas, orders)
+        for p in range(n):
+            assert len({orders[0][p] for orders in variants}) == len(variants), (domains, variants)

@@ -227,7 +227,7 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
     # process reads its next round while one is exchanged, so where the partitions' readers differ
     # (a lost process's share spread over several holders, each with the lost process in its groups)
     # they read at the same time.
-    by_partition = [_rounds(groups, pieces, max(64, batch_limit // len(groups[0])), 0)
+    by_partition = [_rounds(groups, pieces, max(64, batch_limit // len(groups[0])))
                     for groups, pieces in by_groups.items()]
     rounds = [dataclasses.replace(r, index=i) for i, r in enumerate(
         r for turn in itertools.zip_longest(*by_partition) for r in turn if r is not None)]
@@ -253,16 +253,17 @@ def _round(index: int, groups: tuple, rows: dict, group_of: dict, summed: bool |
     return Round(index, groups, rows, joined if summed else gathered, summed, group_of, sent)
 
 
-def _rounds(groups: tuple, pieces: list[list[Piece]], share: int, first: int) -> list[Round]:
+def _rounds(groups: tuple, pieces: list[list[Piece]], share: int) -> list[Round]:
     """The rounds of one set of groups: each process's pieces (``pieces[reader]``) packed into
-    rows of at most ``share`` bytes (and the header); larger pieces one per row."""
+    rows of at most ``share`` bytes (and the header); larger pieces one per row. Indexed from 0:
+    :func:`plan_delivery` numbers the job's rounds once it has interleaved the partitions'."""
     group_of = {p: g for g in groups for p in g}
     fits = lambda p: aligned(p.nbytes) <= share  # noqa: E731
     queues = {r: pack([p for p in mine if fits(p)], lambda p: p.nbytes, share) for r, mine in enumerate(pieces) if mine}
     rounds = []
     for k in range(max(map(len, queues.values()), default=0)):
         rows = {r: tuple(q[k][0]) for r, q in queues.items() if k < len(q)}
-        rounds.append(_round(first + len(rounds), groups, rows, group_of))
+        rounds.append(_round(len(rounds), groups, rows, group_of))
     # Larger pieces: one per row. In groups of two, gathered (every member sends one; the
     # gathered copy holds what a sum's row and result would); in larger groups, where a gather
     # would hold S of them, one per group and round, summed over the group.
@@ -274,5 +275,5 @@ def _rounds(groups: tuple, pieces: list[list[Piece]], share: int, first: int) ->
     big = [q for q in big if q]
     for k in range(max(map(len, big), default=0)):
         rows = {q[k].reader: (q[k],) for q in big if k < len(q)}
-        rounds.append(_round(first + len(rounds), groups, rows, group_of, summed))
+        rounds.append(_round(len(rounds), groups, rows, group_of, summed))
     return rounds

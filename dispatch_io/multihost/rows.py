@@ -64,7 +64,8 @@ def _send_rows(rows, mesh, pairs):
 
 
 def send(row: np.ndarray, groups: tuple, devices: list, pairs: tuple) -> np.ndarray:
-    """The row sent to this process (zeros in a sender), as :func:`gather`: each (sender,
+    """The row sent to this process (zeros where none is: a process may send and receive in one
+    call -- a parity rebuild's member that is also a holder), as :func:`gather`: each (sender,
     receiver) of ``pairs`` -- positions in the (groups, members) grid -- sends its ``row`` to the
     receiver alone (a collective permute); every process of ``groups`` calls it together."""
     rows, mesh = _rows(row, groups, devices)

@@ -13,7 +13,8 @@ prints ``saved N`` and, at step 9, waits to be killed. MODE ``resume``: restores
 tiers (twice) and prints ``resumed STEP exact BOOL local L persistent P received R rchar C`` (C: bytes the
 second restore read, from ``/proc/self/io``); MODE ``reshard``
 likewise onto another mesh, (data=2, fsdp=4): each of its regions is two saved regions; MODE ``narrow``
-onto the first device of each process (fsdp=4): each of its regions is the two its process saved. MODE
+onto the first device of each process (fsdp=4): each of its regions is the two its process saved; MODE
+``reversed`` onto the devices in reverse order: each process's regions are another process's. MODE
 ``clock``: local saves by ``EveryNSeconds(25)`` with clocks that disagree (process 1's twice as
 fast); prints ``local steps [...]``. MODE ``promote``: as
 ``resume``, then promotes that step to the root and restores it from there: ``promoted STEP exact BOOL written W``.
@@ -21,6 +22,9 @@ fast); prints ``local steps [...]``. MODE ``promote``: as
 With ``DIO_TEST_PARITY=K`` the tier keeps parity of groups of K instead of the replica
 (``LocalTier(parity=K)``); with ``DIO_TEST_DURABILITY`` its restores require that durability; ``resume`` then first prints ``steps {step: durability}`` (the job's
 listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` (TierRestoreStats).
+With ``DIO_TEST_CAST`` the restores read ``w`` as bfloat16 and ``m`` as float32 (``cast=True``), compared
+with the values cast; with ``DIO_TEST_NAMES`` the target's leaves are named in upper case and read
+through ``names=`` (the saved name: the lower case).
 """
 
 import os
@@ -28,6 +32,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -47,8 +52,14 @@ if "DIO_TEST_ROW_BYTES" in os.environ:   # small rows: a local save's parity spa
 STATE = JobState(keys=True, big=not parity)   # big: bytes read measurable (replicas); parity's tests count small leaves
 targets = {"reshard": jax.make_mesh((2, 4), ("data", "fsdp")),   # each process's first device alone:
            "narrow": Mesh(np.array([min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-                                    for p in range(4)]), ("fsdp",))}
+                                    for p in range(4)]), ("fsdp",)),
+           "reversed": Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[::-1]), ("fsdp",))}
 target = STATE.target(targets.get(mode, mesh))
+CAST = {"w": jnp.bfloat16, "m": np.float32} if os.environ.get("DIO_TEST_CAST") else {}   # restored with cast=True
+target = {name: jax.ShapeDtypeStruct(t.shape, CAST.get(name, t.dtype), sharding=t.sharding) for name, t in target.items()}
+NAMES = bool(os.environ.get("DIO_TEST_NAMES"))   # the target's leaves renamed (upper case), read through names=
+if NAMES:
+    target = {name.upper(): t for name, t in target.items()}
 tier = dio.LocalTier(local, save_policy=local_policy, replicas=0 if parity else 1, parity=parity, domains=(0, 0, 1, 1))
 dispatcher = dio.LocalDispatcher(checksums=True, barrier_timeout=float(os.environ.get("DIO_TEST_BARRIER_TIMEOUT", 30)))
 with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6), local=tier,
@@ -74,11 +85,14 @@ with dio.CheckpointManager(root, dispatcher, save_policy=policies.EveryNSteps(6)
     for _ in range(2):  # the second restore's bytes read from /proc/self/io (the first reads modules as well)
         with open("/proc/self/io") as f:
             rchar = -int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
-        restored = mgr.restore(None, target, durability=os.environ.get("DIO_TEST_DURABILITY", "local"))
+        restored = mgr.restore(None, target, durability=os.environ.get("DIO_TEST_DURABILITY", "local"),
+                               **({"cast": True} if CAST else {}),
+                               **({"names": lambda path: path[0].key.lower()} if NAMES else {}))
+        restored = {name.lower(): leaf for name, leaf in restored.items()}
         with open("/proc/self/io") as f:
             rchar += int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
     s = mgr.last_tier_restore
-    exact = STATE.exact(restored, s.step)
+    exact = STATE.exact(restored, s.step, CAST)
     print(f"resumed {s.step} exact {exact} local {s.bytes_read_local} persistent {s.bytes_read_persistent} "
           f"received {s.bytes_received} rchar {rchar}", flush=True)
     if parity:

@@ -57,9 +57,11 @@ class JobState:
                                                sharding=sharding(mesh, _KEYS[2]))
         return target
 
-    def exact(self, restored: dict, step: int) -> bool:
-        """Whether every shard this process holds of ``restored`` has the bytes of ``step``'s state."""
-        return matches(restored, {name: self.value(name, step) for name in self.specs})
+    def exact(self, restored: dict, step: int, cast: dict | None = None) -> bool:
+        """Whether every shard this process holds of ``restored`` has the bytes of ``step``'s state
+        (``cast``: {name: dtype} of leaves restored as another dtype, compared with the values cast)."""
+        return matches(restored, {name: self.value(name, step).astype((cast or {}).get(name, self.specs[name][1]))
+                                  for name in self.specs})
 
     def promoted(self, mgr, step: int, target) -> tuple[int, bool]:
         """Promote ``step`` (from the local copies that survive, each chunk by one holder) to

@@ -7,8 +7,9 @@ its own. When a plan picks such a step, :func:`run` (every process together, onc
 
 * each other member of a lost piece's group packs the piece of its row that the holder's parity
   covers, from its own protected regions -- as the restore's local pass has just read and checked
-  them (``have``: nothing is read twice; what it does not hold in memory, e.g. a restore onto
-  another mesh, is read from its copy, checked as read) --, and sends it to that holder;
+  them (``have``: nothing is read twice; what that pass did not read of its copy -- a region
+  received from a peer, read as another dtype, or on another mesh -- is read from its copy, checked
+  as read) --, and sends it to that holder;
 * each holder XORs those into its parity row (``<step>/parity``, read and checked while it packs
   and sends: one row group ahead) and sends the finished piece to the lost process
   (``parity_plan.transfers``: the rounds, a collective permute among each round's processes,
@@ -25,8 +26,9 @@ restore takes them from the next source (the root), or an older step.
 It goes one row group (``packed_rows.ROW_BYTES`` per device at most) at a time: a feeder holds one
 group's pieces (and a holder the next group's parity rows) on the host at once, whatever its share.
 
-Costs: the holders read their parity rows (1/k of a share); each member sends ``k - 1`` pieces of
-1/k of its protected share per lost process it feeds, each holder one; a lost process holds its
+Costs: the holders read their parity rows (1/k of a share); per lost process, each member sends one
+piece (1/k of its protected rows) per group of the lost process's it is in -- ``k - |d|`` for the
+member ``d`` places from it in the ring, ``k (k - 1)`` in all --, each holder one; a lost process holds its
 rebuilt share on the host until the restore has placed it (beyond the restore's staging bound).
 """
 
@@ -93,11 +95,6 @@ class _Rows:
     @property
     def size(self) -> int:
         return sum(group["W"] for group in self.groups) * self.devices
-
-    def add(self, row: np.ndarray, offset: int, j: int, piece: np.ndarray):
-        """XOR ``piece`` into piece ``j`` of the slot at ``offset`` of ``row``."""
-        start = offset + j * piece.size
-        row[start:start + piece.size] ^= piece
 
 
 def _parity_rows(source: Source, rows: _Rows) -> tuple[dict, set]:
@@ -177,8 +174,8 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     their own; ``outputs_of(manifest)``: the restore's (treedef, outputs); ``process``: this one;
     ``step_path``: its local step's directory (its copy, and its parity rows under it); ``runner``:
     the dispatcher's, which opens the readers; ``have(key path, stored bounds)``: a region of this
-    process's own the restore already holds in memory, checked (None where it does not: read from
-    its copy). Returns (this process's :class:`RebuiltCopy` if it is lost, else None; {key path:
+    process's own that the restore's local pass read of its copy and checked, in memory as stored
+    (None where it is not: read from its copy; ``tier_fill.Fill.in_memory``). Returns (this process's :class:`RebuiltCopy` if it is lost, else None; {key path:
     [region as JSON]} of its regions that could not be rebuilt; the bytes it received from the others)."""
     me = process
     first = sections[min(sections)]

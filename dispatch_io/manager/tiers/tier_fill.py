@@ -35,7 +35,6 @@ class TierRestoreStats:
     bytes_received: int
 
 
-
 class Fill:
     """The result of one restore through the tiers, filled pass by pass (:meth:`run`), and what it read."""
 
@@ -50,6 +49,7 @@ class Fill:
     def restart(self):
         """Forget the buffers filled so far (the restore goes on at another step); the counts stay."""
         self.step = self.treedef = self.outputs = self.described = None
+        self.read_own: set = set()   # (saved key path, region) this process read of its own copy, local pass
 
     def run(self, plan: placement.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False,
             defer=()) -> dict:
@@ -88,19 +88,30 @@ class Fill:
             self.treedef, self.outputs = (copy.treedef, copy.outputs) if own else self.outputs_of(self.described)
         reader = copy.open_reader(restore.dispatcher.runner) if own else None
         display = f"local step {plan.step} of {restore.template}"
-        read, received = restore.fill_pass(reader, self.outputs, display, restore.local_routes(by_leaf, defer), False,
-                                           check)
+        read, received = restore.fill_pass(reader, self.outputs, display,
+                                           self._reading_own(restore.local_routes(by_leaf, defer)), False, check)
         self.read_local, self.received = self.read_local + read, self.received + received
 
+    def _reading_own(self, routes):
+        """``routes`` (``TierRestore.local_routes``'), noting in ``read_own`` the regions they give
+        this process to read of its own copy (what :meth:`in_memory` may hand over)."""
+        def noted(index, out):
+            held, mine, may = routes(index, out)
+            self.read_own.update((out.saved.keypath, region) for region in mine)
+            return held, mine, may
+        return noted
+
     def in_memory(self, bad: dict):
-        """``rebuild.run``'s ``have``: a region of this process's copy the local pass read and checked
-        (its host buffer, as stored), None for one it did not, or left out (``bad``: {key path: [region]})."""
+        """``rebuild.run``'s ``have``: a region of this process's copy the local pass read of it and
+        checked (its host buffer, as stored); None for one it did not read itself (a region received
+        from a peer may miss a piece the peer's read found bad: not sent), read as another dtype
+        (``cast``), or left out (``bad``: {key path: [region]})."""
         outputs = {o.saved.keypath: o for o in self.outputs or () if isinstance(o, restore_lib.Output)}
 
         def have(keypath: str, stored: tuple):
             out = outputs.get(keypath)
             region = None if out is None else stored[:len(out.saved.shape)]
-            buffer = None if out is None else out.buffers.get(region)
+            buffer = None if (keypath, region) not in self.read_own else out.buffers.get(region)
             if buffer is None or [list(b) for b in region] in bad.get(keypath, ()) or \
                     buffer.shape != tuple(hi - lo for lo, hi in stored) or buffer.dtype != out.saved_dtype:
                 return None
