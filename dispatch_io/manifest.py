@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax
 

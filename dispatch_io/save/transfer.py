@@ -20,7 +20,7 @@ import numpy as np
 from dispatch_io.jax_compat import slice_exact
 from dispatch_io.plan.save_plan import Chunk, Plan
 from dispatch_io.plan.batches import aligned
-from dispatch_io.workers import ChunkError, aligned_empty
+from dispatch_io.workers import ChunkError
 
 PAGEABLE, PINNED, AUTO = "pageable", "pinned", "auto"
 MODES = (AUTO, PINNED, PAGEABLE)
