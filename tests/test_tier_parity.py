@@ -214,7 +214,8 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
             assert source.read(wanted) == dict.fromkeys(wanted)
 
 
-def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=(), absent=(), timeout=30):
+def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=(), absent=(), failing=(),
+                       timeout=30):
     """``rebuild.run`` in ``n`` threads standing for ``n`` single-device processes (ring 0..n-1, rows
     of ``k`` pieces) of which ``lost`` have lost their copies: the rows the job saved (``packed_rows``,
     as ``parity.encode`` packs them), each process's own parity section (``parity.record``), its parity
@@ -222,8 +223,8 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     ``unreadable`` (process, key path) and the copy it falls back to is not there), and a room on an
     in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
     check (as ``rebuild._parity_rows`` finds). Only the collective (``_send``, a mailbox per round here) and the manifest's
-    sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s): then
-    it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
+    sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
+    reads of the ``failing`` ones' parity rows raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
     regions left out}, {process: bytes received})."""
     import concurrent.futures
     import threading
@@ -259,7 +260,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     me, wire = threading.local(), {"box": {}, "cond": threading.Condition()}
 
     def send(row, moves):
-        assert not absent, "a collective entered without every process"
+        assert not absent and not failing, "a collective entered without every process ready"
         calls = me.calls
         calls[moves] = calls.get(moves, -1) + 1
         out = next((m for m in moves if m[0] == me.p), None)
@@ -276,6 +277,8 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
 
     def parity_read(source, rows_):
         p = int(source.path.split(os.sep)[-3])
+        if p in failing:
+            raise OSError(f"process {p}'s disk went away")
         return ({}, {0}) if p in bad_rows else ({0: parity_rows[p].copy()}, set())
 
     @dataclasses.dataclass(frozen=True)
@@ -307,7 +310,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = {p: pool.submit(process, p) for p in range(n) if p not in absent}
-        if absent:
+        if absent or failing:
             return {p: f.exception(timeout=120) for p, f in futures.items()}
         results = [futures[p].result(timeout=120) for p in range(n)]
     rebuilt = {p: results[p][0].regions for p in lost}
@@ -361,7 +364,7 @@ def test_a_bad_parity_row_or_member_region_loses_only_the_lost_regions_it_feeds(
 
 def test_a_process_missing_when_the_rebuild_starts_is_named_before_any_collective(monkeypatch):
     """Process 3 (a member of process 1's groups) never comes to the rebuild: every other process
-    raises BarrierTimeoutError naming it at ``rebuilding/<step>``, within the timeout, without
+    raises BarrierTimeoutError naming it at ``rebuild-ready/<step>/<row group>``, within the timeout, without
     entering a round's collective (where it would wait for 3 for ever)."""
     from dispatch_io.errors import BarrierTimeoutError
 
@@ -369,7 +372,20 @@ def test_a_process_missing_when_the_rebuild_starts_is_named_before_any_collectiv
     assert sorted(raised) == [0, 1, 2]
     for p, exc in raised.items():
         assert isinstance(exc, BarrierTimeoutError) and exc.processes == [3], (p, exc)
-        assert "rebuilding/8" in str(exc) or "rebuilding/8" in exc.barrier, (p, exc)
+        assert "rebuild-ready/8/0" in str(exc) or "rebuild-ready/8/0" in exc.barrier, (p, exc)
+
+
+def test_a_process_that_cannot_take_its_part_fails_the_rebuild_everywhere_before_any_collective(monkeypatch):
+    """Process 3 (a holder of process 1's piece 1) cannot read its parity rows (an OSError, not a bad
+    row): it raises that, and every other process raises a CheckpointError naming process 3 -- no one
+    enters a round's collective (where the others would wait for 3 for ever)."""
+    from dispatch_io.errors import CheckpointError
+
+    raised = _simulated_rebuild(monkeypatch, 4, 2, (1,), _mixed_tree(4), failing=(3,), timeout=10)
+    assert isinstance(raised[3], OSError), raised
+    for p in (0, 1, 2):
+        assert isinstance(raised[p], CheckpointError) and "process 3" in str(raised[p]), (p, raised[p])
+        assert "disk went away" in str(raised[p]), raised[p]
 
 
 def test_a_rebuild_takes_from_memory_only_regions_held_as_stored():

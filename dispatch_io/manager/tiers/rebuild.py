@@ -25,6 +25,9 @@ restore takes them from the next source (the root), or an older step.
 
 It goes one row group (``packed_rows.ROW_BYTES`` per device at most) at a time: a feeder holds one
 group's pieces (and a holder the next group's parity rows) on the host at once, whatever its share.
+Before each group's rounds every process says it is ready (:func:`_all_ready`): one that failed to get
+its rows or pieces, or does not come within the barrier timeout, fails the rebuild in every process,
+named, before anyone enters a collective it would never join.
 
 Costs: the holders read their parity rows (1/k of a share); per lost process, each member sends one
 piece (1/k of its protected rows) per group of the lost process's it is in -- ``k - |d|`` for the
@@ -42,6 +45,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from dispatch_io.errors import CheckpointError
 from dispatch_io.manager.tiers import job_steps, parity_plan
 from dispatch_io.manager.tiers.rebuild_reads import Opened, RebuiltCopy, Source
 from dispatch_io.manager.tiers.parity import PARITY, row_name
@@ -157,6 +161,53 @@ def _finished(held: dict, members: np.ndarray | None, devices: int, width: int) 
     return row
 
 
+def _all_ready(room, step: int, group: int, me: int, error: BaseException | None):
+    """Every process says whether it is ready for row group ``group``'s rounds (its parity rows and
+    pieces in hand) before any enters their collectives: a process that failed, or does not come
+    within the barrier timeout (BarrierTimeoutError naming it), fails the rebuild everywhere, rather
+    than leaving the others in a collective without it. Raises ``error`` in the process that had it."""
+    room.set(f"rebuild-ready/{step}/{group}/{me}", None if error is None else f"{type(error).__name__}: {error}")
+    failed = {p: e for p, e in room.gather(f"rebuild-ready/{step}/{group}",
+                                           doing="start rebuilding the lost processes' regions").items() if e}
+    if error is not None:
+        raise error
+    if failed:
+        p = min(failed)
+        raise CheckpointError(f"process {p} could not take its part in rebuilding local step {step} from parity: "
+                              f"{failed[p]}")
+
+
+def _exchange(rows: _Rows, rounds: list, me: int, lost, held: dict, mine: dict) -> tuple[int, np.ndarray | None]:
+    """Run ``rounds`` (``parity_plan.transfers``, those this process is in) for one row group: this
+    process's parity rows ``held`` {device position: row} and member pieces ``mine`` {piece: row} go
+    out as the transfers say. Returns (the bytes it received, its rebuilt rows if it is lost, else None)."""
+    k, devices = rows.k, rows.devices
+    width, into_holder, received = rows.groups[0]["W"] // k, {}, 0   # (lost, j) -> the members' pieces XORed
+    data = np.zeros(rows.size, np.uint8) if me in lost else None
+    for moves in rounds:
+        out = next((m for m in moves if m[0] == me), None)
+        into = next((m for m in moves if m[1] == me), None)
+        if out is None:
+            row = np.zeros(devices * width, np.uint8)
+        elif out[1] == out[2]:   # a holder's finished piece, to the lost process: its parity row XOR the rest
+            row = _finished(held, into_holder.pop(out[2:4], None), devices, width)
+        else:                    # a member's piece, to the holder whose parity covers it
+            row = mine[out[4]]
+        got = _send(row, moves)
+        if into is None:
+            continue
+        received += got.size
+        if into[1] == into[2]:   # this lost process's piece j of every device's row
+            for i in range(devices):
+                start = i * rows.groups[0]["W"] + into[3] * width
+                data[start:start + width] = got[i * width:(i + 1) * width]
+        elif into[2:4] in into_holder:   # k > 2: several members' pieces
+            into_holder[into[2:4]] = np.bitwise_xor(into_holder[into[2:4]], got)
+        else:
+            into_holder[into[2:4]] = got
+    return received, data
+
+
 def _send(row: np.ndarray, moves: tuple) -> np.ndarray:
     """Each (sender, receiver, ...) of ``moves`` (a round of ``parity_plan.transfers``) sends its
     ``row`` to its receiver alone, over the processes' first devices (``multihost.rows.send``: a
@@ -189,47 +240,27 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     member = Source(step_path, runner)   # its own copy: read only for what ``have`` does not hold
     own = sections[me]["layouts"][str(me)] if pieces else None
     have = have or (lambda keypath, bounds: None)
-    # Every process is here before the rounds' collectives: one that is not fails the rebuild everywhere
-    # within the barrier timeout, naming it, rather than leaving the others in a collective without it.
-    room.set(f"rebuilding/{step}/{me}", True)
-    room.gather(f"rebuilding/{step}", doing="start rebuilding the lost processes' regions")
     try:
         groups = [_Rows(k, [group], devices, g) for g, group in enumerate(first["groups"])]
         # A holder reads its parity rows of the next row group while it packs, sends and receives this one's.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ahead = pool.submit(_parity_rows, parity, groups[0]) if holding and groups else None
             for rows in groups:   # one row group at a time: a feeder holds one group's rows
-                g, width = rows.first, rows.groups[0]["W"] // k
                 kept, ahead = ahead, (pool.submit(_parity_rows, parity, groups[rows.first + 1])
                                       if holding and rows.first + 1 < len(groups) else None)
-                if pieces:
-                    mine, broken = _own_pieces(rows, own, pieces, have, member)
-                into_holder = {}   # (lost, j) -> what the group's other members sent this holder, XORed
-                data = np.zeros(rows.size, np.uint8) if me in lost else None
-                for moves in rounds:
-                    out = next((m for m in moves if m[0] == me), None)
-                    into = next((m for m in moves if m[1] == me), None)
-                    if out is None:
-                        row = np.zeros(devices * width, np.uint8)
-                    elif out[1] == out[2]:   # a holder's finished piece, to the lost process: its parity row XOR the rest
-                        held, unread = kept.result()
-                        bad += [(out[2], g, i, out[3]) for i in unread]
-                        row = _finished(held, into_holder.pop(out[2:4], None), devices, width)
-                    else:                    # a member's piece, to the holder whose parity covers it
-                        row = mine[out[4]]
-                        bad += [(out[2], g, i, out[3]) for i in range(devices) if out[4] in broken[i]]
-                    got = _send(row, moves)
-                    if into is None:
-                        continue
-                    received += got.size
-                    if into[1] == into[2]:   # this lost process's piece j of every device's row
-                        for i in range(devices):
-                            start = i * rows.groups[0]["W"] + into[3] * width
-                            data[start:start + width] = got[i * width:(i + 1) * width]
-                    elif into[2:4] in into_holder:   # k > 2: several members' pieces
-                        into_holder[into[2:4]] = np.bitwise_xor(into_holder[into[2:4]], got)
-                    else:
-                        into_holder[into[2:4]] = got
+                error, held, unread, mine, broken = None, {}, set(), {}, {}
+                try:
+                    held, unread = kept.result() if kept is not None else ({}, set())
+                    if pieces:
+                        mine, broken = _own_pieces(rows, own, pieces, have, member)
+                except Exception as exc:  # noqa: BLE001 - reported to the others first, then raised
+                    error = exc
+                _all_ready(room, step, rows.first, me, error)
+                got, data = _exchange(rows, rounds, me, lost, held, mine)
+                received += got
+                bad += [(p, rows.first, i, j) for p, j in sorted(holding) for i in unread]
+                bad += [(move[2], rows.first, i, move[3]) for r in rounds for move in r
+                        if move[0] == me and move[1] != move[2] for i in range(devices) if move[4] in broken[i]]
                 if data is not None:
                     rebuilt.append((rows, data))
     finally:
