@@ -218,53 +218,101 @@ def _send(row: np.ndarray, moves: tuple) -> np.ndarray:
     return send(row, (taking,), scaleout.carriers(jax.process_count()), pairs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """What one process does in a rebuild: the rounds it is in (``parity_plan.transfers``), the
+    (lost, j) pieces it finishes as their holder, the pieces of its own rows it sends as a member,
+    and the step's row groups (``k``, device positions per process)."""
+
+    rounds: list
+    holding: set
+    pieces: set
+    groups: list
+
+    @classmethod
+    def of(cls, sections: dict, lost, me: int) -> "_Part":
+        first = sections[min(sections)]
+        order, k = tuple(first["ring"]), first["k"]
+        devices = len(first["layouts"][str(min(sections))][0])
+        rounds = [r for r in parity_plan.transfers(order, k, lost) if any(me in move[:2] for move in r)]
+        return cls(rounds, {move[2:4] for r in rounds for move in r if move[0] == me and move[1] == move[2]},
+                   {move[4] for r in rounds for move in r if move[0] == me and move[1] != move[2]},
+                   [_Rows(k, [group], devices, g) for g, group in enumerate(first["groups"])])
+
+
+class ParityReads:
+    """A holder's parity rows of a step (``<step>/parity``), read row group by row group on a thread
+    of their own, one group ahead of the rounds (:func:`read_ahead` starts the first before the
+    restore's local pass, so that read overlaps it)."""
+
+    def __init__(self, path: str, runner, groups: list):
+        self._source, self._groups, self._ahead = Source(path, runner), groups, {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def start(self, g: int = 0) -> "ParityReads":
+        """Start reading row group ``g`` (if there is one and it is not started)."""
+        if g < len(self._groups) and g not in self._ahead:
+            self._ahead[g] = self._pool.submit(_parity_rows, self._source, self._groups[g])
+        return self
+
+    def rows(self, g: int) -> tuple[dict, set]:
+        """Row group ``g``'s parity rows (as ``_parity_rows``); the next group's read is started."""
+        self.start(g)
+        future = self._ahead.pop(g)
+        self.start(g + 1)
+        return future.result()
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._source.close()
+
+
+def read_ahead(lost: dict, sections: dict, process: int, step_path: str, runner) -> ParityReads | None:
+    """This process's parity rows of the local step at ``step_path`` being read, from the first row
+    group, if it holds a piece of one of the ``lost`` processes (else None): started before the
+    restore's local pass, handed to :func:`run` (which closes it)."""
+    part = _Part.of(sections, lost, process)
+    return ParityReads(os.path.join(step_path, PARITY), runner, part.groups).start() if part.holding else None
+
+
 def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_of, *, process: int,
-        step_path: str, runner, have=None) -> tuple[RebuiltCopy | None, dict, int]:
+        step_path: str, runner, have=None, reads: ParityReads | None = None) -> tuple[RebuiltCopy | None, dict, int]:
     """Rebuild the ``lost`` processes' regions of ``step`` (every process together; see the module
     doc). ``sections``: {process: its parity section}; ``having``: the processes with a copy of
     their own; ``outputs_of(manifest)``: the restore's (treedef, outputs); ``process``: this one;
     ``step_path``: its local step's directory (its copy, and its parity rows under it); ``runner``:
     the dispatcher's, which opens the readers; ``have(key path, stored bounds)``: a region of this
     process's own that the restore's local pass read of its copy and checked, in memory as stored
-    (None where it is not: read from its copy; ``tier_fill.Fill.in_memory``). Returns (this process's :class:`RebuiltCopy` if it is lost, else None; {key path:
-    [region as JSON]} of its regions that could not be rebuilt; the bytes it received from the others)."""
-    me = process
-    first = sections[min(sections)]
-    order, k = tuple(first["ring"]), first["k"]
-    devices = len(first["layouts"][str(min(sections))][0])
-    rounds = [r for r in parity_plan.transfers(order, k, lost) if any(me in move[:2] for move in r)]
-    holding = {move[2:4] for r in rounds for move in r if move[0] == me and move[1] == move[2]}
-    pieces = {move[4] for r in rounds for move in r if move[0] == me and move[1] != move[2]}
+    (None where it is not: read from its copy; ``tier_fill.Fill.in_memory``); ``reads``: its parity
+    rows already being read (:func:`read_ahead`; None: read here). Returns (this process's
+    :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
+    could not be rebuilt; the bytes it received from the others)."""
+    me, part = process, _Part.of(sections, lost, process)
     rebuilt, bad, received = [], [], 0
-    parity = Source(os.path.join(step_path, PARITY), runner) if holding else None
+    if part.holding and reads is None:
+        reads = ParityReads(os.path.join(step_path, PARITY), runner, part.groups)
     member = Source(step_path, runner)   # its own copy: read only for what ``have`` does not hold
-    own = sections[me]["layouts"][str(me)] if pieces else None
+    own = sections[me]["layouts"][str(me)] if part.pieces else None
     have = have or (lambda keypath, bounds: None)
     try:
-        groups = [_Rows(k, [group], devices, g) for g, group in enumerate(first["groups"])]
-        # A holder reads its parity rows of the next row group while it packs, sends and receives this one's.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            ahead = pool.submit(_parity_rows, parity, groups[0]) if holding and groups else None
-            for rows in groups:   # one row group at a time: a feeder holds one group's rows
-                kept, ahead = ahead, (pool.submit(_parity_rows, parity, groups[rows.first + 1])
-                                      if holding and rows.first + 1 < len(groups) else None)
-                error, held, unread, mine, broken = None, {}, set(), {}, {}
-                try:
-                    held, unread = kept.result() if kept is not None else ({}, set())
-                    if pieces:
-                        mine, broken = _own_pieces(rows, own, pieces, have, member)
-                except Exception as exc:  # noqa: BLE001 - reported to the others first, then raised
-                    error = exc
-                _all_ready(room, step, rows.first, me, error)
-                got, data = _exchange(rows, rounds, me, lost, held, mine)
-                received += got
-                bad += [(p, rows.first, i, j) for p, j in sorted(holding) for i in unread]
-                bad += [(move[2], rows.first, i, move[3]) for r in rounds for move in r
-                        if move[0] == me and move[1] != move[2] for i in range(devices) if move[4] in broken[i]]
-                if data is not None:
-                    rebuilt.append((rows, data))
+        for rows in part.groups:   # one row group at a time: a feeder holds one group's rows
+            error, held, unread, mine, broken = None, {}, set(), {}, {}
+            try:
+                held, unread = reads.rows(rows.first) if part.holding else ({}, set())
+                if part.pieces:
+                    mine, broken = _own_pieces(rows, own, part.pieces, have, member)
+            except Exception as exc:  # noqa: BLE001 - reported to the others first, then raised
+                error = exc
+            _all_ready(room, step, rows.first, me, error)
+            got, data = _exchange(rows, part.rounds, me, lost, held, mine)
+            received += got
+            bad += [(p, rows.first, i, j) for p, j in sorted(part.holding) for i in unread]
+            bad += [(move[2], rows.first, i, move[3]) for r in part.rounds for move in r
+                    if move[0] == me and move[1] != move[2] for i in range(rows.devices) if move[4] in broken[i]]
+            if data is not None:
+                rebuilt.append((rows, data))
     finally:
-        for source in (parity, member):
+        for source in (reads, member):
             if source is not None:
                 source.close()
     manifest = job_steps.share_manifest(room, step, having, me, lambda: Location.parse(step_path).read_manifest())

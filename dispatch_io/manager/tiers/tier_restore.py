@@ -148,9 +148,17 @@ class TierRestore:
                 continue   # some copy the plan reads is bad: plan again without it
             if later:
                 self.rebuilt[plan.step] = set(lost)
-            found = fill.run(plan, reports, copy, again=todo is not wanted, defer=lost if later else ())
+            reads = rebuild.read_ahead(lost, self._sections[plan.step], self.process, self.root.step_path(plan.step),
+                                       self.dispatcher.runner) if later else None   # a holder's rows, meanwhile
+            try:
+                found = fill.run(plan, reports, copy, again=todo is not wanted, defer=lost if later else ())
+            except BaseException:
+                if reads is not None:
+                    reads.close()
+                raise
             if later:   # the members' pieces from what they just read; the lost process places its regions
-                found = _merged(found, self._rebuild(plan.step, fill, reports, have=fill.in_memory(found)))
+                found = _merged(found, self._rebuild(plan.step, fill, reports, have=fill.in_memory(found),
+                                                     reads=reads))
                 if self.process in lost:
                     fill.place(plan, self._copies[plan.step], found)
             left_out = _gather(fill.room, f"after{attempt}", self.process, found)
@@ -159,18 +167,20 @@ class TierRestore:
                 return plan
             todo, allowed = _redo(todo, left_out, plan.routes), {plan.step}   # again, from the next source
 
-    def _rebuild(self, step: int, fill: Fill, reports: dict, have=None) -> dict:
+    def _rebuild(self, step: int, fill: Fill, reports: dict, have=None, reads=None) -> dict:
         """Rebuild the regions lost processes hold at ``step`` through parity (``rebuild.run``: every
         process together, once per step; this process's rebuilt copy, if it is lost, becomes its copy;
-        ``have``: as ``rebuild.run``'s). {key path: [region]} of its rebuilt regions that could not be rebuilt."""
+        ``have``, ``reads``: as ``rebuild.run``'s). {key path: [region]} of its rebuilt regions that could not be rebuilt."""
         lost = self._lost.pop(step, None)
         if lost is None:
+            if reads is not None:
+                reads.close()
             return {}
         self.rebuilt[step] = set(lost)
         having = sorted(p for p, steps in reports.items() if step in steps and p not in lost)
         copy, bad, received = rebuild.run(step, lost, self._sections[step], having, fill.room, fill.outputs_of,
                                           process=self.process, step_path=self.root.step_path(step),
-                                          runner=self.dispatcher.runner, have=have)
+                                          runner=self.dispatcher.runner, have=have, reads=reads)
         fill.received += received
         if copy is not None:
             self._copies[step] = copy
