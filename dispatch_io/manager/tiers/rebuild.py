@@ -10,8 +10,9 @@ its own. When a plan picks such a step, :func:`run` (every process together, onc
   them (``have``: nothing is read twice; what that pass did not read of its copy -- a region
   received from a peer, read as another dtype, or on another mesh -- is read from its copy, checked
   as read) --, and sends it to that holder;
-* each holder XORs those into its parity row (``<step>/parity``, read and checked while it packs
-  and sends: one row group ahead) and sends the finished piece to the lost process
+* each holder XORs those into its parity row (``<step>/parity``, read and checked from the start of
+  the restore's local pass, one row group ahead of the rounds: :func:`read_ahead`) and sends the
+  finished piece to the lost process
   (``parity_plan.transfers``: the rounds, a collective permute among each round's processes,
   :func:`_send`; every transfer carries one piece, so the lost process receives its share once);
 * the lost process cuts its regions out of its rows by its recorded layout and serves them from
