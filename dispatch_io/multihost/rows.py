@@ -23,8 +23,12 @@ def _reshard(rows, sharding):
 
 
 def carriers(count: int) -> list:
-    """The device of each process that carries its rows: its first."""
-    return [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(count)]
+    """The device of each process that carries its rows: its first (one pass over the job's devices)."""
+    first: dict = {}
+    for d in jax.devices():
+        if d.process_index not in first or d.id < first[d.process_index].id:
+            first[d.process_index] = d
+    return [first[p] for p in range(count)]
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -179,12 +179,18 @@ def spans(group: Mapping, regions: Sequence) -> list[tuple[str, tuple, int, int]
     return found
 
 
+def touched(offset: int, nbytes: int, width: int, k: int) -> set[int]:
+    """The pieces (indices ``j`` of ``k``, each ``width`` bytes) of a row that its bytes
+    ``offset .. offset + nbytes`` fall in (none for no bytes)."""
+    return {j for j in range(k) if nbytes and offset < (j + 1) * width and j * width < offset + nbytes}
+
+
 def hit(group: Mapping, regions: Sequence, k: int, pieces: set) -> list[tuple[str, tuple]]:
     """(key path, region) of the leaves in ``regions`` (as :func:`spans`) with a byte in one of the
     ``pieces`` (indices ``j``) of ``group``'s row: what a bad piece loses."""
     width = group["W"] // k
     return [(keypath, region) for keypath, region, offset, nbytes in spans(group, regions)
-            if nbytes and any(offset < (j + 1) * width and j * width < offset + nbytes for j in pieces)]
+            if touched(offset, nbytes, width, k) & set(pieces)]
 
 
 def rebuilt_steps(reports: Mapping[int, Mapping[int, Mapping]], count: int) -> dict[int, dict[int, dict[str, set]]]:

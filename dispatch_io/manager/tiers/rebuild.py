@@ -120,9 +120,9 @@ def _own_pieces(rows: _Rows, own: list, pieces: set, have, source: Source) -> tu
     ``have(key path, stored bounds)`` (what the restore already read and checked, in memory; None if
     it does not hold it) or else read from its copy (``source``)."""
     width = rows.groups[0]["W"] // rows.k
-    hits = lambda start, nbytes: {j for j in range(rows.k) if start < (j + 1) * width and j * width < start + nbytes}  # noqa: E731
     wanted = sorted({(kp, _stored(group, kp, region)) for g, group, i, _, _ in rows.cells()
-                     for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]) if hits(start, nbytes) & pieces})
+                     for kp, region, start, nbytes in parity_plan.spans(group, own[g][i])
+                     if parity_plan.touched(start, nbytes, width, rows.k) & pieces})
     read = {key: have(*key) for key in wanted}
     missing = [key for key, array in read.items() if array is None]
     if missing:
@@ -132,13 +132,13 @@ def _own_pieces(rows: _Rows, own: list, pieces: set, have, source: Source) -> tu
     for g, group, i, _, _ in rows.cells():
         broken[i] = set()
         for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]):
-            touched = hits(start, nbytes) & pieces
-            data = read.get((kp, _stored(group, kp, region))) if touched else None
-            if touched and data is None:
-                broken[i] |= touched
+            sent = parity_plan.touched(start, nbytes, width, rows.k) & pieces
+            data = read.get((kp, _stored(group, kp, region))) if sent else None
+            if sent and data is None:
+                broken[i] |= sent
                 continue
-            flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8) if touched else None
-            for j in touched:   # the bytes of this region inside piece j, at device position i's place
+            flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8) if sent else None
+            for j in sent:   # the bytes of this region inside piece j, at device position i's place
                 lo, hi = max(start, j * width), min(start + nbytes, (j + 1) * width)
                 at = i * width - j * width
                 found[j][at + lo:at + hi] = flat[lo - start:hi - start]
