@@ -26,6 +26,15 @@ B, S = 32 * 4, 8 * 4 * 4                                  # b (everywhere), s (p
 ROWS = (8 + 512 + 64 + 512) * 2     # a process's rows: k, m, s, w each padded to its largest shard; 2 devices
 
 
+def _trained_then_lost(tmp_path, lost: int):
+    """(root, local template) of the parity job trained to step 8 (``train_fsdp``), then process ``lost``'s
+    local directory wiped (its disk gone)."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    train_fsdp(root, local, PARITY)
+    shutil.rmtree(str(local).replace("{process}", str(lost)))
+    return root, local
+
+
 def _run(root, local, mode, durability="local", extra=None):
     """Run job_fsdp_replicas.py with parity to its end (its restores requiring ``durability``): each
     process's (listing, step, exact, bytes local, persistent, received, regions from peers, from the root)."""
@@ -463,9 +472,7 @@ def test_a_lost_process_is_rebuilt_under_a_restore_that_casts_or_renames(tmp_pat
     at step 6 sends process 1's k and m regions of that device, and that region of 3's, to the root,
     cast alike."""
     extra = {**PARITY, "DIO_TEST_CAST": "1"}
-    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
-    train_fsdp(root, local, PARITY)
-    shutil.rmtree(str(local).replace("{process}", "1"))
+    root, local = _trained_then_lost(tmp_path, 1)
     results = _run(root, local, "resume", extra=extra)
     print("cast, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
@@ -487,9 +494,7 @@ def test_the_leaders_lost_disk_is_rebuilt_its_own_leaf_too(tmp_path):
     """Process 0 -- the room's leader, the one holder of ``s`` (on its two devices; a small leaf read
     whole) -- loses its disk: its share and ``s`` are rebuilt from parity and placed from memory,
     bit-exact, nothing from the root; the manifest comes from process 1 (the first with a copy)."""
-    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
-    train_fsdp(root, local, PARITY)
-    shutil.rmtree(str(local).replace("{process}", "0"))
+    root, local = _trained_then_lost(tmp_path, 0)
     results = _run(root, local, "resume")
     print("process 0 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
@@ -502,9 +507,7 @@ def test_a_lost_process_whose_regions_another_process_needs_is_rebuilt_first(tmp
     before the local pass, the members reading their regions from their copies, checked). Bit-exact,
     nothing from the root; each process receives the share it now holds (another's), the holders of
     process 1's pieces (0 and 2) one piece each, and process 1 its rows and b."""
-    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
-    train_fsdp(root, local, PARITY)
-    shutil.rmtree(str(local).replace("{process}", "1"))
+    root, local = _trained_then_lost(tmp_path, 1)
     results = _run(root, local, "reversed")
     print("onto reversed devices, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results

@@ -63,7 +63,7 @@ class Fill:
         if plan.step != self.step:
             self.restart()
             self.step = plan.step
-        by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
+        by_leaf = self._by_leaf(plan)
         check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy,
                                  reports[self.restore.process].get(plan.step))
         if any(r.own or r.kind == placement.PEER for regions in plan.routes.values() for r in regions.values()):
@@ -73,6 +73,10 @@ class Fill:
         self.peer_regions += plan.regions(placement.PEER)
         self.persistent_regions += plan.regions(placement.PERSISTENT)
         return check.bad
+
+    def _by_leaf(self, plan: placement.TierPlan) -> list:
+        """``plan``'s routes of each of the target's leaves, in order ({region: Route}; {} for none)."""
+        return [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
 
     def _local(self, plan, by_leaf: list, reports: dict, copy, check, defer=()):
         restore = self.restore
@@ -122,7 +126,7 @@ class Fill:
         """Read this process's own regions at ``plan.step`` from its copy rebuilt in memory (alone: no
         other process takes part), but those ``left_out`` ({key path: [region]}: not rebuilt)."""
         restore = self.restore
-        by_leaf = [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
+        by_leaf = self._by_leaf(plan)
         routes, skip = restore.local_routes(by_leaf), placement.as_regions(left_out)
         only = lambda index, out: [r for r in routes(index, out)[1]  # noqa: E731
                                    if r not in skip.get(out.saved.keypath, ())]
