@@ -65,3 +65,24 @@ def test_row_widths_are_few(tmp_path):
     assert all(w % 64 == 0 for w in widths)
     assert all(n <= width(n) <= max(64, n * 17 // 16 + 64) for n in range(1, 100000, 13))
     assert len(widths) < 120
+
+
+def test_the_regions_asked_for_first_are_read_first_in_batches_of_their_own(tmp_path):
+    """``plan_split(first=)`` puts those local regions ahead of the others (the rest in order), and
+    ``RegionReads(apart=)`` batches them apart and small, so they land before the rest is read (a
+    parity rebuild beside the local pass waits for them)."""
+    from dispatch_io.read.loop import RegionReads
+
+    make = _outputs(tmp_path)
+    plain = plan_split(make(), 0, 1, 16 * KiB, 96 * KiB)
+    big = [(out.saved.keypath, region) for out, region in plain.local if out.saved.keypath == "['big']"]
+    assert [out.saved.keypath for out, _ in plain.local] == ["['big']", "['small']"]
+    first = frozenset(big)
+    split = plan_split(make(), 0, 1, 16 * KiB, 96 * KiB, first=first)
+    assert [(out.saved.keypath, region) for out, region in split.local][:len(big)] == big
+    split = plan_split(make(), 0, 1, 16 * KiB, 96 * KiB, first=frozenset({("['small']", ((0, 10),))}))
+    assert [out.saved.keypath for out, _ in split.local] == ["['small']", "['big']"]
+    reads = RegionReads(None, split.local, 16 * KiB, 96 * KiB, "ckpt", apart=1)
+    assert [[out.saved.keypath for out, _, _ in batch] for batch in reads.batches] == [["['small']"], ["['big']"]]
+    whole = RegionReads(None, split.local, 16 * KiB, 1 << 20, "ckpt")
+    assert len(whole.batches) == 1   # without apart: one batch of both

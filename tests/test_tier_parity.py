@@ -231,7 +231,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     rows XORed from them, its regions as the restore's local pass read them (``have``; none for the
     ``unreadable`` (process, key path) and the copy it falls back to is not there), and a room on an
     in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
-    check (as ``rebuild._parity_rows`` finds). Only the collective (``_send``, a mailbox per round here) and the manifest's
+    check (as ``rebuild._parity_rows`` finds). Only the collectives (``_senders``', a mailbox per round here) and the manifest's
     sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
     reads of the ``failing`` ones' parity rows raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
     regions left out}, {process: bytes received})."""
@@ -294,7 +294,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     class Described:
         leaves: tuple = ()
 
-    monkeypatch.setattr(rebuild, "_send", send)
+    monkeypatch.setattr(rebuild, "_senders", lambda rounds, size: [lambda row, m=m: send(row, m) for m in rounds])
     monkeypatch.setattr(rebuild, "_parity_rows", parity_read)
     monkeypatch.setattr(rebuild.job_steps, "share_manifest", lambda *args: None)
     monkeypatch.setattr(rebuild, "parse_manifest", lambda doc, path: Described())
@@ -545,3 +545,70 @@ def test_a_rebuild_takes_from_memory_only_what_the_member_read_of_its_own_copy()
     have = fill.in_memory({})
     assert have("['w']", own) is out.buffers[own]
     assert have("['w']", received) is None
+
+
+def test_a_rebuilt_region_read_whole_is_handed_over_and_a_part_of_it_copied():
+    """A lost process places its rebuilt regions from memory (``MemoryReader``): a read of one whole
+    region as rebuilt (same bounds and dtype) hands that array over -- no copy of its share --; a part
+    of it, a read across two regions, or one as another dtype is copied, bit for bit; a region not
+    rebuilt whole fails with a ChunkError."""
+    import numpy as np
+
+    from dispatch_io.manager.tiers.rebuild_reads import MemoryReader
+    from dispatch_io.workers import ArraySpec, ChunkError, ReadItem, Region, crc32c
+
+    rows = np.arange(64, dtype=np.float32).reshape(8, 8)
+    regions = {"['w']": {((0, 4), (0, 8)): rows[:4], ((4, 8), (0, 8)): rows[4:]}}
+    reader, spec = MemoryReader(regions), ArraySpec("w", (8, 8), "float32", (4, 8))
+
+    def item(bounds, dtype="float32"):
+        shape = tuple(hi - lo for lo, hi in bounds)
+        return ReadItem(((Region(spec, bounds, "['w']"), tuple((0, n) for n in shape)),), shape, dtype)
+
+    whole, part, across, cast = reader.read([item(((4, 8), (0, 8))), item(((1, 3), (2, 6))),
+                                             item(((2, 6), (0, 8))), item(((0, 4), (0, 8)), "bfloat16")]).result()
+    assert np.shares_memory(whole, rows) and whole.tobytes() == rows[4:].tobytes()
+    assert not np.shares_memory(part, rows) and part.tobytes() == rows[1:3, 2:6].tobytes()
+    assert across.tobytes() == rows[2:6].tobytes() and cast.dtype.name == "bfloat16"
+    assert cast.astype(np.float32).tobytes() == rows[:4].tobytes()   # small integers: exact in bfloat16
+    assert reader.checksums([Region(spec, ((2, 6), (0, 8)), "['w']")]).result() == [crc32c(rows[2:6].copy())]
+    del regions["['w']"][((4, 8), (0, 8))]
+    try:
+        reader.read([item(((2, 6), (0, 8)))]).result()
+    except ChunkError:
+        pass
+    else:
+        raise AssertionError("a region not rebuilt whole was read")
+
+
+def test_a_rebuild_beside_the_pass_takes_each_region_as_it_lands_checked():
+    """``tier_fill.Landed``: the rebuild beside a local pass waits for a region until the pass's check
+    passes it (then it has that very buffer), and a region the check leaves out, or one never read,
+    ends its wait when the pass ends (None: the rebuild reads it from the copy)."""
+    import threading
+
+    import numpy as np
+
+    from dispatch_io.manager.tiers.tier_fill import Landed
+    from dispatch_io.manifest import SavedLeaf
+    from dispatch_io.read.targets import DEVICE, Output
+    from dispatch_io.workers import ArraySpec
+
+    stored = ArraySpec("w", (8, 4), "float32", (4, 4))
+    out = Output(SavedLeaf("['w']", "array", "jax", (8, 4), np.dtype("float32"), stored=stored), DEVICE,
+                 np.dtype("float32"))
+    good, bad = ((0, 4), (0, 4)), ((4, 8), (0, 4))
+    landed = Landed()
+    check = landed.tap(lambda o, region, array: region == good)   # the pass's check: passes one region
+    got = {}
+    waiting = [threading.Thread(target=lambda r=r: got.__setitem__(r, landed.wait("['w']", r))) for r in (good, bad)]
+    for thread in waiting:
+        thread.start()
+    buffer = np.ones((4, 4), np.float32)
+    assert check(out, good, buffer) is True and check(out, bad, np.zeros((4, 4), np.float32)) is False
+    waiting[0].join(10)
+    assert not waiting[0].is_alive() and got[good][2] is buffer and got[good][1] == good
+    assert waiting[1].is_alive()   # left out by the check: waits for the pass to end
+    landed.close()
+    waiting[1].join(10)
+    assert got[bad] == (None, None, None)

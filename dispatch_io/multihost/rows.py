@@ -72,5 +72,21 @@ def send(row: np.ndarray, groups: tuple, devices: list, pairs: tuple) -> np.ndar
     call -- a parity rebuild's member that is also a holder), as :func:`gather`: each (sender,
     receiver) of ``pairs`` -- positions in the (groups, members) grid -- sends its ``row`` to the
     receiver alone (a collective permute); every process of ``groups`` calls it together."""
-    rows, mesh = _rows(row, groups, devices)
-    return np.asarray(_send_rows(rows, mesh, pairs).addressable_data(0))[0, 0]
+    return Sender(groups, devices, pairs, row.size)(row)
+
+
+class Sender:
+    """:func:`send` of rows of ``size`` bytes among ``groups`` (``pairs`` as there), its program
+    compiled when made -- so a caller can make its senders while it waits for the rows (a
+    process's first send compiles; a parity rebuild's lost process is a fresh one)."""
+
+    def __init__(self, groups: tuple, devices: list, pairs: tuple, size: int):
+        self.groups, self.devices = groups, devices
+        mesh = Mesh(np.array([[devices[p] for p in group] for group in groups]), ("group", "member"))
+        spec = jax.ShapeDtypeStruct((len(groups), len(groups[0]), size), np.uint8,
+                                    sharding=NamedSharding(mesh, PartitionSpec("group", "member")))
+        self._program = _send_rows.lower(spec, mesh, pairs).compile()
+
+    def __call__(self, row: np.ndarray) -> np.ndarray:
+        rows, _ = _rows(row, self.groups, self.devices)
+        return np.asarray(self._program(rows).addressable_data(0))[0, 0]

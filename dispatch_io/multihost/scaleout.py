@@ -94,13 +94,14 @@ def holders(out: Output, count: int, seen: dict) -> dict:
 
 
 def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_limit: int,
-               routes=None) -> Split:
+               routes=None, first=frozenset()) -> Split:
     """Split the restore of ``outputs`` (sets each ``out.regions``; allocates the buffers of the
     shared regions this process holds) into local regions and the rounds of shared pieces
     (:func:`~dispatch_io.multihost.delivery.plan_delivery`). ``routes(index, out)``, if given, says
     instead which regions travel and who may read them -- ({region: processes it goes to},
     [regions this process reads for itself], {region: processes that may read it}) -- for a
-    restore that fills only some regions from this checkpoint (the local tier's)."""
+    restore that fills only some regions from this checkpoint (the local tier's). ``first``:
+    {(key path, region)} of the local regions read before the others (in order otherwise)."""
     local, shared, seen, readers = [], [], {}, {}
     for index, out in enumerate(outputs):
         if not isinstance(out, Output) or out.saved.stored is None:
@@ -119,6 +120,7 @@ def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_
         if held:
             shared.append((index, out, held))
     plan = plan_delivery(shared, count, chunk_limit, batch_limit, readers)
+    local.sort(key=lambda item: (item[0].saved.keypath, item[1]) not in first)   # stable: else in order
     return Split(local, plan.rounds, plan.digest)
 
 
@@ -214,7 +216,7 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: bool, times: list,
-                 routes=None, check=None) -> Exchanged:
+                 routes=None, check=None, first=frozenset()) -> Exchanged:
     """Fill every output's buffers in a multi-process job, every stored byte read by one
     process (see the module doc); ``verify=True`` checks what this process reads first. All
     processes call it together, restoring the same checkpoints in the same order. Appends the
@@ -226,15 +228,16 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
     then names the restore alike in every process: its coordination keys derive from it). ``check``: as
     ``reading.read_regions``, for the regions this process reads for itself alone, and
     ``check(out, region, array, stored bounds)`` for each piece it reads for a round (one it says False
-    to, or whose read fails with a ``ChunkError``, is not sent: the caller fills that region again)."""
+    to, or whose read fails with a ``ChunkError``, is not sent: the caller fills that region again).
+    ``first``: as :func:`plan_split`'s."""
     with _ONE_AT_A_TIME:
-        return _fill(reader, outputs, options, progress, verify, times, routes, check)
+        return _fill(reader, outputs, options, progress, verify, times, routes, check, first)
 
 
 def _fill(reader, outputs: list, options, progress: Progress, verify: bool, times: list, routes,
-          check=None) -> Exchanged:
+          check=None, first=frozenset()) -> Exchanged:
     process, count, display = jax.process_index(), jax.process_count(), progress.path
-    split = plan_split(outputs, process, count, options.chunk_bytes, options.read_batch_bytes, routes)
+    split = plan_split(outputs, process, count, options.chunk_bytes, options.read_batch_bytes, routes, first)
     room = open_room("restore", display, f"the restore of {display}", options.barrier_timeout)
     report = lambda done: room.set(f"progress/{process}", done)  # noqa: E731 - moves the others' deadlines
     upcoming = [0]   # the next round this process has not said it is ready for
@@ -252,7 +255,8 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
                           [(out, out.stored_bounds(region)) for out, region in split.local],
                           options.read_batch_bytes, progress, on_batch=report)
         times.append(time.perf_counter())
-        local = RegionReads(reader, split.local, options.chunk_bytes, options.read_batch_bytes, display, report, check)
+        local = RegionReads(reader, split.local, options.chunk_bytes, options.read_batch_bytes, display, report, check,
+                            apart=sum((out.saved.keypath, region) in first for out, region in split.local))
         exchanged = _rounds(reader, outputs, split.rounds, local, room, progress, upcoming, check)
     except BaseException as exc:
         if not isinstance(exc, PeerFailure):  # the first failure is the one every process reports

@@ -171,13 +171,17 @@ class RegionReads:
     """:func:`read_regions`' work, batch by batch (``batches``), and the calls :func:`pipelined` runs
     it with -- for a caller that runs these batches in a pipelined loop of its own, between other work
     (``scaleout``: between its rounds). Arguments as :func:`read_regions` (``display``: the checkpoint,
-    in errors)."""
+    in errors); ``apart``: the first that many of ``wanted`` are read in batches of their own, first."""
 
     def __init__(self, reader, wanted: list, chunk_limit: int, batch_limit: int, display: str,
-                 on_batch: Callable[[int], None] | None = None, check: Callable | None = None, place: bool = False):
+                 on_batch: Callable[[int], None] | None = None, check: Callable | None = None, place: bool = False,
+                 apart: int = 0):
         self.reader, self.display, self.on_batch, self.check, self.place = reader, display, on_batch, check, place
         work = [(out, region, read_item(out, region, chunk_limit)) for out, region in wanted]
-        self.batches = [items for items, _ in pack(work, lambda w: w[2].nbytes, batch_limit)]
+        # the first ``apart`` regions in small batches of their own, read ahead of the rest: each batch
+        # read alongside the next (two in flight), they have landed when about 1/8 of a batch more is read
+        self.batches = [items for part, limit in ((work[:apart], max(1, batch_limit // 8)), (work[apart:], batch_limit))
+                        for items, _ in pack(part, lambda w: w[2].nbytes, limit)]
         self.done = 0   # bytes read so far
 
     def submit(self, batch) -> concurrent.futures.Future:

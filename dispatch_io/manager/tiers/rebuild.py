@@ -14,7 +14,7 @@ its own. When a plan picks such a step, :func:`run` (every process together, onc
   the restore's local pass, one row group ahead of the rounds: :func:`read_ahead`) and sends the
   finished piece to the lost process
   (``parity_plan.transfers``: the rounds, a collective permute among each round's processes,
-  :func:`_send`; every transfer carries one piece, so the lost process receives its share once);
+  :func:`_senders`; every transfer carries one piece, so the lost process receives its share once);
 * the lost process cuts its regions out of its rows by its recorded layout and serves them from
   memory (:class:`~dispatch_io.manager.tiers.rebuild_reads.RebuiltCopy`: simpler than writing them
   to disk first).
@@ -52,9 +52,9 @@ from dispatch_io.manager.tiers.rebuild_reads import Opened, RebuiltCopy, Source
 from dispatch_io.manager.tiers.parity import PARITY, row_name
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.multihost import scaleout
-from dispatch_io.multihost.rows import send
+from dispatch_io.multihost.rows import Sender
 from dispatch_io.storage import Location
-from dispatch_io.workers import numpy_dtype
+from dispatch_io.workers import aligned_empty, numpy_dtype
 
 
 def augment(gathered: dict, reports: dict, count: int) -> tuple[dict, dict]:
@@ -113,12 +113,13 @@ def _parity_rows(source: Source, rows: _Rows) -> tuple[dict, set]:
         {i for i, a in found.items() if a is None}
 
 
-def _own_pieces(rows: _Rows, own: list, pieces: set, have, source: Source) -> tuple[dict, dict]:
-    """({piece: that piece of this process's rows of ``rows``' group, every device position's in turn
-    (a row as a transfer carries it), packed from its own regions by its layout ``own``} for each of
-    ``pieces``, {device position: the pieces with a byte it could not get}). Each region is
-    ``have(key path, stored bounds)`` (what the restore already read and checked, in memory; None if
-    it does not hold it) or else read from its copy (``source``)."""
+def _own_pieces(rows: _Rows, own: list, found: dict, have, source: Source) -> dict:
+    """Pack into ``found`` {piece: zeros, one piece of a row per device position} that piece of this
+    process's rows of ``rows``' group, every device position's in turn (a row as a transfer carries
+    it), from its own regions by its layout ``own``; returns {device position: the pieces with a
+    byte it could not get}. Each region is ``have(key path, stored bounds)`` (what the restore
+    read and checked, in memory; None if it does not hold it) or else read from its copy (``source``)."""
+    pieces = set(found)
     width = rows.groups[0]["W"] // rows.k
     wanted = sorted({(kp, _stored(group, kp, region)) for g, group, i, _, _ in rows.cells()
                      for kp, region, start, nbytes in parity_plan.spans(group, own[g][i])
@@ -127,7 +128,6 @@ def _own_pieces(rows: _Rows, own: list, pieces: set, have, source: Source) -> tu
     missing = [key for key, array in read.items() if array is None]
     if missing:
         read.update(source.read(missing))
-    found = {j: np.zeros(rows.devices * width, np.uint8) for j in pieces}
     broken = {}
     for g, group, i, _, _ in rows.cells():
         broken[i] = set()
@@ -142,15 +142,14 @@ def _own_pieces(rows: _Rows, own: list, pieces: set, have, source: Source) -> tu
                 lo, hi = max(start, j * width), min(start + nbytes, (j + 1) * width)
                 at = i * width - j * width
                 found[j][at + lo:at + hi] = flat[lo - start:hi - start]
-    return found, broken
+    return broken
 
 
-def _finished(held: dict, members: np.ndarray | None, devices: int, width: int) -> np.ndarray:
-    """A holder's finished piece, every device position's in turn: its parity row there (``held``
-    {device position: row}; zeros where it could not be read) XOR what the group's other members
-    sent it (``members``; None: nothing), written once into the row that travels."""
-    row = np.empty(devices * width, np.uint8)
-    for i in range(devices):
+def _finished(held: dict, members: np.ndarray | None, row: np.ndarray, width: int) -> np.ndarray:
+    """A holder's finished piece, every device position's in turn, written once into ``row`` (the
+    row that travels): its parity row there (``held`` {device position: row}; zeros where it could
+    not be read) XOR what the group's other members sent it (``members``; None: nothing)."""
+    for i in range(row.size // width):
         place = row[i * width:(i + 1) * width]
         parity = held.get(i)
         if parity is None:
@@ -178,23 +177,23 @@ def _all_ready(room, step: int, group: int, me: int, error: BaseException | None
                               f"{failed[p]}")
 
 
-def _exchange(rows: _Rows, rounds: list, me: int, lost, held: dict, mine: dict) -> tuple[int, np.ndarray | None]:
-    """Run ``rounds`` (``parity_plan.transfers``, those this process is in) for one row group: this
-    process's parity rows ``held`` {device position: row} and member pieces ``mine`` {piece: row} go
-    out as the transfers say. Returns (the bytes it received, its rebuilt rows if it is lost, else None)."""
-    k, devices = rows.k, rows.devices
+def _exchange(rows: _Rows, rounds: list, me: int, held: dict, ready: "_Ready") -> int:
+    """Run ``rounds`` (``parity_plan.transfers``, those this process is in) for one row group through
+    ``ready``'s senders: this process's parity rows ``held`` {device position: row} and member
+    pieces (``ready.pieces``) go out as the transfers say; a lost process's pieces come into
+    ``ready.data``. Returns the bytes it received."""
+    k, devices, data = rows.k, rows.devices, ready.data
     width, into_holder, received = rows.groups[0]["W"] // k, {}, 0   # (lost, j) -> the members' pieces XORed
-    data = np.zeros(rows.size, np.uint8) if me in lost else None
-    for moves in rounds:
+    for moves, sender in zip(rounds, ready.senders):
         out = next((m for m in moves if m[0] == me), None)
         into = next((m for m in moves if m[1] == me), None)
         if out is None:
-            row = np.zeros(devices * width, np.uint8)
+            row = ready.idle
         elif out[1] == out[2]:   # a holder's finished piece, to the lost process: its parity row XOR the rest
-            row = _finished(held, into_holder.pop(out[2:4], None), devices, width)
+            row = _finished(held, into_holder.pop(out[2:4], None), ready.finishing.pop(out[2:4]), width)
         else:                    # a member's piece, to the holder whose parity covers it
-            row = mine[out[4]]
-        got = _send(row, moves)
+            row = ready.pieces[out[4]]
+        got = sender(row)
         if into is None:
             continue
         received += got.size
@@ -206,17 +205,52 @@ def _exchange(rows: _Rows, rounds: list, me: int, lost, held: dict, mine: dict) 
             into_holder[into[2:4]] = np.bitwise_xor(into_holder[into[2:4]], got)
         else:
             into_holder[into[2:4]] = got
-    return received, data
+    return received
 
 
-def _send(row: np.ndarray, moves: tuple) -> np.ndarray:
-    """Each (sender, receiver, ...) of ``moves`` (a round of ``parity_plan.transfers``) sends its
-    ``row`` to its receiver alone, over the processes' first devices (``multihost.rows.send``: a
-    collective permute among the round's processes); the row this process receives (zeros where it
-    receives none). The processes of the round call it together; the others take no part."""
-    taking = tuple(sorted({p for move in moves for p in move[:2]}))
-    pairs = tuple((taking.index(move[0]), taking.index(move[1])) for move in moves)
-    return send(row, (taking,), scaleout.carriers(jax.process_count()), pairs)
+def _senders(rounds: list, size: int) -> list:
+    """A ``multihost.rows.Sender`` of rows of ``size`` bytes for each round of ``rounds`` (of
+    ``parity_plan.transfers``): each (sender, receiver, ...) of the round sends its row to its
+    receiver alone, over the processes' first devices (a collective permute among the round's
+    processes; the others take no part). Made before the rounds' rows are: made, each compiles its
+    program, which a fresh process -- a lost one -- would otherwise do in the middle of the rounds."""
+    devices, made = scaleout.carriers(jax.process_count()), []
+    for moves in rounds:
+        taking = tuple(sorted({p for move in moves for p in move[:2]}))
+        pairs = tuple((taking.index(move[0]), taking.index(move[1])) for move in moves)
+        made.append(Sender((taking,), devices, pairs, size))
+    return made
+
+
+def _touched(size: int) -> np.ndarray:
+    """``size`` bytes of host memory, each page written once: a lost process makes the buffer its
+    rows come into while it waits for them (first touches of fresh memory are slow, and it has
+    nothing else to do then)."""
+    data = aligned_empty((size,), np.uint8)
+    data.fill(0)
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ready:
+    """A process's buffers for one row group's rounds, made before its rows are in hand (while it
+    waits for the pass to read them): a sender per round (:func:`_senders`), the member pieces it
+    packs {piece: row}, the rows it finishes as a holder {(lost, j): row}, a row of zeros it puts in
+    a round in which it sends nothing (``idle``), and, if it is lost, the rows its pieces come into
+    (``data``; else None). Every buffer is touched once when made, and aligned: on CPU a row then
+    goes into its collective without a copy (``jax.device_put`` aliases aligned host memory)."""
+
+    senders: list
+    pieces: dict
+    finishing: dict
+    idle: np.ndarray
+    data: np.ndarray | None
+
+    @classmethod
+    def of(cls, part: "_Part", rows: _Rows, lost: bool) -> "_Ready":
+        size = rows.devices * (rows.groups[0]["W"] // rows.k)
+        return cls(_senders(part.rounds, size), {j: _touched(size) for j in part.pieces},
+                   {key: _touched(size) for key in part.holding}, _touched(size), _touched(rows.size) if lost else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +273,21 @@ class _Part:
         return cls(rounds, {move[2:4] for r in rounds for move in r if move[0] == me and move[1] == move[2]},
                    {move[4] for r in rounds for move in r if move[0] == me and move[1] != move[2]},
                    [_Rows(k, [group], devices, g) for g, group in enumerate(first["groups"])])
+
+
+def feeding(sections: dict, lost, me: int) -> frozenset:
+    """{(key path, region)} of this process's own regions with a byte in a piece it sends a holder
+    in the rebuild of ``lost`` (as :func:`run`): what a restore's local pass beside the rebuild
+    reads first, so that the rounds can start while it reads the rest."""
+    part = _Part.of(sections, lost, me)
+    if not part.pieces:
+        return frozenset()
+    own, found = sections[me]["layouts"][str(me)], set()
+    for rows in part.groups:
+        for g, group, i, _, width in rows.cells():
+            found.update((kp, region) for kp, region, start, nbytes in parity_plan.spans(group, own[g][i])
+                         if parity_plan.touched(start, nbytes, width, rows.k) & part.pieces)
+    return frozenset(found)
 
 
 class ParityReads:
@@ -297,21 +346,21 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     have = have or (lambda keypath, bounds: None)
     try:
         for rows in part.groups:   # one row group at a time: a feeder holds one group's rows
-            error, held, unread, mine, broken = None, {}, set(), {}, {}
+            error, held, unread, broken, ready = None, {}, set(), {}, None
             try:
+                ready = _Ready.of(part, rows, me in lost)
                 held, unread = reads.rows(rows.first) if part.holding else ({}, set())
                 if part.pieces:
-                    mine, broken = _own_pieces(rows, own, part.pieces, have, member)
+                    broken = _own_pieces(rows, own, ready.pieces, have, member)
             except Exception as exc:  # noqa: BLE001 - reported to the others first, then raised
                 error = exc
             _all_ready(room, step, rows.first, me, error)
-            got, data = _exchange(rows, part.rounds, me, lost, held, mine)
-            received += got
+            received += _exchange(rows, part.rounds, me, held, ready)
             bad += [(p, rows.first, i, j) for p, j in sorted(part.holding) for i in unread]
             bad += [(move[2], rows.first, i, move[3]) for r in part.rounds for move in r
                     if move[0] == me and move[1] != move[2] for i in range(rows.devices) if move[4] in broken[i]]
-            if data is not None:
-                rebuilt.append((rows, data))
+            if ready.data is not None:
+                rebuilt.append((rows, ready.data))
     finally:
         for source in (reads, member):
             if source is not None:

@@ -9,6 +9,7 @@ pass for the regions no local copy has. :class:`TierRestoreStats` is what it did
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import jax
 
@@ -18,6 +19,7 @@ from dispatch_io.manager.tiers import checks, job_steps, placement
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.read import targets as restore_lib
 from dispatch_io.storage import Location
+from dispatch_io.workers import ChunkError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,9 @@ class TierRestoreStats:
     bytes_read_local: int
     bytes_read_persistent: int
     bytes_received: int
+
+
+SHARED, OWN = "shared", "own"   # the parts of a pass (:meth:`Fill.run`)
 
 
 class Fill:
@@ -52,13 +57,17 @@ class Fill:
         self.read_own: set = set()   # (saved key path, region) this process read of its own copy, local pass
 
     def run(self, plan: placement.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False,
-            defer=()) -> dict:
+            defer=(), landed: "Landed | None" = None, first=frozenset(), part: str | None = None) -> dict:
         """Fill the regions ``plan`` routes (every process together): the local pass (if any region
         is read from a local copy: what each process reads of its copy checked as read), then the persistent pass (if a
         region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
         its check are not taken unchecked from the root either). ``reports``: what each process holds
         (who shares the step's manifest with the processes without a copy); ``defer``: processes that
-        read none of their own regions in this pass (rebuilt from parity after it, :meth:`place`). Returns
+        read none of their own regions in this pass (rebuilt from parity after it, :meth:`place`);
+        ``landed``: told of each region of its own copy it reads, as it is checked (:class:`Landed`);
+        ``first``: {(saved key path, region)} read before its other regions; ``part``: None (all),
+        ``SHARED`` (the regions that travel, from a peer's copy or the root: every collective) or
+        ``OWN`` (the regions each holder reads of its own copy: none). Returns
         {key path: [region]} of the own regions this process read that failed their check (left out)."""
         if plan.step != self.step:
             self.restart()
@@ -66,19 +75,24 @@ class Fill:
         by_leaf = self._by_leaf(plan)
         check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy,
                                  reports[self.restore.process].get(plan.step))
-        if any(r.own or r.kind == placement.PEER for regions in plan.routes.values() for r in regions.values()):
-            self._local(plan, by_leaf, reports, copy, check, defer)
-        if plan.regions(placement.PERSISTENT):
-            self._persistent(plan, by_leaf, self.verify or again)
-        self.peer_regions += plan.regions(placement.PEER)
-        self.persistent_regions += plan.regions(placement.PERSISTENT)
+        own = part != SHARED and any(r.own for regions in plan.routes.values() for r in regions.values())
+        travel = part != OWN and plan.regions(placement.PEER)
+        if own or travel:
+            self._local(plan, by_leaf, reports, copy, check if landed is None else landed.tap(check), defer, first,
+                        own, travel)
+        if part != OWN:
+            if plan.regions(placement.PERSISTENT):
+                self._persistent(plan, by_leaf, self.verify or again)
+            self.peer_regions += plan.regions(placement.PEER)
+            self.persistent_regions += plan.regions(placement.PERSISTENT)
         return check.bad
 
     def _by_leaf(self, plan: placement.TierPlan) -> list:
         """``plan``'s routes of each of the target's leaves, in order ({region: Route}; {} for none)."""
         return [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
 
-    def _local(self, plan, by_leaf: list, reports: dict, copy, check, defer=()):
+    def _local(self, plan, by_leaf: list, reports: dict, copy, check, defer=(), first=frozenset(), itself=True,
+               travel=True):
         restore = self.restore
         own = copy is not None and copy.opened is not None
         if self.described is None:  # a process without a copy plans with a peer's manifest, shared once per step
@@ -93,7 +107,8 @@ class Fill:
         reader = copy.open_reader(restore.dispatcher.runner) if own else None
         display = f"local step {plan.step} of {restore.template}"
         read, received = restore.fill_pass(reader, self.outputs, display,
-                                           self._reading_own(restore.local_routes(by_leaf, defer)), False, check)
+                                           self._reading_own(restore.local_routes(by_leaf, defer, itself, travel)),
+                                           False, check, first=first)
         self.read_local, self.received = self.read_local + read, self.received + received
 
     def _reading_own(self, routes):
@@ -105,18 +120,22 @@ class Fill:
             return held, mine, may
         return noted
 
-    def in_memory(self, bad: dict):
+    def in_memory(self, bad: dict, landed: "Landed | None" = None):
         """``rebuild.run``'s ``have``: a region of this process's copy the local pass read of it and
         checked (its host buffer, as stored); None for one it did not read itself (a region received
         from a peer may miss a piece the peer's read found bad: not sent), read as another dtype
-        (``cast``), or left out (``bad``: {key path: [region]})."""
-        outputs = {o.saved.keypath: o for o in self.outputs or () if isinstance(o, restore_lib.Output)}
-
+        (``cast``), or left out (``bad``: {key path: [region]}). With ``landed`` (a rebuild beside the
+        pass), it waits for the region to land there, or for the pass to end without it."""
         def have(keypath: str, stored: tuple):
-            out = outputs.get(keypath)
-            region = None if out is None else stored[:len(out.saved.shape)]
-            buffer = None if (keypath, region) not in self.read_own else out.buffers.get(region)
-            if buffer is None or [list(b) for b in region] in bad.get(keypath, ()) or \
+            if landed is not None:
+                out, region, buffer = landed.wait(keypath, stored)
+            else:
+                out = next((o for o in self.outputs or () if isinstance(o, restore_lib.Output)
+                            and o.saved.keypath == keypath), None)
+                region = None if out is None else stored[:len(out.saved.shape)]
+                buffer = None if out is None else out.buffers.get(region)
+            if buffer is None or (keypath, region) not in self.read_own or \
+                    [list(b) for b in region] in bad.get(keypath, ()) or \
                     buffer.shape != tuple(hi - lo for lo, hi in stored) or buffer.dtype != out.saved_dtype:
                 return None
             return buffer
@@ -154,3 +173,38 @@ class Fill:
         tree = jax.tree_util.tree_unflatten(self.treedef, [restore_lib.finish(o) for o in self.outputs])
         return tree, TierRestoreStats(self.step, self.peer_regions, self.persistent_regions, self.read_local,
                                       self.read_persistent, self.received)
+
+
+class Landed:
+    """The regions of its own copy a process's local pass has read and checked, as they land: a
+    parity rebuild running beside the pass (``tier_restore``) takes its pieces from them as soon as
+    they are there. :meth:`tap` wraps the pass's check; :meth:`close` (the pass is over) ends every wait."""
+
+    def __init__(self):
+        self._found: dict = {}   # (saved key path, stored bounds) -> (output, region, array)
+        self._done = threading.Condition()
+        self._closed = False
+
+    def tap(self, check):
+        """``check`` (``checks.ReadCheck``), noting each region it passes here."""
+        def noted(out, region, array, *stored):
+            passed = check(out, region, array, *stored)
+            if passed and not stored and not isinstance(array, ChunkError):
+                with self._done:
+                    self._found[(out.saved.keypath, out.stored_bounds(region))] = (out, region, array)
+                    self._done.notify_all()
+            return passed
+        return noted
+
+    def close(self):
+        """The pass is over: what has not landed will not."""
+        with self._done:
+            self._closed = True
+            self._done.notify_all()
+
+    def wait(self, keypath: str, stored: tuple) -> tuple:
+        """(output, region, array) of the region of ``keypath`` at the stored bounds ``stored``, once it
+        has landed; (None, None, None) if the pass ended without it."""
+        with self._done:
+            self._done.wait_for(lambda: (keypath, stored) in self._found or self._closed)
+            return self._found.get((keypath, stored), (None, None, None))

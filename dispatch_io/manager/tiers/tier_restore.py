@@ -14,6 +14,7 @@ is checked before the read. See docs/design.md "Tiers"."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 
@@ -26,7 +27,7 @@ from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import checks, local_steps, rebuild
-from dispatch_io.manager.tiers.tier_fill import Fill
+from dispatch_io.manager.tiers.tier_fill import OWN, SHARED, Fill, Landed
 from dispatch_io.progress import Progress
 
 
@@ -133,7 +134,7 @@ class TierRestore:
             attempt += 1
             lost = self._lost.get(plan.step)
             later = lost is not None and _after_own_reads(plan, lost)   # rebuild from what the survivors read
-            rebuilt_bad = {} if later else self._rebuild(plan.step, fill, reports)
+            rebuilt_bad = {} if later else _counted(self._rebuild(plan.step, fill, reports), fill)[0]
             mine = reports[self.process].get(plan.step)
             copy = self._copy(plan.step, fill.outputs_of) if mine is not None and not (
                 later and self.process in lost) else None
@@ -146,45 +147,64 @@ class TierRestore:
             fill.failed.update(k for found in bad.values() for k in found)
             if _drop(reports, plan.step, bad):
                 continue   # some copy the plan reads is bad: plan again without it
-            if later:
+            if later:   # the rebuild runs beside the holders' reads of their own copies
                 self.rebuilt[plan.step] = set(lost)
-            reads = rebuild.read_ahead(lost, self._sections[plan.step], self.process, self.root.step_path(plan.step),
-                                       self.dispatcher.runner) if later else None   # a holder's rows, meanwhile
-            try:
-                found = fill.run(plan, reports, copy, again=todo is not wanted, defer=lost if later else ())
-            except BaseException:
-                if reads is not None:
-                    reads.close()
-                raise
-            if later:   # the members' pieces from what they just read; the lost process places its regions
-                found = _merged(found, self._rebuild(plan.step, fill, reports, have=fill.in_memory(found),
-                                                     reads=reads))
-                if self.process in lost:
+                reads = rebuild.read_ahead(lost, self._sections[plan.step], self.process,
+                                           self.root.step_path(plan.step), self.dispatcher.runner)  # a holder's rows
+                found = self._beside(plan, fill, reports, copy, lost, reads, todo is not wanted)
+                if self.process in lost:   # it places its rebuilt regions
                     fill.place(plan, self._copies[plan.step], found)
+            else:
+                found = fill.run(plan, reports, copy, again=todo is not wanted)
             left_out = _gather(fill.room, f"after{attempt}", self.process, found)
             fill.failed.update(k for found in left_out.values() for k in found)
             if not _drop(reports, plan.step, left_out):
                 return plan
             todo, allowed = _redo(todo, left_out, plan.routes), {plan.step}   # again, from the next source
 
-    def _rebuild(self, step: int, fill: Fill, reports: dict, have=None, reads=None) -> dict:
+    def _beside(self, plan: placement.TierPlan, fill: Fill, reports: dict, copy, lost, reads, again: bool) -> dict:
+        """Fill ``plan`` with the rebuild of the ``lost`` processes running beside the reads of the
+        holders' own copies, on a thread of its own: first what travels (from a peer's copy or the
+        root: every collective of the fill), then the rebuild starts and the holders read their own
+        copies -- the members first the regions their pieces are cut from, which the rebuild takes
+        as soon as each is read and checked (``tier_fill.Landed``), so its rounds run while they
+        read the rest, and the lost processes, which read nothing of their own, get their rows
+        meanwhile. {key path: [region]} of this process's regions left out (bad, or not rebuilt)."""
+        try:
+            found = fill.run(plan, reports, copy, again=again, defer=lost, part=SHARED)
+        except BaseException:
+            if reads is not None:
+                reads.close()
+            raise
+        landed = Landed()
+        have = fill.in_memory({}, landed)
+        first = rebuild.feeding(self._sections[plan.step], lost, self.process)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-rebuild") as pool:
+            rebuilding = pool.submit(self._rebuild, plan.step, fill, reports, have=have, reads=reads)
+            try:
+                found = _merged(found, fill.run(plan, reports, copy, defer=lost, landed=landed, first=first, part=OWN))
+            finally:
+                landed.close()   # the rebuild's waits end: what the pass did not read is read from the copy
+            return _merged(found, _counted(rebuilding.result(), fill)[0])
+
+    def _rebuild(self, step: int, fill: Fill, reports: dict, have=None, reads=None) -> tuple[dict, int]:
         """Rebuild the regions lost processes hold at ``step`` through parity (``rebuild.run``: every
         process together, once per step; this process's rebuilt copy, if it is lost, becomes its copy;
-        ``have``, ``reads``: as ``rebuild.run``'s). {key path: [region]} of its rebuilt regions that could not be rebuilt."""
+        ``have``, ``reads``: as ``rebuild.run``'s). Returns ({key path: [region]} of its rebuilt regions
+        that could not be rebuilt, the bytes it received: counted in ``fill``)."""
         lost = self._lost.pop(step, None)
         if lost is None:
             if reads is not None:
                 reads.close()
-            return {}
+            return {}, 0
         self.rebuilt[step] = set(lost)
         having = sorted(p for p, steps in reports.items() if step in steps and p not in lost)
         copy, bad, received = rebuild.run(step, lost, self._sections[step], having, fill.room, fill.outputs_of,
                                           process=self.process, step_path=self.root.step_path(step),
                                           runner=self.dispatcher.runner, have=have, reads=reads)
-        fill.received += received
         if copy is not None:
             self._copies[step] = copy
-        return bad
+        return bad, received
 
     def _saved_keypaths(self, target, names, newest: int | None, persistent_steps, persistent_path) -> dict:
         """{target key path: the saved key path it reads} under ``names`` (``restore(names=...)``;
@@ -207,12 +227,13 @@ class TierRestore:
                 found[jax.tree_util.keystr(path)] = saved.keypath
         return found
 
-    def local_routes(self, by_leaf: list, defer=()):
+    def local_routes(self, by_leaf: list, defer=(), own: bool = True, travel: bool = True):
         """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
         own; for the others, the route's reader reads its copy and delivers it to them (a reader
         that does not hold the region receives its own piece too: one buffer it never uses), or,
         for a region cut from copies of other regions (``Route.parts``), a holder of each part
-        reads that part's pieces."""
+        reads that part's pieces. Without ``own``, no holder reads its own copy for itself; without
+        ``travel``, nothing travels."""
         def routes(index, out):
             held, mine, may = {}, [], {}
             for region, route in by_leaf[index].items():
@@ -223,9 +244,10 @@ class TierRestore:
                     held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
                     may[region] = (route.reader,)
                 travels = self.process in held.get(region, ())  # a reader gets it with the others
-                if self.process in route.own and region in out.regions and not travels and self.process not in defer:
+                if own and self.process in route.own and region in out.regions and not travels and \
+                        self.process not in defer:
                     mine.append(region)
-            return held, mine, may
+            return (held, mine, may) if travel else ({}, mine, {})
         return routes
 
     def persistent_routes(self, by_leaf: list):
@@ -243,7 +265,7 @@ class TierRestore:
         return routes
 
     def fill_pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None,
-                  alone: bool = False) -> tuple[int, int]:
+                  alone: bool = False, first=frozenset()) -> tuple[int, int]:
         """Fill the regions ``routes`` give this checkpoint (every process together; ``alone``: this
         process only, ``routes`` then giving the regions it reads itself); returns (bytes this process read into
         the result -- not counting a verify's reads -- bytes it received from others). ``check``: as
@@ -254,7 +276,7 @@ class TierRestore:
             with progress:
                 if self.count > 1 and not alone:
                     received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=[],
-                                                     routes=routes, check=check).useful
+                                                     routes=routes, check=check, first=first).useful
                 else:  # nothing travels: its own regions are read as a restore reads them
                     received, mine = 0, routes if alone else (lambda index, out: routes(index, out)[1])
                     if verify:
@@ -280,6 +302,12 @@ def _after_own_reads(plan: placement.TierPlan, lost) -> bool:
     others read in it: no region is read from a lost process's copy for another process."""
     return not any(route.parts or (route.kind == placement.PEER and route.reader in lost)
                    for regions in plan.routes.values() for route in regions.values())
+
+
+def _counted(rebuilt: tuple[dict, int], fill: Fill) -> tuple[dict, int]:
+    """``TierRestore._rebuild``'s result, its bytes received counted in ``fill`` (on the thread that fills)."""
+    fill.received += rebuilt[1]
+    return rebuilt
 
 
 def _merged(a: dict, b: dict) -> dict:
