@@ -216,7 +216,7 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: bool, times: list,
-                 routes=None, check=None, first=frozenset()) -> Exchanged:
+                 routes=None, check=None, first=frozenset(), rounds_over=None) -> Exchanged:
     """Fill every output's buffers in a multi-process job, every stored byte read by one
     process (see the module doc); ``verify=True`` checks what this process reads first. All
     processes call it together, restoring the same checkpoints in the same order. Appends the
@@ -229,13 +229,15 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
     ``reading.read_regions``, for the regions this process reads for itself alone, and
     ``check(out, region, array, stored bounds)`` for each piece it reads for a round (one it says False
     to, or whose read fails with a ``ChunkError``, is not sent: the caller fills that region again).
-    ``first``: as :func:`plan_split`'s."""
+    ``first``: as :func:`plan_split`'s. ``rounds_over()``, if given, is called once this process is
+    through its last round (at once if it has none; also when a round fails): from then on this restore
+    runs no collective, so a caller may start its own on another thread."""
     with _ONE_AT_A_TIME:
-        return _fill(reader, outputs, options, progress, verify, times, routes, check, first)
+        return _fill(reader, outputs, options, progress, verify, times, routes, check, first, rounds_over)
 
 
 def _fill(reader, outputs: list, options, progress: Progress, verify: bool, times: list, routes,
-          check=None, first=frozenset()) -> Exchanged:
+          check=None, first=frozenset(), rounds_over=None) -> Exchanged:
     process, count, display = jax.process_index(), jax.process_count(), progress.path
     split = plan_split(outputs, process, count, options.chunk_bytes, options.read_batch_bytes, routes, first)
     room = open_room("restore", display, f"the restore of {display}", options.barrier_timeout)
@@ -257,7 +259,7 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
         times.append(time.perf_counter())
         local = RegionReads(reader, split.local, options.chunk_bytes, options.read_batch_bytes, display, report, check,
                             apart=sum((out.saved.keypath, region) in first for out, region in split.local))
-        exchanged = _rounds(reader, outputs, split.rounds, local, room, progress, upcoming, check)
+        exchanged = _rounds(reader, outputs, split.rounds, local, room, progress, upcoming, check, rounds_over)
     except BaseException as exc:
         if not isinstance(exc, PeerFailure):  # the first failure is the one every process reports
             room.set("failed", {"process": process, "keypath": getattr(exc, "keypath", None),
@@ -273,11 +275,11 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
 
 
 def _rounds(reader, outputs: list, rounds: list, local: RegionReads, room: Room, progress: Progress, upcoming: list,
-            check=None) -> Exchanged:
+            check=None, rounds_over=None) -> Exchanged:
     """Run the rounds (see the module doc) and, between them, read this process's own regions
     (``local``: its reads go on while a round waits for the others or is exchanged); returns what
     this process exchanged. ``upcoming[0]``: the next round this process has not said it is ready
-    for. ``check``: as :func:`fill_outputs`."""
+    for. ``check``, ``rounds_over``: as :func:`fill_outputs`."""
     process, display = room.process, progress.path
     devices = carriers(room.count)
     useful = received = sent = 0
@@ -339,8 +341,17 @@ def _rounds(reader, outputs: list, rounds: list, local: RegionReads, room: Room,
             raise exc
         return each_alone(reader, [p.item for p in round_.row(process)], exc)
 
+    def through(round_: Round, arrays):
+        try:
+            consume(round_, arrays)
+        finally:
+            if round_ is rounds[-1] and rounds_over is not None:
+                rounds_over()
+
+    if not rounds and rounds_over is not None:
+        rounds_over()
     # One loop: round k, then a batch of this process's own regions, and so on -- each with its own calls.
-    rounds_calls = types.SimpleNamespace(submit=submit, consume=consume, again=again,
+    rounds_calls = types.SimpleNamespace(submit=submit, consume=through, again=again,
                                          size=lambda r: sum(p.nbytes for p in r.row(process)),
                                          failure=lambda exc, r: read_failure(exc, r.row(process)[0].item.keypath, display))
     work = [(calls, item) for pair in itertools.zip_longest(rounds, local.batches)

@@ -235,10 +235,11 @@ def _touched(size: int) -> np.ndarray:
 class _Ready:
     """A process's buffers for one row group's rounds, made before its rows are in hand (while it
     waits for the pass to read them): a sender per round (:func:`_senders`), the member pieces it
-    packs {piece: row}, the rows it finishes as a holder {(lost, j): row}, a row of zeros it puts in
-    a round in which it sends nothing (``idle``), and, if it is lost, the rows its pieces come into
-    (``data``; else None). Every buffer is touched once when made, and aligned: on CPU a row then
-    goes into its collective without a copy (``jax.device_put`` aliases aligned host memory)."""
+    packs {piece: row}, the rows it finishes as a holder {(lost, j): row}, the row it puts in a round
+    in which it sends nothing (``idle``: a collective permute reads no row a process does not send),
+    and, if it is lost, the rows its pieces come into (``data``; else None). Every buffer it writes
+    is touched once when made, and every one is aligned: on CPU a row then goes into its collective
+    without a copy (``jax.device_put`` aliases aligned host memory)."""
 
     senders: list
     pieces: dict
@@ -250,7 +251,8 @@ class _Ready:
     def of(cls, part: "_Part", rows: _Rows, lost: bool) -> "_Ready":
         size = rows.devices * (rows.groups[0]["W"] // rows.k)
         return cls(_senders(part.rounds, size), {j: _touched(size) for j in part.pieces},
-                   {key: _touched(size) for key in part.holding}, _touched(size), _touched(rows.size) if lost else None)
+                   {key: _touched(size) for key in part.holding}, aligned_empty((size,), np.uint8),  # never read
+                   _touched(rows.size) if lost else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +328,8 @@ def read_ahead(lost: dict, sections: dict, process: int, step_path: str, runner)
 
 
 def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_of, *, process: int,
-        step_path: str, runner, have=None, reads: ParityReads | None = None) -> tuple[RebuiltCopy | None, dict, int]:
+        step_path: str, runner, have=None, reads: ParityReads | None = None,
+        gate=None) -> tuple[RebuiltCopy | None, dict, int]:
     """Rebuild the ``lost`` processes' regions of ``step`` (every process together; see the module
     doc). ``sections``: {process: its parity section}; ``having``: the processes with a copy of
     their own; ``outputs_of(manifest)``: the restore's (treedef, outputs); ``process``: this one;
@@ -334,7 +337,8 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     the dispatcher's, which opens the readers; ``have(key path, stored bounds)``: a region of this
     process's own that the restore's local pass read of its copy and checked, in memory as stored
     (None where it is not: read from its copy; ``tier_fill.Fill.in_memory``); ``reads``: its parity
-    rows already being read (:func:`read_ahead`; None: read here). Returns (this process's
+    rows already being read (:func:`read_ahead`; None: read here); ``gate``: a ``threading.Event`` set
+    when this process may start collectives (a restore's pass beside it has run its own; None: now). Returns (this process's
     :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
     could not be rebuilt; the bytes it received from the others)."""
     me, part = process, _Part.of(sections, lost, process)
@@ -354,6 +358,8 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
                     broken = _own_pieces(rows, own, ready.pieces, have, member)
             except Exception as exc:  # noqa: BLE001 - reported to the others first, then raised
                 error = exc
+            if gate is not None:
+                gate.wait()
             _all_ready(room, step, rows.first, me, error)
             received += _exchange(rows, part.rounds, me, held, ready)
             bad += [(p, rows.first, i, j) for p, j in sorted(part.holding) for i in unread]

@@ -37,9 +37,6 @@ class TierRestoreStats:
     bytes_received: int
 
 
-SHARED, OWN = "shared", "own"   # the parts of a pass (:meth:`Fill.run`)
-
-
 class Fill:
     """The result of one restore through the tiers, filled pass by pass (:meth:`run`), and what it read."""
 
@@ -57,7 +54,7 @@ class Fill:
         self.read_own: set = set()   # (saved key path, region) this process read of its own copy, local pass
 
     def run(self, plan: placement.TierPlan, reports: dict, copy: checks.LocalCopy | None, again: bool = False,
-            defer=(), landed: "Landed | None" = None, first=frozenset(), part: str | None = None) -> dict:
+            defer=(), landed: "Landed | None" = None, first=frozenset(), rounds_over=None) -> dict:
         """Fill the regions ``plan`` routes (every process together): the local pass (if any region
         is read from a local copy: what each process reads of its copy checked as read), then the persistent pass (if a
         region needs it; verified with ``verify``, and when ``again``: regions whose local copy failed
@@ -65,9 +62,9 @@ class Fill:
         (who shares the step's manifest with the processes without a copy); ``defer``: processes that
         read none of their own regions in this pass (rebuilt from parity after it, :meth:`place`);
         ``landed``: told of each region of its own copy it reads, as it is checked (:class:`Landed`);
-        ``first``: {(saved key path, region)} read before its other regions; ``part``: None (all),
-        ``SHARED`` (the regions that travel, from a peer's copy or the root: every collective) or
-        ``OWN`` (the regions each holder reads of its own copy: none). Returns
+        ``first``: {(saved key path, region)} read before its other regions; ``rounds_over()``: called
+        once the local pass has run its last collective (as ``scaleout.fill_outputs``'; a plan with
+        regions from the root runs more after it: then not called). Returns
         {key path: [region]} of the own regions this process read that failed their check (left out)."""
         if plan.step != self.step:
             self.restart()
@@ -75,24 +72,20 @@ class Fill:
         by_leaf = self._by_leaf(plan)
         check = checks.ReadCheck(f"local step {plan.step} of {self.restore.path}", copy,
                                  reports[self.restore.process].get(plan.step))
-        own = part != SHARED and any(r.own for regions in plan.routes.values() for r in regions.values())
-        travel = part != OWN and plan.regions(placement.PEER)
-        if own or travel:
+        if any(r.own or r.kind == placement.PEER for regions in plan.routes.values() for r in regions.values()):
             self._local(plan, by_leaf, reports, copy, check if landed is None else landed.tap(check), defer, first,
-                        own, travel)
-        if part != OWN:
-            if plan.regions(placement.PERSISTENT):
-                self._persistent(plan, by_leaf, self.verify or again)
-            self.peer_regions += plan.regions(placement.PEER)
-            self.persistent_regions += plan.regions(placement.PERSISTENT)
+                        None if plan.regions(placement.PERSISTENT) else rounds_over)
+        if plan.regions(placement.PERSISTENT):
+            self._persistent(plan, by_leaf, self.verify or again)
+        self.peer_regions += plan.regions(placement.PEER)
+        self.persistent_regions += plan.regions(placement.PERSISTENT)
         return check.bad
 
     def _by_leaf(self, plan: placement.TierPlan) -> list:
         """``plan``'s routes of each of the target's leaves, in order ({region: Route}; {} for none)."""
         return [plan.routes.get(self.saved_as.get(k, k), {}) for k in self.leaves]
 
-    def _local(self, plan, by_leaf: list, reports: dict, copy, check, defer=(), first=frozenset(), itself=True,
-               travel=True):
+    def _local(self, plan, by_leaf: list, reports: dict, copy, check, defer=(), first=frozenset(), rounds_over=None):
         restore = self.restore
         own = copy is not None and copy.opened is not None
         if self.described is None:  # a process without a copy plans with a peer's manifest, shared once per step
@@ -107,8 +100,8 @@ class Fill:
         reader = copy.open_reader(restore.dispatcher.runner) if own else None
         display = f"local step {plan.step} of {restore.template}"
         read, received = restore.fill_pass(reader, self.outputs, display,
-                                           self._reading_own(restore.local_routes(by_leaf, defer, itself, travel)),
-                                           False, check, first=first)
+                                           self._reading_own(restore.local_routes(by_leaf, defer)), False, check,
+                                           first=first, rounds_over=rounds_over)
         self.read_local, self.received = self.read_local + read, self.received + received
 
     def _reading_own(self, routes):

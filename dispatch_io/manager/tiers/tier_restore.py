@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 
 import jax
 from dispatch_io.read import loop as reading
@@ -27,7 +28,7 @@ from dispatch_io.multihost.coordination import open_room
 from dispatch_io.errors import CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.formats.detect import open_checkpoint
 from dispatch_io.manager.tiers import checks, local_steps, rebuild
-from dispatch_io.manager.tiers.tier_fill import OWN, SHARED, Fill, Landed
+from dispatch_io.manager.tiers.tier_fill import Fill, Landed
 from dispatch_io.progress import Progress
 
 
@@ -163,34 +164,30 @@ class TierRestore:
             todo, allowed = _redo(todo, left_out, plan.routes), {plan.step}   # again, from the next source
 
     def _beside(self, plan: placement.TierPlan, fill: Fill, reports: dict, copy, lost, reads, again: bool) -> dict:
-        """Fill ``plan`` with the rebuild of the ``lost`` processes running beside the reads of the
-        holders' own copies, on a thread of its own: first what travels (from a peer's copy or the
-        root: every collective of the fill), then the rebuild starts and the holders read their own
-        copies -- the members first the regions their pieces are cut from, which the rebuild takes
-        as soon as each is read and checked (``tier_fill.Landed``), so its rounds run while they
-        read the rest, and the lost processes, which read nothing of their own, get their rows
-        meanwhile. {key path: [region]} of this process's regions left out (bad, or not rebuilt)."""
-        try:
-            found = fill.run(plan, reports, copy, again=again, defer=lost, part=SHARED)
-        except BaseException:
-            if reads is not None:
-                reads.close()
-            raise
-        landed = Landed()
-        have = fill.in_memory({}, landed)
+        """Fill ``plan`` with the rebuild of the ``lost`` processes running beside the local pass, on a
+        thread of its own: the members read the regions their pieces are cut from first, and the
+        rebuild takes each as soon as it is read and checked (``tier_fill.Landed``), so its rounds
+        run while the pass reads the rest -- once the pass has run its own collectives (what travels
+        from a peer's copy: ``rounds_over``), never at the same time. The lost processes, which read
+        nothing of their own, get their rows meanwhile. {key path: [region]} of this process's
+        regions left out (bad, or not rebuilt)."""
+        landed, gate = Landed(), threading.Event()
         first = rebuild.feeding(self._sections[plan.step], lost, self.process)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-rebuild") as pool:
-            rebuilding = pool.submit(self._rebuild, plan.step, fill, reports, have=have, reads=reads)
+            rebuilding = pool.submit(self._rebuild, plan.step, fill, reports, have=fill.in_memory({}, landed),
+                                     reads=reads, gate=gate)
             try:
-                found = _merged(found, fill.run(plan, reports, copy, defer=lost, landed=landed, first=first, part=OWN))
-            finally:
-                landed.close()   # the rebuild's waits end: what the pass did not read is read from the copy
+                found = fill.run(plan, reports, copy, again=again, defer=lost, landed=landed, first=first,
+                                 rounds_over=gate.set)
+            finally:   # the rebuild's waits end: what the pass did not read is read from the copy
+                gate.set()
+                landed.close()
             return _merged(found, _counted(rebuilding.result(), fill)[0])
 
-    def _rebuild(self, step: int, fill: Fill, reports: dict, have=None, reads=None) -> tuple[dict, int]:
+    def _rebuild(self, step: int, fill: Fill, reports: dict, have=None, reads=None, gate=None) -> tuple[dict, int]:
         """Rebuild the regions lost processes hold at ``step`` through parity (``rebuild.run``: every
         process together, once per step; this process's rebuilt copy, if it is lost, becomes its copy;
-        ``have``, ``reads``: as ``rebuild.run``'s). Returns ({key path: [region]} of its rebuilt regions
+        ``have``, ``reads``, ``gate``: as ``rebuild.run``'s). Returns ({key path: [region]} of its rebuilt regions
         that could not be rebuilt, the bytes it received: counted in ``fill``)."""
         lost = self._lost.pop(step, None)
         if lost is None:
@@ -201,7 +198,7 @@ class TierRestore:
         having = sorted(p for p, steps in reports.items() if step in steps and p not in lost)
         copy, bad, received = rebuild.run(step, lost, self._sections[step], having, fill.room, fill.outputs_of,
                                           process=self.process, step_path=self.root.step_path(step),
-                                          runner=self.dispatcher.runner, have=have, reads=reads)
+                                          runner=self.dispatcher.runner, have=have, reads=reads, gate=gate)
         if copy is not None:
             self._copies[step] = copy
         return bad, received
@@ -227,13 +224,12 @@ class TierRestore:
                 found[jax.tree_util.keystr(path)] = saved.keypath
         return found
 
-    def local_routes(self, by_leaf: list, defer=(), own: bool = True, travel: bool = True):
+    def local_routes(self, by_leaf: list, defer=()):
         """``scaleout.plan_split``'s routes of the local pass: each holder with a copy reads its
         own; for the others, the route's reader reads its copy and delivers it to them (a reader
         that does not hold the region receives its own piece too: one buffer it never uses), or,
         for a region cut from copies of other regions (``Route.parts``), a holder of each part
-        reads that part's pieces. Without ``own``, no holder reads its own copy for itself; without
-        ``travel``, nothing travels."""
+        reads that part's pieces."""
         def routes(index, out):
             held, mine, may = {}, [], {}
             for region, route in by_leaf[index].items():
@@ -244,10 +240,9 @@ class TierRestore:
                     held[region] = tuple(sorted(set(route.receivers) | {route.reader}))
                     may[region] = (route.reader,)
                 travels = self.process in held.get(region, ())  # a reader gets it with the others
-                if own and self.process in route.own and region in out.regions and not travels and \
-                        self.process not in defer:
+                if self.process in route.own and region in out.regions and not travels and self.process not in defer:
                     mine.append(region)
-            return (held, mine, may) if travel else ({}, mine, {})
+            return held, mine, may
         return routes
 
     def persistent_routes(self, by_leaf: list):
@@ -265,7 +260,7 @@ class TierRestore:
         return routes
 
     def fill_pass(self, reader, outputs: list, display: str, routes, verify: bool, check=None,
-                  alone: bool = False, first=frozenset()) -> tuple[int, int]:
+                  alone: bool = False, first=frozenset(), rounds_over=None) -> tuple[int, int]:
         """Fill the regions ``routes`` give this checkpoint (every process together; ``alone``: this
         process only, ``routes`` then giving the regions it reads itself); returns (bytes this process read into
         the result -- not counting a verify's reads -- bytes it received from others). ``check``: as
@@ -276,7 +271,8 @@ class TierRestore:
             with progress:
                 if self.count > 1 and not alone:
                     received = scaleout.fill_outputs(reader, outputs, options, progress, verify=verify, times=[],
-                                                     routes=routes, check=check, first=first).useful
+                                                     routes=routes, check=check, first=first,
+                                                     rounds_over=rounds_over).useful
                 else:  # nothing travels: its own regions are read as a restore reads them
                     received, mine = 0, routes if alone else (lambda index, out: routes(index, out)[1])
                     if verify:
