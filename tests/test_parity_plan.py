@@ -129,8 +129,10 @@ def test_a_step_whose_parity_did_not_commit_everywhere_is_not_called_parity():
 @pytest.mark.parametrize("n", range(3, 9))
 def test_the_transfer_rounds_bring_each_lost_row_back_receiving_it_once(n):
     """The rounds, run on random rows: each lost process's row comes back bit for bit, from its k pieces
-    alone (each piece finished by its holder: the share crosses once), no process sends or receives twice
-    in a round, and a holder sends its piece only after every member's piece reached it."""
+    alone (each piece's chain ends in it: the share crosses once), no process sends or receives twice
+    in a round, the early rounds carry only holders' parity rows (no member's row is needed before the
+    late ones), a hop never comes before the one that brings what it sends on, and after the members'
+    rows are in hand the lost processes wait k - 2 rounds along the chains, then receive k."""
     rng = np.random.default_rng(n)
     for k in range(2, n):
         order = pp.ring([p % 2 for p in range(n)])
@@ -142,20 +144,28 @@ def test_the_transfer_rounds_bring_each_lost_row_back_receiving_it_once(n):
         # lost processes one per group: every (k + 1)-th place of the ring from a random start
         start = int(rng.integers(n))
         lost = {order[(start + t) % n] for t in range(0, n - k, k + 1)}
-        held = {key: value.copy() for key, value in parity.items()}
         got = {p: {} for p in lost}
-        sent_after = {}
-        for r, moves in enumerate(pp.transfers(order, k, lost)):
+        carried = {}   # (lost, j) -> (the process holding the partial sum, the sum)
+        early, late = pp.transfers(order, k, lost)
+        for r, moves in enumerate(early + late):
             assert len({m[0] for m in moves}) == len(moves) == len({m[1] for m in moves}), moves
+            arriving = {}
             for sender, receiver, p, j, i in moves:
-                assert sender not in lost
-                if receiver == p:                  # the holder's finished piece
-                    assert i == j and pp.members(order, k)[sender][j] == p
-                    got[p][j] = held[sender]
-                    sent_after[(p, j)] = r
-                else:                              # a member's piece, into the holder covering it
-                    assert (p, j) not in sent_after and pp.members(order, k)[receiver][i] == sender
-                    held[receiver] = held[receiver] ^ piece(sender, i)
+                assert sender not in lost and (r < len(early)) == (i is None)
+                if i is None:                      # a holder's parity row starts the chain
+                    assert pp.members(order, k)[sender][j] == p and (p, j) not in carried
+                    value = parity[sender]
+                else:                              # a member XORs its piece in and sends it on
+                    holder = next(h for h, g in pp.members(order, k).items() if g[j] == p)
+                    assert carried[(p, j)][0] == sender and pp.members(order, k)[holder][i] == sender
+                    value = carried.pop((p, j))[1] ^ piece(sender, i)
+                arriving[(p, j)] = (receiver, value)
+            for (p, j), (receiver, value) in arriving.items():   # what a round brings is sent on in a later one
+                if receiver == p:
+                    got[p][j] = value
+                else:
+                    carried[(p, j)] = (receiver, value)
+        assert len(late) == (k - 2) + k or not lost
         for p in lost:
             assert sorted(got[p]) == list(range(k))            # k pieces of 1/k: its row once
             assert b"".join(got[p][j].tobytes() for j in range(k)) == rows[p].tobytes()

@@ -99,9 +99,9 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
                for r in results), results
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
     assert results[1][3] == SHARE, results                            # 1: its share rebuilt (read from memory),
-    # 1 receives its rows once (each piece finished by its holder: 2 for piece 0, 0 for piece 1, ring 0, 2, 1, 3)
-    # and b from a peer; each holder first receives the piece its parity covers from the group's other member
-    assert [r[5] for r in results] == [ROWS // 2, ROWS + B, ROWS // 2, 0], results
+    # 1 receives its rows once and b from a peer: ring 0, 2, 1, 3, each piece along its chain -- piece 0 from
+    # its holder 2 to the group's other member 3, which XORs its piece in and sends it to 1; piece 1 from 0 to 2 to 1
+    assert [r[5] for r in results] == [0, ROWS + B, ROWS // 2, ROWS // 2], results
     assert [r[3] for r in results] == [SHARE + B + S, SHARE, SHARE + B, SHARE + B], results
     # Onto a mesh of each process's first device alone: each region of process 1's is its two rebuilt
     # regions (one per device) together, read from memory as one -- still nothing from the root.
@@ -160,7 +160,7 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from dispatch_io.manager.tiers import parity, rebuild, packed_rows
+    from dispatch_io.manager.tiers import packed_rows, parity, rebuild, rebuild_rounds
 
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mesh, pair = Mesh(np.array(devices), ("x",)), Mesh(np.array(devices[2:4]), ("x",))
@@ -182,7 +182,7 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
     shards = [{s.device: s.data for s in item.data.addressable_shards} for item in group]
     data = np.concatenate([np.asarray(packed_rows.row(group, d, shards, by_bytes=True,
                                                pad=width - sum(item.nbytes for item in group)))[0] for d in by_process[1]])
-    regions, failed = rebuild._cut(data, rebuild._Rows(2, section["groups"], 2), 1, section["layouts"]["1"], [])
+    regions, failed = rebuild._cut(data, rebuild_rounds.Rows(2, section["groups"], 2), 1, section["layouts"]["1"], [])
     assert not failed
     checked = 0
     for name, array in tree.items():
@@ -231,7 +231,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     rows XORed from them, its regions as the restore's local pass read them (``have``; none for the
     ``unreadable`` (process, key path) and the copy it falls back to is not there), and a room on an
     in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
-    check (as ``rebuild._parity_rows`` finds). Only the collectives (``_senders``', a mailbox per round here) and the manifest's
+    check (as ``rebuild._parity_rows`` finds). Only the collectives (``rebuild_rounds.senders``', a mailbox per round here) and the manifest's
     sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
     reads of the ``failing`` ones' parity rows raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
     regions left out}, {process: bytes received})."""
@@ -241,7 +241,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     import jax
     import numpy as np
 
-    from dispatch_io.manager.tiers import packed_rows, parity, rebuild
+    from dispatch_io.manager.tiers import packed_rows, parity, rebuild, rebuild_rounds
     from dispatch_io.multihost.coordination import Room
     from test_coordination import MemoryService
 
@@ -294,7 +294,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     class Described:
         leaves: tuple = ()
 
-    monkeypatch.setattr(rebuild, "_senders", lambda rounds, size: [lambda row, m=m: send(row, m) for m in rounds])
+    monkeypatch.setattr(rebuild_rounds, "senders", lambda rounds, size: [lambda row, m=m: send(row, m) for m in rounds])
     monkeypatch.setattr(rebuild, "_parity_rows", parity_read)
     monkeypatch.setattr(rebuild.job_steps, "share_manifest", lambda *args: None)
     monkeypatch.setattr(rebuild, "parse_manifest", lambda doc, path: Described())
@@ -479,7 +479,7 @@ def test_a_lost_process_is_rebuilt_under_a_restore_that_casts_or_renames(tmp_pat
     results = _run(root, local, "resume", extra={**PARITY, "DIO_TEST_NAMES": "1"})   # the leaves renamed: names=
     print("names=, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
-    assert results[1][3] == SHARE and [r[5] for r in results] == [ROWS // 2, ROWS + B, ROWS // 2, 0], results
+    assert results[1][3] == SHARE and [r[5] for r in results] == [0, ROWS + B, ROWS // 2, ROWS // 2], results
     for p in (0, 2, 3):   # at step 6 (persisted), with a flipped byte in a member's region
         shutil.rmtree(tmp_path / "local" / str(p) / "8")
     sh.flip_byte(sh.chunks(tmp_path / "local" / "3" / "6", "['w']")[(7, 0)])    # rows 56:64, process 3's device 7
@@ -511,7 +511,7 @@ def test_a_lost_process_whose_regions_another_process_needs_is_rebuilt_first(tmp
     results = _run(root, local, "reversed")
     print("onto reversed devices, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
-    assert [r[5] for r in results] == [SHARE + ROWS // 2, SHARE + ROWS + B, SHARE + ROWS // 2, SHARE], results
+    assert [r[5] for r in results] == [SHARE, SHARE + ROWS + B, SHARE + ROWS // 2, SHARE + ROWS // 2], results
 
 
 def test_a_rebuild_takes_from_memory_only_what_the_member_read_of_its_own_copy():

@@ -79,32 +79,50 @@ def sources(order: Sequence[int], k: int, lost: int) -> list[tuple[int, int, tup
     return found
 
 
-def transfers(order: Sequence[int], k: int, lost) -> list[tuple[tuple[int, int, int, int, int], ...]]:
-    """The rounds that bring the ``lost`` processes' pieces back (at most one lost per group), each
-    a tuple of transfers (sender, receiver, lost process, its piece ``j``, the piece of the
-    sender's row it carries) in which a process sends at most once and receives at most once (one
-    collective permute a round). First each other member of a lost piece's group sends the piece of
-    its row that the holder's parity covers to that holder, which XORs it into its parity row; then
-    each holder sends the finished piece to the lost process (``receiver == lost``). Every transfer
-    carries one piece, so a lost process receives its share once, whatever ``k``: ``k - 1`` pieces
-    into each holder, then ``k`` into the lost process, in about ``2k - 1`` rounds."""
-    into_holders, into_lost = [], []
+def transfers(order: Sequence[int], k: int, lost) -> tuple[list, list]:
+    """The rounds that bring the ``lost`` processes' pieces back (at most one lost per group): (early,
+    late), each a list of rounds, a round a tuple of transfers (sender, receiver, lost process, its
+    piece ``j``, the piece of the sender's row it XORs in -- None for the holder's parity row) in
+    which a process sends at most once and receives at most once (one collective permute a round).
+    Each lost piece comes back along a chain: its holder sends its parity row to the group's first
+    other member (early: it needs no member's row, so it runs while the members still read theirs);
+    each member XORs in its own piece and sends the sum on, the last to the lost process (late).
+    Every transfer carries one piece, so a lost process receives its share once, whatever ``k``;
+    after the members' rows are in hand, ``k - 2`` rounds along the chains, then ``k`` into each
+    lost process."""
+    early, chains = [], []
     for p in sorted(lost):
         for j, holder, others in sources(order, k, p):
-            into_holders += [(m, holder, p, j, i) for m, i in others]
-            into_lost.append((holder, p, p, j, j))
-    return _rounds(into_holders) + _rounds(into_lost)
+            hops = [holder] + [m for m, _ in others] + [p]
+            early.append((holder, hops[1], p, j, None))
+            chains.append([(hops[t], hops[t + 1], p, j, others[t - 1][1]) for t in range(1, len(hops) - 1)])
+    late: list[list] = []
+    after = [0] * len(chains)   # the round each chain's next hop may go in at the earliest
+    for t in range(max(map(len, chains), default=0)):
+        for c, chain in enumerate(chains):
+            if t < len(chain):
+                after[c] = _place(late, chain[t], after[c]) + 1
+    return _place_all(early), [tuple(r) for r in late]
 
 
-def _rounds(moves: list[tuple]) -> list[tuple]:
-    """``moves`` ((sender, receiver, ...), ...) packed in order into the fewest rounds a greedy
-    pass finds in which no process sends twice or receives twice."""
+def _place(rounds: list[list], move: tuple, earliest: int = 0) -> int:
+    """Put ``move`` (sender, receiver, ...) in the first round of ``rounds`` from ``earliest`` on in
+    which its sender sends nothing and its receiver receives nothing (a new one at the end if none);
+    its index."""
+    r = earliest
+    while r < len(rounds) and any(move[0] == m[0] or move[1] == m[1] for m in rounds[r]):
+        r += 1
+    while len(rounds) <= r:
+        rounds.append([])
+    rounds[r].append(move)
+    return r
+
+
+def _place_all(moves: list[tuple]) -> list[tuple]:
+    """``moves`` packed in order into the fewest rounds a greedy pass finds (:func:`_place`)."""
     rounds: list[list] = []
     for move in moves:
-        free = next((r for r in rounds if all(move[0] != m[0] and move[1] != m[1] for m in r)), None)
-        if free is None:
-            rounds.append(free := [])
-        free.append(move)
+        _place(rounds, move)
     return [tuple(r) for r in rounds]
 
 

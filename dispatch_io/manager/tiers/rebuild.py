@@ -3,18 +3,19 @@
 A restore through the tiers gathers, with what each process holds, each step's parity section
 (``parity_plan``); :func:`augment` adds to the reports the regions parity can rebuild
 (``parity_plan.rebuilt_steps``): the lost process then "holds" them, and the plan routes them as
-its own. When a plan picks such a step, :func:`run` (every process together, once per step):
+its own. When a plan picks such a step, :func:`run` (every process together, once per step) brings
+each lost piece back along a chain (``parity_plan.transfers``: rounds of collective permutes among
+each round's processes, :func:`~dispatch_io.manager.tiers.rebuild_rounds.senders`; every transfer carries one piece, so the lost process
+receives its share once):
 
-* each other member of a lost piece's group packs the piece of its row that the holder's parity
-  covers, from its own protected regions -- as the restore's local pass has just read and checked
-  them (``have``: nothing is read twice; what that pass did not read of its copy -- a region
-  received from a peer, read as another dtype, or on another mesh -- is read from its copy, checked
-  as read) --, and sends it to that holder;
-* each holder XORs those into its parity row (``<step>/parity``, read and checked from the start of
-  the restore's local pass, one row group ahead of the rounds: :func:`read_ahead`) and sends the
-  finished piece to the lost process
-  (``parity_plan.transfers``: the rounds, a collective permute among each round's processes,
-  :func:`_senders`; every transfer carries one piece, so the lost process receives its share once);
+* early, the piece's holder sends its parity row (``<step>/parity``, read and checked from the start
+  of the restore's local pass: :func:`read_ahead`) to the group's first other member -- no member's
+  row is needed yet, so this runs while the members still read theirs;
+* late, each other member XORs in the piece of its row that the holder's parity covers, packed from
+  its own protected regions as the restore's local pass read and checked them (``have``: nothing is
+  read twice; what that pass did not read of its copy -- a region received from a peer, read as
+  another dtype, or on another mesh -- is read from its copy, checked as read), and sends the sum
+  on, the last member to the lost process;
 * the lost process cuts its regions out of its rows by its recorded layout and serves them from
   memory (:class:`~dispatch_io.manager.tiers.rebuild_reads.RebuiltCopy`: simpler than writing them
   to disk first).
@@ -26,14 +27,15 @@ restore takes them from the next source (the root), or an older step.
 
 It goes one row group (``packed_rows.ROW_BYTES`` per device at most) at a time: a feeder holds one
 group's pieces (and a holder the next group's parity rows) on the host at once, whatever its share.
-Before each group's rounds every process says it is ready (:func:`_all_ready`): one that failed to get
-its rows or pieces, or does not come within the barrier timeout, fails the rebuild in every process,
-named, before anyone enters a collective it would never join.
+Before a group's early rounds, and again before its late ones, every process says it is ready
+(:func:`_all_ready`): one that failed to get its parity rows or pieces, or does not come within the
+barrier timeout, fails the rebuild in every process, named, before anyone enters a collective it
+would never join.
 
-Costs: the holders read their parity rows (1/k of a share); per lost process, each member sends one
-piece (1/k of its protected rows) per group of the lost process's it is in -- ``k - |d|`` for the
-member ``d`` places from it in the ring, ``k (k - 1)`` in all --, each holder one; a lost process holds its
-rebuilt share on the host until the restore has placed it (beyond the restore's staging bound).
+Costs: the holders read their parity rows (1/k of a share); per lost process, each holder and each
+other member sends one piece (1/k of its protected rows) per chain it is in -- ``k`` per chain, ``k``
+chains --; a lost process holds its rebuilt share on the host until the restore has placed it
+(beyond the restore's staging bound).
 """
 
 from __future__ import annotations
@@ -42,19 +44,17 @@ import concurrent.futures
 import dataclasses
 import os
 
-import jax
 import numpy as np
 from absl import logging
 
 from dispatch_io.errors import CheckpointError
 from dispatch_io.manager.tiers import job_steps, parity_plan
 from dispatch_io.manager.tiers.rebuild_reads import Opened, RebuiltCopy, Source
+from dispatch_io.manager.tiers.rebuild_rounds import Part, Ready, Rows, exchange
 from dispatch_io.manager.tiers.parity import PARITY, row_name
 from dispatch_io.manifest import parse as parse_manifest
-from dispatch_io.multihost import scaleout
-from dispatch_io.multihost.rows import Sender
 from dispatch_io.storage import Location
-from dispatch_io.workers import aligned_empty, numpy_dtype
+from dispatch_io.workers import numpy_dtype
 
 
 def augment(gathered: dict, reports: dict, count: int) -> tuple[dict, dict]:
@@ -78,31 +78,7 @@ def _stored(group: dict, keypath: str, region) -> tuple:
     return tuple(tuple(b) for b in region) + tuple((0, n) for n in group["trail"][group["leaves"].index(keypath)])
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    """Rows laid out in one buffer of bytes: a slot of ``W`` bytes per (row group, device position),
-    each cut into ``k`` pieces; ``groups`` are the step's row groups from index ``first`` on (a
-    rebuild goes one row group at a time)."""
-
-    k: int
-    groups: list
-    devices: int
-    first: int = 0
-
-    def cells(self):
-        """(group index, group, device position, offset of its slot, piece width) of every row."""
-        offset = 0
-        for g, group in enumerate(self.groups, self.first):
-            for i in range(self.devices):
-                yield g, group, i, offset, group["W"] // self.k
-                offset += group["W"]
-
-    @property
-    def size(self) -> int:
-        return sum(group["W"] for group in self.groups) * self.devices
-
-
-def _parity_rows(source: Source, rows: _Rows) -> tuple[dict, set]:
+def _parity_rows(source: Source, rows: Rows) -> tuple[dict, set]:
     """({device position: this process's parity row of ``rows``' group there, read from ``source``
     (its ``<step>/parity``, CRC-checked)}, the device positions whose row could not be read)."""
     width = rows.groups[0]["W"] // rows.k
@@ -113,7 +89,7 @@ def _parity_rows(source: Source, rows: _Rows) -> tuple[dict, set]:
         {i for i, a in found.items() if a is None}
 
 
-def _own_pieces(rows: _Rows, own: list, found: dict, have, source: Source) -> dict:
+def _own_pieces(rows: Rows, own: list, found: dict, have, source: Source) -> dict:
     """Pack into ``found`` {piece: zeros, one piece of a row per device position} that piece of this
     process's rows of ``rows``' group, every device position's in turn (a row as a transfer carries
     it), from its own regions by its layout ``own``; returns {device position: the pieces with a
@@ -145,29 +121,14 @@ def _own_pieces(rows: _Rows, own: list, found: dict, have, source: Source) -> di
     return broken
 
 
-def _finished(held: dict, members: np.ndarray | None, row: np.ndarray, width: int) -> np.ndarray:
-    """A holder's finished piece, every device position's in turn, written once into ``row`` (the
-    row that travels): its parity row there (``held`` {device position: row}; zeros where it could
-    not be read) XOR what the group's other members sent it (``members``; None: nothing)."""
-    for i in range(row.size // width):
-        place = row[i * width:(i + 1) * width]
-        parity = held.get(i)
-        if parity is None:
-            place[:] = 0 if members is None else members[i * width:(i + 1) * width]
-        elif members is None:
-            place[:] = parity
-        else:
-            np.bitwise_xor(parity, members[i * width:(i + 1) * width], out=place)
-    return row
-
-
-def _all_ready(room, step: int, group: int, me: int, error: BaseException | None):
-    """Every process says whether it is ready for row group ``group``'s rounds (its parity rows and
-    pieces in hand) before any enters their collectives: a process that failed, or does not come
+def _all_ready(room, step: int, phase: str, me: int, error: BaseException | None):
+    """Every process says whether it is ready for ``phase``'s rounds (``"<row group>/parity"``: the
+    early ones, the holders' parity rows in hand; ``"<row group>/pieces"``: the late ones, the
+    members' pieces) before any enters their collectives: a process that failed, or does not come
     within the barrier timeout (BarrierTimeoutError naming it), fails the rebuild everywhere, rather
     than leaving the others in a collective without it. Raises ``error`` in the process that had it."""
-    room.set(f"rebuild-ready/{step}/{group}/{me}", None if error is None else f"{type(error).__name__}: {error}")
-    failed = {p: e for p, e in room.gather(f"rebuild-ready/{step}/{group}",
+    room.set(f"rebuild-ready/{step}/{phase}/{me}", None if error is None else f"{type(error).__name__}: {error}")
+    failed = {p: e for p, e in room.gather(f"rebuild-ready/{step}/{phase}",
                                            doing="start rebuilding the lost processes' regions").items() if e}
     if error is not None:
         raise error
@@ -177,111 +138,11 @@ def _all_ready(room, step: int, group: int, me: int, error: BaseException | None
                               f"{failed[p]}")
 
 
-def _exchange(rows: _Rows, rounds: list, me: int, held: dict, ready: "_Ready") -> int:
-    """Run ``rounds`` (``parity_plan.transfers``, those this process is in) for one row group through
-    ``ready``'s senders: this process's parity rows ``held`` {device position: row} and member
-    pieces (``ready.pieces``) go out as the transfers say; a lost process's pieces come into
-    ``ready.data``. Returns the bytes it received."""
-    k, devices, data = rows.k, rows.devices, ready.data
-    width, into_holder, received = rows.groups[0]["W"] // k, {}, 0   # (lost, j) -> the members' pieces XORed
-    for moves, sender in zip(rounds, ready.senders):
-        out = next((m for m in moves if m[0] == me), None)
-        into = next((m for m in moves if m[1] == me), None)
-        if out is None:
-            row = ready.idle
-        elif out[1] == out[2]:   # a holder's finished piece, to the lost process: its parity row XOR the rest
-            row = _finished(held, into_holder.pop(out[2:4], None), ready.finishing.pop(out[2:4]), width)
-        else:                    # a member's piece, to the holder whose parity covers it
-            row = ready.pieces[out[4]]
-        got = sender(row)
-        if into is None:
-            continue
-        received += got.size
-        if into[1] == into[2]:   # this lost process's piece j of every device's row
-            for i in range(devices):
-                start = i * rows.groups[0]["W"] + into[3] * width
-                data[start:start + width] = got[i * width:(i + 1) * width]
-        elif into[2:4] in into_holder:   # k > 2: several members' pieces
-            into_holder[into[2:4]] = np.bitwise_xor(into_holder[into[2:4]], got)
-        else:
-            into_holder[into[2:4]] = got
-    return received
-
-
-def _senders(rounds: list, size: int) -> list:
-    """A ``multihost.rows.Sender`` of rows of ``size`` bytes for each round of ``rounds`` (of
-    ``parity_plan.transfers``): each (sender, receiver, ...) of the round sends its row to its
-    receiver alone, over the processes' first devices (a collective permute among the round's
-    processes; the others take no part). Made before the rounds' rows are: made, each compiles its
-    program, which a fresh process -- a lost one -- would otherwise do in the middle of the rounds."""
-    devices, made = scaleout.carriers(jax.process_count()), []
-    for moves in rounds:
-        taking = tuple(sorted({p for move in moves for p in move[:2]}))
-        pairs = tuple((taking.index(move[0]), taking.index(move[1])) for move in moves)
-        made.append(Sender((taking,), devices, pairs, size))
-    return made
-
-
-def _touched(size: int) -> np.ndarray:
-    """``size`` bytes of host memory, each page written once: a lost process makes the buffer its
-    rows come into while it waits for them (first touches of fresh memory are slow, and it has
-    nothing else to do then)."""
-    data = aligned_empty((size,), np.uint8)
-    data.fill(0)
-    return data
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ready:
-    """A process's buffers for one row group's rounds, made before its rows are in hand (while it
-    waits for the pass to read them): a sender per round (:func:`_senders`), the member pieces it
-    packs {piece: row}, the rows it finishes as a holder {(lost, j): row}, the row it puts in a round
-    in which it sends nothing (``idle``: a collective permute reads no row a process does not send),
-    and, if it is lost, the rows its pieces come into (``data``; else None). Every buffer it writes
-    is touched once when made, and every one is aligned: on CPU a row then goes into its collective
-    without a copy (``jax.device_put`` aliases aligned host memory)."""
-
-    senders: list
-    pieces: dict
-    finishing: dict
-    idle: np.ndarray
-    data: np.ndarray | None
-
-    @classmethod
-    def of(cls, part: "_Part", rows: _Rows, lost: bool) -> "_Ready":
-        size = rows.devices * (rows.groups[0]["W"] // rows.k)
-        return cls(_senders(part.rounds, size), {j: _touched(size) for j in part.pieces},
-                   {key: _touched(size) for key in part.holding}, aligned_empty((size,), np.uint8),  # never read
-                   _touched(rows.size) if lost else None)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Part:
-    """What one process does in a rebuild: the rounds it is in (``parity_plan.transfers``), the
-    (lost, j) pieces it finishes as their holder, the pieces of its own rows it sends as a member,
-    and the step's row groups (``k``, device positions per process)."""
-
-    rounds: list
-    holding: set
-    pieces: set
-    groups: list
-
-    @classmethod
-    def of(cls, sections: dict, lost, me: int) -> "_Part":
-        first = sections[min(sections)]
-        order, k = tuple(first["ring"]), first["k"]
-        devices = len(first["layouts"][str(min(sections))][0])
-        rounds = [r for r in parity_plan.transfers(order, k, lost) if any(me in move[:2] for move in r)]
-        return cls(rounds, {move[2:4] for r in rounds for move in r if move[0] == me and move[1] == move[2]},
-                   {move[4] for r in rounds for move in r if move[0] == me and move[1] != move[2]},
-                   [_Rows(k, [group], devices, g) for g, group in enumerate(first["groups"])])
-
-
 def feeding(sections: dict, lost, me: int) -> frozenset:
     """{(key path, region)} of this process's own regions with a byte in a piece it sends a holder
     in the rebuild of ``lost`` (as :func:`run`): what a restore's local pass beside the rebuild
     reads first, so that the rounds can start while it reads the rest."""
-    part = _Part.of(sections, lost, me)
+    part = Part.of(sections, lost, me)
     if not part.pieces:
         return frozenset()
     own, found = sections[me]["layouts"][str(me)], set()
@@ -323,7 +184,7 @@ def read_ahead(lost: dict, sections: dict, process: int, step_path: str, runner)
     """This process's parity rows of the local step at ``step_path`` being read, from the first row
     group, if it holds a piece of one of the ``lost`` processes (else None): started before the
     restore's local pass, handed to :func:`run` (which closes it)."""
-    part = _Part.of(sections, lost, process)
+    part = Part.of(sections, lost, process)
     return ParityReads(os.path.join(step_path, PARITY), runner, part.groups).start() if part.holding else None
 
 
@@ -341,7 +202,7 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     when this process may start collectives (a restore's pass beside it has run its own; None: now). Returns (this process's
     :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
     could not be rebuilt; the bytes it received from the others)."""
-    me, part = process, _Part.of(sections, lost, process)
+    me, part = process, Part.of(sections, lost, process)
     rebuilt, bad, received = [], [], 0
     if part.holding and reads is None:
         reads = ParityReads(os.path.join(step_path, PARITY), runner, part.groups)
@@ -351,20 +212,24 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     try:
         for rows in part.groups:   # one row group at a time: a feeder holds one group's rows
             error, held, unread, broken, ready = None, {}, set(), {}, None
-            try:
-                ready = _Ready.of(part, rows, me in lost)
+            try:   # the holders' parity rows: all the early rounds need
+                ready = Ready.of(part, rows, me in lost)
                 held, unread = reads.rows(rows.first) if part.holding else ({}, set())
-                if part.pieces:
-                    broken = _own_pieces(rows, own, ready.pieces, have, member)
             except Exception as exc:  # noqa: BLE001 - reported to the others first, then raised
                 error = exc
             if gate is not None:
                 gate.wait()
-            _all_ready(room, step, rows.first, me, error)
-            received += _exchange(rows, part.rounds, me, held, ready)
+            _all_ready(room, step, f"{rows.first}/parity", me, error)
+            received += exchange(rows, part.early, ready.early, me, held, ready)
+            try:   # the members' pieces: the late rounds, along the chains and into the lost processes
+                broken = _own_pieces(rows, own, ready.pieces, have, member) if part.pieces else {}
+            except Exception as exc:  # noqa: BLE001 - as above
+                error = exc
+            _all_ready(room, step, f"{rows.first}/pieces", me, error)
+            received += exchange(rows, part.late, ready.late, me, held, ready)
             bad += [(p, rows.first, i, j) for p, j in sorted(part.holding) for i in unread]
-            bad += [(move[2], rows.first, i, move[3]) for r in part.rounds for move in r
-                    if move[0] == me and move[1] != move[2] for i in range(rows.devices) if move[4] in broken[i]]
+            bad += [(move[2], rows.first, i, move[3]) for r in part.late for move in r
+                    if move[0] == me and move[4] is not None for i in range(rows.devices) if move[4] in broken[i]]
             if ready.data is not None:
                 rebuilt.append((rows, ready.data))
     finally:
@@ -394,7 +259,7 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     return copy, failed, received
 
 
-def _cut(data: np.ndarray, rows: _Rows, me: int, mine: list, bad: list) -> tuple[dict, dict]:
+def _cut(data: np.ndarray, rows: Rows, me: int, mine: list, bad: list) -> tuple[dict, dict]:
     """({key path: {stored bounds: array}} of this lost process's regions cut out of its rebuilt rows
     ``data`` by its layout ``mine``, {key path: [region as JSON]} of those with a byte in a bad piece)."""
     regions, failed = {}, {}
