@@ -4,9 +4,9 @@
 plans with the pure ``placement.plan_restore`` and fills the target in at most two scale-out passes
 (``tier_fill.Fill``): the local copies (each holder reads its own; the holders without one receive a
 peer's), then the persistent step for the regions no process has. A process lost with its disk and
-rebuilt from parity reads nothing in the local pass: its regions are rebuilt after it, the members
-of its groups giving what they have just read (nothing read twice), and it places them from memory
-(``rebuild``). Each byte of a local copy is read
+rebuilt from parity reads nothing in the local pass: its regions are rebuilt beside it, on a thread
+of their own, the members of its groups giving what the pass reads of their copies as it lands
+(nothing read twice), and it places them from memory (``rebuild``). Each byte of a local copy is read
 once: what a process reads (its own regions, and the copies it reads for others) is checked against
 the CRC-32Cs as it is read (``checks``), and a region that fails is filled again alone, from the next
 source, for every process it was read for, in one more pass; only what cannot be checked in memory
