@@ -35,10 +35,10 @@ def _trained_then_lost(tmp_path, lost: int):
     return root, local
 
 
-def _run(root, local, mode, durability="local", extra=None):
+def _run(root, local, mode, durability="local", extra=None, barrier_timeout=None):
     """Run job_fsdp_replicas.py with parity to its end (its restores requiring ``durability``): each
     process's (listing, step, exact, bytes local, persistent, received, regions from peers, from the root)."""
-    outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode],
+    outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode], barrier_timeout=barrier_timeout,
                                 extra={**PARITY, "DIO_TEST_DURABILITY": durability, **(extra or {})}))
     found = [(re.search(r"^steps (.*)$", out, re.M),
               re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+) rchar \d+$", out, re.M),
@@ -612,3 +612,17 @@ def test_a_rebuild_beside_the_pass_takes_each_region_as_it_lands_checked():
     landed.close()
     waiting[1].join(10)
     assert got[bad] == (None, None, None)
+
+
+def test_a_rebuild_waiting_beside_a_slow_pass_for_regions_it_does_not_read_does_not_time_out(tmp_path):
+    """Onto a mesh of one device per process (``narrow``: the pass reads none of the regions a member's
+    pieces are cut from as stored, so the rebuild beside it waits for the pass to end), with a slow disk
+    (each of a member's own regions lands 2 s late: its pass takes longer than the 5 s barrier timeout,
+    each region moving its deadline): the lost process and the holders wait at the rebuild's first
+    ready barrier while the members read, and the members' progress moves that barrier's deadline too
+    -- the job resumes step 8 bit-exact, nothing from the root, rather than a BarrierTimeoutError naming
+    members that were reading all along."""
+    root, local = _trained_then_lost(tmp_path, 1)
+    results = _run(root, local, "narrow", extra={"DIO_TEST_SLOW_OWN_READS": "2"}, barrier_timeout=5)
+    print("narrow, slow own reads, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
