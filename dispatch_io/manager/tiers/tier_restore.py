@@ -176,7 +176,9 @@ class TierRestore:
             if reads is not None:
                 reads.close()
             raise
-        landed = Landed()
+        room = fill.room   # the others wait for this process's rebuild there: its pass's reads are progress
+        landed = Landed(None if room is None else lambda read: room.set(f"progress/{self.process}", [plan.step, read]),
+                        every=4.0 if room is None else room.timeout / 4)
         have = fill.in_memory({}, landed)
         first = rebuild.feeding(self._sections[plan.step], lost, self.process)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-rebuild") as pool:
