@@ -626,3 +626,22 @@ def test_a_rebuild_waiting_beside_a_slow_pass_for_regions_it_does_not_read_does_
     results = _run(root, local, "narrow", extra={"DIO_TEST_SLOW_OWN_READS": "2"}, barrier_timeout=5)
     print("narrow, slow own reads, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+
+
+def test_a_members_own_read_failing_beside_the_rebuild_fails_the_restore_everywhere_without_a_hang(tmp_path):
+    """Process 3 (a member feeding process 1's pieces) has its own reads fail in the local pass beside
+    the rebuild (an OSError, not a bad checksum: nothing to fall back on): every process's restore
+    fails -- process 3 with its read's error naming it, the others naming process 3 -- within the
+    barrier timeout, none left waiting in the rebuild (its thread ends: the pass's end ends its waits)."""
+    import time
+
+    root, local = _trained_then_lost(tmp_path, 1)
+    started = time.monotonic()
+    procs = start_job("job_fsdp_replicas.py", [root, local, "resume"], barrier_timeout=20,
+                      extra={**PARITY, "DIO_TEST_FAILING_OWN_READS": "3"})
+    outs = [p.communicate(timeout=150) for p in procs]
+    assert all(p.returncode != 0 for p in procs), outs
+    assert time.monotonic() - started < 120, outs
+    assert "process 3's disk failed" in outs[3][1], outs[3][1][-3000:]
+    for p in (0, 1, 2):
+        assert re.search(r"(WorkerError|CheckpointError).*(worker|process) 3", outs[p][1]), outs[p][1][-3000:]
