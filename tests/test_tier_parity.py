@@ -617,13 +617,13 @@ def test_a_rebuild_beside_the_pass_takes_each_region_as_it_lands_checked():
 def test_a_rebuild_waiting_beside_a_slow_pass_for_regions_it_does_not_read_does_not_time_out(tmp_path):
     """Onto a mesh of one device per process (``narrow``: the pass reads none of the regions a member's
     pieces are cut from as stored, so the rebuild beside it waits for the pass to end), with a slow disk
-    (each of a member's own regions lands 2 s late: its pass takes longer than the 5 s barrier timeout,
+    (each of a member's own regions lands 3 s late: its pass takes longer than the 8 s barrier timeout,
     each region moving its deadline): the lost process and the holders wait at the rebuild's first
     ready barrier while the members read, and the members' progress moves that barrier's deadline too
     -- the job resumes step 8 bit-exact, nothing from the root, rather than a BarrierTimeoutError naming
     members that were reading all along."""
     root, local = _trained_then_lost(tmp_path, 1)
-    results = _run(root, local, "narrow", extra={"DIO_TEST_SLOW_OWN_READS": "2"}, barrier_timeout=5)
+    results = _run(root, local, "narrow", extra={"DIO_TEST_SLOW_OWN_READS": "3"}, barrier_timeout=8)
     print("narrow, slow own reads, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
 
