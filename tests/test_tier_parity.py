@@ -35,10 +35,10 @@ def _trained_then_lost(tmp_path, lost: int):
     return root, local
 
 
-def _run(root, local, mode, durability="local", extra=None):
+def _run(root, local, mode, durability="local", extra=None, barrier_timeout=None):
     """Run job_fsdp_replicas.py with parity to its end (its restores requiring ``durability``): each
     process's (listing, step, exact, bytes local, persistent, received, regions from peers, from the root)."""
-    outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode],
+    outs = finish_job(start_job("job_fsdp_replicas.py", [root, local, mode], barrier_timeout=barrier_timeout,
                                 extra={**PARITY, "DIO_TEST_DURABILITY": durability, **(extra or {})}))
     found = [(re.search(r"^steps (.*)$", out, re.M),
               re.search(r"^resumed (\d+) exact (\w+) local (\d+) persistent (\d+) received (\d+) rchar \d+$", out, re.M),
@@ -571,6 +571,8 @@ def test_a_rebuilt_region_read_whole_is_handed_over_and_a_part_of_it_copied():
     assert not np.shares_memory(part, rows) and part.tobytes() == rows[1:3, 2:6].tobytes()
     assert across.tobytes() == rows[2:6].tobytes() and cast.dtype.name == "bfloat16"
     assert cast.astype(np.float32).tobytes() == rows[:4].tobytes()   # small integers: exact in bfloat16
+    again, = reader.read([item(((4, 8), (0, 8)))]).result()   # a second result of it (names=): its own buffer
+    assert not np.shares_memory(again, rows) and again.tobytes() == rows[4:].tobytes()
     assert reader.checksums([Region(spec, ((2, 6), (0, 8)), "['w']")]).result() == [crc32c(rows[2:6].copy())]
     del regions["['w']"][((4, 8), (0, 8))]
     try:
@@ -612,3 +614,40 @@ def test_a_rebuild_beside_the_pass_takes_each_region_as_it_lands_checked():
     landed.close()
     waiting[1].join(10)
     assert got[bad] == (None, None, None)
+    kept = Landed(keep={("['w']", bad)})   # holds only what the rebuild may take: the rest can be freed
+    kept.tap(lambda o, region, array: True)(out, good, buffer)
+    kept.close()
+    assert kept.wait("['w']", good) == (None, None, None)
+
+
+def test_a_rebuild_waiting_beside_a_slow_pass_for_regions_it_does_not_read_does_not_time_out(tmp_path):
+    """Onto a mesh of one device per process (``narrow``: the pass reads none of the regions a member's
+    pieces are cut from as stored, so the rebuild beside it waits for the pass to end), with a slow disk
+    (each of a member's own regions lands 3 s late: its pass takes longer than the 8 s barrier timeout,
+    each region moving its deadline): the lost process and the holders wait at the rebuild's first
+    ready barrier while the members read, and the members' progress moves that barrier's deadline too
+    -- the job resumes step 8 bit-exact, nothing from the root, rather than a BarrierTimeoutError naming
+    members that were reading all along."""
+    root, local = _trained_then_lost(tmp_path, 1)
+    results = _run(root, local, "narrow", extra={"DIO_TEST_SLOW_OWN_READS": "3"}, barrier_timeout=8)
+    print("narrow, slow own reads, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+
+
+def test_a_members_own_read_failing_beside_the_rebuild_fails_the_restore_everywhere_without_a_hang(tmp_path):
+    """Process 3 (a member feeding process 1's pieces) has its own reads fail in the local pass beside
+    the rebuild (an OSError, not a bad checksum: nothing to fall back on): every process's restore
+    fails -- process 3 with its read's error naming it, the others naming process 3 -- within the
+    barrier timeout, none left waiting in the rebuild (its thread ends: the pass's end ends its waits)."""
+    import time
+
+    root, local = _trained_then_lost(tmp_path, 1)
+    started = time.monotonic()
+    procs = start_job("job_fsdp_replicas.py", [root, local, "resume"], barrier_timeout=20,
+                      extra={**PARITY, "DIO_TEST_FAILING_OWN_READS": "3"})
+    outs = [p.communicate(timeout=150) for p in procs]
+    assert all(p.returncode != 0 for p in procs), outs
+    assert time.monotonic() - started < 120, outs
+    assert "process 3's disk failed" in outs[3][1], outs[3][1][-3000:]
+    for p in (0, 1, 2):
+        assert re.search(r"(WorkerError|CheckpointError).*(worker|process) 3", outs[p][1]), outs[p][1][-3000:]

@@ -24,7 +24,9 @@ With ``DIO_TEST_PARITY=K`` the tier keeps parity of groups of K instead of the r
 listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` (TierRestoreStats).
 With ``DIO_TEST_CAST`` the restores read ``w`` as bfloat16 and ``m`` as float32 (``cast=True``), compared
 with the values cast; with ``DIO_TEST_NAMES`` the target's leaves are named in upper case and read
-through ``names=`` (the saved name: the lower case).
+through ``names=`` (the saved name: the lower case). With ``DIO_TEST_SLOW_OWN_READS=S`` each region a
+pass reads of a process's own copy is a batch of its own, landing S seconds late (a slow disk); with
+``DIO_TEST_FAILING_OWN_READS=P`` those reads fail in process P (an OSError: its disk failed).
 """
 
 import os
@@ -58,6 +60,40 @@ target = STATE.target(targets.get(mode, mesh))
 CAST = {"w": jnp.bfloat16, "m": np.float32} if os.environ.get("DIO_TEST_CAST") else {}   # restored with cast=True
 target = {name: jax.ShapeDtypeStruct(t.shape, CAST.get(name, t.dtype), sharding=t.sharding) for name, t in target.items()}
 NAMES = bool(os.environ.get("DIO_TEST_NAMES"))   # the target's leaves renamed (upper case), read through names=
+if os.environ.get("DIO_TEST_SLOW_OWN_READS"):   # each region a pass reads of the process's own copy lands late
+    from dispatch_io.read import loop
+
+    def _apart(init):
+        def made(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if self.check is not None:   # a pass's own reads (checked), not a lost process's placing
+                self.batches = [[work] for batch in self.batches for work in batch]
+        return made
+
+    def _late(consume):
+        def consumed(self, batch, arrays):
+            if self.check is not None:
+                time.sleep(float(os.environ["DIO_TEST_SLOW_OWN_READS"]))
+            return consume(self, batch, arrays)
+        return consumed
+
+    loop.RegionReads.__init__, loop.RegionReads.consume = _apart(loop.RegionReads.__init__), \
+        _late(loop.RegionReads.consume)
+if os.environ.get("DIO_TEST_FAILING_OWN_READS") == str(process):   # its disk fails under a pass's own reads
+    import concurrent.futures
+
+    from dispatch_io.read import loop
+
+    def _failing(submit):
+        def submitted(self, batch):
+            if self.check is None or not batch:
+                return submit(self, batch)
+            failed = concurrent.futures.Future()
+            failed.set_exception(OSError(f"process {process}'s disk failed"))
+            return failed
+        return submitted
+
+    loop.RegionReads.submit = _failing(loop.RegionReads.submit)
 if NAMES:
     target = {name.upper(): t for name, t in target.items()}
 tier = dio.LocalTier(local, save_policy=local_policy, replicas=0 if parity else 1, parity=parity, domains=(0, 0, 1, 1))

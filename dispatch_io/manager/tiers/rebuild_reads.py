@@ -45,6 +45,7 @@ class MemoryReader:
 
     def __init__(self, regions: dict):
         self._regions = regions
+        self._handed: set = set()   # the regions handed over whole: each to one result only
 
     def _fill(self, region: Region, into: np.ndarray):
         """Write ``region`` into ``into`` (its shape), cut from the regions held that it overlaps (of
@@ -77,14 +78,18 @@ class MemoryReader:
         return _done(out)
 
     def _whole(self, item) -> np.ndarray | None:
-        """The region held that ``item`` reads whole as one piece (the same bounds and dtype), or None."""
+        """The region held that ``item`` reads whole as one piece (the same bounds and dtype), or None
+        (also for a second read of it: two results -- ``names=`` mapping two leaves to one -- never
+        share a buffer)."""
         if len(item.pieces) != 1:
             return None
         region, local = item.pieces[0]
-        array = self._regions.get(region.keypath, {}).get(tuple(region.bounds))
-        if array is None or array.dtype != numpy_dtype(item.dtype) or array.shape != tuple(item.shape) or \
-                tuple(local) != tuple((0, n) for n in item.shape):
+        key = (region.keypath, tuple(region.bounds))
+        array = self._regions.get(region.keypath, {}).get(key[1])
+        if array is None or key in self._handed or array.dtype != numpy_dtype(item.dtype) or \
+                array.shape != tuple(item.shape) or tuple(local) != tuple((0, n) for n in item.shape):
             return None
+        self._handed.add(key)
         return array
 
     def checksums(self, regions):

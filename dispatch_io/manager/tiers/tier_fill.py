@@ -171,21 +171,30 @@ class Fill:
 class Landed:
     """The regions of its own copy a process's local pass has read and checked, as they land: a
     parity rebuild running beside the pass (``tier_restore``) takes its pieces from them as soon as
-    they are there. :meth:`tap` wraps the pass's check; :meth:`close` (the pass is over) ends every wait."""
+    they are there. :meth:`tap` wraps the pass's check; :meth:`close` (the pass is over) ends every wait.
+    ``progress(regions read so far)``, if given, is told while a wait goes on and the pass reads (at
+    most once every ``every`` seconds): the others wait for this process's rebuild at a barrier whose
+    deadline only moves with progress, and a wait for a region the pass does not read (another mesh's)
+    lasts the whole pass. ``keep``: {(saved key path, region)} the rebuild may take (None: all); only
+    those are held here, so a region placed early is not kept from being freed."""
 
-    def __init__(self):
+    def __init__(self, progress=None, every: float = 1.0, keep=None):
         self._found: dict = {}   # (saved key path, stored bounds) -> (output, region, array)
         self._done = threading.Condition()
         self._closed = False
+        self._progress, self._every, self._keep = progress, every, keep
+        self._read = self._told = 0   # regions the pass has read; the count last told ``progress``
 
     def tap(self, check):
         """``check`` (``checks.ReadCheck``), noting each region it passes here."""
         def noted(out, region, array, *stored):
             passed = check(out, region, array, *stored)
-            if passed and not stored and not isinstance(array, ChunkError):
-                with self._done:
+            with self._done:
+                self._read += 1
+                if passed and not stored and not isinstance(array, ChunkError) and \
+                        (self._keep is None or (out.saved.keypath, region) in self._keep):
                     self._found[(out.saved.keypath, out.stored_bounds(region))] = (out, region, array)
-                    self._done.notify_all()
+                self._done.notify_all()
             return passed
         return noted
 
@@ -198,6 +207,14 @@ class Landed:
     def wait(self, keypath: str, stored: tuple) -> tuple:
         """(output, region, array) of the region of ``keypath`` at the stored bounds ``stored``, once it
         has landed; (None, None, None) if the pass ended without it."""
-        with self._done:
-            self._done.wait_for(lambda: (keypath, stored) in self._found or self._closed)
-            return self._found.get((keypath, stored), (None, None, None))
+        key = (keypath, stored)
+        while True:
+            with self._done:
+                self._done.wait_for(lambda: key in self._found or self._closed, self._every)
+                if key in self._found or self._closed:
+                    return self._found.get(key, (None, None, None))
+                read = self._read
+                tell = self._progress is not None and read != self._told   # (``every`` s since the last look)
+                self._told = read
+            if tell:   # outside the lock: the pass's taps go on meanwhile
+                self._progress(read)

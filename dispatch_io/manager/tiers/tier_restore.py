@@ -171,8 +171,11 @@ class TierRestore:
         from a peer's copy: ``rounds_over``), never at the same time. The lost processes, which read
         nothing of their own, get their rows meanwhile. {key path: [region]} of this process's
         regions left out (bad, or not rebuilt)."""
-        landed, gate = Landed(), threading.Event()
+        room = fill.room   # the others wait for this process's rebuild there: its pass's reads are progress
         first = rebuild.feeding(self._sections[plan.step], lost, self.process)
+        landed = Landed(None if room is None else lambda read: room.set(f"progress/{self.process}", [plan.step, read]),
+                        every=4.0 if room is None else room.timeout / 4, keep=first)
+        gate = threading.Event()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-rebuild") as pool:
             rebuilding = pool.submit(self._rebuild, plan.step, fill, reports, have=fill.in_memory({}, landed),
                                      reads=reads, gate=gate)
