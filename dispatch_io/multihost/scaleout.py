@@ -231,7 +231,8 @@ def fill_outputs(reader, outputs: list, options, progress: Progress, *, verify: 
     to, or whose read fails with a ``ChunkError``, is not sent: the caller fills that region again).
     ``first``: as :func:`plan_split`'s. ``rounds_over()``, if given, is called once this process is
     through its last round (at once if it has none; also when a round fails): from then on this restore
-    runs no collective, so a caller may start its own on another thread."""
+    runs no collective, so a caller may start its own on another thread; the rounds then come before
+    this process's own reads, not between them."""
     with _ONE_AT_A_TIME:
         return _fill(reader, outputs, options, progress, verify, times, routes, check, first, rounds_over)
 
@@ -350,12 +351,14 @@ def _rounds(reader, outputs: list, rounds: list, local: RegionReads, room: Room,
 
     if not rounds and rounds_over is not None:
         rounds_over()
-    # One loop: round k, then a batch of this process's own regions, and so on -- each with its own calls.
+    # One loop: round k, then a batch of this process's own regions, and so on -- each with its own calls;
+    # the rounds first where a caller waits to run collectives of its own beside this restore.
     rounds_calls = types.SimpleNamespace(submit=submit, consume=through, again=again,
                                          size=lambda r: sum(p.nbytes for p in r.row(process)),
                                          failure=lambda exc, r: read_failure(exc, r.row(process)[0].item.keypath, display))
-    work = [(calls, item) for pair in itertools.zip_longest(rounds, local.batches)
-            for calls, item in zip((rounds_calls, local), pair) if item is not None]
+    pairs = itertools.zip_longest(rounds, local.batches) if rounds_over is None else \
+        [(r, None) for r in rounds] + [(None, b) for b in local.batches]
+    work = [(calls, item) for pair in pairs for calls, item in zip((rounds_calls, local), pair) if item is not None]
     pipelined(work, lambda w: w[0].submit(w[1]), lambda w, result: w[0].consume(w[1], result),
               lambda w: w[0].size(w[1]), progress, "read", lambda exc, w: w[0].failure(exc, w[1]),
               again=lambda exc, w: w[0].again(exc, w[1]))
