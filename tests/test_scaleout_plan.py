@@ -84,5 +84,38 @@ def test_the_regions_asked_for_first_are_read_first_in_batches_of_their_own(tmp_
     assert [out.saved.keypath for out, _ in split.local] == ["['small']", "['big']"]
     reads = RegionReads(None, split.local, 16 * KiB, 96 * KiB, "ckpt", apart=1)
     assert [[out.saved.keypath for out, _, _ in batch] for batch in reads.batches] == [["['small']"], ["['big']"]]
+    assert reads.fence is reads.batches[1]   # the rest waits for them (``pipelined(fence=)``)
     whole = RegionReads(None, split.local, 16 * KiB, 1 << 20, "ckpt")
-    assert len(whole.batches) == 1   # without apart: one batch of both
+    assert len(whole.batches) == 1 and whole.fence is None   # without apart: one batch of both
+
+
+def test_a_fenced_batch_waits_until_every_batch_before_it_is_consumed():
+    """``pipelined(fence=)``: two batches in flight, but the fenced one (the first batch of the rest,
+    after the regions a rebuild waits for) is submitted only once those before it are consumed --
+    they land without sharing the reader with it; the others overlap as before."""
+    import concurrent.futures
+
+    from dispatch_io.progress import Progress
+    from dispatch_io.read.loop import pipelined
+
+    events = []
+
+    def submit(batch):
+        events.append(("submit", batch[0]))
+        done = concurrent.futures.Future()
+        done.set_result(batch[0])
+        return done
+
+    def run(fence):
+        events.clear()
+        pipelined([["a"], ["b"], ["c"], ["d"]], submit, lambda batch, result: events.append(("consume", result)),
+                  lambda batch: 1, Progress("restore", "x", enabled=False), "read", lambda exc, batch: exc,
+                  fence=fence)
+        return events[:]
+
+    fenced = run(lambda batch: batch == ["c"])
+    assert fenced.index(("submit", "c")) > fenced.index(("consume", "b"))
+    assert fenced.index(("submit", "b")) < fenced.index(("consume", "a"))   # a and b still overlap
+    plain = run(None)
+    assert plain.index(("submit", "c")) < plain.index(("consume", "b"))     # without: c read beside b
+    assert [e for e in fenced if e[0] == "consume"] == [("consume", x) for x in "abcd"]

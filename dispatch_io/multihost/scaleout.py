@@ -361,5 +361,5 @@ def _rounds(reader, outputs: list, rounds: list, local: RegionReads, room: Room,
     work = [(calls, item) for pair in pairs for calls, item in zip((rounds_calls, local), pair) if item is not None]
     pipelined(work, lambda w: w[0].submit(w[1]), lambda w, result: w[0].consume(w[1], result),
               lambda w: w[0].size(w[1]), progress, "read", lambda exc, w: w[0].failure(exc, w[1]),
-              again=lambda exc, w: w[0].again(exc, w[1]))
+              again=lambda exc, w: w[0].again(exc, w[1]), fence=lambda w: w[1] is local.fence)
     return Exchanged(useful, received, sent)

@@ -38,7 +38,8 @@ EAGER_CHUNKS = 1 << 16   # a verify of more chunks makes its batches as it reads
 def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futures.Future],
               consume: Callable[[list, object], None], size: Callable[[list], int], progress: Progress,
               phase: str, failure: Callable[[BaseException, list], BaseException], totals: tuple | None = None,
-              again: Callable[[BaseException, list], object] | None = None, depth: int = 2):
+              again: Callable[[BaseException, list], object] | None = None, depth: int = 2,
+              fence: Callable[[list], bool] | None = None):
     """Run ``batches`` through ``submit`` (a future per batch), at most ``depth`` in flight, and hand
     each batch's result to ``consume`` in order; count each on ``progress`` (as ``phase``).
 
@@ -46,18 +47,23 @@ def pipelined(batches: Sequence[list], submit: Callable[[list], concurrent.futur
     what ``consume`` raises as it is, once nothing submitted is still running. ``batches`` may
     be an iterator (made as it is consumed) where ``totals`` gives (batches, bytes) for the
     progress ahead. ``again(exc, batch)``, if given, is asked first for a failed batch's result
-    another way (consumed in its place); what it raises is the batch's failure."""
+    another way (consumed in its place); what it raises is the batch's failure. A batch ``fence``
+    says True for is submitted only once every batch before it has been consumed (what comes before
+    it lands without sharing the reader with what comes after)."""
     if totals is None:
         batches = list(batches)
         totals = len(batches), sum(map(size, batches))
     progress.phase(phase, *totals)
     in_flight: collections.deque = collections.deque()   # (batch, its future), until its result is taken
-    pending = iter(batches)
+    pending, held = iter(batches), None   # held: a fence waiting for the batches before it
     try:
         while True:
             while len(in_flight) < depth:  # the next ones read meanwhile
-                batch = next(pending, None)
+                batch, held = (held if held is not None else next(pending, None)), None
                 if batch is None:
+                    break
+                if in_flight and fence is not None and fence(batch):
+                    held = batch
                     break
                 in_flight.append((batch, submit(batch)))
             if not in_flight:
@@ -164,24 +170,27 @@ def read_regions(reader, wanted: list[tuple[Output, tuple]], chunk_limit: int, b
     only ``whole`` results are placed early (the caller may still add to the others' buffers)."""
     reads = RegionReads(reader, wanted, chunk_limit, batch_limit, progress.path, on_batch, check, place)
     pipelined(reads.batches, reads.submit, reads.consume, reads.size, progress, "read", reads.failure,
-              again=reads.again)
+              again=reads.again, fence=lambda batch: batch is reads.fence)
 
 
 class RegionReads:
     """:func:`read_regions`' work, batch by batch (``batches``), and the calls :func:`pipelined` runs
     it with -- for a caller that runs these batches in a pipelined loop of its own, between other work
     (``scaleout``: between its rounds). Arguments as :func:`read_regions` (``display``: the checkpoint,
-    in errors); ``apart``: the first that many of ``wanted`` are read in batches of their own, first."""
+    in errors); ``apart``: the first that many of ``wanted`` are read in batches of their own, first
+    (:attr:`fence`: the batch of the rest a ``pipelined`` loop submits only once they have landed)."""
 
     def __init__(self, reader, wanted: list, chunk_limit: int, batch_limit: int, display: str,
                  on_batch: Callable[[int], None] | None = None, check: Callable | None = None, place: bool = False,
                  apart: int = 0):
         self.reader, self.display, self.on_batch, self.check, self.place = reader, display, on_batch, check, place
         work = [(out, region, read_item(out, region, chunk_limit)) for out, region in wanted]
-        # the first ``apart`` regions in small batches of their own, read ahead of the rest: each batch
-        # read alongside the next (two in flight), they have landed when about 1/8 of a batch more is read
-        self.batches = [items for part, limit in ((work[:apart], max(1, batch_limit // 8)), (work[apart:], batch_limit))
-                        for items, _ in pack(part, lambda w: w[2].nbytes, limit)]
+        # the first ``apart`` regions in small batches of their own, read before the rest (``fence``: the
+        # first batch of the rest waits for them), each alongside the next
+        first, rest = ([items for items, _ in pack(part, lambda w: w[2].nbytes, limit)]
+                       for part, limit in ((work[:apart], max(1, batch_limit // 8)), (work[apart:], batch_limit)))
+        self.batches = first + rest
+        self.fence = rest[0] if first and rest else None
         self.done = 0   # bytes read so far
 
     def submit(self, batch) -> concurrent.futures.Future:
