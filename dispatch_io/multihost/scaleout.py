@@ -359,7 +359,11 @@ def _rounds(reader, outputs: list, rounds: list, local: RegionReads, room: Room,
     pairs = itertools.zip_longest(rounds, local.batches) if rounds_over is None else \
         [(r, None) for r in rounds] + [(None, b) for b in local.batches]
     work = [(calls, item) for pair in pairs for calls, item in zip((rounds_calls, local), pair) if item is not None]
+    # fenced: the rest after what a rebuild waits for; with rounds_over, the first own batch too (the
+    # rounds then have the reader to themselves: the caller's collectives wait for them)
+    fenced = [b for b in (local.fence, local.batches[0] if rounds_over is not None and rounds and local.batches
+                          else None) if b is not None]
     pipelined(work, lambda w: w[0].submit(w[1]), lambda w, result: w[0].consume(w[1], result),
               lambda w: w[0].size(w[1]), progress, "read", lambda exc, w: w[0].failure(exc, w[1]),
-              again=lambda exc, w: w[0].again(exc, w[1]), fence=lambda w: w[1] is local.fence)
+              again=lambda exc, w: w[0].again(exc, w[1]), fence=lambda w: any(w[1] is b for b in fenced))
     return Exchanged(useful, received, sent)
