@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 
+import pytest
+
 import storage_helpers as sh
 from conftest import finish_job, start_job
 from test_tier_multiprocess import train_fsdp
@@ -651,3 +653,15 @@ def test_a_members_own_read_failing_beside_the_rebuild_fails_the_restore_everywh
     assert "process 3's disk failed" in outs[3][1], outs[3][1][-3000:]
     for p in (0, 1, 2):
         assert re.search(r"(WorkerError|CheckpointError).*(worker|process) 3", outs[p][1]), outs[p][1][-3000:]
+
+
+@pytest.mark.parametrize("k, lost", [(2, (1, 4)), (2, (0, 3)), (3, (2, 6)), (4, (5,)), (2, (7, 2))])
+def test_a_rebuild_brings_back_lost_processes_sharing_holders_and_members_for_each_k(monkeypatch, k, lost):
+    """k = 2, 3, 4 over 8 processes, lost processes as close as the plan allows (a holder of one lost
+    process's piece is a member of another's chains, and a process sends in both phases): every lost
+    region comes back bit for bit (checked in ``_simulated_rebuild``), none left out, each lost process
+    receiving its row once."""
+    rebuilt, failed, received = _simulated_rebuild(monkeypatch, 8, k, lost, _mixed_tree(8))
+    assert failed == {p: {} for p in lost}
+    assert all(len(rebuilt[p][kp]) == 1 for p in lost for kp in ("['bf']", "['f8']", "['f']", "['key']")), rebuilt
+    assert len({received[p] for p in lost}) == 1 and received[lost[0]] > 0, received
