@@ -226,7 +226,7 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
 
 
 def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=(), absent=(), failing=(),
-                       timeout=30):
+                       timeout=30, raising=()):
     """``rebuild.run`` in ``n`` threads standing for ``n`` single-device processes (ring 0..n-1, rows
     of ``k`` pieces) of which ``lost`` have lost their copies: the rows the job saved (``packed_rows``,
     as ``parity.encode`` packs them), each process's own parity section (``parity.record``), its parity
@@ -235,7 +235,8 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
     check (as ``rebuild._parity_rows`` finds). Only the collectives (``rebuild_rounds.senders``', a mailbox per round here) and the manifest's
     sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
-    reads of the ``failing`` ones' parity rows raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
+    reads of the ``failing`` ones' parity rows raise OSError, the ``raising`` ones' own regions (``have``,
+    between the two ready barriers) raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
     regions left out}, {process: bytes received})."""
     import concurrent.futures
     import threading
@@ -315,13 +316,16 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
         me.p, me.calls = p, {}
         room = Room(service, p, n, timeout, "restore", "simulated", "the simulated restore")
         have = lambda kp, bounds: None if (p, kp) in unreadable else regions[p].get((kp, bounds))  # noqa: E731
+        if p in raising:
+            def have(kp, bounds):
+                raise OSError(f"process {p}'s disk went away")
         return rebuild.run(8, dict.fromkeys(lost), {q: sections[q] for q in having}, having, room,
                            lambda described: (None, []), process=p, step_path=f"/nonexistent/{p}/8",
                            runner=None, have=have)
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = {p: pool.submit(process, p) for p in range(n) if p not in absent}
-        if absent or failing:
+        if absent or failing or raising:
             return {p: f.exception(timeout=120) for p, f in futures.items()}
         results = [futures[p].result(timeout=120) for p in range(n)]
     rebuilt = {p: results[p][0].regions for p in lost}
@@ -665,3 +669,14 @@ def test_a_rebuild_brings_back_lost_processes_sharing_holders_and_members_for_ea
     assert failed == {p: {} for p in lost}
     assert all(len(rebuilt[p][kp]) == 1 for p in lost for kp in ("['bf']", "['f8']", "['f']", "['key']")), rebuilt
     assert len({received[p] for p in lost}) == 1 and received[lost[0]] > 0, received
+
+
+def test_a_member_failing_between_the_ready_barriers_fails_the_rebuild_everywhere_without_a_hang(monkeypatch):
+    """k = 2 over 4 processes, process 1 lost: process 2 (a member of its chains) has its early rounds
+    done when its own regions fail to come (OSError packing its pieces): it raises that, every other
+    process a CheckpointError naming it at the second ready barrier -- none is left in a late round."""
+    from dispatch_io.errors import CheckpointError
+
+    raised = _simulated_rebuild(monkeypatch, 4, 2, (1,), _mixed_tree(4), raising=(2,), timeout=10)
+    assert isinstance(raised[2], OSError), raised
+    assert all(isinstance(raised[p], CheckpointError) and "process 2" in str(raised[p]) for p in (0, 1, 3)), raised
