@@ -695,3 +695,23 @@ def test_members_waiting_beside_a_pass_that_waits_for_a_slow_holder_do_not_time_
                    barrier_timeout=8)
     print("narrow, process 0's own reads slow, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+
+
+def test_a_rebuild_waiting_beside_a_pass_that_reads_nothing_more_still_tells_its_progress():
+    """``tier_fill.Landed``: while a wait goes on, ``progress`` is told every ``every`` seconds with a
+    changing value even when the pass reads nothing (it may be waiting for a slower process's reads),
+    so the others' barrier deadline moves until the pass ends the wait."""
+    import threading
+    import time
+
+    from dispatch_io.manager.tiers.tier_fill import Landed
+
+    told = []
+    landed = Landed(lambda read, n: told.append((read, n)), every=0.05)
+    waiting = threading.Thread(target=landed.wait, args=("['w']", ((0, 4),)))
+    waiting.start()
+    time.sleep(0.5)
+    landed.close()
+    waiting.join(10)
+    assert not waiting.is_alive() and len(told) >= 3 and len(set(told)) == len(told), told
+    assert all(read == 0 for read, _ in told), told
