@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 
+import pytest
+
 import storage_helpers as sh
 from conftest import finish_job, start_job
 from test_tier_multiprocess import train_fsdp
@@ -224,7 +226,7 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
 
 
 def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=(), absent=(), failing=(),
-                       timeout=30):
+                       timeout=30, raising=()):
     """``rebuild.run`` in ``n`` threads standing for ``n`` single-device processes (ring 0..n-1, rows
     of ``k`` pieces) of which ``lost`` have lost their copies: the rows the job saved (``packed_rows``,
     as ``parity.encode`` packs them), each process's own parity section (``parity.record``), its parity
@@ -233,7 +235,8 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
     check (as ``rebuild._parity_rows`` finds). Only the collectives (``rebuild_rounds.senders``', a mailbox per round here) and the manifest's
     sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
-    reads of the ``failing`` ones' parity rows raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
+    reads of the ``failing`` ones' parity rows raise OSError, the ``raising`` ones' own regions (``have``,
+    between the two ready barriers) raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
     regions left out}, {process: bytes received})."""
     import concurrent.futures
     import threading
@@ -313,13 +316,16 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
         me.p, me.calls = p, {}
         room = Room(service, p, n, timeout, "restore", "simulated", "the simulated restore")
         have = lambda kp, bounds: None if (p, kp) in unreadable else regions[p].get((kp, bounds))  # noqa: E731
+        if p in raising:
+            def have(kp, bounds):
+                raise OSError(f"process {p}'s disk went away")
         return rebuild.run(8, dict.fromkeys(lost), {q: sections[q] for q in having}, having, room,
                            lambda described: (None, []), process=p, step_path=f"/nonexistent/{p}/8",
                            runner=None, have=have)
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = {p: pool.submit(process, p) for p in range(n) if p not in absent}
-        if absent or failing:
+        if absent or failing or raising:
             return {p: f.exception(timeout=120) for p, f in futures.items()}
         results = [futures[p].result(timeout=120) for p in range(n)]
     rebuilt = {p: results[p][0].regions for p in lost}
@@ -651,3 +657,61 @@ def test_a_members_own_read_failing_beside_the_rebuild_fails_the_restore_everywh
     assert "process 3's disk failed" in outs[3][1], outs[3][1][-3000:]
     for p in (0, 1, 2):
         assert re.search(r"(WorkerError|CheckpointError).*(worker|process) 3", outs[p][1]), outs[p][1][-3000:]
+
+
+@pytest.mark.parametrize("k, lost", [(2, (1, 4)), (2, (0, 3)), (3, (2, 6)), (4, (5,)), (2, (7, 2))])
+def test_a_rebuild_brings_back_lost_processes_sharing_holders_and_members_for_each_k(monkeypatch, k, lost):
+    """k = 2, 3, 4 over 8 processes, lost processes as close as the plan allows (a holder of one lost
+    process's piece is a member of another's chains, and a process sends in both phases): every lost
+    region comes back bit for bit (checked in ``_simulated_rebuild``), none left out, each lost process
+    receiving its row once."""
+    rebuilt, failed, received = _simulated_rebuild(monkeypatch, 8, k, lost, _mixed_tree(8))
+    assert failed == {p: {} for p in lost}
+    assert all(len(rebuilt[p][kp]) == 1 for p in lost for kp in ("['bf']", "['f8']", "['f']", "['key']")), rebuilt
+    assert len({received[p] for p in lost}) == 1 and received[lost[0]] > 0, received
+
+
+def test_a_member_failing_between_the_ready_barriers_fails_the_rebuild_everywhere_without_a_hang(monkeypatch):
+    """k = 2 over 4 processes, process 1 lost: process 2 (a member of its chains) has its early rounds
+    done when its own regions fail to come (OSError packing its pieces): it raises that, every other
+    process a CheckpointError naming it at the second ready barrier -- none is left in a late round."""
+    from dispatch_io.errors import CheckpointError
+
+    raised = _simulated_rebuild(monkeypatch, 4, 2, (1,), _mixed_tree(4), raising=(2,), timeout=10)
+    assert isinstance(raised[2], OSError), raised
+    assert all(isinstance(raised[p], CheckpointError) and "process 2" in str(raised[p]) for p in (0, 1, 3)), raised
+
+
+def test_members_waiting_beside_a_pass_that_waits_for_a_slow_holder_do_not_time_out(tmp_path):
+    """Onto the narrow mesh (the members' pieces' regions are not read as stored: their rebuild waits
+    for their pass to end), process 0 -- a holder of lost process 1's pieces, no member -- reads its own
+    regions slowly (6 s each, 8 s barrier timeout); members 2 and 3 read theirs at once, then their pass
+    waits for process 0's at its last barrier (which moves with 0's progress). The lost process and the
+    holders wait at the rebuild's second ready barrier for the members, which read nothing more: the
+    job must still resume step 8 bit-exact, rather than a BarrierTimeoutError naming a member that was
+    only waiting for the slow holder's pass."""
+    root, local = _trained_then_lost(tmp_path, 1)
+    results = _run(root, local, "narrow", extra={"DIO_TEST_SLOW_OWN_READS": "6", "DIO_TEST_SLOW_OWN_READS_IN": "0"},
+                   barrier_timeout=8)
+    print("narrow, process 0's own reads slow, process 1 lost:", results)
+    assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
+
+
+def test_a_rebuild_waiting_beside_a_pass_that_reads_nothing_more_still_tells_its_progress():
+    """``tier_fill.Landed``: while a wait goes on, ``progress`` is told every ``every`` seconds with a
+    changing value even when the pass reads nothing (it may be waiting for a slower process's reads),
+    so the others' barrier deadline moves until the pass ends the wait."""
+    import threading
+    import time
+
+    from dispatch_io.manager.tiers.tier_fill import Landed
+
+    told = []
+    landed = Landed(lambda read, n: told.append((read, n)), every=0.05)
+    waiting = threading.Thread(target=landed.wait, args=("['w']", ((0, 4),)))
+    waiting.start()
+    time.sleep(0.5)
+    landed.close()
+    waiting.join(10)
+    assert not waiting.is_alive() and len(told) >= 3 and len(set(told)) == len(told), told
+    assert all(read == 0 for read, _ in told), told

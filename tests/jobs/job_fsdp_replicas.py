@@ -26,6 +26,7 @@ With ``DIO_TEST_CAST`` the restores read ``w`` as bfloat16 and ``m`` as float32 
 with the values cast; with ``DIO_TEST_NAMES`` the target's leaves are named in upper case and read
 through ``names=`` (the saved name: the lower case). With ``DIO_TEST_SLOW_OWN_READS=S`` each region a
 pass reads of a process's own copy is a batch of its own, landing S seconds late (a slow disk); with
+``DIO_TEST_SLOW_OWN_READS_IN=P`` only process P's are; with
 ``DIO_TEST_FAILING_OWN_READS=P`` those reads fail in process P (an OSError: its disk failed).
 """
 
@@ -72,7 +73,7 @@ if os.environ.get("DIO_TEST_SLOW_OWN_READS"):   # each region a pass reads of th
 
     def _late(consume):
         def consumed(self, batch, arrays):
-            if self.check is not None:
+            if self.check is not None and os.environ.get("DIO_TEST_SLOW_OWN_READS_IN", str(process)) == str(process):
                 time.sleep(float(os.environ["DIO_TEST_SLOW_OWN_READS"]))
             return consume(self, batch, arrays)
         return consumed

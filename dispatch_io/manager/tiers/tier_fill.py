@@ -172,18 +172,21 @@ class Landed:
     """The regions of its own copy a process's local pass has read and checked, as they land: a
     parity rebuild running beside the pass (``tier_restore``) takes its pieces from them as soon as
     they are there. :meth:`tap` wraps the pass's check; :meth:`close` (the pass is over) ends every wait.
-    ``progress(regions read so far)``, if given, is told while a wait goes on and the pass reads (at
-    most once every ``every`` seconds): the others wait for this process's rebuild at a barrier whose
-    deadline only moves with progress, and a wait for a region the pass does not read (another mesh's)
-    lasts the whole pass. ``keep``: {(saved key path, region)} the rebuild may take (None: all); only
-    those are held here, so a region placed early is not kept from being freed."""
+    ``progress(regions read so far, waits told)``, if given, is told every ``every`` seconds while a
+    wait goes on, whether the pass reads or not: the others wait for this process's rebuild at a
+    barrier whose deadline only moves with progress, and a wait for a region the pass does not read
+    (another mesh's) lasts the whole pass -- which, done reading, may itself wait at its last barrier
+    for a slower process's reads. The wait ends when the pass does, and the pass's own waits have
+    their timeouts: a wait here is never endless. ``keep``: {(saved key path, region)} the rebuild
+    may take (None: all); only those are held here, so a region placed early is not kept from being
+    freed."""
 
     def __init__(self, progress=None, every: float = 1.0, keep=None):
         self._found: dict = {}   # (saved key path, stored bounds) -> (output, region, array)
         self._done = threading.Condition()
         self._closed = False
         self._progress, self._every, self._keep = progress, every, keep
-        self._read = self._told = 0   # regions the pass has read; the count last told ``progress``
+        self._read = self._told = 0   # regions the pass has read; the times ``progress`` was told
 
     def tap(self, check):
         """``check`` (``checks.ReadCheck``), noting each region it passes here."""
@@ -213,8 +216,7 @@ class Landed:
                 self._done.wait_for(lambda: key in self._found or self._closed, self._every)
                 if key in self._found or self._closed:
                     return self._found.get(key, (None, None, None))
-                read = self._read
-                tell = self._progress is not None and read != self._told   # (``every`` s since the last look)
-                self._told = read
-            if tell:   # outside the lock: the pass's taps go on meanwhile
-                self._progress(read)
+                read, self._told = self._read, self._told + 1   # (``every`` s since the last look)
+                told = self._told
+            if self._progress is not None:   # outside the lock: the pass's taps go on meanwhile
+                self._progress(read, told)

@@ -173,7 +173,8 @@ class TierRestore:
         regions left out (bad, or not rebuilt)."""
         room = fill.room   # the others wait for this process's rebuild there: its pass's reads are progress
         first = rebuild.feeding(self._sections[plan.step], lost, self.process)
-        landed = Landed(None if room is None else lambda read: room.set(f"progress/{self.process}", [plan.step, read]),
+        landed = Landed(None if room is None else
+                        lambda read, told: room.set(f"progress/{self.process}", [plan.step, read, told]),
                         every=4.0 if room is None else room.timeout / 4, keep=first)
         gate = threading.Event()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-rebuild") as pool:
