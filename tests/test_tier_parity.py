@@ -315,10 +315,10 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     def process(p):
         me.p, me.calls = p, {}
         room = Room(service, p, n, timeout, "restore", "simulated", "the simulated restore")
-        have = lambda kp, bounds: None if (p, kp) in unreadable else regions[p].get((kp, bounds))  # noqa: E731
-        if p in raising:
-            def have(kp, bounds):
+        def have(kp, bounds):
+            if p in raising:
                 raise OSError(f"process {p}'s disk went away")
+            return None if (p, kp) in unreadable else regions[p].get((kp, bounds))
         return rebuild.run(8, dict.fromkeys(lost), {q: sections[q] for q in having}, having, room,
                            lambda described: (None, []), process=p, step_path=f"/nonexistent/{p}/8",
                            runner=None, have=have)
