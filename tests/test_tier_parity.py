@@ -685,13 +685,13 @@ def test_a_member_failing_between_the_ready_barriers_fails_the_rebuild_everywher
 def test_members_waiting_beside_a_pass_that_waits_for_a_slow_holder_do_not_time_out(tmp_path):
     """Onto the narrow mesh (the members' pieces' regions are not read as stored: their rebuild waits
     for their pass to end), process 0 -- a holder of lost process 1's pieces, no member -- reads its own
-    regions slowly (6 s each, 8 s barrier timeout); members 2 and 3 read theirs at once, then their pass
+    regions slowly (3 s each, 8 s barrier timeout); members 2 and 3 read theirs at once, then their pass
     waits for process 0's at its last barrier (which moves with 0's progress). The lost process and the
     holders wait at the rebuild's second ready barrier for the members, which read nothing more: the
     job must still resume step 8 bit-exact, rather than a BarrierTimeoutError naming a member that was
     only waiting for the slow holder's pass."""
     root, local = _trained_then_lost(tmp_path, 1)
-    results = _run(root, local, "narrow", extra={"DIO_TEST_SLOW_OWN_READS": "6", "DIO_TEST_SLOW_OWN_READS_IN": "0"},
+    results = _run(root, local, "narrow", extra={"DIO_TEST_SLOW_OWN_READS": "3", "DIO_TEST_SLOW_OWN_READS_IN": "0"},
                    barrier_timeout=8)
     print("narrow, process 0's own reads slow, process 1 lost:", results)
     assert all(r[1:3] == (8, True) and r[4] == 0 and r[7] == 0 for r in results), results
