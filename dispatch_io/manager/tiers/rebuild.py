@@ -89,35 +89,41 @@ def _parity_rows(source: Source, rows: Rows) -> tuple[dict, set]:
         {i for i, a in found.items() if a is None}
 
 
+def _feeding_spans(rows: Rows, own: list, pieces: set):
+    """(group index, group, device position, key path, region, byte offset in the row, bytes, the
+    ``pieces`` it has a byte in) of each region of this process's layout ``own`` in ``rows``' group
+    with a byte in one of ``pieces``: what its member pieces are cut from."""
+    for g, group, i, _, width in rows.cells():
+        for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]):
+            sent = parity_plan.touched(start, nbytes, width, rows.k) & pieces
+            if sent:
+                yield g, group, i, kp, region, start, nbytes, sent
+
+
 def _own_pieces(rows: Rows, own: list, found: dict, have, source: Source) -> dict:
     """Pack into ``found`` {piece: zeros, one piece of a row per device position} that piece of this
     process's rows of ``rows``' group, every device position's in turn (a row as a transfer carries
     it), from its own regions by its layout ``own``; returns {device position: the pieces with a
     byte it could not get}. Each region is ``have(key path, stored bounds)`` (what the restore
     read and checked, in memory; None if it does not hold it) or else read from its copy (``source``)."""
-    pieces = set(found)
     width = rows.groups[0]["W"] // rows.k
-    wanted = sorted({(kp, _stored(group, kp, region)) for g, group, i, _, _ in rows.cells()
-                     for kp, region, start, nbytes in parity_plan.spans(group, own[g][i])
-                     if parity_plan.touched(start, nbytes, width, rows.k) & pieces})
+    spans = list(_feeding_spans(rows, own, set(found)))
+    wanted = sorted({(kp, _stored(group, kp, region)) for _, group, _, kp, region, _, _, _ in spans})
     read = {key: have(*key) for key in wanted}
     missing = [key for key, array in read.items() if array is None]
     if missing:
         read.update(source.read(missing))
-    broken = {}
-    for g, group, i, _, _ in rows.cells():
-        broken[i] = set()
-        for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]):
-            sent = parity_plan.touched(start, nbytes, width, rows.k) & pieces
-            data = read.get((kp, _stored(group, kp, region))) if sent else None
-            if sent and data is None:
-                broken[i] |= sent
-                continue
-            flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8) if sent else None
-            for j in sent:   # the bytes of this region inside piece j, at device position i's place
-                lo, hi = max(start, j * width), min(start + nbytes, (j + 1) * width)
-                at = i * width - j * width
-                found[j][at + lo:at + hi] = flat[lo - start:hi - start]
+    broken = {i: set() for i in range(rows.devices)}
+    for _, group, i, kp, region, start, nbytes, sent in spans:
+        data = read.get((kp, _stored(group, kp, region)))
+        if data is None:
+            broken[i] |= sent
+            continue
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        for j in sent:   # the bytes of this region inside piece j, at device position i's place
+            lo, hi = max(start, j * width), min(start + nbytes, (j + 1) * width)
+            at = i * width - j * width
+            found[j][at + lo:at + hi] = flat[lo - start:hi - start]
     return broken
 
 
@@ -145,12 +151,9 @@ def feeding(sections: dict, lost, me: int) -> frozenset:
     part = Part.of(sections, lost, me)
     if not part.pieces:
         return frozenset()
-    own, found = sections[me]["layouts"][str(me)], set()
-    for rows in part.groups:
-        for g, group, i, _, width in rows.cells():
-            found.update((kp, region) for kp, region, start, nbytes in parity_plan.spans(group, own[g][i])
-                         if parity_plan.touched(start, nbytes, width, rows.k) & part.pieces)
-    return frozenset(found)
+    own = sections[me]["layouts"][str(me)]
+    return frozenset((kp, region) for rows in part.groups
+                     for _, _, _, kp, region, _, _, _ in _feeding_spans(rows, own, part.pieces))
 
 
 class ParityReads:

@@ -44,7 +44,7 @@ class Rows:
         return sum(group["W"] for group in self.groups) * self.devices
 
 
-def parity_rows_in(held: dict, row: np.ndarray, width: int) -> np.ndarray:
+def _parity_rows_in(held: dict, row: np.ndarray, width: int) -> np.ndarray:
     """``row`` (the row that travels) with a holder's parity rows written in, every device position's
     in turn (``held`` {device position: row}; zeros where it could not be read)."""
     for i in range(row.size // width):
@@ -64,7 +64,7 @@ def exchange(rows: Rows, rounds: list, senders: list, me: int, held: dict, ready
         into = next((m for m in moves if m[1] == me), None)
         row = ready.idle if out is None else ready.sending[out[2:4]]
         if out is not None and out[4] is None:   # a holder's parity rows, each device position's in turn
-            parity_rows_in(held, row, width)
+            _parity_rows_in(held, row, width)
         elif out is not None:                    # the sum so far, with this member's piece XORed in
             np.bitwise_xor(ready.partial.pop(out[2:4]), ready.pieces[out[4]], out=row)
         got = sender(row)
@@ -94,7 +94,7 @@ def senders(rounds: list, size: int) -> list:
     return made
 
 
-def touched(size: int) -> np.ndarray:
+def _touched(size: int) -> np.ndarray:
     """``size`` bytes of host memory, each page written once: a lost process makes the buffer its
     rows come into while it waits for them (first touches of fresh memory are slow, and it has
     nothing else to do then)."""
@@ -126,9 +126,9 @@ class Ready:
     def of(cls, part: "Part", rows: Rows, lost: bool) -> "Ready":
         size = rows.devices * (rows.groups[0]["W"] // rows.k)
         made = senders(part.early + part.late, size)
-        return cls(made[:len(part.early)], made[len(part.early):], {j: touched(size) for j in part.pieces},
-                   {key: touched(size) for key in part.sending}, aligned_empty((size,), np.uint8),  # never read
-                   touched(rows.size) if lost else None)
+        return cls(made[:len(part.early)], made[len(part.early):], {j: _touched(size) for j in part.pieces},
+                   {key: _touched(size) for key in part.sending}, aligned_empty((size,), np.uint8),  # never read
+                   _touched(rows.size) if lost else None)
 
 
 @dataclasses.dataclass(frozen=True)
