@@ -79,7 +79,7 @@ def test_the_regions_asked_for_first_are_read_first_in_batches_of_their_own(tmp_
     assert [out.saved.keypath for out, _ in plain.local] == ["['big']", "['small']"]
     first = frozenset(big)
     split = plan_split(make(), 0, 1, 16 * KiB, 96 * KiB, first=first)
-    assert [(out.saved.keypath, region) for out, region in split.local][:len(big)] == big
+    assert [(out.saved.keypath, region) for out, region in split.local][:len(big)] == big and split.first == len(big)
     split = plan_split(make(), 0, 1, 16 * KiB, 96 * KiB, first=frozenset({("['small']", ((0, 10),))}))
     assert [out.saved.keypath for out, _ in split.local] == ["['small']", "['big']"]
     reads = RegionReads(None, split.local, 16 * KiB, 96 * KiB, "ckpt", apart=1)

@@ -69,6 +69,7 @@ class Split:
     local: list      # (Output, region): held by this process alone
     rounds: list     # [delivery.Round]
     digest: str      # of the shared part, equal in every process that planned the same restore
+    first: int = 0   # how many of ``local``, at its head, were asked for first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ def plan_split(outputs: list, process: int, count: int, chunk_limit: int, batch_
             shared.append((index, out, held))
     plan = plan_delivery(shared, count, chunk_limit, batch_limit, readers)
     local.sort(key=lambda item: (item[0].saved.keypath, item[1]) not in first)   # stable: else in order
-    return Split(local, plan.rounds, plan.digest)
+    return Split(local, plan.rounds, plan.digest, sum((out.saved.keypath, region) in first for out, region in local))
 
 
 class PeerFailure(WorkerError):
@@ -259,7 +260,7 @@ def _fill(reader, outputs: list, options, progress: Progress, verify: bool, time
                           options.read_batch_bytes, progress, on_batch=report)
         times.append(time.perf_counter())
         local = RegionReads(reader, split.local, options.chunk_bytes, options.read_batch_bytes, display, report, check,
-                            apart=sum((out.saved.keypath, region) in first for out, region in split.local))
+                            apart=split.first)
         exchanged = _rounds(reader, outputs, split.rounds, local, room, progress, upcoming, check, rounds_over)
     except BaseException as exc:
         if not isinstance(exc, PeerFailure):  # the first failure is the one every process reports
