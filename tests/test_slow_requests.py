@@ -23,36 +23,55 @@ from conftest import JOBS, SUPPORT
 from fault_proxy import Fault, SlowProxy, object_name
 
 
-def run_job(scheme: str, upstream_port: int, prefix: str, mode: str) -> dict:
+def start_job(scheme: str, upstream_port: int, prefix: str, mode: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "LOW_SPEED" not in k}
     env["PYTHONPATH"] = os.pathsep.join(SUPPORT + [env.get("PYTHONPATH", "")])
     job = os.path.join(JOBS, "slow_store_job.py")
-    proc = subprocess.run([sys.executable, job, scheme, str(upstream_port), prefix, mode],
-                          env=env, capture_output=True, text=True, timeout=400)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return subprocess.Popen([sys.executable, job, scheme, str(upstream_port), prefix, mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+
+def job_results(proc: subprocess.Popen) -> dict:
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, out[-3000:] + err[-5000:]
     results = json.loads(lines[-1][len("RESULT "):])
-    results["stragglers logged"] = [line for line in proc.stderr.splitlines() if "dispatch_io: straggler:" in line]
+    results["stragglers logged"] = [line for line in err.splitlines() if "dispatch_io: straggler:" in line]
     return results
 
 
-def _job(request, mode: str) -> tuple[str, dict]:
+@pytest.fixture(scope="module")
+def jobs(gcs_server, s3_server):
+    """{(scheme, mode): the job's results}: the four jobs run at once (each spends most of its time
+    waiting for a deadline or a hedge), each against its own proxy and prefix."""
     import uuid
-    scheme = request.param
-    port = request.getfixturevalue("gcs_server" if scheme == "gs" else "s3_server").port
-    return scheme, run_job(scheme, port, f"{scheme}://ckpts/slow-{mode}-{uuid.uuid4().hex[:6]}", mode)
+    ports = {"gs": gcs_server.port, "s3": s3_server.port}
+    started = {(scheme, mode): start_job(scheme, port, f"{scheme}://ckpts/slow-{mode}-{uuid.uuid4().hex[:6]}", mode)
+               for scheme, port in ports.items() for mode in ("deadline", "hedge")}
+    try:
+        return {key: job_results(proc) for key, proc in started.items()}
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
-@pytest.fixture(scope="module", params=["gs", "s3"])
-def deadline_job(request):
+@pytest.fixture(params=["gs", "s3"])
+def deadline_job(request, jobs):
     """The job's results with a 2 s request deadline and no hedged reads, on each store."""
-    return _job(request, "deadline")
+    return request.param, jobs[(request.param, "deadline")]
 
 
-@pytest.fixture(scope="module", params=["gs", "s3"])
-def hedge_job(request):
+@pytest.fixture(params=["gs", "s3"])
+def hedge_job(request, jobs):
     """The job's results with hedged reads and a 60 s request deadline, on each store."""
-    return _job(request, "hedge")
+    return request.param, jobs[(request.param, "hedge")]
 
 
 def bound(cases) -> float:

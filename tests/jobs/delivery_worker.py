@@ -99,6 +99,8 @@ def main():
     except BaseException as exc:  # noqa: BLE001
         out.update(error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-3000:])
     print("RESULT " + json.dumps(out), flush=True)
+    if "error" not in out:   # the leader's exit takes the coordination service down with it: leave together
+        jax.distributed.shutdown()
     os._exit(0)
 
 
