@@ -32,8 +32,11 @@ a build that refuses them is reported and nothing is run. ``--parity K`` passes 
 compares the storage, save and restore after a lost process of parity with ``--replicas 1``
 (parity needs K + 1 processes: K = 4 needs ``--processes 5``). The processes share this machine's
 disk and cores, so the local tier's advantage of independent disks per host does not show here:
-the bytes per source are what carries over to a cluster, the seconds are this machine's. Raw per-process results go to stdout as JSON lines, medians
-[min-max] over the repetitions (wall: the slowest process's) as Markdown tables.
+the bytes per source are what carries over to a cluster, the seconds are this machine's. A
+restore's "CPU s" is every process's CPU time in it (``time.process_time``: all its threads)
+summed: with fewer cores than processes, a restore that needs more CPU cannot take less wall time
+than its CPU over the cores, whatever it overlaps. Raw per-process results go to stdout as JSON
+lines, medians [min-max] over the repetitions (wall: the slowest process's) as Markdown tables.
 """
 
 from __future__ import annotations
@@ -148,10 +151,10 @@ def child(args):
             os.rename(mine, mine + ".gone")
         with manager(local) as restoring:
             sync(f"restore/{rep}/{kind}", drop=True)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             restored = restoring.restore(None, target)
             jax.block_until_ready(restored)
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             s = restoring.last_tier_restore
             exact = all(np.array_equal(np.asarray(got.data), np.asarray(want.data))
                         for name in state for got, want in zip(restored[name].addressable_shards,
@@ -160,7 +163,7 @@ def child(args):
         if lost:
             shutil.rmtree(mine)
             os.rename(mine + ".gone", mine)
-        emit(phase="restore", kind=kind, rep=rep, wall=wall, step=s.step, exact=exact,
+        emit(phase="restore", kind=kind, rep=rep, wall=wall, cpu=cpu, step=s.step, exact=exact,
              local=s.bytes_read_local, persistent=s.bytes_read_persistent, received=s.bytes_received,
              peer_regions=s.peer_regions, persistent_regions=s.persistent_regions)
         sync(f"restored/{rep}/{kind}")
@@ -267,13 +270,14 @@ def report(results, args, seconds):
         rows = [r for r in results if r["phase"] == "save" and r["kind"] == kind]
         per_rep = lambda key: [max(r[key] for r in rows if r["rep"] == rep) for rep in range(args.reps)]  # noqa: E731
         print(f"| {kind} | {_median(per_rep('blocked'), '{:.3f}')} | {_median(per_rep('wall'))} |")
-    print("\n| restore, cold | wall s (slowest process) | local MiB | persistent MiB "
-          "| received MiB | regions from peers / root | bit-exact |\n|---|---|---|---|---|---|---|")
+    print(f"\n| restore, cold | wall s (slowest process) | CPU s (all processes; {os.cpu_count()} cores) | local MiB "
+          "| persistent MiB | received MiB | regions from peers / root | bit-exact |\n|---|---|---|---|---|---|---|---|")
     for kind in ("tiers_whole", "tiers", "persistent"):
         rows = [r for r in results if r["phase"] == "restore" and r["kind"] == kind]
         walls = [max(r["wall"] for r in rows if r["rep"] == rep) for rep in range(args.reps)]
+        cpu = [sum(r["cpu"] for r in rows if r["rep"] == rep) for rep in range(args.reps)]
         total = lambda key: sum(r[key] for r in rows if r["rep"] == 0) / MiB  # noqa: E731
-        print(f"| {LABELS[kind]} | {_median(walls)} | {total('local'):.0f} | {total('persistent'):.0f} "
+        print(f"| {LABELS[kind]} | {_median(walls)} | {_median(cpu)} | {total('local'):.0f} | {total('persistent'):.0f} "
               f"| {total('received'):.0f} | {rows[0]['peer_regions']} / {rows[0]['persistent_regions']} "
               f"| {all(r['exact'] for r in rows)} |")
     wall = {kind: [max(r["wall"] for r in results if r["phase"] == "restore" and r["kind"] == kind and r["rep"] == rep)

@@ -236,7 +236,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     check (as ``rebuild._parity_rows`` finds). Only the collectives (``rebuild_rounds.senders``', a mailbox per round here) and the manifest's
     sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
     reads of the ``failing`` ones' parity rows raise OSError, the ``raising`` ones' own regions (``have``,
-    between the two ready barriers) raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
+    packed before the ready barrier) raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
     regions left out}, {process: bytes received})."""
     import concurrent.futures
     import threading
@@ -671,10 +671,11 @@ def test_a_rebuild_brings_back_lost_processes_sharing_holders_and_members_for_ea
     assert len({received[p] for p in lost}) == 1 and received[lost[0]] > 0, received
 
 
-def test_a_member_failing_between_the_ready_barriers_fails_the_rebuild_everywhere_without_a_hang(monkeypatch):
-    """k = 2 over 4 processes, process 1 lost: process 2 (a member of its chains) has its early rounds
-    done when its own regions fail to come (OSError packing its pieces): it raises that, every other
-    process a CheckpointError naming it at the second ready barrier -- none is left in a late round."""
+def test_a_member_whose_own_regions_fail_fails_the_rebuild_everywhere_before_any_collective(monkeypatch):
+    """k = 2 over 4 processes, process 1 lost: process 2 (a holder of one of its pieces and a member of
+    the other's chain) has its parity rows in hand when its own regions fail to come (OSError packing
+    its pieces): it raises that, every other process a CheckpointError naming it at the ready barrier --
+    none is left in a round's collective without it."""
     from dispatch_io.errors import CheckpointError
 
     raised = _simulated_rebuild(monkeypatch, 4, 2, (1,), _mixed_tree(4), raising=(2,), timeout=10)
@@ -687,7 +688,7 @@ def test_members_waiting_beside_a_pass_that_waits_for_a_slow_holder_do_not_time_
     for their pass to end), process 0 -- a holder of lost process 1's pieces, no member -- reads its own
     regions slowly (3 s each, 8 s barrier timeout); members 2 and 3 read theirs at once, then their pass
     waits for process 0's at its last barrier (which moves with 0's progress). The lost process and the
-    holders wait at the rebuild's second ready barrier for the members, which read nothing more: the
+    holders wait at the rebuild's ready barrier for the members, which read nothing more: the
     job must still resume step 8 bit-exact, rather than a BarrierTimeoutError naming a member that was
     only waiting for the slow holder's pass."""
     root, local = _trained_then_lost(tmp_path, 1)

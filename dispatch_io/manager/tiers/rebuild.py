@@ -9,13 +9,12 @@ each round's processes, :func:`~dispatch_io.manager.tiers.rebuild_rounds.senders
 receives its share once):
 
 * early, the piece's holder sends its parity row (``<step>/parity``, read and checked from the start
-  of the restore's local pass: :func:`read_ahead`) to the group's first other member -- no member's
-  row is needed yet, so this runs while the members still read theirs;
-* late, each other member XORs in the piece of its row that the holder's parity covers, packed from
-  its own protected regions as the restore's local pass read and checked them (``have``: nothing is
-  read twice; what that pass did not read of its copy -- a region received from a peer, read as
-  another dtype, or on another mesh -- is read from its copy, checked as read), and sends the sum
-  on, the last member to the lost process;
+  of the restore's local pass: :func:`read_ahead`) to the group's first other member;
+* late, each other member XORs into the sum that came to it the piece of its row that the holder's
+  parity covers, packed from its own protected regions as the restore's local pass read and
+  checked them (``have``: nothing is read twice; the pass reads them first; what it did not read of
+  its copy -- a region received from a peer, read as another dtype, or on another mesh -- is read
+  from its copy, checked as read), and sends the sum on, the last member to the lost process;
 * the lost process cuts its regions out of its rows by its recorded layout and serves them from
   memory (:class:`~dispatch_io.manager.tiers.rebuild_reads.RebuiltCopy`: simpler than writing them
   to disk first).
@@ -27,10 +26,11 @@ restore takes them from the next source (the root), or an older step.
 
 It goes one row group (``packed_rows.ROW_BYTES`` per device at most) at a time: a feeder holds one
 group's pieces (and a holder the next group's parity rows) on the host at once, whatever its share.
-Before a group's early rounds, and again before its late ones, every process says it is ready
-(:func:`_all_ready`): one that failed to get its parity rows or pieces, or does not come within the
-barrier timeout, fails the rebuild in every process, named, before anyone enters a collective it
-would never join.
+Before a group's rounds every process says it is ready, its parity rows and pieces in hand
+(:func:`_all_ready`; one barrier a group, and the rounds then run back to back: a second barrier
+between the early and the late rounds cost more than the early rounds overlapping the members'
+reads bought): one that failed to get them, or does not come within the barrier timeout, fails the
+rebuild in every process, named, before anyone enters a collective it would never join.
 
 Costs: the holders read their parity rows (1/k of a share); per lost process, each holder and each
 other member sends one piece (1/k of its protected rows) per chain it is in -- ``k`` per chain, ``k``
@@ -127,14 +127,13 @@ def _own_pieces(rows: Rows, own: list, found: dict, have, source: Source) -> dic
     return broken
 
 
-def _all_ready(room, step: int, phase: str, me: int, error: BaseException | None):
-    """Every process says whether it is ready for ``phase``'s rounds (``"<row group>/parity"``: the
-    early ones, the holders' parity rows in hand; ``"<row group>/pieces"``: the late ones, the
-    members' pieces) before any enters their collectives: a process that failed, or does not come
+def _all_ready(room, step: int, group: int, me: int, error: BaseException | None):
+    """Every process says whether it is ready for row group ``group``'s rounds (a holder's parity
+    rows and a member's pieces in hand) before any enters them: a process that failed, or does not come
     within the barrier timeout (BarrierTimeoutError naming it), fails the rebuild everywhere, rather
     than leaving the others in a collective without it. Raises ``error`` in the process that had it."""
-    room.set(f"rebuild-ready/{step}/{phase}/{me}", None if error is None else f"{type(error).__name__}: {error}")
-    failed = {p: e for p, e in room.gather(f"rebuild-ready/{step}/{phase}",
+    room.set(f"rebuild-ready/{step}/{group}/{me}", None if error is None else f"{type(error).__name__}: {error}")
+    failed = {p: e for p, e in room.gather(f"rebuild-ready/{step}/{group}",
                                            doing="start rebuilding the lost processes' regions").items() if e}
     if error is not None:
         raise error
@@ -215,20 +214,16 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     try:
         for rows in part.groups:   # one row group at a time: a feeder holds one group's rows
             error, held, unread, broken, ready = None, {}, set(), {}, None
-            try:   # the holders' parity rows: all the early rounds need
+            try:   # everything its rounds need: a holder's parity rows, a member's pieces
                 ready = Ready.of(part, rows, me in lost)
                 held, unread = reads.rows(rows.first) if part.holding else ({}, set())
+                broken = _own_pieces(rows, own, ready.pieces, have, member) if part.pieces else {}
             except Exception as exc:  # noqa: BLE001 - reported to the others first, then raised
                 error = exc
             if gate is not None:
                 gate.wait()
-            _all_ready(room, step, f"{rows.first}/parity", me, error)
+            _all_ready(room, step, rows.first, me, error)
             received += exchange(rows, part.early, ready.early, me, held, ready)
-            try:   # the members' pieces: the late rounds, along the chains and into the lost processes
-                broken = _own_pieces(rows, own, ready.pieces, have, member) if part.pieces else {}
-            except Exception as exc:  # noqa: BLE001 - as above
-                error = exc
-            _all_ready(room, step, f"{rows.first}/pieces", me, error)
             received += exchange(rows, part.late, ready.late, me, held, ready)
             bad += [(p, rows.first, i, j) for p, j in sorted(part.holding) for i in unread]
             bad += [(move[2], rows.first, i, move[3]) for r in part.late for move in r

@@ -62,11 +62,12 @@ def exchange(rows: Rows, rounds: list, senders: list, me: int, held: dict, ready
     for moves, sender in zip(rounds, senders):
         out = next((m for m in moves if m[0] == me), None)
         into = next((m for m in moves if m[1] == me), None)
-        row = ready.idle if out is None else ready.sending[out[2:4]]
-        if out is not None and out[4] is None:   # a holder's parity rows, each device position's in turn
-            _parity_rows_in(held, row, width)
-        elif out is not None:                    # the sum so far, with this member's piece XORed in
-            np.bitwise_xor(ready.partial.pop(out[2:4]), ready.pieces[out[4]], out=row)
+        if out is None:
+            row = ready.idle
+        elif out[4] is None:   # a holder's parity rows, each device position's in turn
+            row = _parity_rows_in(held, ready.sending[out[2:4]], width)
+        else:                  # the sum so far, XORed into this member's piece (each piece is in one chain)
+            row = np.bitwise_xor(ready.pieces[out[4]], ready.partial.pop(out[2:4]), out=ready.pieces[out[4]])
         got = sender(row)
         if into is None:
             continue
@@ -107,8 +108,9 @@ def _touched(size: int) -> np.ndarray:
 class Ready:
     """A process's buffers for one row group's rounds, made before its rows are in hand (while it
     waits for the pass to read them): a sender per round, early and late (:func:`senders`), the
-    member pieces it packs {piece: row}, the row it sends for each lost piece whose chain it is in
-    {(lost, j): row}, the row it puts in a round in which it sends nothing (``idle``: a collective
+    member pieces it packs {piece: row} (each sent on with the sum that came to it XORed in, in
+    place), the row it sends for each lost piece whose chain it starts as its holder {(lost, j):
+    row}, the row it puts in a round in which it sends nothing (``idle``: a collective
     permute reads no row a process does not send), the sums that came to it {(lost, j): row}, and,
     if it is lost, the rows its pieces come into (``data``; else None). Every buffer it writes is
     touched once when made, and every one is aligned: on CPU a row then goes into its collective
@@ -127,21 +129,19 @@ class Ready:
         size = rows.devices * (rows.groups[0]["W"] // rows.k)
         made = senders(part.early + part.late, size)
         return cls(made[:len(part.early)], made[len(part.early):], {j: _touched(size) for j in part.pieces},
-                   {key: _touched(size) for key in part.sending}, aligned_empty((size,), np.uint8),  # never read
+                   {key: _touched(size) for key in part.holding}, aligned_empty((size,), np.uint8),  # never read
                    _touched(rows.size) if lost else None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
     """What one process does in a rebuild: the rounds it is in, early and late
-    (``parity_plan.transfers``), the (lost, j) chains it starts as their holder, those it sends
-    on as a member, the pieces of its own rows it XORs in as a member, and the step's row groups
-    (``k``, device positions per process)."""
+    (``parity_plan.transfers``), the (lost, j) chains it starts as their holder, the pieces of its
+    own rows it XORs in as a member, and the step's row groups (``k``, device positions per process)."""
 
     early: list
     late: list
     holding: set
-    sending: set
     pieces: set
     groups: list
 
@@ -153,6 +153,6 @@ class Part:
         early, late = ([r for r in rounds if any(me in move[:2] for move in r)]
                        for rounds in parity_plan.transfers(order, k, lost))
         mine = [move for r in early + late for move in r if move[0] == me]
-        return cls(early, late, {move[2:4] for move in mine if move[4] is None}, {move[2:4] for move in mine},
+        return cls(early, late, {move[2:4] for move in mine if move[4] is None},
                    {move[4] for move in mine if move[4] is not None},
                    [Rows(k, [group], devices, g) for g, group in enumerate(first["groups"])])
