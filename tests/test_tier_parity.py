@@ -155,14 +155,15 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
     """One parity row of leaves of every kind -- bfloat16, bool, int8, int4 and uint4 (a byte each, the
     value's bits low, as numpy holds them), complex64, PRNG keys (their key data), a leaf on two of the
     8 devices -- packed on each device of a "process" of two devices (``packed_rows.row``, as ``parity.encode``
-    packs them) and cut back (``rebuild._cut``, as a rebuilt process cuts its rows): every region's
+    packs them) and cut back (``rebuild._cut``, as a rebuilt process cuts its rows, as its pieces came:
+    across the pieces too): every region's
     bytes and dtype as the shard's."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from dispatch_io.manager.tiers import packed_rows, parity, rebuild, rebuild_rounds
+    from dispatch_io.manager.tiers import packed_rows, parity, parity_plan, rebuild, rebuild_rounds
 
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mesh, pair = Mesh(np.array(devices), ("x",)), Mesh(np.array(devices[2:4]), ("x",))
@@ -182,10 +183,15 @@ def test_a_row_of_bytes_holds_every_dtype_and_gives_each_region_back_bit_exact()
     section = parity.record([group], (0, 1, 2, 3), 2, by_process)
     width = section["groups"][0]["W"]
     shards = [{s.device: s.data for s in item.data.addressable_shards} for item in group]
-    data = np.concatenate([np.asarray(packed_rows.row(group, d, shards, by_bytes=True,
-                                               pad=width - sum(item.nbytes for item in group)))[0] for d in by_process[1]])
+    rows = [np.asarray(packed_rows.row(group, d, shards, by_bytes=True,
+                                       pad=width - sum(item.nbytes for item in group)))[0] for d in by_process[1]]
+    piece = width // 2   # the rows as they come in: piece j of every device position's row, in turn
+    data = {j: np.concatenate([row[j * piece:(j + 1) * piece] for row in rows]) for j in range(2)}
     regions, failed = rebuild._cut(data, rebuild_rounds.Rows(2, section["groups"], 2), 1, section["layouts"]["1"], [])
     assert not failed
+    across = [kp for i in range(2) for kp, _, offset, nbytes in parity_plan.spans(section["groups"][0], section["layouts"]["1"][0][i])
+              if len(parity_plan.touched(offset, nbytes, piece, 2)) == 2]
+    assert across, "no region across the two pieces: the copy is not tried"
     checked = 0
     for name, array in tree.items():
         stored = jax.random.key_data(array) if name == "key" else array

@@ -82,7 +82,7 @@ def _parity_rows(source: Source, rows: Rows) -> tuple[dict, set]:
     """({device position: this process's parity row of ``rows``' group there, read from ``source``
     (its ``<step>/parity``, CRC-checked)}, the device positions whose row could not be read)."""
     width = rows.groups[0]["W"] // rows.k
-    wanted = {i: (f"['{row_name(g, i)}']", ((0, 1), (0, width))) for g, _, i, _, _ in rows.cells()}
+    wanted = {i: (f"['{row_name(g, i)}']", ((0, 1), (0, width))) for g, _, i, _ in rows.cells()}
     read = source.read(sorted(wanted.values()))
     found = {i: read[key] for i, key in wanted.items()}
     return {i: np.asarray(a).reshape(-1) for i, a in found.items() if a is not None}, \
@@ -93,7 +93,7 @@ def _feeding_spans(rows: Rows, own: list, pieces: set):
     """(group index, group, device position, key path, region, byte offset in the row, bytes, the
     ``pieces`` it has a byte in) of each region of this process's layout ``own`` in ``rows``' group
     with a byte in one of ``pieces``: what its member pieces are cut from."""
-    for g, group, i, _, width in rows.cells():
+    for g, group, i, width in rows.cells():
         for kp, region, start, nbytes in parity_plan.spans(group, own[g][i]):
             sent = parity_plan.touched(start, nbytes, width, rows.k) & pieces
             if sent:
@@ -257,19 +257,24 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     return copy, failed, received
 
 
-def _cut(data: np.ndarray, rows: Rows, me: int, mine: list, bad: list) -> tuple[dict, dict]:
+def _cut(data: dict, rows: Rows, me: int, mine: list, bad: list) -> tuple[dict, dict]:
     """({key path: {stored bounds: array}} of this lost process's regions cut out of its rebuilt rows
-    ``data`` by its layout ``mine``, {key path: [region as JSON]} of those with a byte in a bad piece)."""
+    ``data`` ({j: piece j of each device position's row, in turn}, as ``rebuild_rounds.exchange``
+    keeps them) by its layout ``mine``, {key path: [region as JSON]} of those with a byte in a bad
+    piece). A region inside one piece is a view of it; only one across pieces is copied together."""
     regions, failed = {}, {}
-    for g, group, i, slot, _ in rows.cells():
+    for g, group, i, width in rows.cells():
         pieces = {j for p, gg, ii, j in bad if (p, gg, ii) == (me, g, i)}
         lose = set(parity_plan.hit(group, mine[g][i], rows.k, pieces))
         for kp, region, offset, nbytes in parity_plan.spans(group, mine[g][i]):
             if (kp, region) in lose:
                 failed.setdefault(kp, []).append([list(b) for b in region])
                 continue
+            spans = [(j, max(offset, j * width), min(offset + nbytes, (j + 1) * width))
+                     for j in sorted(parity_plan.touched(offset, nbytes, width, rows.k))]
+            cut = [data[j][i * width + lo - j * width:i * width + hi - j * width] for j, lo, hi in spans]
+            array = cut[0] if len(cut) == 1 else np.concatenate(cut)
             stored = _stored(group, kp, region)
             dtype = numpy_dtype(group["dtypes"][group["leaves"].index(kp)])
-            array = data[slot + offset:slot + offset + nbytes].view(dtype)
-            regions.setdefault(kp, {})[stored] = array.reshape(tuple(hi - lo for lo, hi in stored))
+            regions.setdefault(kp, {})[stored] = array.view(dtype).reshape(tuple(hi - lo for lo, hi in stored))
     return regions, failed

@@ -22,9 +22,9 @@ from dispatch_io.workers import aligned_empty
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """Rows laid out in one buffer of bytes: a slot of ``W`` bytes per (row group, device position),
-    each cut into ``k`` pieces; ``groups`` are the step's row groups from index ``first`` on (a
-    rebuild goes one row group at a time)."""
+    """The rows of a step's row groups from index ``first`` on (a rebuild goes one row group at a
+    time): one of ``W`` bytes per (row group, device position), cut into ``k`` pieces; a transfer
+    carries one piece of every device position's row, in turn."""
 
     k: int
     groups: list
@@ -32,16 +32,10 @@ class Rows:
     first: int = 0
 
     def cells(self):
-        """(group index, group, device position, offset of its slot, piece width) of every row."""
-        offset = 0
+        """(group index, group, device position, piece width) of every row."""
         for g, group in enumerate(self.groups, self.first):
             for i in range(self.devices):
-                yield g, group, i, offset, group["W"] // self.k
-                offset += group["W"]
-
-    @property
-    def size(self) -> int:
-        return sum(group["W"] for group in self.groups) * self.devices
+                yield g, group, i, group["W"] // self.k
 
 
 def _parity_rows_in(held: dict, row: np.ndarray, width: int) -> np.ndarray:
@@ -56,8 +50,8 @@ def exchange(rows: Rows, rounds: list, senders: list, me: int, held: dict, ready
     """Run ``rounds`` (of ``parity_plan.transfers``, those this process is in) for one row group through
     their ``senders``: as a holder it starts a lost piece's chain with its parity rows ``held``
     {device position: row}, as a member it XORs its own piece (``ready.pieces``) into the sum that
-    came to it (``ready.partial``) and sends it on; a lost process's pieces come into ``ready.data``.
-    Returns the bytes it received."""
+    came to it (``ready.partial``) and sends it on; a lost process keeps the rows its pieces come in
+    (``ready.data``, {j: piece j of every device position's row, in turn}). Returns the bytes it received."""
     width, received = rows.groups[0]["W"] // rows.k, 0
     for moves, sender in zip(rounds, senders):
         out = next((m for m in moves if m[0] == me), None)
@@ -72,10 +66,8 @@ def exchange(rows: Rows, rounds: list, senders: list, me: int, held: dict, ready
         if into is None:
             continue
         received += got.size
-        if into[1] == into[2]:   # this lost process's piece j of every device's row
-            for i in range(rows.devices):
-                start = i * rows.groups[0]["W"] + into[3] * width
-                ready.data[start:start + width] = got[i * width:(i + 1) * width]
+        if into[1] == into[2]:   # this lost process's piece j of every device's row: its regions are cut from it
+            ready.data[into[3]] = got
         else:
             ready.partial[into[2:4]] = got
     return received
@@ -96,9 +88,8 @@ def senders(rounds: list, size: int) -> list:
 
 
 def _touched(size: int) -> np.ndarray:
-    """``size`` bytes of host memory, each page written once: a lost process makes the buffer its
-    rows come into while it waits for them (first touches of fresh memory are slow, and it has
-    nothing else to do then)."""
+    """``size`` bytes of host memory, zeros, each page written once: a process makes its rebuild's
+    buffers while it waits for its rows (first touches of fresh memory are slow)."""
     data = aligned_empty((size,), np.uint8)
     data.fill(0)
     return data
@@ -112,16 +103,16 @@ class Ready:
     place), the row it sends for each lost piece whose chain it starts as its holder {(lost, j):
     row}, the row it puts in a round in which it sends nothing (``idle``: a collective
     permute reads no row a process does not send), the sums that came to it {(lost, j): row}, and,
-    if it is lost, the rows its pieces come into (``data``; else None). Every buffer it writes is
-    touched once when made, and every one is aligned: on CPU a row then goes into its collective
-    without a copy (``jax.device_put`` aliases aligned host memory)."""
+    if it is lost, the rows its pieces came in {j: row} (``data``, filled by :func:`exchange`; else
+    None). Every buffer it writes is touched once when made, and every one is aligned: on CPU a row
+    then goes into its collective without a copy (``jax.device_put`` aliases aligned host memory)."""
 
     early: list
     late: list
     pieces: dict
     sending: dict
     idle: np.ndarray
-    data: np.ndarray | None
+    data: dict | None
     partial: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -130,7 +121,7 @@ class Ready:
         made = senders(part.early + part.late, size)
         return cls(made[:len(part.early)], made[len(part.early):], {j: _touched(size) for j in part.pieces},
                    {key: _touched(size) for key in part.holding}, aligned_empty((size,), np.uint8),  # never read
-                   _touched(rows.size) if lost else None)
+                   {} if lost else None)
 
 
 @dataclasses.dataclass(frozen=True)
