@@ -139,7 +139,7 @@ def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_pa
     never commits and its leftovers are removed on restart; step 10's regions are still all held, process
     1's through process 3, so the restart resumes it."""
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
-    procs = _start(root, local, "die")
+    procs = _start(root, local, "die", barrier_timeout=10)   # the survivors wait that long for process 1
     try:
         assert procs[1].wait(timeout=LIMIT) == -signal.SIGKILL
         wait_for([procs[i] for i in (0, 2, 3)], "failed 10 processes [1]")

@@ -635,7 +635,7 @@ def test_a_rebuild_beside_the_pass_takes_each_region_as_it_lands_checked():
 def test_a_rebuild_waiting_beside_a_slow_pass_for_regions_it_does_not_read_does_not_time_out(tmp_path):
     """Onto a mesh of one device per process (``narrow``: the pass reads none of the regions a member's
     pieces are cut from as stored, so the rebuild beside it waits for the pass to end), with a slow disk
-    (each of a member's own regions lands 3 s late: its pass takes longer than the 8 s barrier timeout,
+    (four of a member's own regions land 3 s late each: its pass takes longer than the 8 s barrier timeout,
     each region moving its deadline): the lost process and the holders wait at the rebuild's first
     ready barrier while the members read, and the members' progress moves that barrier's deadline too
     -- the job resumes step 8 bit-exact, nothing from the root, rather than a BarrierTimeoutError naming
@@ -692,7 +692,7 @@ def test_a_member_whose_own_regions_fail_fails_the_rebuild_everywhere_before_any
 def test_members_waiting_beside_a_pass_that_waits_for_a_slow_holder_do_not_time_out(tmp_path):
     """Onto the narrow mesh (the members' pieces' regions are not read as stored: their rebuild waits
     for their pass to end), process 0 -- a holder of lost process 1's pieces, no member -- reads its own
-    regions slowly (3 s each, 8 s barrier timeout); members 2 and 3 read theirs at once, then their pass
+    regions slowly (four 3 s late each: 12 s, with an 8 s barrier timeout); members 2 and 3 read theirs at once, then their pass
     waits for process 0's at its last barrier (which moves with 0's progress). The lost process and the
     holders wait at the rebuild's ready barrier for the members, which read nothing more: the
     job must still resume step 8 bit-exact, rather than a BarrierTimeoutError naming a member that was

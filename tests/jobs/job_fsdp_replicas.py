@@ -25,7 +25,8 @@ listing, ``mgr.steps()``) and after the restore ``regions peer P persistent Q`` 
 With ``DIO_TEST_CAST`` the restores read ``w`` as bfloat16 and ``m`` as float32 (``cast=True``), compared
 with the values cast; with ``DIO_TEST_NAMES`` the target's leaves are named in upper case and read
 through ``names=`` (the saved name: the lower case). With ``DIO_TEST_SLOW_OWN_READS=S`` each region a
-pass reads of a process's own copy is a batch of its own, landing S seconds late (a slow disk); with
+pass reads of a process's own copy is a batch of its own, the first four landing S seconds late each
+(a slow disk: a pass 4 S seconds long); with
 ``DIO_TEST_SLOW_OWN_READS_IN=P`` only process P's are; with
 ``DIO_TEST_FAILING_OWN_READS=P`` those reads fail in process P (an OSError: its disk failed).
 """
@@ -71,9 +72,13 @@ if os.environ.get("DIO_TEST_SLOW_OWN_READS"):   # each region a pass reads of th
                 self.batches = [[work] for batch in self.batches for work in batch]
         return made
 
+    slowed = []
+
     def _late(consume):
         def consumed(self, batch, arrays):
-            if self.check is not None and os.environ.get("DIO_TEST_SLOW_OWN_READS_IN", str(process)) == str(process):
+            if self.check is not None and os.environ.get("DIO_TEST_SLOW_OWN_READS_IN", str(process)) == str(process) \
+                    and len(slowed) < 4:
+                slowed.append(batch)
                 time.sleep(float(os.environ["DIO_TEST_SLOW_OWN_READS"]))
             return consume(self, batch, arrays)
         return consumed
