@@ -410,15 +410,15 @@ def test_a_process_that_cannot_take_its_part_fails_the_rebuild_everywhere_before
 
 
 def test_a_rebuild_takes_from_memory_only_regions_held_as_stored():
-    """``Fill.in_memory`` (a member's ``have`` in a rebuild after the local pass) hands over a region's
-    host buffer only as stored: not one read as another dtype (``cast=True``: float32 read as bfloat16,
-    or as int32, the same size), not a region its own read left out (failed its check), not one it does
-    not hold whole in one buffer (another mesh's region, a ``whole`` result placed early, its buffers
-    gone); a PRNG key's data (stored bounds with the key's dimension) is handed over as it is."""
+    """``Fill.in_memory`` (a member's ``have`` in a rebuild beside the local pass) hands over a region's
+    host buffer as it landed (``Landed``) only as stored: not one read as another dtype (``cast=True``:
+    float32 read as bfloat16, or as int32, the same size), not a region whose read failed its check,
+    not one it does not hold whole in one buffer (another mesh's region: the wait ends with the pass);
+    a PRNG key's data (stored bounds with the key's dimension) is handed over as it is."""
     import numpy as np
 
     from dispatch_io import tree
-    from dispatch_io.manager.tiers.tier_fill import Fill
+    from dispatch_io.manager.tiers.tier_fill import Fill, Landed
     from dispatch_io.manifest import SavedLeaf
     from dispatch_io.read.targets import DEVICE, Output
     from dispatch_io.workers import ArraySpec
@@ -431,25 +431,27 @@ def test_a_rebuild_takes_from_memory_only_regions_held_as_stored():
     same, bf, i32 = output("f", (8, 4), "float32", "float32"), output("b", (8, 4), "float32", "bfloat16"), \
         output("i", (8, 4), "float32", "int32")
     key = output("k", (8,), "uint32", "uint32", tree.KEY, (2,))
-    region = ((0, 4), (0, 4))
-    for out in (same, bf, i32):
-        out.buffers[region] = np.zeros((4, 4), out.dtype)
-    key.buffers[((0, 4),)] = np.arange(8, dtype=np.uint32).reshape(4, 2)
+    region, failed = ((0, 4), (0, 4)), ((4, 8), (0, 4))
     fill = Fill.__new__(Fill)
     fill.restart()
     fill.outputs = [same, bf, i32, key, 7]   # a Python scalar's output is no Output
-    mine = {"['f']": [region, ((4, 8), (0, 4))], "['b']": [region], "['i']": [region], "['k']": [((0, 4),)]}
-    for index, out in enumerate(fill.outputs[:4]):   # the local pass read these of its copy
+    mine = {"['f']": [region, failed], "['b']": [region], "['i']": [region], "['k']": [((0, 4),)]}
+    for index, out in enumerate(fill.outputs[:4]):   # the local pass reads these of its copy
         fill._reading_own(lambda index, o: ({}, mine[o.saved.keypath], {}))(index, out)
-    have = fill.in_memory({"['f']": [[[4, 8], [0, 4]]]})
-    assert have("['f']", region) is same.buffers[region]
+    landed = Landed()
+    tap = landed.tap(lambda out, at, array, *stored: at != failed)   # the pass's check
+    arrays = [np.zeros((4, 4), out.dtype) for out in (same, bf, i32)]
+    for out, array in zip((same, bf, i32), arrays):
+        tap(out, region, array)
+    tap(same, failed, np.zeros((4, 4), np.float32))
+    tap(key, ((0, 4),), keydata := np.arange(8, dtype=np.uint32).reshape(4, 2))
+    landed.close()   # the pass is over: what has not landed will not
+    have = fill.in_memory(landed)
+    assert have("['f']", region) is arrays[0]
     assert have("['b']", region) is None and have("['i']", region) is None      # cast: read from the copy
-    assert have("['k']", ((0, 4), (0, 2))) is key.buffers[((0, 4),)]
+    assert have("['k']", ((0, 4), (0, 2))) is keydata
     assert have("['f']", ((0, 2), (0, 4))) is None and have("['x']", region) is None
-    same.buffers[((4, 8), (0, 4))] = np.zeros((4, 4), np.float32)
-    assert have("['f']", ((4, 8), (0, 4))) is None                              # its read failed its check
-    same.buffers.clear()                                                        # placed early: buffers gone
-    assert have("['f']", region) is None
+    assert have("['f']", failed) is None                                        # its read failed its check
 
 
 def test_with_three_pieces_a_lost_process_is_rebuilt_through_holders_xoring_two_members(tmp_path):
@@ -538,7 +540,7 @@ def test_a_rebuild_takes_from_memory_only_what_the_member_read_of_its_own_copy()
     import numpy as np
 
     from dispatch_io import tree
-    from dispatch_io.manager.tiers.tier_fill import Fill
+    from dispatch_io.manager.tiers.tier_fill import Fill, Landed
     from dispatch_io.manifest import SavedLeaf
     from dispatch_io.read.targets import DEVICE, Output
     from dispatch_io.workers import ArraySpec
@@ -554,7 +556,12 @@ def test_a_rebuild_takes_from_memory_only_what_the_member_read_of_its_own_copy()
     fill.outputs = [out]
     routes = fill._reading_own(lambda index, o: ({received: (0, 1)}, [own], {received: (1,)}))
     assert routes(0, out) == ({received: (0, 1)}, [own], {received: (1,)})   # the routes as they were
-    have = fill.in_memory({})
+    landed = Landed()
+    tap = landed.tap(lambda *checked: True)
+    for region in (own, received):   # as if both had landed: only what it read itself is handed over
+        tap(out, region, out.buffers[region])
+    landed.close()
+    have = fill.in_memory(landed)
     assert have("['w']", own) is out.buffers[own]
     assert have("['w']", received) is None
 

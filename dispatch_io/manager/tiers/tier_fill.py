@@ -1,8 +1,8 @@
 """One restore through the tiers, filled pass by pass (``tier_restore`` plans and drives it).
 
 :class:`Fill` holds the result's buffers and what was read: the local pass (each holder reads its
-own copy, the others receive a peer's; processes rebuilt from parity may read theirs after it,
-:meth:`Fill.place`, from what the others read in it, :meth:`Fill.in_memory`), then the persistent
+own copy, the others receive a peer's; processes rebuilt from parity place theirs after it,
+:meth:`Fill.place`, rebuilt beside it from what the others read in it, :meth:`Fill.in_memory`), then the persistent
 pass for the regions no local copy has. :class:`TierRestoreStats` is what it did.
 """
 
@@ -113,22 +113,15 @@ class Fill:
             return held, mine, may
         return noted
 
-    def in_memory(self, bad: dict, landed: "Landed | None" = None):
-        """``rebuild.run``'s ``have``: a region of this process's copy the local pass read of it and
-        checked (its host buffer, as stored); None for one it did not read itself (a region received
-        from a peer may miss a piece the peer's read found bad: not sent), read as another dtype
-        (``cast``), or left out (``bad``: {key path: [region]}). With ``landed`` (a rebuild beside the
-        pass), it waits for the region to land there, or for the pass to end without it."""
+    def in_memory(self, landed: "Landed"):
+        """``rebuild.run``'s ``have`` beside the local pass: a region of this process's copy that the
+        pass read of it and checked (its host buffer, as stored), once it has landed in ``landed``
+        (:class:`Landed`: the wait ends with the pass); None for one it did not read itself (a region
+        received from a peer may miss a piece the peer's read found bad: not sent), one read as another
+        dtype (``cast``) or of other bounds, or one that failed its check (it never lands)."""
         def have(keypath: str, stored: tuple):
-            if landed is not None:
-                out, region, buffer = landed.wait(keypath, stored)
-            else:
-                out = next((o for o in self.outputs or () if isinstance(o, restore_lib.Output)
-                            and o.saved.keypath == keypath), None)
-                region = None if out is None else stored[:len(out.saved.shape)]
-                buffer = None if out is None else out.buffers.get(region)
+            out, region, buffer = landed.wait(keypath, stored)
             if buffer is None or (keypath, region) not in self.read_own or \
-                    [list(b) for b in region] in bad.get(keypath, ()) or \
                     buffer.shape != tuple(hi - lo for lo, hi in stored) or buffer.dtype != out.saved_dtype:
                 return None
             return buffer

@@ -178,7 +178,7 @@ class TierRestore:
                         every=4.0 if room is None else room.timeout / 4, keep=first)
         gate = threading.Event()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dispatch_io-rebuild") as pool:
-            rebuilding = pool.submit(self._rebuild, plan.step, fill, reports, have=fill.in_memory({}, landed),
+            rebuilding = pool.submit(self._rebuild, plan.step, fill, reports, have=fill.in_memory(landed),
                                      reads=reads, gate=gate)
             try:
                 found = fill.run(plan, reports, copy, again=again, defer=lost, landed=landed, first=first,
