@@ -239,7 +239,8 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     rows XORed from them, its regions as the restore's local pass read them (``have``; none for the
     ``unreadable`` (process, key path) and the copy it falls back to is not there), and a room on an
     in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
-    check (as ``rebuild._parity_rows`` finds). Only the collectives (``rebuild_rounds.senders``', a mailbox per round here) and the manifest's
+    check (as ``rebuild._parity_rows`` finds). Only the collectives (``rebuild_rounds.senders``', a mailbox per round here:
+    what comes in is read-only, as ``np.asarray`` of the real one's result) and the manifest's
     sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
     reads of the ``failing`` ones' parity rows raise OSError, the ``raising`` ones' own regions (``have``,
     packed before the ready barrier) raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
@@ -291,7 +292,9 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
                 return np.zeros_like(row)
             key = (moves, calls[moves], into[0])
             assert wire["cond"].wait_for(lambda: key in wire["box"], 60), key
-            return wire["box"].pop(key)
+            got = wire["box"].pop(key)
+            got.flags.writeable = False   # as the real send gives it
+            return got
 
     def parity_read(source, rows_):
         p = int(source.path.split(os.sep)[-3])
@@ -595,6 +598,44 @@ def test_a_rebuilt_region_read_whole_is_handed_over_and_a_part_of_it_copied():
         raise AssertionError("a region not rebuilt whole was read")
 
 
+def test_a_rebuilt_region_restored_whole_onto_the_host_is_the_callers_to_write(monkeypatch):
+    """A lost process's rebuilt regions are views of the rows as they came (read-only: numpy's view of
+    the collective's result). One read whole onto a device is handed over as it is (``jax.device_put``
+    copies or aliases it; nothing writes it), but a numpy result -- a leaf on the lost process's device
+    alone, restored onto the host -- is the caller's, writable like any restore's, bit for bit: a rebuild
+    must not make ``state["x"] += 1`` fail after a lost disk."""
+    import jax
+    import numpy as np
+
+    from dispatch_io import tree
+    from dispatch_io.manifest import SavedLeaf
+    from dispatch_io.progress import Progress
+    from dispatch_io.read import loop as reading
+    from dispatch_io.read.targets import DEVICE, HOST, Output, finish
+    from dispatch_io.manager.tiers.rebuild_reads import MemoryReader
+    from dispatch_io.workers import ArraySpec
+
+    own = np.arange(4, dtype=np.float32).reshape(2, 2) / 3   # 16 bytes, in the row's piece 1 (bytes 27 to 54)
+    device = sorted(jax.devices(), key=lambda d: d.id)[1]
+    rebuilt, failed, _ = _simulated_rebuild(monkeypatch, 4, 2, (1,), {**_mixed_tree(4), "own": jax.device_put(own, device)})
+    assert failed == {1: {}}
+    region = rebuilt[1]["['own']"][((0, 2), (0, 2))]
+    assert not region.flags.writeable and region.tobytes() == own.tobytes()   # a view of a row as it came
+
+    saved = SavedLeaf("['own']", tree.ARRAY, "jax", (2, 2), np.dtype("float32"),
+                      stored=ArraySpec("own", (2, 2), "float32", (2, 2)))
+    host = Output(saved, HOST, np.dtype("float32"))
+    on_device = Output(saved, DEVICE, np.dtype("float32"), sharding=jax.sharding.SingleDeviceSharding(device))
+    for out in (host, on_device):
+        reading.read_outputs(MemoryReader(rebuilt[1]), [out], 1 << 20, 1 << 20,
+                             Progress("restore", "rebuilt", enabled=False))
+    assert np.shares_memory(on_device.buffers[((0, 2), (0, 2))], region)   # handed over: no copy
+    result = finish(host)
+    assert isinstance(result, np.ndarray) and result.tobytes() == own.tobytes()
+    assert result.flags.writeable and not np.shares_memory(result, region), "a read-only numpy result"
+    result += 1
+
+
 def test_a_rebuild_beside_the_pass_takes_each_region_as_it_lands_checked():
     """``tier_fill.Landed``: the rebuild beside a local pass waits for a region until the pass's check
     passes it (then it has that very buffer), and a region the check leaves out, or one never read,
@@ -636,7 +677,7 @@ def test_a_rebuild_waiting_beside_a_slow_pass_for_regions_it_does_not_read_does_
     """Onto a mesh of one device per process (``narrow``: the pass reads none of the regions a member's
     pieces are cut from as stored, so the rebuild beside it waits for the pass to end), with a slow disk
     (four of a member's own regions land 3 s late each: its pass takes longer than the 8 s barrier timeout,
-    each region moving its deadline): the lost process and the holders wait at the rebuild's first
+    each region moving its deadline): the lost process and the holders wait at the rebuild's (one)
     ready barrier while the members read, and the members' progress moves that barrier's deadline too
     -- the job resumes step 8 bit-exact, nothing from the root, rather than a BarrierTimeoutError naming
     members that were reading all along."""
