@@ -232,14 +232,16 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
 
 
 def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=(), absent=(), failing=(),
-                       timeout=30, raising=()):
+                       timeout=30, raising=(), row_bytes=1 << 30):
     """``rebuild.run`` in ``n`` threads standing for ``n`` single-device processes (ring 0..n-1, rows
-    of ``k`` pieces) of which ``lost`` have lost their copies: the rows the job saved (``packed_rows``,
+    of ``k`` pieces, row groups of at most ``row_bytes``) of which ``lost`` have lost their copies: the
+    rows the job saved (``packed_rows``,
     as ``parity.encode`` packs them), each process's own parity section (``parity.record``), its parity
     rows XORed from them, its regions as the restore's local pass read them (``have``; none for the
     ``unreadable`` (process, key path) and the copy it falls back to is not there), and a room on an
     in-memory coordination service; the parity rows of the ``bad_rows`` processes fail their CRC-32C
-    check (as ``rebuild._parity_rows`` finds). Only the collectives (``rebuild_rounds.senders``', a mailbox per round here) and the manifest's
+    check (as ``rebuild._parity_rows`` finds). Only the collectives (``rebuild_rounds.senders``', a mailbox per round here:
+    what comes in is read-only, as ``np.asarray`` of the real one's result) and the manifest's
     sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
     reads of the ``failing`` ones' parity rows raise OSError, the ``raising`` ones' own regions (``have``,
     packed before the ready barrier) raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
@@ -256,21 +258,24 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
 
     devices = sorted(jax.devices(), key=lambda d: d.id)[:n]
     order, by_process = tuple(range(n)), {p: [devices[p]] for p in range(n)}
-    group = [packed_rows.leaf(f"['{name}']", array) for name, array in tree.items()]
+    leaves = [packed_rows.leaf(f"['{name}']", array) for name, array in tree.items()]
+    groups = packed_rows.groups(leaves, row_bytes, by_dtype=False)
     sections = {}
     for p in range(n):   # each process records its own section
         with monkeypatch.context() as patch:
             patch.setattr(parity.jax, "process_index", lambda p=p: p)
-            sections[p] = parity.record([group], order, k, by_process)
-    W = sections[0]["groups"][0]["W"]
-    shards = [{s.device: s.data for s in item.data.addressable_shards} for item in group]
-    rows = {p: np.asarray(packed_rows.row(group, devices[p], shards, by_bytes=True,
-                                          pad=W - sum(item.nbytes for item in group)))[0] for p in range(n)}
-    width = W // k
-    parity_rows = {h: np.bitwise_xor.reduce([rows[m][j * width:(j + 1) * width] for j, m in enumerate(covered)])
-                   for h, covered in parity_plan.members(order, k).items()}
+            sections[p] = parity.record(groups, order, k, by_process)
+    parity_rows = {}   # {row group: {holder: its parity row}}
+    for g, group in enumerate(groups):
+        W = sections[0]["groups"][g]["W"]
+        shards = [{s.device: s.data for s in item.data.addressable_shards} for item in group]
+        rows = {p: np.asarray(packed_rows.row(group, devices[p], shards, by_bytes=True,
+                                              pad=W - sum(item.nbytes for item in group)))[0] for p in range(n)}
+        width = W // k
+        parity_rows[g] = {h: np.bitwise_xor.reduce([rows[m][j * width:(j + 1) * width] for j, m in enumerate(covered)])
+                          for h, covered in parity_plan.members(order, k).items()}
     regions = {p: {} for p in range(n)}   # {process: {(key path, stored bounds): its region}}
-    for item in group:
+    for item in leaves:
         for shard in item.data.addressable_shards:
             bounds = tuple((s.start or 0, m if s.stop is None else s.stop) for s, m in zip(shard.index, item.data.shape))
             regions[devices.index(shard.device)][(item.keypath, bounds)] = np.asarray(shard.data)
@@ -291,13 +296,15 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
                 return np.zeros_like(row)
             key = (moves, calls[moves], into[0])
             assert wire["cond"].wait_for(lambda: key in wire["box"], 60), key
-            return wire["box"].pop(key)
+            got = wire["box"].pop(key)
+            got.flags.writeable = False   # as the real send gives it
+            return got
 
     def parity_read(source, rows_):
         p = int(source.path.split(os.sep)[-3])
         if p in failing:
             raise OSError(f"process {p}'s disk went away")
-        return ({}, {0}) if p in bad_rows else ({0: parity_rows[p].copy()}, set())
+        return ({}, {0}) if p in bad_rows else ({0: parity_rows[rows_.first][p].copy()}, set())
 
     @dataclasses.dataclass(frozen=True)
     class Described:
@@ -602,6 +609,44 @@ def test_a_rebuilt_region_read_whole_is_handed_over_and_a_part_of_it_copied():
         raise AssertionError("a region not rebuilt whole was read")
 
 
+def test_a_rebuilt_region_restored_whole_onto_the_host_is_the_callers_to_write(monkeypatch):
+    """A lost process's rebuilt regions are views of the rows as they came (read-only: numpy's view of
+    the collective's result). One read whole onto a device is handed over as it is (``jax.device_put``
+    copies or aliases it; nothing writes it), but a numpy result -- a leaf on the lost process's device
+    alone, restored onto the host -- is the caller's, writable like any restore's, bit for bit: a rebuild
+    must not make ``state["x"] += 1`` fail after a lost disk."""
+    import jax
+    import numpy as np
+
+    from dispatch_io import tree
+    from dispatch_io.manifest import SavedLeaf
+    from dispatch_io.progress import Progress
+    from dispatch_io.read import loop as reading
+    from dispatch_io.read.targets import DEVICE, HOST, Output, finish
+    from dispatch_io.manager.tiers.rebuild_reads import MemoryReader
+    from dispatch_io.workers import ArraySpec
+
+    own = np.arange(4, dtype=np.float32).reshape(2, 2) / 3   # 16 bytes, in the row's piece 1 (bytes 27 to 54)
+    device = sorted(jax.devices(), key=lambda d: d.id)[1]
+    rebuilt, failed, _ = _simulated_rebuild(monkeypatch, 4, 2, (1,), {**_mixed_tree(4), "own": jax.device_put(own, device)})
+    assert failed == {1: {}}
+    region = rebuilt[1]["['own']"][((0, 2), (0, 2))]
+    assert not region.flags.writeable and region.tobytes() == own.tobytes()   # a view of a row as it came
+
+    saved = SavedLeaf("['own']", tree.ARRAY, "jax", (2, 2), np.dtype("float32"),
+                      stored=ArraySpec("own", (2, 2), "float32", (2, 2)))
+    host = Output(saved, HOST, np.dtype("float32"))
+    on_device = Output(saved, DEVICE, np.dtype("float32"), sharding=jax.sharding.SingleDeviceSharding(device))
+    for out in (host, on_device):
+        reading.read_outputs(MemoryReader(rebuilt[1]), [out], 1 << 20, 1 << 20,
+                             Progress("restore", "rebuilt", enabled=False))
+    assert np.shares_memory(on_device.buffers[((0, 2), (0, 2))], region)   # handed over: no copy
+    result = finish(host)
+    assert isinstance(result, np.ndarray) and result.tobytes() == own.tobytes()
+    assert result.flags.writeable and not np.shares_memory(result, region), "a read-only numpy result"
+    result += 1
+
+
 def test_a_rebuild_beside_the_pass_takes_each_region_as_it_lands_checked():
     """``tier_fill.Landed``: the rebuild beside a local pass waits for a region until the pass's check
     passes it (then it has that very buffer), and a region the check leaves out, or one never read,
@@ -643,7 +688,7 @@ def test_a_rebuild_waiting_beside_a_slow_pass_for_regions_it_does_not_read_does_
     """Onto a mesh of one device per process (``narrow``: the pass reads none of the regions a member's
     pieces are cut from as stored, so the rebuild beside it waits for the pass to end), with a slow disk
     (four of a member's own regions land 3 s late each: its pass takes longer than the 8 s barrier timeout,
-    each region moving its deadline): the lost process and the holders wait at the rebuild's first
+    each region moving its deadline): the lost process and the holders wait at the rebuild's (one)
     ready barrier while the members read, and the members' progress moves that barrier's deadline too
     -- the job resumes step 8 bit-exact, nothing from the root, rather than a BarrierTimeoutError naming
     members that were reading all along."""
@@ -682,6 +727,28 @@ def test_a_rebuild_brings_back_lost_processes_sharing_holders_and_members_for_ea
     assert failed == {p: {} for p in lost}
     assert all(len(rebuilt[p][kp]) == 1 for p in lost for kp in ("['bf']", "['f8']", "['f']", "['key']")), rebuilt
     assert len({received[p] for p in lost}) == 1 and received[lost[0]] > 0, received
+
+
+@pytest.mark.parametrize("k, lost", [(3, (1, 5)), (4, (6,))])
+def test_a_rebuild_of_several_row_groups_brings_back_regions_across_three_pieces(monkeypatch, k, lost):
+    """Leaves of int8, float32 (160 bytes a device: across 3 pieces of a row of them alone, 4 with k = 4),
+    bool, int4 and the mixed ones, in rows of at most 64 bytes (5 row groups): each group's pieces come in
+    buffers of their own (nothing of one group's rounds is written by the next's), a region across 3 or
+    more pieces is joined in order, and every lost region comes back bit for bit, none left out."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    on = NamedSharding(Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("x",)), P("x"))
+    values = np.arange(-700, 700) * 37 % 251
+    tree = {"a": jax.device_put(values[:24].astype(np.int8), on),
+            "big": jax.device_put((values[:320] / 7).astype(np.float32).reshape(80, 4), on),
+            "bo": jax.device_put((values[:40] % 2).astype(np.bool_), on),
+            "i4": jax.device_put((values[:48] % 8).astype(jnp.int4), on), **_mixed_tree(8)}
+    rebuilt, failed, _ = _simulated_rebuild(monkeypatch, 8, k, lost, tree, row_bytes=64)
+    assert failed == {p: {} for p in lost}
+    assert all(len(rebuilt[p][f"['{name}']"]) == 1 for p in lost for name in tree), rebuilt
 
 
 def test_a_member_whose_own_regions_fail_fails_the_rebuild_everywhere_before_any_collective(monkeypatch):

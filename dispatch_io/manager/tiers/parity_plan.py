@@ -85,8 +85,9 @@ def transfers(order: Sequence[int], k: int, lost) -> tuple[list, list]:
     piece ``j``, the piece of the sender's row it XORs in -- None for the holder's parity row) in
     which a process sends at most once and receives at most once (one collective permute a round).
     Each lost piece comes back along a chain: its holder sends its parity row to the group's first
-    other member (early: it needs no member's row, so it runs while the members still read theirs);
-    each member XORs in its own piece and sends the sum on, the last to the lost process (late).
+    other member (early: it needs no member's row; ``rebuild`` runs it once the members' pieces are
+    packed too, the late rounds right after); each member XORs in its own piece and sends the sum on,
+    the last to the lost process (late).
     Every transfer carries one piece, so a lost process receives its share once, whatever ``k``;
     after the members' rows are in hand, ``k - 2`` rounds along the chains, then ``k`` into each
     lost process."""

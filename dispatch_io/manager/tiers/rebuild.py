@@ -261,7 +261,8 @@ def _cut(data: dict, rows: Rows, me: int, mine: list, bad: list) -> tuple[dict, 
     """({key path: {stored bounds: array}} of this lost process's regions cut out of its rebuilt rows
     ``data`` ({j: piece j of each device position's row, in turn}, as ``rebuild_rounds.exchange``
     keeps them) by its layout ``mine``, {key path: [region as JSON]} of those with a byte in a bad
-    piece). A region inside one piece is a view of it; only one across pieces is copied together."""
+    piece). A region inside one piece is a view of it (read-only, as the collective's result came:
+    ``rebuild_reads.MemoryReader`` copies it for a numpy result); only one across pieces is copied together."""
     regions, failed = {}, {}
     for g, group, i, width in rows.cells():
         pieces = {j for p, gg, ii, j in bad if (p, gg, ii) == (me, g, i)}

@@ -80,14 +80,16 @@ class MemoryReader:
     def _whole(self, item) -> np.ndarray | None:
         """The region held that ``item`` reads whole as one piece (the same bounds and dtype), or None
         (also for a second read of it: two results -- ``names=`` mapping two leaves to one -- never
-        share a buffer)."""
+        share a buffer; and for a read-only one -- a view of a row as it came, numpy's view of the
+        collective's result -- read for a host result: a numpy result is the caller's to write)."""
         if len(item.pieces) != 1:
             return None
         region, local = item.pieces[0]
         key = (region.keypath, tuple(region.bounds))
         array = self._regions.get(region.keypath, {}).get(key[1])
         if array is None or key in self._handed or array.dtype != numpy_dtype(item.dtype) or \
-                array.shape != tuple(item.shape) or tuple(local) != tuple((0, n) for n in item.shape):
+                array.shape != tuple(item.shape) or tuple(local) != tuple((0, n) for n in item.shape) or \
+                (item.on_host and not array.flags.writeable):
             return None
         self._handed.add(key)
         return array
