@@ -314,7 +314,8 @@ class Dispatcher:
         be read, before that ``FileNotFoundError`` / ``IncompleteCheckpointError`` for a path
         that holds no committed checkpoint. In a multi-process job (all processes call it) each
         process checks a share of the chunks and every process raises what any found
-        (``shared_verify``). ``dispatch-io verify`` calls it.
+        (``shared_verify``). A local tier's step (its step info says so) holds one process's
+        regions: only those are checked, by the process that calls it. ``dispatch-io verify`` calls it.
         """
         self._check_usable("verify")
         return read_api.verify(self.runner, self.options, path)

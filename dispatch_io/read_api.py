@@ -58,10 +58,16 @@ def restore(runner, options: Options, path, target, *, partial: bool, cast: bool
 def verify(runner, options: Options, path) -> RestoreStats:
     """``Dispatcher.verify`` (see its doc)."""
 
+    held = step_files.local_held(path)   # one process's local tier step: its share is all it holds
+
     def work(manifest, reader, progress, times):
         _, outputs = targets.plan_outputs(manifest, None, partial=False, cast=False)
         times.append(time.perf_counter())
-        if jax.process_count() > 1:
+        if held is not None:
+            wanted = [(out, out.stored_bounds(region)) for out in outputs if isinstance(out, targets.Output)
+                      and out.saved.stored is not None for region in held.get(out.saved.keypath, ())]
+            read_loop.verify_stored(reader, wanted, options.read_batch_bytes, progress, compare=manifest.has_checksums)
+        elif jax.process_count() > 1:
             verify_shared(reader, outputs, options.read_batch_bytes, options.barrier_timeout, progress,
                           compare=manifest.has_checksums)
         else:

@@ -69,6 +69,9 @@ def test_a_lora_state_is_saved_incrementally_with_copies_and_restored_after_a_lo
                 (process, size)
     # process 0's leaf, and its copy on one peer (parity: in process 0's parity group's rows instead)
     assert solo_kept[0] and sum(solo_kept) == (2 if mode == "replicas" else 1), solo_kept
+    # a verify of one process's incremental local step checks the regions it holds, through its base
+    from dispatch_io import cli
+    assert cli.main(["verify", str(local / "2" / "6")]) == 0
     shutil.rmtree(local / "1")   # process 1's host is gone with its disk
     outs = finish_job(start_job("job_local_incremental_copies.py", [root, local / "{process}", mode, "resume"]),
                       limit=240)

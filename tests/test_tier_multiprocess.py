@@ -263,11 +263,22 @@ def test_processes_sharing_one_local_path_are_told_or_kept_apart(tmp_path):
     assert all(r[:2] == (8, True) for r in results), (results, sorted(os.listdir(local)))
 
 
-def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path):
+def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path, capsys):
+    from dispatch_io import cli
+
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
     train_fsdp(root, local)
     info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
     assert [(i["copies"], i["domains"], i["durability"]) for i in info] == [(2, 2, "replicated 2")] * 4, info
+    # One process's local step holds its share and its replicas, not the whole state: a verify of it
+    # checks what it holds (sound), and finds a flipped bit in one of its chunks, naming the leaf.
+    step = str(tmp_path / "local" / "2" / "8")
+    assert cli.main(["verify", step]) == 0, capsys.readouterr().err
+    chunk = next(iter(sh.chunks(step, "['w']").values()))
+    sh.flip_byte(chunk)
+    assert cli.main(["verify", step]) == 1
+    assert "NOT sound" in (err := capsys.readouterr().err) and "['w']" in err, err
+    sh.flip_byte(chunk)   # back as saved: the copy serves the restores below
     # Each process's replicas are spread over both processes of the other host, leaf by leaf (bytes
     # balanced: big, 4 MiB, by the first variant (p + 2) % 4; w, m, k and s by the second, 0 <-> 3, 1 <-> 2).
     for p in range(4):   # the peers holding copies of regions p alone holds (not b's, held by all)

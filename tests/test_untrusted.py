@@ -587,3 +587,22 @@ def test_an_int_scalar_of_infinity_or_nan_is_malformed(tmp_path, value):
     (path / "manifest.json").write_text(json.dumps(doc).replace('"@@"', value))
     with pytest.raises(dio.CorruptCheckpointError, match="malformed checkpoint"):
         dio.metadata(path)
+
+
+@pytest.mark.parametrize("held", ["x", [1, 2], {"['w']": [[["a", 1]]]}, {"['w']": [[[0]]]}])
+def test_a_local_steps_crafted_held_regions_are_our_one_line_error(tmp_path, held):
+    """A local tier's step info whose ``held`` is not what a local save records: verify of that
+    step (which checks only the regions the step holds) refuses it naming the path, before any read;
+    a local step that records no regions is verified whole, as any checkpoint."""
+    from dispatch_io.storage import step_files
+
+    path = str(tmp_path / "ckpt")
+    save(path)
+    info = tmp_path / "ckpt" / "info.json"
+    info.write_text(json.dumps({"tier": "local", "process": 0, "held": held}))
+    with pytest.raises(dio.CorruptCheckpointError, match="held regions are not what a local save records"):
+        step_files.local_held(path)
+    with dio.LocalDispatcher() as d, pytest.raises(dio.CorruptCheckpointError, match="malformed checkpoint"):
+        d.verify(path)
+    info.write_text(json.dumps({"tier": "local", "process": 0}))
+    assert step_files.local_held(path) is None

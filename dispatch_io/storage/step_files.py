@@ -236,6 +236,27 @@ def verify_items(path, step: int | None = None) -> int:
     return len(files)
 
 
+def local_held(path) -> dict | None:
+    """{key path: [region, ...]} (a region: ((lo, hi), ...) per dimension) that the local tier's step
+    at ``path`` holds -- its process's share, which is all a verify of that one step can check --, or
+    None for any other checkpoint (no step info, a root step's, or a local one that records none). Raises CorruptCheckpointError
+    naming the path for a local step's info whose ``held`` is not what a local save records."""
+    location = Location.parse(path)
+    local = _local_info(location.read_file(INFO) or b"")
+    if local is None:
+        return None
+    held = local.get("held")
+    if held is None:   # a local step that records no regions: checked whole, as any checkpoint
+        return None
+    try:
+        return {keypath: [tuple((int(lo), int(hi)) for lo, hi in region) for region in regions]
+                for keypath, regions in held.items() if isinstance(keypath, str)}
+    except (AttributeError, TypeError, ValueError) as exc:
+        where = path if isinstance(path, str) else location.display
+        raise CorruptCheckpointError(f"{where}: its info's held regions are not what a local save records "
+                                     "(malformed checkpoint)", path=where) from exc
+
+
 def _local_info(data: bytes) -> dict | None:
     """The info of a local tier's step (``"tier": "local"``) in ``data``, or None for any other
     (a root step's, checked by :func:`parse`)."""
