@@ -359,7 +359,8 @@ def wait_for(procs, text: str, limit: float = 90) -> list[str]:
 
 def finish_job(procs, limit: float = 120) -> list[str]:
     """Each process's output once it exits (all killed after ``limit`` seconds); fails the test,
-    with the output's tail, for a process that exits non-zero."""
+    with the tail of every failed process's output (which one failed first is often in another's), for
+    a process that exits non-zero."""
     outs = []
     try:
         for p in procs:
@@ -368,8 +369,9 @@ def finish_job(procs, limit: float = 120) -> list[str]:
     finally:
         for p in procs:
             p.kill()
-    for code, out, err in outs:
-        assert code == 0, out + err[-3000:]
+    failed = [f"--- process {i} exited {code}:\n{out[-1500:]}{err[-3000:]}"
+              for i, (code, out, err) in enumerate(outs) if code != 0]
+    assert not failed, "\n".join(failed)
     return [out for _, out, _ in outs]
 
 
