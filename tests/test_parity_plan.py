@@ -217,3 +217,19 @@ def test_every_rebuildable_lost_set_comes_back_through_each_processs_own_view_of
             assert not any(partial.values()), (n, lost, partial)
             for p in lost:
                 assert [got[p].get(j) for j in range(k)] == list(rows[p]), (n, lost, p)
+
+
+def test_carried_places_a_rows_bytes_in_the_transfers_of_its_pieces():
+    """Pieces of 10 bytes, 3 device positions: bytes 5..27 of position 1's row lie in pieces 0, 1, 2,
+    each at position 1's place in that piece's transfer (every position's piece j in turn), and the
+    parts, joined in order, are the bytes; pieces not asked for, or not touched, are left out."""
+    from dispatch_io.manager.tiers.parity_plan import carried
+
+    row = bytes(range(30))                              # position 1's row: 3 pieces of 10 bytes
+    transfers = {j: bytes(10) + row[10 * j:10 * (j + 1)] + bytes(10) for j in range(3)}
+    found = carried(1, 5, 22, 10, range(3))
+    assert [(j, at.start, at.stop, part.start, part.stop) for j, at, part in found] == \
+        [(0, 15, 20, 0, 5), (1, 10, 20, 5, 15), (2, 10, 17, 15, 22)]
+    assert b"".join(transfers[j][at] for j, at, _ in found) == row[5:27]
+    assert [j for j, _, _ in carried(1, 5, 22, 10, {2, 0})] == [0, 2]
+    assert carried(0, 12, 3, 10, {0, 2}) == [] and carried(2, 12, 0, 10, range(3)) == []

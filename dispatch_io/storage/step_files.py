@@ -239,8 +239,9 @@ def verify_items(path, step: int | None = None) -> int:
 def local_held(path) -> dict | None:
     """{key path: [region, ...]} (a region: ((lo, hi), ...) per dimension) that the local tier's step
     at ``path`` holds -- its process's share, which is all a verify of that one step can check --, or
-    None for any other checkpoint (no step info, a root step's, or a local one that records none). Raises CorruptCheckpointError
-    naming the path for a local step's info whose ``held`` is not what a local save records."""
+    None for any other checkpoint (no step info, a root step's, or a local one that records none).
+    Raises CorruptCheckpointError naming the path for a local step's info whose ``held`` is not what
+    a local save records."""
     location = Location.parse(path)
     local = _local_info(location.read_file(INFO) or b"")
     if local is None:

@@ -204,6 +204,20 @@ def touched(offset: int, nbytes: int, width: int, k: int) -> set[int]:
     return {j for j in range(k) if nbytes and offset < (j + 1) * width and j * width < offset + nbytes}
 
 
+def carried(i: int, offset: int, nbytes: int, width: int, pieces) -> list[tuple[int, slice, slice]]:
+    """Where the bytes ``offset .. offset + nbytes`` of device position ``i``'s row travel: for each
+    piece ``j`` of ``pieces`` (indices, each ``width`` bytes) they have a byte in, in order, (j, their
+    place in the transfer of piece j -- every device position's piece j in turn --, their place in
+    those bytes). What a member packs its pieces by and a lost process cuts its regions by."""
+    found = []
+    for j in sorted(pieces):
+        lo, hi = max(offset, j * width), min(offset + nbytes, (j + 1) * width)
+        if lo < hi:
+            at = i * width - j * width
+            found.append((j, slice(at + lo, at + hi), slice(lo - offset, hi - offset)))
+    return found
+
+
 def hit(group: Mapping, regions: Sequence, k: int, pieces: set) -> list[tuple[str, tuple]]:
     """(key path, region) of the leaves in ``regions`` (as :func:`spans`) with a byte in one of the
     ``pieces`` (indices ``j``) of ``group``'s row: what a bad piece loses."""

@@ -120,10 +120,8 @@ def _own_pieces(rows: Rows, own: list, found: dict, have, source: Source) -> dic
             broken[i] |= sent
             continue
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        for j in sent:   # the bytes of this region inside piece j, at device position i's place
-            lo, hi = max(start, j * width), min(start + nbytes, (j + 1) * width)
-            at = i * width - j * width
-            found[j][at + lo:at + hi] = flat[lo - start:hi - start]
+        for j, into, part in parity_plan.carried(i, start, nbytes, width, sent):
+            found[j][into] = flat[part]
     return broken
 
 
@@ -271,9 +269,7 @@ def _cut(data: dict, rows: Rows, me: int, mine: list, bad: list) -> tuple[dict, 
             if (kp, region) in lose:
                 failed.setdefault(kp, []).append([list(b) for b in region])
                 continue
-            spans = [(j, max(offset, j * width), min(offset + nbytes, (j + 1) * width))
-                     for j in sorted(parity_plan.touched(offset, nbytes, width, rows.k))]
-            cut = [data[j][i * width + lo - j * width:i * width + hi - j * width] for j, lo, hi in spans]
+            cut = [data[j][at] for j, at, _ in parity_plan.carried(i, offset, nbytes, width, range(rows.k))]
             array = cut[0] if len(cut) == 1 else np.concatenate(cut)
             stored = _stored(group, kp, region)
             dtype = numpy_dtype(group["dtypes"][group["leaves"].index(kp)])
