@@ -24,6 +24,10 @@ service before each timed call (after one untimed save of each kind):
    each (cold; needs root), every restored shard compared with the saved state, the bytes per
    source of ``mgr.last_tier_restore`` summed over the processes.
 3. **storage**: ``du`` of each process's local step and of the persistent step.
+4. **moving bytes** (this machine's limit, before the restores): 32 MiB rows sent from process 2
+   to process 1 the way a restore after a lost process sends them (``rows.Sender``, gloo on CPU),
+   each side's CPU per MiB; with the lost restore's received bytes, what moving them alone adds to
+   a healthy restore's CPU -- on cores the processes share, the lost restore cannot beat that ratio.
 
 ``--replicas N`` passes ``replicas=N`` and ``domains=`` (``--domains``; default: hosts of 2
 processes, 0,0,1,1, so process 1's copies go to the other host) to ``LocalTier``, only when N > 0;
@@ -144,6 +148,8 @@ def child(args):
     emit(phase="storage", local=du(os.path.join(local_path.replace("{process}", str(args.pid)), str(step))),
          persistent=du(os.path.join(root, str(step))) if args.pid == 0 and not args.root_url else 0)
     sync("measured")
+    if args.processes > 2:
+        transfer(args, emit)
     mine = local_path.replace("{process}", str(args.pid))
     for rep, kind in interleaved(args.reps, ("tiers_whole", "tiers", "persistent")):
         local = local_path if kind != "persistent" else os.path.join(args.local_dir, f"empty{rep}", "{process}")
@@ -170,6 +176,32 @@ def child(args):
         sync(f"restored/{rep}/{kind}")
     dispatcher.close()
     jax.distributed.shutdown()
+
+
+def transfer(args, emit, sends: int = 8, row_mib: int = 32):
+    """The machine's cost of moving bytes between processes, the way a restore after a lost process
+    moves them: ``rows.Sender`` (a collective permute, gloo on CPU) of a fresh ``row_mib`` MiB row,
+    as a round's, from process 2 to process 1 (the other two wait); each side's CPU and the wall
+    per send, after two untimed sends (the first compiles)."""
+    import numpy as np
+    from jax._src.distributed import global_state
+    from dispatch_io.multihost import rows
+    from dispatch_io.workers import aligned_empty
+
+    global_state.client.wait_at_barrier("bench/transfer", 600_000)
+    if args.pid in (1, 2):
+        sender = rows.Sender(((2, 1),), rows.carriers(args.processes), ((0, 1),), row_mib * MiB)
+        for n in range(2 + sends):
+            row = aligned_empty((row_mib * MiB,), np.uint8)
+            row[:] = n % 251   # written as a round's row is, before it is sent
+            start, cpu = time.perf_counter(), time.process_time()
+            got = sender(row)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if args.pid == 1 and not (got[:16] == n % 251).all():
+                raise SystemExit("transfer: the row that came is not the one sent")
+            if n >= 2:
+                emit(phase="transfer", send=n - 2, mib=row_mib, wall=wall, cpu=cpu)
+    global_state.client.wait_at_barrier("bench/transferred", 600_000)
 
 
 def main():
@@ -289,6 +321,20 @@ def report(results, args, seconds):
     ratio = lambda other: _median([a / b for a, b in zip(wall["tiers"], wall[other])], "{:.2f}")  # noqa: E731
     print(f"\nrestore after a lost process, per repetition: {ratio('tiers_whole')}x the one with nothing lost, "
           f"{ratio('persistent')}x the one all from the root")
+    moved = [r for r in results if r["phase"] == "transfer"]
+    if moved:   # what moving the received bytes alone costs here, beside a healthy restore's CPU
+        per = lambda pid, key: sorted(r[key] / r["mib"] for r in moved if r["process"] == pid)[len(moved) // 4]  # noqa: E731
+        cost = per(2, "cpu") + per(1, "cpu")
+        healthy = [sum(r["cpu"] for r in results if r["phase"] == "restore" and r["kind"] == "tiers_whole"
+                       and r["rep"] == rep) for rep in range(args.reps)]
+        received = sum(r["received"] for r in results if r["phase"] == "restore" and r["kind"] == "tiers"
+                       and r["rep"] == 0) / MiB
+        floor = sorted(healthy)[len(healthy) // 2]
+        print(f"\nmoving bytes between processes here (gloo over loopback, {moved[0]['mib']} MiB rows, process 2 -> 1): "
+              f"{per(2, 'wall') * 1e3 * moved[0]['mib']:.0f} ms a row, {per(2, 'cpu') * 1e3:.2f} CPU-ms per MiB sent + "
+              f"{per(1, 'cpu') * 1e3:.2f} received; the lost restore's {received:.0f} MiB received cost "
+              f"{received * cost:.2f} CPU-s on top of a healthy restore's {floor:.2f}: at least "
+              f"{(floor + received * cost) / floor:.2f}x its CPU on this machine's {os.cpu_count()} shared cores")
     storage = sorted((r for r in results if r["phase"] == "storage"), key=lambda r: r["process"])
     print("\nlocal step on disk per process (du -sb): "
           + ", ".join(f"{r['process']}: {r['local'] / MiB:.1f} MiB" for r in storage)

@@ -75,17 +75,25 @@ def send(row: np.ndarray, groups: tuple, devices: list, pairs: tuple) -> np.ndar
     return Sender(groups, devices, pairs, row.size)(row)
 
 
+@functools.lru_cache(maxsize=32)
+def _send_program(groups: tuple, devices: tuple, pairs: tuple, size: int):
+    """:func:`send`'s program for rows of ``size`` bytes, compiled once per process for each
+    (groups, devices, pairs, size), as ``jax.jit`` keeps its own: a restore sends many rows of a
+    few shapes, and compiling one costs 20-40 ms of CPU (on CPU)."""
+    mesh = Mesh(np.array([[devices[p] for p in group] for group in groups]), ("group", "member"))
+    spec = jax.ShapeDtypeStruct((len(groups), len(groups[0]), size), np.uint8,
+                                sharding=NamedSharding(mesh, PartitionSpec("group", "member")))
+    return _send_rows.lower(spec, mesh, pairs).compile()
+
+
 class Sender:
     """:func:`send` of rows of ``size`` bytes among ``groups`` (``pairs`` as there), its program
-    compiled when made -- so a caller can make its senders while it waits for the rows (a
-    process's first send compiles; a parity rebuild's lost process is a fresh one)."""
+    compiled when made (or taken from the ones this process compiled before) -- so a caller can
+    make its senders while it waits for the rows (a parity rebuild's lost process is a fresh one)."""
 
     def __init__(self, groups: tuple, devices: list, pairs: tuple, size: int):
         self.groups, self.devices = groups, devices
-        mesh = Mesh(np.array([[devices[p] for p in group] for group in groups]), ("group", "member"))
-        spec = jax.ShapeDtypeStruct((len(groups), len(groups[0]), size), np.uint8,
-                                    sharding=NamedSharding(mesh, PartitionSpec("group", "member")))
-        self._program = _send_rows.lower(spec, mesh, pairs).compile()
+        self._program = _send_program(tuple(map(tuple, groups)), tuple(devices), tuple(map(tuple, pairs)), size)
 
     def __call__(self, row: np.ndarray) -> np.ndarray:
         rows, _ = _rows(row, self.groups, self.devices)
