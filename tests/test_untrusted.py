@@ -606,3 +606,27 @@ def test_a_local_steps_crafted_held_regions_are_our_one_line_error(tmp_path, hel
         d.verify(path)
     info.write_text(json.dumps({"tier": "local", "process": 0}))
     assert step_files.local_held(path) is None
+
+
+def test_the_link_check_passes_over_a_folder_a_commit_removes_while_it_walks(tmp_path, monkeypatch):
+    """A local step's parity rows are written, in a temporary folder renamed when they commit,
+    while its promotion opens the step and walks it for links: a folder gone by the time the walk
+    reaches it is passed over (a job's promotion failed on one process, the others timing out at
+    its barrier); a link leading out is still found, and a checkpoint that is itself gone still
+    raises."""
+    from dispatch_io.storage import directory
+
+    step = tmp_path / "4"
+    (step / ".parity.dispatch_io-tmp-0123456789ab" / "rows").mkdir(parents=True)
+    (step / "arrays").mkdir()
+    (step / "arrays" / "out").symlink_to(tmp_path)
+    scandir = os.scandir
+
+    def committing(path):   # the rows commit between the step's listing and the walk into their folder
+        if os.path.basename(path).startswith(".parity."):
+            os.rename(path, step / "parity")
+        return scandir(path)
+    monkeypatch.setattr(directory.os, "scandir", committing)
+    assert directory.links_outside(str(step)) == ["arrays/out"]
+    with pytest.raises(FileNotFoundError):
+        directory.links_outside(str(tmp_path / "gone"))

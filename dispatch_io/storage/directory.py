@@ -66,11 +66,21 @@ def _arrays_kvstore(directory: str, arrays: str = ARRAYS) -> dict:
 
 def links_outside(directory: str) -> list[str]:
     """The symbolic links under ``directory`` (which may itself be a link) whose target is not
-    inside it, or does not exist, relative to it; the tree is walked without following links."""
+    inside it, or does not exist, relative to it; the tree is walked without following links.
+    A folder under it that is gone by the time the walk reaches it is passed over: a save
+    committing beside the walk renames or removes its temporary folders (a local step's parity
+    rows are written while its promotion opens the step). FileNotFoundError if ``directory`` is."""
     root = os.path.realpath(directory)
     found, pending = [], [directory]
     while pending:
-        with os.scandir(pending.pop()) as entries:
+        path = pending.pop()
+        try:
+            entries = os.scandir(path)
+        except FileNotFoundError:
+            if path == directory:
+                raise
+            continue
+        with entries:
             for entry in entries:
                 if entry.is_symlink():
                     target = os.path.realpath(entry.path)
