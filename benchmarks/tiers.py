@@ -329,12 +329,12 @@ def report(results, args, seconds):
                        and r["rep"] == rep) for rep in range(args.reps)]
         received = sum(r["received"] for r in results if r["phase"] == "restore" and r["kind"] == "tiers"
                        and r["rep"] == 0) / MiB
-        floor = sorted(healthy)[len(healthy) // 2]
+        healthy_cpu = sorted(healthy)[len(healthy) // 2]   # the median healthy restore's CPU
         print(f"\nmoving bytes between processes here (gloo over loopback, {moved[0]['mib']} MiB rows, process 2 -> 1): "
               f"{per(2, 'wall') * 1e3 * moved[0]['mib']:.0f} ms a row, {per(2, 'cpu') * 1e3:.2f} CPU-ms per MiB sent + "
               f"{per(1, 'cpu') * 1e3:.2f} received; the lost restore's {received:.0f} MiB received cost "
-              f"{received * cost:.2f} CPU-s on top of a healthy restore's {floor:.2f}: at least "
-              f"{(floor + received * cost) / floor:.2f}x its CPU on this machine's {os.cpu_count()} shared cores")
+              f"{received * cost:.2f} CPU-s on top of a healthy restore's {healthy_cpu:.2f}: at least "
+              f"{(healthy_cpu + received * cost) / healthy_cpu:.2f}x its CPU on this machine's {os.cpu_count()} shared cores")
     storage = sorted((r for r in results if r["phase"] == "storage"), key=lambda r: r["process"])
     print("\nlocal step on disk per process (du -sb): "
           + ", ".join(f"{r['process']}: {r['local'] / MiB:.1f} MiB" for r in storage)
