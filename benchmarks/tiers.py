@@ -5,8 +5,8 @@
 
 A ``jax.distributed`` job of ``--processes`` processes x 2 CPU devices on this machine, mesh
 (data, fsdp) (``--mesh``; default 2,4: each region is held by the 2 processes of its data
-replica group), a deterministic state of ``--mib`` MiB (4 large float32 matrices, 2 sharded by
-rows, 2 by columns, plus small sharded and replicated leaves and a step). Per repetition,
+replica group), a deterministic state of ``--mib`` MiB (``--large`` large float32 matrices, default 4,
+alternately sharded by rows and by columns, plus small sharded and replicated leaves and a step). Per repetition,
 interleaved (the first of each pair alternates), every process lined up on the coordination
 service before each timed call (after one untimed save of each kind):
 
@@ -60,15 +60,16 @@ from harness import median_range as _median
 COLS = 4096  # columns of the large matrices
 
 
-def leaf_specs(mib: int) -> dict:
-    """{name: (shape, dtype, partition spec as a tuple)} of a state of about ``mib`` MiB."""
+def leaf_specs(mib: int, large: int = 4) -> dict:
+    """{name: (shape, dtype, partition spec as a tuple)} of a state of about ``mib`` MiB, in ``large``
+    large matrices (alternately sharded by rows and by columns) and small leaves."""
     small = {f"norm{i}": ((COLS,), "float32", ()) for i in range(8)}                     # replicated, 16 KiB
     small |= {f"emb{i}": ((512, 256), "float32", ("fsdp", None)) for i in range(8)}      # sharded, 512 KiB
     small["step"] = ((), "int32", ())
-    rows = max(64, (mib * MiB - 8 * 512 * 1024) // 4 // (COLS * 4) // 64 * 64)
-    large = {f"layer{i}/w": (((rows, COLS), "float32", ("fsdp", None)) if i % 2 == 0 else
-                             ((COLS, rows), "float32", (None, "fsdp"))) for i in range(4)}
-    return large | small
+    rows = max(64, (mib * MiB - 8 * 512 * 1024) // large // (COLS * 4) // 64 * 64)
+    matrices = {f"layer{i}/w": (((rows, COLS), "float32", ("fsdp", None)) if i % 2 == 0 else
+                                ((COLS, rows), "float32", (None, "fsdp"))) for i in range(large)}
+    return matrices | small
 
 
 def value(seed: int, shape, index, dtype):
@@ -104,7 +105,7 @@ def child(args):
 
     data, fsdp = args.mesh
     mesh = jax.make_mesh((data, fsdp), ("data", "fsdp"))
-    specs = leaf_specs(args.mib)
+    specs = leaf_specs(args.mib, args.large)
     shardings = {name: NamedSharding(mesh, P(*spec)) for name, (_, _, spec) in specs.items()}
     state = {name: jax.make_array_from_callback(shape, shardings[name],
                                                 lambda i, s=seed, sh=shape, d=dtype: value(s, sh, i, d))
@@ -214,6 +215,8 @@ def main():
     parser.add_argument("--domains", default="", help="with --replicas / --parity: the failure domain of each process, "
                         "comma-separated (default: hosts of 2 processes, 0,0,1,1)")
     parser.add_argument("--mib", type=int, default=1024, help="state size (logical, every region once)")
+    parser.add_argument("--large", type=int, default=4, help="large matrices the state is mostly made of "
+                        "(1: one giant leaf)")
     parser.add_argument("--budget-mib", type=int, default=256, help="host memory budget of each process")
     parser.add_argument("--priority", choices=("sync", "low"), default="sync",
                         help="every leaf's save priority: sync (copied before save() returns) or low (async)")
@@ -266,8 +269,8 @@ def main():
         args.root_url = f"gs://bench/tiers-{os.getpid()}"
     command = [sys.executable, __file__, "--child", "--port", str(free_port()),
                "--checksums" if args.checksums else "--no-checksums"] + [
-        a for name in ("processes", "devices", "replicas", "parity", "mib", "budget_mib", "priority", "reps", "dir",
-                                  "local_dir")
+        a for name in ("processes", "devices", "replicas", "parity", "mib", "large", "budget_mib", "priority", "reps",
+                                  "dir", "local_dir")
         for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))] + [
         "--mesh", ",".join(map(str, args.mesh)), "--domains", ",".join(args.domains), "--root-url", args.root_url]
     started = time.monotonic()
@@ -295,7 +298,7 @@ LABELS = {"tiers_whole": "through the tiers, no copy lost", "tiers": "through th
 def report(results, args, seconds):
     data, fsdp = args.mesh
     print(f"\n{args.processes} processes x {args.devices} CPU devices, mesh (data={data}, fsdp={fsdp}), "
-          f"{args.mib} MiB state, root {args.root_url or 'a directory'}, replicas={args.replicas}, parity={args.parity}"
+          f"{args.mib} MiB state ({args.large} large leaves), root {args.root_url or 'a directory'}, replicas={args.replicas}, parity={args.parity}"
           f"{' domains ' + ','.join(args.domains) if args.replicas or args.parity else ''}, budget {args.budget_mib} MiB/process, "
           f"priority {args.priority}, checksums {args.checksums}, {args.reps} reps, {seconds:.0f} s in all")
     print("\n| save | blocked s (slowest process) | wall s to committed (slowest process) |\n|---|---|---|")

@@ -280,15 +280,19 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path, cap
     assert "NOT sound" in (err := capsys.readouterr().err) and "['w']" in err, err
     sh.flip_byte(chunk)   # back as saved: the copy serves the restores below
     # Each process's replicas are spread over both processes of the other host, leaf by leaf (bytes
-    # balanced: big, 4 MiB, by the first variant (p + 2) % 4; w, m, k and s by the second, 0 <-> 3, 1 <-> 2).
+    # balanced: big, 4 MiB, by the first variant (p + 2) % 4; w, m, k and s by the second, 0 <-> 3,
+    # 1 <-> 2) and within each leaf by device place (replica_plan.by_place): a process's second
+    # device sends by the other variant, so even one giant leaf is read back by two holders (s, on
+    # process 0's devices alone, is stored as one chunk: it goes whole).
     for p in range(4):   # the peers holding copies of regions p alone holds (not b's, held by all)
-        peers = {q for q in range(4) if q != p for keypath, regions in info[p]["sharded"].items()
-                 if any(region in info[q]["held"].get(keypath, ()) and region not in info[q]["sharded"].get(keypath, ())
-                        for region in regions)}
-        assert peers == ({2, 3} if p < 2 else {0, 1}), (p, peers)
-    assert info[2]["held"]["['w']"] == [[[16, 24], [0, 16]], [[24, 32], [0, 16]], [[32, 40], [0, 16]],
+        for keypath in ("['big']", "['w']"):
+            peers = {q for q in range(4) if q != p for region in info[p]["sharded"][keypath]
+                     if region in info[q]["held"][keypath] and region not in info[q]["sharded"][keypath]}
+            assert peers == ({2, 3} if p < 2 else {0, 1}), (p, keypath, peers)
+    # w on process 2: process 1's first device's rows (3 - p), process 0's second's ((p + 2) % 4), its own.
+    assert info[2]["held"]["['w']"] == [[[8, 16], [0, 16]], [[16, 24], [0, 16]], [[32, 40], [0, 16]],
                                         [[40, 48], [0, 16]]], info[2]
-    assert info[2]["held"]["['big']"][:2] == [[[0, 512], [0, 256]], [[512, 1024], [0, 256]]], info[2]
+    assert info[2]["held"]["['big']"][:2] == [[[0, 512], [0, 256]], [[1536, 2048], [0, 256]]], info[2]
     assert "['s']" in info[3]["held"] and "['s']" not in info[3]["sharded"], info[3]
     # A restart onto another mesh, (data=2, fsdp=4): each region is cut from two saved ones, all local.
     results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "reshard")))
@@ -314,8 +318,8 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path, cap
     assert all(promoted), outs
     assert [int(m[1]) > 0 for m in promoted] == [False, False, True, True], outs
     assert sum(int(m[1]) for m in promoted) == 4 * SHARE + B + S, outs   # every stored byte, once
-    # Process 3 lost too: only process 2's copy is left (its own regions, 0's big, 1's w, m and k) -> step 8
-    # (now persisted); the rest is read from the root.
+    # Process 3 lost too: only process 2's copy is left (its own regions, and of 0's and 1's each leaf's
+    # regions on one of their two devices) -> step 8 (now persisted); the rest is read from the root.
     shutil.rmtree(str(local).replace("{process}", "3"))
     # and a flipped byte in process 2's replica of one of process 1's w regions (rows 16..24): a restore
     # with every own copy intact leaves replicas unchecked; one that reads them checks them as it reads them
@@ -324,10 +328,11 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path, cap
     results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "resume")))
     print("per process (step, exact, local, persistent, received):", results)
     assert all(r[:2] == (8, True) for r in results), results
-    # from the root: 0's w, m, k and s, 1's big, 3's share (no copy left), and the one bad replica region
-    assert [r[3] for r in results] == [W + M + K + S, BIG + 8 * 16 * 4, 0, SHARE], results
+    # from the root: the half of 0's and 1's regions whose copies were on 3 (and s, process 0's alone: one
+    # chunk, kept whole by 3), 3's share (no copy left), and the one bad replica region
+    assert [r[3] for r in results] == [SHARE // 2 + S, SHARE // 2 + 8 * 16 * 4, 0, SHARE], results
     assert results[2][2] == 2 * SHARE + B and 0.95 * results[2][2] <= results[2][5] <= 1.05 * results[2][2], \
-        results   # process 2 read its copy once: its own regions, b and its replicas (of 0's big, 1's w, m, k)
+        results   # process 2 read its copy once: its own regions, b and its replicas (half of 0's and of 1's)
 
 
 def test_a_clock_policy_with_replicas_takes_the_same_local_saves_everywhere(tmp_path):

@@ -183,7 +183,19 @@ def test_assign_variants_splits_each_process_share_within_one_leaf():
         per = [sum(s.get(p, 0) for s, v in zip(shares, chosen) if v == w) for w in (0, 1)]
         assert abs(per[0] - per[1]) <= max(s.get(p, 0) for s in shares) and min(per) > 0, (p, per)
     assert replica_plan.assign_variants(shares[:3], [[1], [0, 1], [1]]) == [1, 0, 1]   # 0, 2: only variant 1
-    assert replica_plan.assign_variants([{p: 1 << 30 for p in range(4)}], [[0, 1]]) == [0]   # the limit: one giant leaf
+    assert replica_plan.assign_variants([{p: 1 << 30 for p in range(4)}], [[0, 1]]) == [0]   # one giant leaf: whole
+
+
+def test_by_place_sends_one_leaf_to_as_many_peers_as_a_process_has_places():
+    """A leaf's device places take its variant and the allowed ones after it, cyclically: one giant
+    leaf's regions on a process's 2 (or more) devices go to 2 peers; one place keeps the leaf whole."""
+    assert replica_plan.by_place(1, [0, 1], 4) == (1, 0, 1, 0)
+    assert replica_plan.by_place(0, [0, 1], 2) == (0, 1)
+    assert replica_plan.by_place(2, [0, 2, 3], 4) == (2, 3, 0, 2)
+    assert replica_plan.by_place(3, [0, 2, 3], 1) == (3,)
+    assert replica_plan.by_place(1, [1], 8) == (1,) * 8
+    with pytest.raises(ValueError):
+        replica_plan.by_place(1, [0, 2], 2)   # a variant not allowed: a bug upstream, not a silent pick
 
 
 def test_replicas_needed_counts_data_parallel_replicas():

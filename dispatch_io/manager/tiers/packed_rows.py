@@ -139,13 +139,17 @@ def by_process(devices: list) -> dict[int, list]:
     return found
 
 
-def permute(mine: list, devices: list, to) -> jax.Array:
+def permute(mine: list, devices: list, to: list) -> jax.Array:
     """The rows of all ``devices`` (sorted by id; ``mine``: this process's, one (1, width) array per
-    device of it, in that order) moved, each to the device in the same place on process ``to[p]``
-    (``p``: the process it comes from): one ``jax.device_put`` onto the devices permuted, a collective
-    every process calls together. Returns the rows as they land: each device's shard is the row it
-    received, from the device ``devices[shard.index[0].start]``."""
+    device of it, in that order) moved, each to the device in the same place on another process:
+    ``to[i][p]`` for the device at place ``i`` of process ``p`` (one order of the processes per
+    place: the places of one process may send to different peers). One ``jax.device_put`` onto the
+    devices permuted, a collective every process calls together. Returns the rows as they land: each
+    device's shard is the row it received, from the device ``devices[shard.index[0].start]``."""
     places = by_process(devices)
     rows = jax.make_array_from_single_device_arrays((len(devices), mine[0].shape[1]), sharding(devices), mine)
-    return jax.device_put(rows, sharding([places[to[d.process_index]][places[d.process_index].index(d)]
-                                          for d in devices]))
+    landing = []
+    for d in devices:
+        i = places[d.process_index].index(d)
+        landing.append(places[to[i][d.process_index]][i])
+    return jax.device_put(rows, sharding(landing))

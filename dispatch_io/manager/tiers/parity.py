@@ -100,7 +100,7 @@ def encode(tree, order: tuple, k: int, domains, row_bytes: int | None = None) ->
         parity = [None] * len(mine)
         for j in range(k):   # piece j of position t goes to position t - j - 1, in the same place
             back = {p: order[(t - j - 1) % n] for p, t in position.items()}
-            moved = packed_rows.permute([_cut(r, start=j * width, size=width) for r in mine], devices, back)
+            moved = packed_rows.permute([_cut(r, start=j * width, size=width) for r in mine], devices, [back] * len(mine))
             for shard in moved.addressable_shards:
                 i = by_process[me].index(shard.device)
                 parity[i] = shard.data if parity[i] is None else _xor(parity[i], shard.data)

@@ -48,8 +48,8 @@ def local_record(tree, process: int, count: int, moves: Mapping[str, Sequence[tu
     """What a local step of ``tree`` saved by ``process`` (of ``count``) records in its info, from
     the shardings alone (one pass over the leaves, no device data): ``"sharded"`` {key path:
     [region, ...]} its devices hold (host leaves: every process), ``"held"`` the same with the
-    replicas it keeps (``moves[key path]``: the replica orders the leaf was sent by,
-    ``replica_plan.replica_orders``), regions as JSON ``[[start, stop], ...]`` over the logical
+    replicas it keeps (``moves[key path][region]``: the replica orders the region was sent by,
+    ``replica_plan.replica_orders``, as ``replicas.send`` gives them), regions as JSON ``[[start, stop], ...]`` over the logical
     shape, so a restore maps copies by what they hold; ``"copies"`` / ``"domains"`` the fewest
     processes / failure domains (``domains[process]``; None: one per process) holding any region
     once every process saved it -- k copies survive any k - 1 lost processes, in k domains any
@@ -63,9 +63,9 @@ def local_record(tree, process: int, count: int, moves: Mapping[str, Sequence[tu
     copies, spread = count, len(set(domains))
     for keypath, holders in _leaf_holders(tree):
         shapes[keypath] = [max(stops) for stops in zip(*([hi for _, hi in region] for region in holders))]
-        orders = (moves or {}).get(keypath, ())
+        sent = (moves or {}).get(keypath, {})
         for region, base in sorted(holders.items()):
-            every = None if base is None else base.union(*({order[p] for p in base} for order in orders))
+            every = None if base is None else base.union(*({order[p] for p in base} for order in sent.get(region, ())))
             if base is None or process in base:
                 sharded.setdefault(keypath, []).append(_json(region))
             if every is None or process in every:

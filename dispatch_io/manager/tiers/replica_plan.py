@@ -5,8 +5,9 @@ A local step holds what each process's devices hold; a region held by fewer than
 :func:`replica_orders` says where: one permutation of the processes per replica, each copy in
 another failure domain (host) than the original while the domains allow. :func:`replica_variants`
 gives alternatives to those orders that keep the same rule, and :func:`assign_variants` gives each leaf one
-of them, balancing bytes, so that what a process holds is copied to several peers, not one: a lost
-process's share is then read back by several holders at once. :func:`replicas_needed` says how
+of them, balancing bytes, and :func:`by_place` splits each leaf's regions among them by device
+place, so that what a process holds is copied to several peers, not one: a lost process's share
+is then read back by several holders at once. :func:`replicas_needed` says how
 many of a variant's orders a leaf needs (data-parallel replicas already count). A received region
 is a :class:`Replica`; ``Dispatcher.save(own=True, copies=...)`` saves them with the process's own
 regions (:func:`copies_by_leaf` checks them against the plan).
@@ -112,8 +113,9 @@ def assign_variants(shares: Sequence[Mapping[int, int]], allowed: Sequence[Seque
     the fewest replicas for it). Largest leaf first, each onto the allowed variant under which its
     holders have sent the fewest bytes so far (the most any of them has; then in all; then the
     first): every process's share is split among its variants' peers within one leaf's share.
-    Deterministic (every process computes the same plan: it orders collectives). A state of one
-    leaf (or one much larger than the rest) is not spread: a leaf goes whole by one variant."""
+    Deterministic (every process computes the same plan: it orders collectives). A leaf's own
+    regions are split further by device place (:func:`by_place`), so a state of one giant leaf
+    spreads too where a process has several devices."""
     load: dict = collections.defaultdict(int)   # (variant, process) -> bytes sent so far
     chosen = [0] * len(shares)
     for i in sorted(range(len(shares)), key=lambda i: (-sum(shares[i].values()), i)):
@@ -123,6 +125,19 @@ def assign_variants(shares: Sequence[Mapping[int, int]], allowed: Sequence[Seque
         for p, n in share.items():
             load[chosen[i], p] += n
     return chosen
+
+
+def by_place(variant: int, allowed: Sequence[int], places: int) -> tuple[int, ...]:
+    """The variant each device place (a device's index among its process's) sends a leaf by:
+    place ``i`` takes the ``i``-th of ``allowed`` on from the leaf's ``variant``
+    (:func:`assign_variants`), cyclically. A process's devices then send their regions of one
+    leaf to as many peers as it has places (up to the variants allowed): a state of one giant
+    leaf, sharded over every device, is read back by several holders after a lost process.
+    Each region keeps the rule as long as all its holders are at one place (the caller checks:
+    otherwise every place takes ``variant``). For allowed ``[0, 1]``, variant 1, 4 places:
+    ``(1, 0, 1, 0)``."""
+    start = list(allowed).index(variant)
+    return tuple(allowed[(start + i) % len(allowed)] for i in range(places))
 
 
 def replicas_needed(holders: Sequence[set], orders: Sequence[tuple[int, ...]], replicas: int,

@@ -13,9 +13,10 @@ FSDP state, a leaf on one process's devices) is lost with that process. With
   none where data parallelism already spreads each region over ``k + 1`` processes
   (``replica_plan.replicas_needed``) -- from the variant ``replica_plan.assign_variants`` gives
   it (balancing bytes, so each process's share is split over several peers and a lost
-  process's share is read back by several holders at once; one leaf is never split: a state of
-  one giant leaf does not spread), and moves each shard of the leaf from its device to
-  the device in the same place on the peer process. Each process then saves, with its own
+  process's share is read back by several holders at once), each device place of a process by
+  the next allowed variant (``replica_plan.by_place``: a state of one giant leaf spreads too), and
+  moves each shard of the leaf from its device to the device in the same place on the peer
+  process. Each process then saves, with its own
   regions, the regions it received (``Dispatcher.save(own=True, copies=...)``): one local
   step per process holding both, its info listing them.
 
@@ -111,15 +112,17 @@ def decisions(tier, count: int, timeout: float) -> SharedDecisions:
 
 
 def send(tree, variants: list[tuple], replicas: int, domains,
-         row_bytes: int = packed_rows.ROW_BYTES) -> tuple[dict[str, tuple], dict[str, tuple]]:
+         row_bytes: int = packed_rows.ROW_BYTES) -> tuple[dict[str, dict], dict[str, tuple]]:
     """(moves, copies) of the array leaves of ``tree`` whose regions fewer than ``replicas + 1``
-    processes hold: ``moves`` {key path: the orders each was sent by}, ``copies`` {key path:
-    (:class:`~dispatch_io.plan.held.Replica`, ...)}: the regions of other processes this
-    process received (see the module doc; ``variants``: :func:`placement`'s replica orders,
-    ``domains[process]``: its failure domain). Each leaf goes by one variant
-    (``replica_plan.assign_variants``, from the shardings alone: the same plan everywhere); leaves of
-    one variant and dtype travel together, each device's shards packed in one row of at most about
-    ``row_bytes``: one collective per group and order. Every process calls it, in the same order."""
+    processes hold: ``moves`` {key path: {region: the orders it was sent by}} (regions as
+    ``device_regions`` gives them), ``copies`` {key path: (:class:`~dispatch_io.plan.held.Replica`,
+    ...)}: the regions of other processes this process received (see the module doc;
+    ``variants``: :func:`placement`'s replica orders, ``domains[process]``: its failure domain).
+    Each leaf goes by one variant (``replica_plan.assign_variants``, from the shardings alone: the
+    same plan everywhere), its device places by that variant's neighbours (``replica_plan.by_place``)
+    where :func:`_by_place` allows; leaves of one plan and dtype travel together,
+    each device's shards packed in one row of at most about ``row_bytes``: one collective per
+    group and order. Every process calls it, in the same order."""
     found = []   # (key path, packed leaf, the variants needing the fewest replicas for it, {process: bytes})
     for keypath, leaf in tree_lib.flatten(tree)[0] if variants else ():
         if not isinstance(leaf, jax.Array) or not leaf.size:
@@ -130,16 +133,31 @@ def send(tree, variants: list[tuple], replicas: int, domains,
             packed = packed_rows.leaf(keypath, leaf, min(needed))
             found.append((keypath, packed, [v for v, n in enumerate(needed) if n == packed.needed], _shares(packed)))
     chosen = replica_plan.assign_variants([shares for *_, shares in found], [allowed for _, _, allowed, _ in found])
-    moves = {keypath: variants[v][:leaf.needed] for (keypath, leaf, _, _), v in zip(found, chosen)}
-    copies = collections.defaultdict(list)
     devices = sorted(jax.devices(), key=lambda d: d.id)
-    for v, orders in enumerate(variants):
-        leaves = [leaf for (_, leaf, _, _), w in zip(found, chosen) if w == v]
-        for j, order in enumerate(orders):
+    place = {d: i for held in packed_rows.by_process(devices).values() for i, d in enumerate(held)}
+    places = max(place.values(), default=-1) + 1
+    plans = [replica_plan.by_place(v, allowed, places) if _by_place(leaf, place) else (v,) * places
+             for (_, leaf, allowed, _), v in zip(found, chosen)]
+    moves = {keypath: {region[:leaf.ndim]: variants[plan[place[d]]][:leaf.needed] for d, region in leaf.places.items()}
+             for (keypath, leaf, _, _), plan in zip(found, plans)}
+    copies = collections.defaultdict(list)
+    for plan in dict.fromkeys(plans):   # in the order the leaves first take each: the same everywhere
+        leaves = [leaf for (_, leaf, _, _), taken in zip(found, plans) if taken == plan]
+        for j in range(max(leaf.needed for leaf in leaves)):
             for group in packed_rows.groups([leaf for leaf in leaves if leaf.needed > j], row_bytes):
-                for keypath, replica in _exchange(group, order, devices):
+                for keypath, replica in _exchange(group, [variants[v][j] for v in plan], devices):
                     copies[keypath].append(replica)
     return moves, {keypath: tuple(received) for keypath, received in copies.items()}
+
+
+def _by_place(leaf: packed_rows.Leaf, place: Mapping) -> bool:
+    """Whether ``leaf``'s device places may send by different variants: every region of it is held
+    at one place (``place[device]``) wherever it is held -- each region then goes by one variant --,
+    and it is on the devices of more than one process (a small leaf on one process's devices is
+    stored as one chunk, ``save_plan``: a holder keeps all of it or none)."""
+    seen: dict = {}
+    return len({d.process_index for d in leaf.places}) > 1 and \
+        all(seen.setdefault(region, place[d]) == place[d] for d, region in leaf.places.items())
 
 
 def _shares(leaf: packed_rows.Leaf) -> dict[int, int]:
@@ -150,16 +168,16 @@ def _shares(leaf: packed_rows.Leaf) -> dict[int, int]:
     return dict(shares)
 
 
-def _exchange(group: list[packed_rows.Leaf], order: tuple[int, ...], devices: list) -> list[tuple[str, Replica]]:
-    """Send each shard of the ``group``'s leaves from its device to the device in the same place
-    on process ``order[p]``: each device's shards, flattened, padded to their leaf's width and
-    packed in one row of an array over all ``devices``, ``device_put`` onto those devices permuted
-    (one collective). Returns the (key path, replica) of each region received here that this
+def _exchange(group: list[packed_rows.Leaf], orders: list, devices: list) -> list[tuple[str, Replica]]:
+    """Send each shard of the ``group``'s leaves from its device (at place ``i`` of process ``p``)
+    to the device in the same place on process ``orders[i][p]``: each device's shards, flattened,
+    padded to their leaf's width and packed in one row of an array over all ``devices``,
+    ``device_put`` onto those devices permuted (one collective). Returns the (key path, replica) of each region received here that this
     process does not hold itself, once per region."""
     widths = tuple(leaf.width for leaf in group)
     shards = [{s.device: s.data for s in leaf.data.addressable_shards} for leaf in group]
     moved = packed_rows.permute([packed_rows.row(group, d, shards) for d in packed_rows.by_process(devices)[jax.process_index()]],
-                         devices, order)
+                                devices, orders)
     own = [{leaf.places[d] for d in held} for leaf, held in zip(group, shards)]
     offsets = np.cumsum((0,) + widths)
     received, seen = [], set()
