@@ -57,8 +57,24 @@ def restore(runner, options: Options, path, target, *, partial: bool, cast: bool
 
 def verify(runner, options: Options, path) -> RestoreStats:
     """``Dispatcher.verify`` (see its doc)."""
-
     held = step_files.local_held(path)   # one process's local tier step: its share is all it holds
+    items, stats = read_checkpoint(runner, options, "verify", path, _verify_work(options, path, held))
+    stats = dataclasses.replace(stats, items_checked=items)
+    rows = step_files.local_parity(path) if held is not None else None
+    if rows is None:
+        return stats
+    # Its parity rows too -- what rebuilds a lost peer's share -- all of them, by this process alone.
+    _, of_rows = read_checkpoint(runner, options, "verify", rows, _verify_work(options, None, None, alone=True))
+    return dataclasses.replace(
+        stats, bytes_read=stats.bytes_read + of_rows.bytes_read, batches=stats.batches + of_rows.batches,
+        verify_seconds=stats.verify_seconds + of_rows.total_seconds,
+        total_seconds=stats.total_seconds + of_rows.total_seconds, verified=stats.verified and of_rows.verified)
+
+
+def _verify_work(options: Options, path, held: dict | None, alone: bool = False):
+    """``read_checkpoint``'s work for a verify: the regions ``held`` ({key path: [region]}: a local
+    tier's step), else every chunk -- in a multi-process job a share each (``verify_shared``) unless
+    ``alone`` --; then the item files of a manager's step at ``path`` (None: none)."""
 
     def work(manifest, reader, progress, times):
         _, outputs = targets.plan_outputs(manifest, None, partial=False, cast=False)
@@ -67,18 +83,16 @@ def verify(runner, options: Options, path) -> RestoreStats:
             wanted = [(out, out.stored_bounds(region)) for out in outputs if isinstance(out, targets.Output)
                       and out.saved.stored is not None for region in held.get(out.saved.keypath, ())]
             read_loop.verify_stored(reader, wanted, options.read_batch_bytes, progress, compare=manifest.has_checksums)
-        elif jax.process_count() > 1:
+        elif jax.process_count() > 1 and not alone:
             verify_shared(reader, outputs, options.read_batch_bytes, options.barrier_timeout, progress,
                           compare=manifest.has_checksums)
         else:
             read_loop.verify_outputs(reader, outputs, options.read_batch_bytes, progress,
-                                   compare=manifest.has_checksums)
-        items = step_files.verify_items(path)  # a manager's step: its item files, as every verify checks them
+                                     compare=manifest.has_checksums)
+        items = step_files.verify_items(path) if path is not None else 0  # a manager's step: as every verify does
         times += [time.perf_counter()] * 2  # nothing read into a result
         return items, manifest.has_checksums, scaleout.Exchanged(0, 0, 0)
-
-    items, stats = read_checkpoint(runner, options, "verify", path, work)
-    return dataclasses.replace(stats, items_checked=items)
+    return work
 
 
 def read_checkpoint(runner, options: Options, kind: str, path, work) -> tuple:

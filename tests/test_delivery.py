@@ -14,7 +14,7 @@ from conftest import JOBS, run_job
 
 from dispatch_io import tree
 from dispatch_io.multihost import delivery
-from dispatch_io.multihost.delivery import HEADER, plan_delivery, replica_groups
+from dispatch_io.multihost.delivery import HEADER, partitions, plan_delivery, replica_groups
 from dispatch_io.manifest import SavedLeaf
 from dispatch_io.read.targets import DEVICE, Output
 from dispatch_io.workers import ArraySpec
@@ -43,6 +43,11 @@ def test_replica_groups():
     assert replica_groups({(0, 1, 2)}, 5) == ((0, 1, 2, 3, 4),)         # they cannot: one group
     assert replica_groups({(0, 1), (1, 2)}, 4) == ((0, 1, 2, 3),)       # overlapping: one group
     assert replica_groups({(0, 1), (2, 3, 4)}, 5) == ((0, 1, 2, 3, 4),)  # unequal: one group
+    # ... which partitions() splits into classes of disjoint sets of one size, each its own partition
+    assert partitions({(0, 1), (1, 2), (0, 2, 3)}, 4) == {(0, 1): ((0, 1), (2, 3)), (1, 2): ((0, 3), (1, 2)),
+                                                       (0, 2, 3): ((0, 1, 2, 3),)}
+    assert partitions({(0, i) for i in range(1, 7)}, 8, most=4) == {(0, i): ((0, 1, 2, 3, 4, 5, 6, 7),)
+                                                                   for i in range(1, 7)}   # too many: one group
 
 
 def _check(plan, shared, count: int):
@@ -96,6 +101,25 @@ def test_overlapping_holders_fall_back_to_one_group():
     plan = plan_delivery(shared, 3, 4 * KiB, 32 * KiB)
     assert {r.groups for r in plan.rounds} == {((0, 1, 2),)}
     _check(plan, shared, 3)
+
+
+def test_one_leaf_with_overlapping_holders_travels_in_partitions_of_pairs():
+    """A lost process's share of one giant leaf spread region by region over two holders (its place
+    0's copies on process 2, place 1's on 3; only the holders may read): each holder set is a
+    partition of its own, {(1, 2), (0, 3)} and {(1, 3), (0, 2)}, every row sent one way -- not
+    one all-gather over the 4 processes, in which 0 (holding nothing of it) would receive every
+    row and 1 the rows of both holders in every round. Its rounds are taken in turn, so both read."""
+    holders = {((i * 64, (i + 1) * 64), (0, 64)): (1, 2 if i % 2 == 0 else 3) for i in range(8)}
+    readers = {(0, region): procs[1:] for region, procs in holders.items()}
+    shared = [(0, leaf("w", (512, 64), (64, 64)), holders)]
+    plan = plan_delivery(shared, 4, 16 * KiB, 32 * KiB, readers)
+    assert {r.groups for r in plan.rounds} == {((0, 3), (1, 2)), ((0, 2), (1, 3))}
+    assert all(r.sent for r in plan.rounds) and [r.groups for r in plan.rounds][:2] == [((0, 3), (1, 2)),
+                                                                                     ((0, 2), (1, 3))]
+    moved = _check(plan, shared, 4)
+    assert moved[0][2:] == (0, 0) and moved[1][1] == 0, moved   # 0: nothing; 1: reads nothing
+    assert moved[1][2] == sum(r.width for r in plan.rounds), moved   # one row a round: its own pieces
+    assert moved[2][1] == moved[3][1] == 4 * 64 * 64 * 4, moved      # each holder reads half
 
 
 @pytest.mark.parametrize("data, summed", [(2, False), (4, True)])

@@ -76,8 +76,9 @@ def test_survivors_of_a_killed_process_keep_the_newest_whole_step_and_resume_it(
 def test_parity_rows_that_fail_on_one_process_fail_the_save_everywhere_and_claim_nothing(tmp_path):
     """Nobody dies, but process 2's parity rows of step 10 fail to save (a full disk): the save of step 10
     fails on every process, naming process 2 (not logged and counted), every process's info.json of
-    step 10 says "local" (its parity never completed job-wide) and the job lists it "local", while step
-    12, whose rows all committed, says "parity 2"; retention ran again only once step 12 was whole."""
+    step 10 says "local" (its parity never completed job-wide) and the job does not list it (never
+    agreed whole: one process's save of it failed), while step 12, whose rows all committed, says
+    "parity 2"; retention ran again only once step 12 was whole."""
     outs = finish_job(start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}",
                                                          "parity", "rowsfail"], barrier_timeout=BARRIER), limit=240)
     for out in outs:
@@ -86,4 +87,59 @@ def test_parity_rows_that_fail_on_one_process_fail_the_save_everywhere_and_claim
         assert failed == [("10", "LocalSaveError", "[2]")], out    # process 2's own error is its cause
         durability = json.loads(re.search(r"^durability (\{.*\})$", out, re.M)[1])
         assert durability == {"10": "local", "12": "parity 2"}, out
-        assert re.search(r"^steps \{0: 'persisted', 10: 'local', 12: 'parity 2'\}$", out, re.M), out
+        assert re.search(r"^steps \{0: 'persisted', 12: 'parity 2'\}$", out, re.M), out
+
+
+def test_a_process_late_to_a_local_save_the_others_gave_up_fails_it_too_and_the_job_goes_on(tmp_path):
+    """Process 1 comes to its local save of step 4 (replicas) only after the others gave it up (their
+    wait timed out, naming it): the job decided the step once, so process 1 fails it too, naming
+    itself -- rather than finding every process's arrival recorded, entering the replica exchange
+    alone and hanging there -- and every process saves steps 6, 8, 10 and 12 together."""
+    procs = start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}", "replicas", "stall"],
+                      barrier_timeout=BARRIER)
+    try:
+        before = wait_for([procs[0], procs[2], procs[3]], "gave up 4", limit=240)
+    except BaseException:
+        kill_job(procs)
+        raise
+    (tmp_path / "go").write_text("")
+    outs = finish_job(procs, limit=240)
+    for p, out in zip((0, 2, 3), before):
+        outs[p] = out + outs[p]
+    for out in outs:
+        assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "6", "8", "10", "12"], out
+        assert re.findall(r"^failed (\d+) (\w+) processes (.*?):", out, re.M) == [
+            ("4", "BarrierTimeoutError", "[1]")], out
+        assert re.search(r"^steps \{0: 'persisted', 10: 'replicated 2', 12: 'replicated 2'\}$", out, re.M), out
+
+
+def test_a_step_a_process_died_saving_after_its_replicas_went_out_is_neither_whole_nor_replicated(tmp_path):
+    """Process 1 is SIGKILLed in its local save of step 10, after the replica exchange: the survivors
+    commit their step 10 (their own shares and the replicas they received -- together every region)
+    but the job never agreed it. Their save fails naming process 1, their info of step 10 says
+    "local" (not "replicated 2": process 1's copy and the replicas it held are gone), and the job
+    restarted without process 1's disk resumes step 8, the newest step it agreed whole -- not
+    step 10 from what the survivors' directories hold."""
+    root, local = tmp_path / "root", tmp_path / "local" / "{process}"
+    procs = start_job("job_lost_process.py", [root, local, "replicas", "diesaving"], barrier_timeout=BARRIER)
+    try:
+        assert procs[1].wait(timeout=240) == -signal.SIGKILL
+        outs = wait_for([procs[0], procs[2], procs[3]], "trained", limit=240)
+    finally:
+        kill_job(procs)
+    for out in outs:
+        assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "4", "6", "8"], out
+        failed = re.findall(r"^failed (\d+) (\w+) processes (.*?):", out, re.M)
+        assert [(s, who) for s, _, who in failed] == [("10", "[1]"), ("12", "[1]")], out
+        durability = json.loads(re.search(r"^durability (\{.*\})$", out, re.M)[1])
+        assert durability == {"6": "replicated 2", "8": "replicated 2", "10": "local"}, out
+    for p in (0, 2, 3):
+        info = json.loads((tmp_path / "local" / str(p) / "10" / "info.json").read_text())
+        assert (info["agreed"], info["copies"], info["durability"]) == (False, 1, "local"), info
+    import shutil
+    shutil.rmtree(tmp_path / "local" / "1")
+    outs = finish_job(start_job("job_lost_process.py", [root, local, "replicas", "resume"], barrier_timeout=30),
+                      limit=240)
+    for out in outs:
+        assert re.search(r"^latest 8$", out, re.M), out
+        assert re.search(r"^resumed 8 exact True$", out, re.M), out

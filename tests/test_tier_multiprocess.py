@@ -133,11 +133,14 @@ def test_a_lost_process_resumes_from_its_peers_and_both_holders_lost_from_persis
         kill_job(procs)
 
 
-def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_path):
+def test_a_process_killed_during_its_local_save_leaves_the_step_unagreed_and_the_job_resumes_the_one_before(
+        tmp_path):
     """Process 1 is SIGKILLed mid local save of step 10 (the others commit theirs, and their save fails
     naming process 1: the job never agreed the step, so their retention keeps what they had): its step 10
-    never commits and its leftovers are removed on restart; step 10's regions are still all held, process
-    1's through process 3, so the restart resumes it."""
+    never commits and its leftovers are removed on restart. Step 10's regions are all held between the
+    survivors' copies (process 1's through process 3), but the job never agreed it whole: their infos
+    say so ("agreed": false, "local"), and the restart resumes step 8, the newest step the job agreed,
+    each process from its own copy, nothing from the root; step 8 is then promoted, every chunk once."""
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
     procs = _start(root, local, "die", barrier_timeout=10)   # the survivors wait that long for process 1
     try:
@@ -148,23 +151,26 @@ def test_a_process_killed_during_its_local_save_is_restored_from_its_peer(tmp_pa
     out = procs[1].stdout.read()
     assert "saved 8" in out and "saved 10" not in out, out
     assert 10 not in [int(n) for n in os.listdir(tmp_path / "local" / "1") if n.isdigit()]
+    for p in (0, 2, 3):
+        info = json.loads((tmp_path / "local" / str(p) / "10" / "info.json").read_text())
+        assert (info["agreed"], info["copies"], info["durability"]) == (False, 1, "local"), info
+        assert json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text())["agreed"] is True
     for step in (0, 6):   # LocalTier(promote=True): the persistent steps were promoted from the local ones
         assert json.loads((root / str(step) / "info.json").read_text())["promoted"] == "local"
     assert sh.chunks(root / "6", "['w']")[(0, 0)].read() == sh.chunks(tmp_path / "local" / "0" / "6", "['w']")[(0, 0)].read()
     outs = finish_job(_start(root, local, "promote"))
     results = _resumed(outs)
     print("per process (step, exact, local, persistent, received, peer regions, persistent regions):", results)
-    assert all(r[:2] == (10, True) and r[3] == 0 for r in results), results
-    assert results[1][2] == 0 and results[1][4] == HELD, results
+    assert all(r[:2] == (8, True) and r[3] == 0 and r[4] == 0 for r in results), results
     assert sorted(os.listdir(tmp_path / "local" / "1")) == ["4", "6", "8"], "leftovers of the killed save remain"
-    # Promoted from the copies of 0, 2 and 3 (1 has none): every chunk written once job-wide, by a
-    # holder, its bytes those of the local copies; the root's step 10 restores exactly, with its item.
-    promoted = [re.search(r"^promoted 10 exact True written (\d+) cfg 10$", out, re.M) for out in outs]
+    # Promoted from the local copies: every chunk written once job-wide, by a holder, its bytes those of
+    # the local copies; the root's step 8 restores exactly, with its item.
+    promoted = [re.search(r"^promoted 8 exact True written (\d+) cfg 8$", out, re.M) for out in outs]
     assert all(promoted), outs
-    assert int(promoted[1][1]) == 0 and sum(int(m[1]) for m in promoted) == 2 * 4096 + 2 * 128, outs
+    assert sum(int(m[1]) for m in promoted) == 2 * 4096 + 2 * 128, outs
     for keypath in ("['w']", "['m']", "['b']", "['s']"):
-        stored = sh.chunks(root / "10", keypath)
-        copies = [sh.chunks(tmp_path / "local" / str(p) / "10", keypath) for p in (0, 2, 3)]
+        stored = sh.chunks(root / "8", keypath)
+        copies = [sh.chunks(tmp_path / "local" / str(p) / "8", keypath) for p in range(4)]
         assert stored and set(stored) == set().union(*copies), keypath
         for grid, value in stored.items():
             assert all(c[grid].read() == value.read() for c in copies if grid in c), (keypath, grid)

@@ -54,7 +54,7 @@ def _stored_bytes(path, keypaths):
     return sum(v.length for keypath in keypaths for v in sh.chunks(path, keypath).values())
 
 
-def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
+def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path, capsys):
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
     train_fsdp(root, local, PARITY)
     info = [json.loads((tmp_path / "local" / str(p) / "8" / "info.json").read_text()) for p in range(4)]
@@ -71,6 +71,17 @@ def test_a_lost_process_is_rebuilt_from_its_peers_copies_and_parity(tmp_path):
         assert own == SHARE and rows == parity_plan.storage(info[p]["parity"], 2) == ROWS // 2
         print(f"process {p}: share {own} B, parity {rows} B: {(own + rows) / own:.2f}x")
         assert 1.4 < (own + rows) / own < 1.6
+    # A verify of one process's local step checks its parity rows too (they rebuild a lost peer's share):
+    # one flipped byte in a row is NOT sound, named, by the CLI and Dispatcher.verify alike.
+    from dispatch_io import cli
+    step = str(tmp_path / "local" / "2" / "8")
+    assert cli.main(["verify", step]) == 0
+    row = next(iter(sh.chunks(os.path.join(step, "parity"), "['g0d1']").values()))
+    sh.flip_byte(row)
+    assert cli.main(["verify", step]) == 1
+    assert "NOT sound" in (err := capsys.readouterr().err) and "['g0d1']" in err, err
+    sh.flip_byte(row)   # back as saved
+    assert cli.main(["verify", step]) == 0
     # Process 0 killed between step 8's commit and its parity rows': step 8 has one copy of some regions,
     # listed "local", and a restore requiring durability "replicated" resumes step 6.
     os.rename(tmp_path / "local" / "0" / "8" / "parity", tmp_path / "parity")

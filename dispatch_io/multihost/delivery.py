@@ -16,9 +16,11 @@ its regions, nothing else; a round's collective runs over the groups in which a 
 (the others, agreeing from the same plan, take part in none). Leaves with the same groups
 (sorted: one partition, one key) share rounds; the rounds of different partitions are taken in
 turn (so their readers -- e.g. the holders of a lost process's copies spread over several peers,
-each pair a partition of its own -- read at the same time). Where the holder sets
-overlap or differ in size, one group holds the whole job (an all-gather over every process, the
-fallback: correct for any sharding, every process receiving every row).
+each pair a partition of its own -- read at the same time). Where one leaf's holder sets overlap
+or differ in size, its regions are split into a few classes of disjoint sets of one size
+(:func:`partitions`), each a partition of its own; where that takes too many, or the other
+processes do not divide into groups of S, one group holds the whole job (an all-gather over every
+process, the fallback: correct for any sharding, every process receiving every row).
 
 **Rounds.** Each piece's reader is the least loaded of its holders, the largest pieces given
 first (so the holders of a region read about equal shares of it), and each process's pieces are packed
@@ -176,6 +178,28 @@ def replica_groups(holder_sets: set, count: int) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted([*holder_sets, *(tuple(rest[i:i + size]) for i in range(0, len(rest), size))]))
 
 
+def partitions(holder_sets: set, count: int, most: int = 4) -> dict[tuple, tuple]:
+    """{holder set: the groups its regions' rows travel in} for one leaf's distinct
+    ``holder_sets``: split into classes whose sets are disjoint and of one size (first fit, in
+    sorted order), each class's groups as :func:`replica_groups` gives them -- a leaf whose
+    regions have overlapping holders (a lost process's share spread over several peers, region
+    by region) then travels in a few partitions of small groups, not in one group of every
+    process. More than ``most`` classes (each takes rounds of its own): every set in
+    :func:`replica_groups`' groups for all of them."""
+    classes: list[list[tuple]] = []
+    for held in sorted(holder_sets):
+        for members in classes:
+            if len(members[0]) == len(held) and not any(set(held) & set(other) for other in members):
+                members.append(held)
+                break
+        else:
+            classes.append([held])
+    if len(classes) > most:
+        classes = [sorted(holder_sets)]
+    return {held: groups for members in classes for groups in [replica_groups(set(members), count)]
+            for held in members}
+
+
 def width(nbytes: int) -> int:
     """Row width for ``nbytes``: rounded up by at most 1/16, so few distinct shapes are compiled."""
     step = 1 << max(6, nbytes.bit_length() - 5)
@@ -204,12 +228,10 @@ def plan_delivery(shared: Sequence[tuple[int, object, dict]], count: int, chunk_
     by_groups: dict[tuple, list[list[Piece]]] = {}    # groups -> pieces by reader, in plan order
     todo = []   # every piece: (its groups' lists, output, region, bounds, stored region, holders, readers, bytes, dtype)
     for index, out, holders in shared:
-        groups = replica_groups(set(holders.values()), count)
-        if groups not in by_groups:
-            by_groups[groups] = [[] for _ in range(count)]
-        lists = by_groups[groups]
+        groups_of = partitions(set(holders.values()), count)
         name, itemsize = np.dtype(out.dtype).name, np.dtype(out.dtype).itemsize
         for region, procs in holders.items():
+            lists = by_groups.setdefault(groups_of[procs], [[] for _ in range(count)])
             may = (readers or {}).get((index, region), procs)
             for part, part_may in may.items() if isinstance(may, dict) else [(None, may)]:
                 for stored, bounds in read_pieces(out, region, chunk_limit, part):

@@ -45,6 +45,7 @@ COMMITTED = "COMMITTED"    # written last: the checkpoint is complete (a Marker:
 WRITING = "WRITING"        # a save under way claims its directory / prefix (a Marker)
 DELETING = "DELETING"      # kvstores: a checkpoint being deleted (what is left is provably ours)
 INFO = "info.json"         # optional: what a save attached for tools (a manager's step info), small JSON
+PARITY = "parity"          # a local tier's step: the nested checkpoint of its process's parity rows
 
 STEP = re.compile(r"^(0|[1-9][0-9]*)\Z")   # the name of a manager's step: a number, no leading zeros
 

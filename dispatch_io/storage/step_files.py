@@ -33,13 +33,14 @@ import base64
 import dataclasses
 import json
 import math
+import os
 import re
 from typing import Any, Mapping
 
 import numpy as np
 
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError
-from dispatch_io.storage import ARRAYS, INFO, Location
+from dispatch_io.storage import ARRAYS, INFO, PARITY, Location
 from dispatch_io.workers import crc32c
 
 FORMAT, VERSION = "dispatch_io.step", 1
@@ -256,6 +257,18 @@ def local_held(path) -> dict | None:
         where = path if isinstance(path, str) else location.display
         raise CorruptCheckpointError(f"{where}: its info's held regions are not what a local save records "
                                      "(malformed checkpoint)", path=where) from exc
+
+
+def local_parity(path) -> str | None:
+    """The nested checkpoint of the parity rows of the local tier's step at ``path``
+    (``<path>/parity``) if its info records parity and the rows committed, else None (any other
+    checkpoint; a step whose rows never committed, or were dropped once it retired, claims none)."""
+    location = Location.parse(path)
+    local = _local_info(location.read_file(INFO) or b"")
+    if local is None or not isinstance(local.get("parity"), dict):
+        return None
+    rows = f"{os.fspath(path).rstrip('/')}/{PARITY}"
+    return rows if Location.parse(rows).is_committed() else None
 
 
 def _local_info(data: bytes) -> dict | None:

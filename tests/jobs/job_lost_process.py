@@ -14,6 +14,11 @@ killed (a job with a dead process cannot shut down together).
 PHASE ``rowsfail`` (MODE ``parity``, nobody killed): as ``train`` without the wait at step 9, but
 process 2's parity rows of step 10 fail to save (a full disk, say); prints the same, then ``steps
 {step: durability}`` (the job's listing) and ends.
+PHASE ``stall`` (nobody killed): as ``rowsfail``, but process 1 comes to its local save of step 4 only
+once the file ``ROOT/../go`` exists, which the others wait for too once they gave step 4 up (``gave
+up 4``); then prints the same and ends.
+PHASE ``diesaving``: as ``train``, but process 1 SIGKILLs itself in its local save of step 10, once
+its replicas went out and its share is copied to the host (``on_transfer_end``), with no wait at step 9.
 PHASE ``resume``: prints ``latest N`` (``latest_step()``), restores it through the tiers and prints
 ``resumed STEP exact BOOL`` (bit for bit against the state of that step) and ``read local L received R``
 (the bytes this process read from its local copy and received from peers).
@@ -48,26 +53,41 @@ if phase == "rowsfail" and process == 2:
             raise dio.CheckpointError(f"{path}: no space left (the test's)")
         return save(path, *args, **kwargs)
     dispatcher.save = failing_rows
-if phase in ("train", "rowsfail"):
-    go = os.path.join(os.path.dirname(os.path.abspath(root)), "go")
+go = os.path.join(os.path.dirname(os.path.abspath(root)), "go")
+if phase == "stall" and process == 1:   # late to its local save of step 4: the others give it up first
+    from dispatch_io.manager.tiers import job_steps
+    begin = job_steps.SaveAgreement.begin
+
+    def late(self, step, process):
+        while step == 4 and not os.path.exists(go):
+            time.sleep(0.05)
+        return begin(self, step, process)
+    job_steps.SaveAgreement.begin = late
+if phase in ("train", "rowsfail", "stall", "diesaving"):
     for step in range(14):
         if step == 9 and phase == "train":
             print("step 9", flush=True)
             while not os.path.exists(go):
                 time.sleep(0.05)
         if mgr.should_save(step):
+            dies = phase == "diesaving" and process == 1 and step == 10
             try:
-                mgr.save(step, STATE.state_at(mesh, step))
+                mgr.save(step, STATE.state_at(mesh, step),
+                         on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None)
                 mgr.wait()
                 print(f"saved {step}", flush=True)
             except Exception as exc:  # noqa: BLE001 - what the survivors see is what the test checks
                 print(f"failed {step} {type(exc).__name__} processes {getattr(exc, 'processes', None)}: "
                       f"{str(exc).splitlines()[0]}", flush=True)
+        if phase == "stall" and step == 4 and process != 1:   # the job waits there for process 1
+            print("gave up 4", flush=True)
+            while not os.path.exists(go):
+                time.sleep(0.05)
     print(f"local steps {mgr.local.steps()}", flush=True)
     infos = mgr.local.infos()[0]
     print(f"durability {json.dumps({s: i.get('durability') for s, i in sorted(infos.items())})}", flush=True)
     print("trained", flush=True)
-    if phase == "train":
+    if phase in ("train", "diesaving"):
         time.sleep(600)   # killed here
     print(f"steps {mgr.steps()}", flush=True)
     mgr.close()

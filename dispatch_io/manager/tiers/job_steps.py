@@ -99,6 +99,9 @@ def check_apart(template: str, path: str, process: int, count: int, timeout: flo
     return [places[p][0] for p in range(count)], max(steps, default=None)
 
 
+_GO = "go"   # SaveAgreement.begin's decision that every process came
+
+
 class LocalSaveError(CheckpointError):
     """A local save did not commit on every process of the job: ``processes`` lists those whose save
     (their share, parity rows or replicas) failed. The step is not whole job-wide."""
@@ -129,11 +132,26 @@ class SaveAgreement:
     def begin(self, step: int, process: int):
         """Wait until every process has come to its local save of ``step``: before the save's
         collectives (a replica exchange, parity's), which with a dead peer may fail or hang in the
-        runtime (not ours to bound). BarrierTimeoutError naming the processes that did not come
-        within the barrier timeout."""
-        if self.room is not None:
-            self.room.set(f"begun/{step}/{process}", True)
+        runtime (not ours to bound). Whether they go on is decided once (``Room.decide``: the first
+        decision wins): "go" by a process that saw every process come, or the processes missing by
+        one whose wait timed out -- so a process that comes late, after the others gave the step
+        up, does not enter the collectives alone (a hang) but fails too. BarrierTimeoutError naming
+        the processes that did not come within the barrier timeout, in every process."""
+        if self.room is None:
+            return
+        self.room.set(f"begun/{step}/{process}", True)
+        try:
             self.room.gather(f"begun/{step}", doing=f"come to their local save of step {step} for", together=False)
+        except BarrierTimeoutError as exc:
+            if self.room.decide(f"start/{step}", {"missing": exc.processes}) == _GO:   # they all came meanwhile
+                return
+            raise
+        decided = self.room.decide(f"start/{step}", _GO)
+        if decided != _GO:
+            missing = decided["missing"]
+            raise BarrierTimeoutError(f"process(es) {missing} did not come to their local save of step {step} "
+                                      f"within {self.room.timeout:g} s: the job gave the step up",
+                                      processes=missing, barrier=f"{self.room.prefix}/begun/{step}")
 
     def report(self, step: int, process: int, error: BaseException | None):
         """Publish whether this process committed local ``step`` (``error``: why not), without waiting."""
@@ -166,4 +184,5 @@ class SaveAgreement:
             for phase in (f"saved/{self._agreed}", f"begun/{self._agreed}"):   # gather's keys of that step
                 for key in (f"{phase}/", f"arrived/{phase}", f"complete/{phase}"):
                     self.room.client.key_value_delete(f"{self.room.prefix}/{key}")
+            self.room.client.key_value_delete(f"{self.room.prefix}/start/{self._agreed}")
         self._agreed = step

@@ -81,6 +81,15 @@ def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dic
     return infos, unreadable
 
 
+def agreed(infos: dict[int, dict]) -> dict[int, dict]:
+    """The steps of ``infos`` ({step: info}) the job agreed whole: a multi-process local save's info
+    says ``"agreed": false`` until every process committed the step (``SaveAgreement``), so a step
+    some process never committed -- it died mid-save, after its replicas or parity went out -- is
+    not counted whole from what the others' directories hold. What a restore and the job's
+    listing count; retention counts every committed step."""
+    return {step: info for step, info in infos.items() if info.get("agreed", True) is True}
+
+
 def record(step: int, info: dict | None) -> step_policies.StepRecord:
     """``step``'s :class:`~dispatch_io.manager.step_policies.StepRecord` from its local info (None: no
     readable info): its time -- the job-wide ``"time"`` where the job agreed one (a clock-reading keep
@@ -138,14 +147,15 @@ def read_item(root: StepRoot, step: int, info: dict | None, name: str, process: 
     return items_lib.read(lambda key: location.read_file(ARRAYS + key), name, entry, step, process, count, path)[2]
 
 
-def set_durability(root: StepRoot, step: int, durability: str):
-    """Record ``durability`` in the info of this process's local ``step`` under ``root`` (once the job
-    agreed what it reached: a save records no more than its own commit proves). Written beside it
-    and renamed over it, so a crash leaves the old info or the new one, never a torn one."""
+def update_info(root: StepRoot, step: int, fields: dict):
+    """Record ``fields`` (its ``"agreed"``, ``"copies"``, ``"durability"``) in the info of this
+    process's local ``step`` under ``root``, once the job agreed what it reached: a save records no
+    more than its own commit proves. Written beside it and renamed over it, so a crash leaves the
+    old info or the new one, never a torn one."""
     path = os.path.join(root.step_path(step), INFO)
     with open(path) as f:
         info = json.load(f)
-    info["durability"] = durability
+    info.update(fields)
     writing = path + ".writing"
     with open(writing, "w") as f:
         json.dump(info, f, allow_nan=False)

@@ -26,9 +26,7 @@ from dispatch_io import tree as tree_lib
 from dispatch_io.manager import incremental_retention
 from dispatch_io.manager.tiers import parity_plan, packed_rows
 from dispatch_io.plan.save_plan import device_regions
-from dispatch_io.storage import DirectoryRoot, StepRoot
-
-PARITY = "parity"   # the nested checkpoint of a local step that holds this process's parity rows
+from dispatch_io.storage import PARITY, DirectoryRoot, StepRoot  # noqa: F401 - PARITY: the rows' folder, named here
 
 
 def drop_retired_rows(root: StepRoot):

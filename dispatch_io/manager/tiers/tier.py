@@ -139,7 +139,7 @@ class LocalTiers:
     def whole_steps(self, persistent_steps: list[int]) -> dict[int, str]:
         """{step: durability} of the steps the job can restore whole, persistent or local
         (``job_steps.whole_steps``: every process together, the same answer everywhere)."""
-        return job_steps.whole_steps(self.root, self.infos()[0], self.process, self.count,
+        return job_steps.whole_steps(self.root, local_steps.agreed(self.infos()[0]), self.process, self.count,
                                      self.tier.process_path("{process}"), self.dispatcher.options.barrier_timeout,
                                      persistent_steps)
 
@@ -227,8 +227,10 @@ class LocalTiers:
             started = self._times.time_of(step)
             agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
             record = placement.local_record(tree, self.process, self.count, moves, self.domains, section)
-            if section is not None:   # "parity k" once every process's rows committed (_finish), not before
-                record["durability"] = placement.durability(record.get("copies"), False)
+            reached = None
+            if self.count > 1:   # its copies and durability once the job agrees it is whole (_finish), not before
+                reached = {"copies": record["copies"], "durability": record["durability"], "agreed": True}
+                record.update(copies=1, durability="local", agreed=False)
             info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
                     **agreed, **record, **(described or {})}
             handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
@@ -242,17 +244,18 @@ class LocalTiers:
             raise
         self._last_step, self._last_save, self._afresh = step, info["started"], False
         with self._lock:
-            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows,
-                                                  section and section.get("k"))
+            self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows, reached)
         return handle
 
-    def _finish(self, handle: SaveHandle, now: float | None, step: int, rows: dict, k: int | None):
+    def _finish(self, handle: SaveHandle, now: float | None, step: int, rows: dict, reached: dict | None):
         """On the tier's thread: wait for the save and save its parity ``rows`` (``parity.encode``) as
         the step's nested checkpoint; then agree with the other processes whether every one committed
         the step (``job_steps.SaveAgreement``: a failure anywhere, or a process that does not report
         within the barrier timeout, is raised here -- by :meth:`wait` -- naming the processes, and the
-        step is not whole). Once whole: its info says ``"parity k"`` (its rows and every other
-        process's committed), and the local steps the keep policy drops are deleted -- never the
+        step is not whole). Once whole: its info says so (``reached``: its ``"agreed"``, and the
+        ``"copies"`` and ``"durability"`` -- ``"replicated k"``, ``"parity k"`` -- every process's
+        commit gave it; until then ``"local"``, one copy, not agreed: a restore and the job's listing
+        pass it over), and the local steps the keep policy drops are deleted -- never the
         step just agreed whole (logged, never raised: the save committed), and the parity rows of the
         steps it retired (``parity.drop_retired_rows``). ``now``: the save's
         job-wide time, if agreed (the policy then sees the same on every process)."""
@@ -266,11 +269,11 @@ class LocalTiers:
             error = exc
         self._agreement.agree(step, self.process, error)
         self.whole = step
-        if k:
+        if reached:
             try:
-                local_steps.set_durability(self.root, step, placement.durability(None, False, k))
-            except (OSError, ValueError) as exc:   # the info then understates it ("local"): logged, not failed
-                logging.warning("dispatch_io: the info of local step %s still says \"local\": %s",
+                local_steps.update_info(self.root, step, reached)
+            except (OSError, ValueError) as exc:   # the info then understates it (not agreed): logged, not failed
+                logging.warning("dispatch_io: the info of local step %s still says it is not agreed whole: %s",
                                 self.root.step_path(step), exc)
         if self.tier.keep_policy is None:
             return
@@ -307,9 +310,10 @@ class LocalTiers:
         step was whole and none was named, from scratch."""
         restore = tier_restore.TierRestore(self.dispatcher, self.root, self.path, self.tier.process_path("{process}"),
                                            self.process, self.count)
+        infos, unreadable = self.infos()
         try:
-            tree, stats = restore.restore(target, self.infos(), persistent_steps, persistent_path, persistent_display,
-                                          **kwargs)
+            tree, stats = restore.restore(target, (local_steps.agreed(infos), unreadable), persistent_steps,
+                                          persistent_path, persistent_display, **kwargs)
         except tier_restore.NoWholeStep:
             if kwargs.get("step") is None:  # the job starts afresh: local saves from step 0 on, on every process alike
                 self.resume(None)
