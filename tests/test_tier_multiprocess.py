@@ -300,10 +300,17 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path, cap
                                         [[40, 48], [0, 16]]], info[2]
     assert info[2]["held"]["['big']"][:2] == [[[0, 512], [0, 256]], [[1536, 2048], [0, 256]]], info[2]
     assert "['s']" in info[3]["held"] and "['s']" not in info[3]["sharded"], info[3]
+    # Process 2 died after the job agreed step 8 but before its info said so: the others' word is the
+    # job's agreement, so its copy still counts (the restores below read it).
+    path = tmp_path / "local" / "2" / "8" / "info.json"
+    agreed = path.read_text()
+    path.write_text(json.dumps({**json.loads(agreed), "agreed": False, "copies": 1, "durability": "local"}))
     # A restart onto another mesh, (data=2, fsdp=4): each region is cut from two saved ones, all local.
     results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "reshard")))
     print("onto (data=2, fsdp=4), per process (step, exact, local, persistent, received):", results)
     assert all(r[:2] == (8, True) and r[3] == 0 for r in results), results
+    assert results[2][2] > 0, results   # process 2's copy read
+    path.write_text(agreed)
     # Host 0 (processes 0 and 1) is gone with its disks: everything comes from the replicas on host 1.
     for p in (0, 1):
         shutil.rmtree(str(local).replace("{process}", str(p)))

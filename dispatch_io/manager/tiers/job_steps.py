@@ -41,22 +41,25 @@ def share_manifest(room, step: int, having: list[int], process: int, read) -> di
 
 def reports(root: StepRoot, infos: dict[int, dict]) -> dict[int, dict]:
     """{step: what this process tells the job of its local copy}: its held regions, leaf shapes,
-    copies and parity (``local_steps.parity_report``) -- ``placement.whole_steps``'s report."""
+    copies, whether its info says the job agreed it (``local_steps.agreed``) and parity
+    (``local_steps.parity_report``) -- ``placement.whole_steps``'s report."""
     return {step: {"held": info["held"], "shapes": info.get("shapes"), "copies": info.get("copies"),
-                   **local_steps.parity_report(root, step, info)} for step, info in infos.items()}
+                   "agreed": local_steps.agreed(info), **local_steps.parity_report(root, step, info)}
+            for step, info in infos.items()}
 
 
 def whole_steps(root: StepRoot, infos: dict[int, dict], process: int, count: int, template: str, timeout: float,
                 persistent_steps: list[int]) -> dict[int, str]:
     """{step: durability} of the steps the job can restore whole (``placement.whole_steps``):
-    ``persistent_steps`` and the local steps whose every region some process's local copy holds
-    (``infos``: this process's, under ``root``; parity rebuilds what it can). In a job of ``count``
+    ``persistent_steps`` and the local steps the job agreed whole (``local_steps.agreed_steps``)
+    whose every region some process's local copy holds (``infos``: this process's, under ``root``;
+    parity rebuilds what it can). In a job of ``count``
     processes, one gather in the room of the tier ``template`` of what each holds, with process 0's
     listing of the root, so every process gets the same list. BarrierTimeoutError naming a process
     that does not come within ``timeout``."""
     mine = reports(root, infos)
     if count == 1:
-        return placement.whole_steps({process: mine}, persistent_steps)
+        return placement.whole_steps({process: {s: r for s, r in mine.items() if r["agreed"]}}, persistent_steps)
     room = open_room("tiers-steps", template, f"the listing of the steps of the local tier {template}", timeout)
     if room.leader:
         room.set("persistent", list(persistent_steps))
@@ -64,7 +67,9 @@ def whole_steps(root: StepRoot, infos: dict[int, dict], process: int, count: int
     gathered = room.gather("held")
     persistent = room.from_leader("persistent")
     room.close()
-    by_process = {p: {int(s): r for s, r in held.items()} for p, held in gathered.items()}
+    agreed = local_steps.agreed_steps({p: {s: r.get("agreed") is True for s, r in held.items()}
+                                       for p, held in gathered.items()})
+    by_process = {p: {int(s): r for s, r in held.items() if s in agreed} for p, held in gathered.items()}
     for step, lost in parity_plan.rebuilt_steps(by_process, count).items():   # parity rebuilds them
         present = next(held[step] for held in by_process.values() if step in held)
         for p, regions in lost.items():

@@ -81,13 +81,21 @@ def read_steps(root: StepRoot, owned_by: str, remove: bool = False) -> tuple[dic
     return infos, unreadable
 
 
-def agreed(infos: dict[int, dict]) -> dict[int, dict]:
-    """The steps of ``infos`` ({step: info}) the job agreed whole: a multi-process local save's info
-    says ``"agreed": false`` until every process committed the step (``SaveAgreement``), so a step
-    some process never committed -- it died mid-save, after its replicas or parity went out -- is
-    not counted whole from what the others' directories hold. What a restore and the job's
-    listing count; retention counts every committed step."""
-    return {step: info for step, info in infos.items() if info.get("agreed", True) is True}
+def agreed(info: dict) -> bool:
+    """Whether this process's local step ``info`` says the job agreed it whole: a multi-process
+    local save's info says ``"agreed": false`` until every process committed the step
+    (``SaveAgreement``); an info without it (a single process's) is agreed."""
+    return info.get("agreed", True) is True
+
+
+def agreed_steps(flags: dict[int, dict]) -> set:
+    """The steps some process's info says the job agreed whole (``flags``: {process: {step:
+    :func:`agreed`}}, gathered): what a restore and the job's listing count -- not a step some
+    process never committed (it died mid-save, after its replicas or parity went out), however
+    much of it the others' directories hold; and one every process committed though a process
+    died before its info said so (one process's word is the job's agreement). Retention counts
+    every committed step."""
+    return {step for mine in flags.values() for step, ok in mine.items() if ok}
 
 
 def record(step: int, info: dict | None) -> step_policies.StepRecord:

@@ -139,7 +139,7 @@ class LocalTiers:
     def whole_steps(self, persistent_steps: list[int]) -> dict[int, str]:
         """{step: durability} of the steps the job can restore whole, persistent or local
         (``job_steps.whole_steps``: every process together, the same answer everywhere)."""
-        return job_steps.whole_steps(self.root, local_steps.agreed(self.infos()[0]), self.process, self.count,
+        return job_steps.whole_steps(self.root, self.infos()[0], self.process, self.count,
                                      self.tier.process_path("{process}"), self.dispatcher.options.barrier_timeout,
                                      persistent_steps)
 
@@ -310,10 +310,9 @@ class LocalTiers:
         step was whole and none was named, from scratch."""
         restore = tier_restore.TierRestore(self.dispatcher, self.root, self.path, self.tier.process_path("{process}"),
                                            self.process, self.count)
-        infos, unreadable = self.infos()
         try:
-            tree, stats = restore.restore(target, (local_steps.agreed(infos), unreadable), persistent_steps,
-                                          persistent_path, persistent_display, **kwargs)
+            tree, stats = restore.restore(target, self.infos(), persistent_steps, persistent_path, persistent_display,
+                                          **kwargs)
         except tier_restore.NoWholeStep:
             if kwargs.get("step") is None:  # the job starts afresh: local saves from step 0 on, on every process alike
                 self.resume(None)

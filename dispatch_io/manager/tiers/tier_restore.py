@@ -88,7 +88,11 @@ class TierRestore:
             if room.leader:  # one listing of the root, one reading of names=, for every process
                 room.set("persistent", list(persistent_steps))
                 room.set("saved_as", self._saved_keypaths(target, names, newest, persistent_steps, persistent_path))
-        gathered = _gather(room, "held", self.process, {"held": held, "copies": copies, "parity": parity})
+        gathered = _gather(room, "held", self.process, {"held": held, "copies": copies, "parity": parity, "agreed": {
+            str(s): local_steps.agreed(info) for s, info in infos.items()}})
+        agreed = local_steps.agreed_steps({p: r["agreed"] for p, r in gathered.items()})   # the others: not whole
+        gathered = {p: {key: {s: v for s, v in r[key].items() if s in agreed} for key in ("held", "copies", "parity")}
+                    for p, r in gathered.items()}
         reports = {p: {int(s): placement.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         self._lost, self._sections = rebuild.augment(gathered, reports, self.count)   # what parity rebuilds
         if room is not None:
