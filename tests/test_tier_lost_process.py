@@ -77,8 +77,8 @@ def test_parity_rows_that_fail_on_one_process_fail_the_save_everywhere_and_claim
     """Nobody dies, but process 2's parity rows of step 10 fail to save (a full disk): the save of step 10
     fails on every process, naming process 2 (not logged and counted), every process's info.json of
     step 10 says "local" (its parity never completed job-wide) and the job does not list it (never
-    agreed whole: one process's save of it failed), while step 12, whose rows all committed, says
-    "parity 2"; retention ran again only once step 12 was whole."""
+    agreed whole: one process's save of it failed) nor promotes it, while step 12, whose rows all
+    committed, says "parity 2"; retention ran again only once step 12 was whole."""
     outs = finish_job(start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}",
                                                          "parity", "rowsfail"], barrier_timeout=BARRIER), limit=240)
     for out in outs:
@@ -88,29 +88,38 @@ def test_parity_rows_that_fail_on_one_process_fail_the_save_everywhere_and_claim
         durability = json.loads(re.search(r"^durability (\{.*\})$", out, re.M)[1])
         assert durability == {"10": "local", "12": "parity 2"}, out
         assert re.search(r"^steps \{0: 'persisted', 12: 'parity 2'\}$", out, re.M), out
+        assert re.search(r"^promote 10 refused: .*never agreed whole by the job", out, re.M), out   # nor persisted
 
 
 def test_a_process_late_to_a_local_save_the_others_gave_up_fails_it_too_and_the_job_goes_on(tmp_path):
     """Process 1 comes to its local save of step 4 (replicas) only after the others gave it up (their
     wait timed out, naming it): the job decided the step once, so process 1 fails it too, naming
     itself -- rather than finding every process's arrival recorded, entering the replica exchange
-    alone and hanging there -- and every process saves steps 6, 8, 10 and 12 together."""
+    alone and hanging there. Likewise it reports its committed save of step 8 only after the others
+    gave the agreement up: it fails step 8 too, rather than counting it whole alone (and running its
+    retention on that word). Every process saves steps 6, 10 and 12 together; after a rollback to
+    step 0, step 4 is saved again, asked afresh (not answered by its first save's decision)."""
     procs = start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}", "replicas", "stall"],
                       barrier_timeout=BARRIER)
+    before = {0: "", 2: "", 3: ""}
     try:
-        before = wait_for([procs[0], procs[2], procs[3]], "gave up 4", limit=240)
+        for step in (4, 8):
+            outs = wait_for([procs[0], procs[2], procs[3]], f"gave up {step}", limit=240)
+            for p, out in zip((0, 2, 3), outs):
+                before[p] += out
+            (tmp_path / f"go{step}").write_text("")
     except BaseException:
         kill_job(procs)
         raise
-    (tmp_path / "go").write_text("")
     outs = finish_job(procs, limit=240)
-    for p, out in zip((0, 2, 3), before):
+    for p, out in before.items():
         outs[p] = out + outs[p]
     for out in outs:
-        assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "6", "8", "10", "12"], out
-        assert re.findall(r"^failed (\d+) (\w+) processes (.*?):", out, re.M) == [
-            ("4", "BarrierTimeoutError", "[1]")], out
+        assert re.findall(r"^saved (\d+)$", out, re.M) == ["0", "2", "6", "10", "12"], out
+        failed = re.findall(r"^failed (\d+) (\w+) processes (.*?):", out, re.M)
+        assert failed == [("4", "BarrierTimeoutError", "[1]"), ("8", "BarrierTimeoutError", "[1]")], out
         assert re.search(r"^steps \{0: 'persisted', 10: 'replicated 2', 12: 'replicated 2'\}$", out, re.M), out
+        assert re.search(r"^again 4 saved\nsteps \{0: 'persisted', 4: 'replicated 2'\}$", out, re.M), out
 
 
 def test_a_step_a_process_died_saving_after_its_replicas_went_out_is_neither_whole_nor_replicated(tmp_path):

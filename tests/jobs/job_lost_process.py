@@ -13,10 +13,13 @@ prints ``local steps [...]``, ``durability {step: what its info.json says}`` and
 killed (a job with a dead process cannot shut down together).
 PHASE ``rowsfail`` (MODE ``parity``, nobody killed): as ``train`` without the wait at step 9, but
 process 2's parity rows of step 10 fail to save (a full disk, say); prints the same, then ``steps
-{step: durability}`` (the job's listing) and ends.
-PHASE ``stall`` (nobody killed): as ``rowsfail``, but process 1 comes to its local save of step 4 only
-once the file ``ROOT/../go`` exists, which the others wait for too once they gave step 4 up (``gave
-up 4``); then prints the same and ends.
+{step: durability}`` (the job's listing), and ``promote 10 refused: <why>`` if ``mgr.promote(10)``
+raises ValueError, and ends.
+PHASE ``stall`` (nobody killed): as ``rowsfail``, but process 1 comes to its local save of step 4
+only once the file ``ROOT/../go4`` exists, and reports its local save of step 8 (to the job's
+agreement) only once ``ROOT/../go8`` does; the others, once they gave step N up, print ``gave up N``
+and wait for ``goN`` too. Then it prints the same, restores step 0 (a rollback), saves step 4 again
+and prints ``again 4 saved`` and ``steps {step: durability}``, and ends.
 PHASE ``diesaving``: as ``train``, but process 1 SIGKILLs itself in its local save of step 10, once
 its replicas went out and its share is copied to the host (``on_transfer_end``), with no wait at step 9.
 PHASE ``resume``: prints ``latest N`` (``latest_step()``), restores it through the tiers and prints
@@ -54,15 +57,25 @@ if phase == "rowsfail" and process == 2:
         return save(path, *args, **kwargs)
     dispatcher.save = failing_rows
 go = os.path.join(os.path.dirname(os.path.abspath(root)), "go")
-if phase == "stall" and process == 1:   # late to its local save of step 4: the others give it up first
-    from dispatch_io.manager.tiers import job_steps
-    begin = job_steps.SaveAgreement.begin
+STALLS = {4: "begin", 8: "agree"}   # phase stall: where process 1 comes late, the others giving the step up first
 
-    def late(self, step, process):
-        while step == 4 and not os.path.exists(go):
-            time.sleep(0.05)
-        return begin(self, step, process)
-    job_steps.SaveAgreement.begin = late
+
+def _wait_for(name):
+    while not os.path.exists(go + name):
+        time.sleep(0.05)
+
+
+if phase == "stall" and process == 1:
+    from dispatch_io.manager.tiers import job_steps
+
+    def late(method):
+        def called(self, step, *args):
+            if STALLS.get(step) == method.__name__:
+                _wait_for(str(step))
+            return method(self, step, *args)
+        return called
+    job_steps.SaveAgreement.begin = late(job_steps.SaveAgreement.begin)
+    job_steps.SaveAgreement.agree = late(job_steps.SaveAgreement.agree)
 if phase in ("train", "rowsfail", "stall", "diesaving"):
     for step in range(14):
         if step == 9 and phase == "train":
@@ -79,10 +92,9 @@ if phase in ("train", "rowsfail", "stall", "diesaving"):
             except Exception as exc:  # noqa: BLE001 - what the survivors see is what the test checks
                 print(f"failed {step} {type(exc).__name__} processes {getattr(exc, 'processes', None)}: "
                       f"{str(exc).splitlines()[0]}", flush=True)
-        if phase == "stall" and step == 4 and process != 1:   # the job waits there for process 1
-            print("gave up 4", flush=True)
-            while not os.path.exists(go):
-                time.sleep(0.05)
+        if phase == "stall" and step in STALLS and process != 1:   # the job waits there for process 1
+            print(f"gave up {step}", flush=True)
+            _wait_for(str(step))
     print(f"local steps {mgr.local.steps()}", flush=True)
     infos = mgr.local.infos()[0]
     print(f"durability {json.dumps({s: i.get('durability') for s, i in sorted(infos.items())})}", flush=True)
@@ -90,6 +102,17 @@ if phase in ("train", "rowsfail", "stall", "diesaving"):
     if phase in ("train", "diesaving"):
         time.sleep(600)   # killed here
     print(f"steps {mgr.steps()}", flush=True)
+    if phase == "rowsfail":   # step 10 was never agreed whole: not promoted
+        try:
+            mgr.promote(10)
+        except ValueError as exc:
+            print(f"promote 10 refused: {exc}", flush=True)
+    if phase == "stall":   # a rollback: step 4 saved again, asked afresh (its first save was given up)
+        mgr.restore(0, STATE.target(mesh))
+        mgr.save(4, STATE.state_at(mesh, 4))
+        mgr.wait()
+        print("again 4 saved", flush=True)
+        print(f"steps {mgr.steps()}", flush=True)
     mgr.close()
     dispatcher.close()
     jax.distributed.shutdown()

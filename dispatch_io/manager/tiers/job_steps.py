@@ -104,7 +104,7 @@ def check_apart(template: str, path: str, process: int, count: int, timeout: flo
     return [places[p][0] for p in range(count)], max(steps, default=None)
 
 
-_GO = "go"   # SaveAgreement.begin's decision that every process came
+_GO = "go"   # SaveAgreement's decision that every process came (or reported)
 
 
 class LocalSaveError(CheckpointError):
@@ -121,11 +121,15 @@ class SaveAgreement:
     service: a process's commit alone says nothing of the job's (a step is whole only if every
     process's share -- with its parity rows or replicas -- is there). One room for the tier's
     lifetime (every process opens it together, :meth:`open`); each local save is one gather of one
-    report per process, in step order (every process takes the same local saves)."""
+    report per process, in step order (every process takes the same local saves), and its outcome
+    one decision (``Room.decide``: the first wins), so a process that comes or reports late, after
+    the others gave up, fails too rather than going on alone. Its keys are the step's within the
+    current history (:meth:`next_history`: a step saved again after a rollback is asked afresh)."""
 
     def __init__(self, room):
         self.room = room
-        self._agreed: int | None = None   # the last step agreed: its keys go once the next is
+        self._history = 0                    # the restores so far: every process counts them alike
+        self._agreed: str | None = None      # the last save agreed: its keys go once the next is
 
     @classmethod
     def open(cls, template: str, count: int, timeout: float) -> "SaveAgreement":
@@ -134,50 +138,65 @@ class SaveAgreement:
             return cls(None)
         return cls(open_room("tiers-whole", template, f"the local saves of the local tier {template}", timeout))
 
+    def next_history(self):
+        """After a restore (every process alike): the local saves that follow are of a new history,
+        their answers asked afresh -- a step saved again after a rollback never meets the answers of
+        its earlier save, agreed or given up."""
+        self._history += 1
+
+    def _decided(self, phase: str, step: int, doing: str) -> dict:
+        """Gather ``phase`` of the current history's ``step`` (each process published its entry) and
+        decide once whether it is complete: {process: entry} if it is (decided by a process that saw
+        every entry, or that saw the decision after its own wait timed out); else
+        BarrierTimeoutError, in every process, naming the processes missing when the first wait
+        timed out."""
+        key = f"{phase}/{self._history}.{step}"
+        try:
+            entries = self.room.gather(key, doing=doing, together=False)
+        except BarrierTimeoutError as exc:
+            decided = self.room.decide(f"decided/{key}", {"missing": exc.processes})
+            if decided != _GO:
+                raise
+            entries = self.room.entries(key)   # all there: the process that decided saw them
+        else:
+            decided = self.room.decide(f"decided/{key}", _GO)
+        if decided != _GO:
+            missing = decided["missing"]
+            raise BarrierTimeoutError(f"process(es) {missing} did not {doing} within {self.room.timeout:g} s: the "
+                                      f"job gave local step {step} up", processes=missing,
+                                      barrier=f"{self.room.prefix}/{key}")
+        return entries
+
     def begin(self, step: int, process: int):
         """Wait until every process has come to its local save of ``step``: before the save's
         collectives (a replica exchange, parity's), which with a dead peer may fail or hang in the
-        runtime (not ours to bound). Whether they go on is decided once (``Room.decide``: the first
-        decision wins): "go" by a process that saw every process come, or the processes missing by
-        one whose wait timed out -- so a process that comes late, after the others gave the step
-        up, does not enter the collectives alone (a hang) but fails too. BarrierTimeoutError naming
-        the processes that did not come within the barrier timeout, in every process."""
-        if self.room is None:
-            return
-        self.room.set(f"begun/{step}/{process}", True)
-        try:
-            self.room.gather(f"begun/{step}", doing=f"come to their local save of step {step} for", together=False)
-        except BarrierTimeoutError as exc:
-            if self.room.decide(f"start/{step}", {"missing": exc.processes}) == _GO:   # they all came meanwhile
-                return
-            raise
-        decided = self.room.decide(f"start/{step}", _GO)
-        if decided != _GO:
-            missing = decided["missing"]
-            raise BarrierTimeoutError(f"process(es) {missing} did not come to their local save of step {step} "
-                                      f"within {self.room.timeout:g} s: the job gave the step up",
-                                      processes=missing, barrier=f"{self.room.prefix}/begun/{step}")
+        runtime (not ours to bound). A process that comes after the others gave the step up does
+        not enter the collectives alone (a hang) but fails too. BarrierTimeoutError naming the
+        processes that did not come within the barrier timeout, in every process."""
+        if self.room is not None:
+            self.room.set(f"begun/{self._history}.{step}/{process}", True)
+            self._decided("begun", step, f"come to their local save of step {step} for")
 
     def report(self, step: int, process: int, error: BaseException | None):
         """Publish whether this process committed local ``step`` (``error``: why not), without waiting."""
         if self.room is not None:
-            self.room.set(f"saved/{step}/{process}", None if error is None else f"{type(error).__name__}: {error}")
+            self.room.set(f"saved/{self._history}.{step}/{process}",
+                          None if error is None else f"{type(error).__name__}: {error}")
 
     def agree(self, step: int, process: int, error: BaseException | None):
         """Report (:meth:`report`) and wait for every process's report of ``step``; returns once every
         process committed it (the step is whole job-wide). Otherwise every process that tries the
         save fails, and none counts it whole: BarrierTimeoutError naming the processes that did not
-        report within the barrier timeout (dead, or stuck); :class:`LocalSaveError` naming those
-        whose save failed. This process's own failure (``error``) is the cause of either; alone in
-        the job, it is raised as it is."""
+        report within the barrier timeout (dead, or stuck: one that reports after the others gave
+        up fails too); :class:`LocalSaveError` naming those whose save failed. This process's own
+        failure (``error``) is the cause of either; alone in the job, it is raised as it is."""
         self.report(step, process, error)
         if self.room is None:
             if error is not None:
                 raise error
             return
         try:
-            reports = self.room.gather(f"saved/{step}", doing=f"report their local save of step {step} to",
-                                       together=False)
+            reports = self._decided("saved", step, f"report their local save of step {step} to")
         except BarrierTimeoutError as exc:
             raise exc from error
         failed = {p: why for p, why in sorted(reports.items()) if why is not None}
@@ -185,9 +204,8 @@ class SaveAgreement:
             raise LocalSaveError(f"local step {step} is not whole in the job: its save failed on process(es) "
                                  f"{sorted(failed)} ({'; '.join(f'{p}: {why}' for p, why in failed.items())})",
                                  processes=list(failed)) from error
-        if self.room.leader and self._agreed is not None:   # every process reported step, so read the last
-            for phase in (f"saved/{self._agreed}", f"begun/{self._agreed}"):   # gather's keys of that step
-                for key in (f"{phase}/", f"arrived/{phase}", f"complete/{phase}"):
+        if self.room.leader and self._agreed is not None:   # every process reported this one, so read the last
+            for phase in (f"saved/{self._agreed}", f"begun/{self._agreed}"):   # one's keys
+                for key in (f"{phase}/", f"arrived/{phase}", f"complete/{phase}", f"decided/{phase}"):
                     self.room.client.key_value_delete(f"{self.room.prefix}/{key}")
-            self.room.client.key_value_delete(f"{self.room.prefix}/start/{self._agreed}")
-        self._agreed = step
+        self._agreed = f"{self._history}.{step}"

@@ -37,7 +37,7 @@ from dispatch_io.errors import CheckpointError, CorruptCheckpointError
 from dispatch_io.formats.detect import open_ours
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
-from dispatch_io.manager.tiers import job_steps
+from dispatch_io.manager.tiers import job_steps, local_steps
 from dispatch_io.save.driver import SaveHandle
 from dispatch_io.save.job import Attachments, SaveJob
 from dispatch_io.storage import Location
@@ -156,7 +156,7 @@ def _report(local, step: int) -> tuple[dict, dict | None]:
         info = doc = None
     if info is None:
         return {"has": False, "held": {}, "items": {}, "info": None}, None
-    return {"has": True, "held": info["held"], "items": info.get("items", {}),
+    return {"has": True, "held": info["held"], "items": info.get("items", {}), "agreed": local_steps.agreed(info),
             "info": {"started": info.get("started"), "metrics": info.get("metrics", {}),
                      "metadata": info.get("metadata")}}, doc
 
@@ -303,8 +303,8 @@ def promote(local, step: int, path: str, version: str, clock, *, overwrite: bool
 
     Raises (every process alike, before anything is written): FileNotFoundError naming the step if
     no process has a local copy of it, or naming a key path no copy holds whole; ValueError if a
-    process without a copy would lose its PerProcess items, or if the step is of a history the job
-    left (``LocalTiers.abandoned``); and as ``Dispatcher.save`` does for
+    process without a copy would lose its PerProcess items, if the step is of a history the job
+    left (``LocalTiers.abandoned``), or (``wait_local``) if the job never agreed it whole; and as ``Dispatcher.save`` does for
     ``path``. ``wait()`` raises ``WorkerError`` (naming the key path) for a chunk that cannot be
     read or fails its CRC-32C; nothing is committed then. ValueError without a local tier (``local`` None)."""
     if local is None:
@@ -322,7 +322,7 @@ def promote(local, step: int, path: str, version: str, clock, *, overwrite: bool
             copies.close()
         local.promoting.discard(step)
     try:
-        job, copies = _job(local, step, path, version, clock)
+        job, copies = _job(local, step, path, version, clock, agreed=wait_local)
         # the dispatcher's save launch: its path lock, commit protocol, staging ring and driver
         run = local.dispatcher.launch(Location.parse(path), job, [None] * len(job.plan.leaves), copies, overwrite)
     except BaseException:
@@ -332,8 +332,11 @@ def promote(local, step: int, path: str, version: str, clock, *, overwrite: bool
     return SaveHandle(run)
 
 
-def _job(local, step: int, path: str, version: str, clock) -> tuple[SaveJob, _Copies]:
-    """The promotion's save job (plan, batches, manifest entries, items and info) and its runner."""
+def _job(local, step: int, path: str, version: str, clock, agreed: bool) -> tuple[SaveJob, _Copies]:
+    """The promotion's save job (plan, batches, manifest entries, items and info) and its runner.
+    ``agreed``: refuse a step no process's info says the job agreed whole (a promotion of a step the
+    job saved long before; one of the step just saved, ``LocalTier(promote=True)``, starts as the
+    local save ends, before the agreement: its gather fails if a process is missing)."""
     started = time.perf_counter()
     dispatcher = local.dispatcher
     report, own = _report(local, step)
@@ -341,6 +344,9 @@ def _job(local, step: int, path: str, version: str, clock) -> tuple[SaveJob, _Co
     where = f"local step {step} of {local.tier.process_path('{process}')}"
     if doc is None:
         raise FileNotFoundError(f"{where}: no process has a local copy of step {step}: it cannot be promoted")
+    if agreed and not any(r["has"] and r["agreed"] for r in reports.values()):
+        raise ValueError(f"{where} was never agreed whole by the job (some process's local save of it failed): it "
+                         "is not promoted")
     manifest = manifest_lib.parse(doc, where)
     if doc.get(manifest_lib.REFERENCES):   # its unchanged chunks are in an older local step's arrays, not its own
         steps = ", ".join(sorted({str(r.get("step")) for r in doc[manifest_lib.REFERENCES]}, key=int))

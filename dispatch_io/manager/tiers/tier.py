@@ -229,8 +229,9 @@ class LocalTiers:
             record = placement.local_record(tree, self.process, self.count, moves, self.domains, section)
             reached = None
             if self.count > 1:   # its copies and durability once the job agrees it is whole (_finish), not before
-                reached = {"copies": record["copies"], "durability": record["durability"], "agreed": True}
-                record.update(copies=1, durability="local", agreed=False)
+                reached = {"copies": record["copies"], "domains": record["domains"], "durability": record["durability"],
+                           "agreed": True}
+                record.update(copies=1, domains=1, durability="local", agreed=False)
             info = {"step": step, "tier": "local", "root": self._owner, "process": self.process, "started": started,
                     **agreed, **record, **(described or {})}
             handle = self.dispatcher.save(self.root.step_path(step), tree, own=True, overwrite=True, copies=copies,
@@ -334,6 +335,7 @@ class LocalTiers:
         was whole anywhere, the job starts afresh."""
         self._last_step, self._afresh = step, step is None
         self._resumed_at = -1 if step is None else step   # the first save then drops the local steps after it
+        self._agreement.next_history()
 
     def drop_from(self, step: int):
         """Delete this process's local steps after ``step`` (and ``step``, unless it is the local
