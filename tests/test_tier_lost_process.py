@@ -122,10 +122,10 @@ def test_a_process_late_to_a_local_save_the_others_gave_up_fails_it_too_and_the_
         assert re.search(r"^again 4 saved\nsteps \{0: 'persisted', 4: 'replicated 2'\}$", out, re.M), out
 
 
-def test_a_step_a_process_died_saving_after_its_replicas_went_out_is_neither_whole_nor_replicated(tmp_path):
-    """Process 1 is SIGKILLed in its local save of step 10, after the replica exchange: the survivors
-    commit their step 10 (their own shares and the replicas they received -- together every region)
-    but the job never agreed it. Their save fails naming process 1, their info of step 10 says
+def test_a_step_a_process_died_before_the_job_agreed_is_neither_whole_nor_replicated(tmp_path):
+    """Process 1 is SIGKILLed once its local save of step 10 committed (the replicas exchanged), before it
+    reports to the job's agreement: the survivors commit their step 10 (their own shares and the
+    replicas they received -- together every region) but the job never agreed it. Their save fails naming process 1, their info of step 10 says
     "local" (not "replicated 2": process 1's copy and the replicas it held are gone), and the job
     restarted without process 1's disk resumes step 8, the newest step it agreed whole -- not
     step 10 from what the survivors' directories hold."""

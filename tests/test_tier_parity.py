@@ -243,7 +243,7 @@ def test_a_members_regions_stored_in_one_chunk_are_read_for_a_rebuild_checked_wh
 
 
 def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable=(), absent=(), failing=(),
-                       timeout=30, raising=(), row_bytes=1 << 30):
+                       timeout=30, raising=(), row_bytes=1 << 30, breaking=()):
     """``rebuild.run`` in ``n`` threads standing for ``n`` single-device processes (ring 0..n-1, rows
     of ``k`` pieces, row groups of at most ``row_bytes``) of which ``lost`` have lost their copies: the
     rows the job saved (``packed_rows``,
@@ -255,7 +255,8 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
     what comes in is read-only, as ``np.asarray`` of the real one's result) and the manifest's
     sharing are stood in for. The ``absent`` processes never come (the room waits ``timeout`` s), the
     reads of the ``failing`` ones' parity rows raise OSError, the ``raising`` ones' own regions (``have``,
-    packed before the ready barrier) raise OSError: then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
+    packed before the ready barrier) raise OSError, the ``breaking`` ones fail making their parity rows'
+    row inside the rounds (a RuntimeError): then it returns what each process that came raised. Else ({lost process: its rebuilt regions}, {lost process: its
     regions left out}, {process: bytes received})."""
     import concurrent.futures
     import threading
@@ -322,6 +323,13 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
         leaves: tuple = ()
 
     monkeypatch.setattr(rebuild_rounds, "senders", lambda rounds, size: [lambda row, m=m: send(row, m) for m in rounds])
+    rows_in = rebuild_rounds._parity_rows_in
+
+    def parity_rows_in(held, row, width):
+        if me.p in breaking:
+            raise RuntimeError(f"process {me.p} broke making its row")
+        return rows_in(held, row, width)
+    monkeypatch.setattr(rebuild_rounds, "_parity_rows_in", parity_rows_in)
     monkeypatch.setattr(rebuild, "_parity_rows", parity_read)
     monkeypatch.setattr(rebuild.job_steps, "share_manifest", lambda *args: None)
     monkeypatch.setattr(rebuild, "parse_manifest", lambda doc, path: Described())
@@ -349,7 +357,7 @@ def _simulated_rebuild(monkeypatch, n, k, lost, tree, *, bad_rows=(), unreadable
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = {p: pool.submit(process, p) for p in range(n) if p not in absent}
-        if absent or failing or raising:
+        if absent or failing or raising or breaking:
             return {p: f.exception(timeout=120) for p, f in futures.items()}
         results = [futures[p].result(timeout=120) for p in range(n)]
     rebuilt = {p: results[p][0].regions for p in lost}
@@ -412,6 +420,22 @@ def test_a_process_missing_when_the_rebuild_starts_is_named_before_any_collectiv
     for p, exc in raised.items():
         assert isinstance(exc, BarrierTimeoutError) and exc.processes == [3], (p, exc)
         assert "rebuild-ready/8/0" in str(exc) or "rebuild-ready/8/0" in exc.barrier, (p, exc)
+
+
+@pytest.mark.parametrize("row_bytes", [1 << 30, 16])
+def test_a_process_failing_inside_the_rounds_takes_its_part_and_fails_the_rebuild_everywhere(monkeypatch, row_bytes):
+    """Process 0 (a holder) fails making its parity rows' row inside the rounds: it still takes its part in
+    every round's collective (its idle row: its partners wait there), then raises its error, and every
+    other process a CheckpointError naming it -- after the last round, or at the next row group's
+    barrier (rows of 16 bytes: several groups) -- rather than leaving its partner in a collective."""
+    from dispatch_io.errors import CheckpointError
+
+    raised = _simulated_rebuild(monkeypatch, 4, 2, (1,), _mixed_tree(4), breaking=(0,), row_bytes=row_bytes)
+    assert sorted(raised) == [0, 1, 2, 3]
+    assert isinstance(raised[0], RuntimeError) and "process 0 broke" in str(raised[0]), raised
+    for p in (1, 2, 3):
+        assert isinstance(raised[p], CheckpointError) and str(raised[p]).startswith("process 0 ") and \
+            "RuntimeError: process 0 broke making its row" in str(raised[p]), raised
 
 
 def test_a_process_that_cannot_take_its_part_fails_the_rebuild_everywhere_before_any_collective(monkeypatch):

@@ -20,8 +20,8 @@ only once the file ``ROOT/../go4`` exists, and reports its local save of step 8 
 agreement) only once ``ROOT/../go8`` does; the others, once they gave step N up, print ``gave up N``
 and wait for ``goN`` too. Then it prints the same, restores step 0 (a rollback), saves step 4 again
 and prints ``again 4 saved`` and ``steps {step: durability}``, and ends.
-PHASE ``diesaving``: as ``train``, but process 1 SIGKILLs itself in its local save of step 10, once
-its replicas went out and its share is copied to the host (``on_transfer_end``), with no wait at step 9.
+PHASE ``diesaving``: as ``train``, but process 1 SIGKILLs itself once its local save of step 10
+committed (its replicas sent and received), before it reports to the job's agreement; no wait at step 9.
 PHASE ``resume``: prints ``latest N`` (``latest_step()``), restores it through the tiers and prints
 ``resumed STEP exact BOOL`` (bit for bit against the state of that step) and ``read local L received R``
 (the bytes this process read from its local copy and received from peers).
@@ -76,6 +76,15 @@ if phase == "stall" and process == 1:
         return called
     job_steps.SaveAgreement.begin = late(job_steps.SaveAgreement.begin)
     job_steps.SaveAgreement.agree = late(job_steps.SaveAgreement.agree)
+if phase == "diesaving" and process == 1:   # dies between its commit of step 10 and the job's agreement
+    from dispatch_io.manager.tiers import job_steps
+    agree = job_steps.SaveAgreement.agree
+
+    def dying(self, step, *args):
+        if step == 10:
+            os.kill(os.getpid(), 9)
+        return agree(self, step, *args)
+    job_steps.SaveAgreement.agree = dying
 if phase in ("train", "rowsfail", "stall", "diesaving"):
     for step in range(14):
         if step == 9 and phase == "train":
@@ -83,10 +92,8 @@ if phase in ("train", "rowsfail", "stall", "diesaving"):
             while not os.path.exists(go):
                 time.sleep(0.05)
         if mgr.should_save(step):
-            dies = phase == "diesaving" and process == 1 and step == 10
             try:
-                mgr.save(step, STATE.state_at(mesh, step),
-                         on_transfer_end=(lambda _: os.kill(os.getpid(), 9)) if dies else None)
+                mgr.save(step, STATE.state_at(mesh, step))
                 mgr.wait()
                 print(f"saved {step}", flush=True)
             except Exception as exc:  # noqa: BLE001 - what the survivors see is what the test checks

@@ -30,7 +30,10 @@ Before a group's rounds every process says it is ready, its parity rows and piec
 (:func:`_all_ready`; one barrier a group, and the rounds then run back to back: a second barrier
 between the early and the late rounds cost more than the early rounds overlapping the members'
 reads bought): one that failed to get them, or does not come within the barrier timeout, fails the
-rebuild in every process, named, before anyone enters a collective it would never join.
+rebuild in every process, named, before anyone enters a collective it would never join. One that
+fails making a row inside the rounds still takes its part in each (its idle row instead: its
+partners wait in the collective) and then fails the rebuild everywhere, named -- at the next row
+group's barrier, or after the last.
 
 Costs: the holders read their parity rows (1/k of a share); per lost process, each holder and each
 other member sends one piece (1/k of its protected rows) per chain it is in -- ``k`` per chain, ``k``
@@ -203,7 +206,7 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     :class:`RebuiltCopy` if it is lost, else None; {key path: [region as JSON]} of its regions that
     could not be rebuilt; the bytes it received from the others)."""
     me, part = process, Part.of(sections, lost, process)
-    rebuilt, bad, received = [], [], 0
+    rebuilt, bad, received, broke = [], [], 0, None
     if part.holding and reads is None:
         reads = ParityReads(os.path.join(step_path, PARITY), runner, part.groups)
     member = Source(step_path, runner)   # its own copy: read only for what ``have`` does not hold
@@ -211,7 +214,7 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
     have = have or (lambda keypath, bounds: None)
     try:
         for rows in part.groups:   # one row group at a time: a feeder holds one group's rows
-            error, held, unread, broken, ready = None, {}, set(), {}, None
+            error, held, unread, broken, ready = broke, {}, set(), {}, None   # a round that broke: fail here
             try:   # everything its rounds need: a holder's parity rows, a member's pieces
                 ready = Ready.of(part, rows, me in lost)
                 held, unread = reads.rows(rows.first) if part.holding else ({}, set())
@@ -221,8 +224,9 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
             if gate is not None:
                 gate.wait()
             _all_ready(room, step, rows.first, me, error)
-            received += exchange(rows, part.early, ready.early, me, held, ready)
-            received += exchange(rows, part.late, ready.late, me, held, ready)
+            for phase, senders in ((part.early, ready.early), (part.late, ready.late)):
+                got, error = exchange(rows, phase, senders, me, held, ready)
+                received, broke = received + got, broke or error
             bad += [(p, rows.first, i, j) for p, j in sorted(part.holding) for i in unread]
             bad += [(move[2], rows.first, i, move[3]) for r in part.late for move in r
                     if move[0] == me and move[4] is not None for i in range(rows.devices) if move[4] in broken[i]]
@@ -233,8 +237,17 @@ def run(step: int, lost: dict, sections: dict, having: list[int], room, outputs_
             if source is not None:
                 source.close()
     manifest = job_steps.share_manifest(room, step, having, me, lambda: Location.parse(step_path).read_manifest())
-    room.set(f"rebuild/{step}/{me}", [list(b) for b in bad])   # every process learns what failed
-    bad = [tuple(b) for found in room.gather(f"rebuild/{step}").values() for b in found]
+    room.set(f"rebuild/{step}/{me}", {"bad": [list(b) for b in bad],   # every process learns what failed
+                                      "broke": None if broke is None else f"{type(broke).__name__}: {broke}"})
+    found = room.gather(f"rebuild/{step}")
+    if broke is not None:
+        raise broke
+    broken = {p: r["broke"] for p, r in found.items() if r["broke"]}
+    if broken:   # its rows went out as zeros: what they fed is unknown, so the rebuild fails everywhere
+        p = min(broken)
+        raise CheckpointError(f"process {p} failed in the rounds rebuilding local step {step} from parity: "
+                              f"{broken[p]}")
+    bad = [tuple(b) for r in found.values() for b in r["bad"]]
     if me not in lost:
         return None, {}, received
     mine = next(s["layouts"][str(me)] for s in sections.values() if str(me) in s["layouts"])

@@ -46,22 +46,28 @@ def _parity_rows_in(held: dict, row: np.ndarray, width: int) -> np.ndarray:
     return row
 
 
-def exchange(rows: Rows, rounds: list, senders: list, me: int, held: dict, ready: "Ready") -> int:
+def exchange(rows: Rows, rounds: list, senders: list, me: int, held: dict, ready: "Ready") -> tuple[int, Exception | None]:
     """Run ``rounds`` (of ``parity_plan.transfers``, those this process is in) for one row group through
     their ``senders``: as a holder it starts a lost piece's chain with its parity rows ``held``
     {device position: row}, as a member it XORs its own piece (``ready.pieces``) into the sum that
     came to it (``ready.partial``) and sends it on; a lost process keeps the rows its pieces come in
-    (``ready.data``, {j: piece j of every device position's row, in turn}). Returns the bytes it received."""
-    width, received = rows.groups[0]["W"] // rows.k, 0
+    (``ready.data``, {j: piece j of every device position's row, in turn}). Returns (the bytes it
+    received, the first error it met making a row it sends, if any: it sent its idle row instead and
+    went on, for its partners wait in each round's collective -- the caller fails the rebuild
+    everywhere once the rounds are over)."""
+    width, received, error = rows.groups[0]["W"] // rows.k, 0, None
     for moves, sender in zip(rounds, senders):
         out = next((m for m in moves if m[0] == me), None)
         into = next((m for m in moves if m[1] == me), None)
-        if out is None:
-            row = ready.idle
-        elif out[4] is None:   # a holder's parity rows, each device position's in turn
-            row = _parity_rows_in(held, ready.sending[out[2:4]], width)
-        else:                  # the sum so far, XORed into this member's piece (each piece is in one chain)
-            row = np.bitwise_xor(ready.pieces[out[4]], ready.partial.pop(out[2:4]), out=ready.pieces[out[4]])
+        try:
+            if out is None:
+                row = ready.idle
+            elif out[4] is None:   # a holder's parity rows, each device position's in turn
+                row = _parity_rows_in(held, ready.sending[out[2:4]], width)
+            else:                  # the sum so far, XORed into this member's piece (each piece is in one chain)
+                row = np.bitwise_xor(ready.pieces[out[4]], ready.partial.pop(out[2:4]), out=ready.pieces[out[4]])
+        except Exception as exc:  # noqa: BLE001 - reported to every process after the rounds, then raised
+            error, row = error or exc, ready.idle
         got = sender(row)
         if into is None:
             continue
@@ -70,7 +76,7 @@ def exchange(rows: Rows, rounds: list, senders: list, me: int, held: dict, ready
             ready.data[into[3]] = got
         else:
             ready.partial[into[2:4]] = got
-    return received
+    return received, error
 
 
 def senders(rounds: list, size: int) -> list:
