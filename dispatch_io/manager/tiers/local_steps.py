@@ -91,7 +91,7 @@ def agreed(info: dict) -> bool:
 def agreed_steps(flags: dict[int, dict]) -> set:
     """The steps some process's info says the job agreed whole (``flags``: {process: {step:
     :func:`agreed`}}, gathered): what a restore and the job's listing count -- not a step some
-    process never committed (it died mid-save, after its replicas or parity went out), however
+    process never committed or reported (it died mid-save, after its replicas or parity went out), however
     much of it the others' directories hold; and one every process committed though a process
     died before its info said so (one process's word is the job's agreement). Retention counts
     every committed step."""
