@@ -57,10 +57,9 @@ def restore(runner, options: Options, path, target, *, partial: bool, cast: bool
 
 def verify(runner, options: Options, path) -> RestoreStats:
     """``Dispatcher.verify`` (see its doc)."""
-    held = step_files.local_held(path)   # one process's local tier step: its share is all it holds
+    held, rows = step_files.local_share(path)   # one process's local tier step: its share is all it holds
     items, stats = read_checkpoint(runner, options, "verify", path, _verify_work(options, path, held))
     stats = dataclasses.replace(stats, items_checked=items)
-    rows = step_files.local_parity(path) if held is not None else None
     if rows is None:
         return stats
     # Its parity rows too -- what rebuilds a lost peer's share -- all of them, by this process alone.

@@ -601,11 +601,11 @@ def test_a_local_steps_crafted_held_regions_are_our_one_line_error(tmp_path, hel
     info = tmp_path / "ckpt" / "info.json"
     info.write_text(json.dumps({"tier": "local", "process": 0, "held": held}))
     with pytest.raises(dio.CorruptCheckpointError, match="held regions are not what a local save records"):
-        step_files.local_held(path)
+        step_files.local_share(path)
     with dio.LocalDispatcher() as d, pytest.raises(dio.CorruptCheckpointError, match="malformed checkpoint"):
         d.verify(path)
     info.write_text(json.dumps({"tier": "local", "process": 0}))
-    assert step_files.local_held(path) is None
+    assert step_files.local_share(path) == (None, None)
 
 
 def test_the_link_check_passes_over_a_folder_a_commit_removes_while_it_walks(tmp_path, monkeypatch):

@@ -237,38 +237,30 @@ def verify_items(path, step: int | None = None) -> int:
     return len(files)
 
 
-def local_held(path) -> dict | None:
-    """{key path: [region, ...]} (a region: ((lo, hi), ...) per dimension) that the local tier's step
-    at ``path`` holds -- its process's share, which is all a verify of that one step can check --, or
-    None for any other checkpoint (no step info, a root step's, or a local one that records none).
-    Raises CorruptCheckpointError naming the path for a local step's info whose ``held`` is not what
-    a local save records."""
+def local_share(path) -> tuple[dict | None, str | None]:
+    """What a verify of the local tier's step at ``path`` checks, from its step info (read once):
+    ({key path: [region, ...]} (a region: ((lo, hi), ...) per dimension) that it holds -- its
+    process's share, which is all a verify of that one step can check --, the nested checkpoint of
+    its parity rows, ``<path>/parity``, if its info records parity and the rows committed). (None,
+    None) for any other checkpoint (no step info, a root step's) and for a local one that records
+    no regions (checked whole, as any checkpoint); the rows None where they never committed, or
+    were dropped once the step retired. Raises CorruptCheckpointError naming the path for a local
+    step's info whose ``held`` is not what a local save records."""
     location = Location.parse(path)
     local = _local_info(location.read_file(INFO) or b"")
-    if local is None:
-        return None
-    held = local.get("held")
-    if held is None:   # a local step that records no regions: checked whole, as any checkpoint
-        return None
+    if local is None or local.get("held") is None:
+        return None, None
     try:
-        return {keypath: [tuple((int(lo), int(hi)) for lo, hi in region) for region in regions]
-                for keypath, regions in held.items() if isinstance(keypath, str)}
+        held = {keypath: [tuple((int(lo), int(hi)) for lo, hi in region) for region in regions]
+                for keypath, regions in local["held"].items() if isinstance(keypath, str)}
     except (AttributeError, TypeError, ValueError) as exc:
         where = path if isinstance(path, str) else location.display
         raise CorruptCheckpointError(f"{where}: its info's held regions are not what a local save records "
                                      "(malformed checkpoint)", path=where) from exc
-
-
-def local_parity(path) -> str | None:
-    """The nested checkpoint of the parity rows of the local tier's step at ``path``
-    (``<path>/parity``) if its info records parity and the rows committed, else None (any other
-    checkpoint; a step whose rows never committed, or were dropped once it retired, claims none)."""
-    location = Location.parse(path)
-    local = _local_info(location.read_file(INFO) or b"")
-    if local is None or not isinstance(local.get("parity"), dict):
-        return None
+    if not isinstance(local.get("parity"), dict):
+        return held, None
     rows = f"{os.fspath(path).rstrip('/')}/{PARITY}"
-    return rows if Location.parse(rows).is_committed() else None
+    return held, (rows if Location.parse(rows).is_committed() else None)
 
 
 def _local_info(data: bytes) -> dict | None:
