@@ -217,18 +217,28 @@ def verify(path: str, budget_mib: int = 256, verbose: bool = False) -> int:
     """``Dispatcher.verify`` (a manager step's item files included): chunk by chunk, so memory stays within the budget whatever the
     checkpoint's size (progress on stderr when it is a terminal); ``verbose``: with the causes."""
     import dispatch_io as dio
+    from dispatch_io.storage import sealed
 
-    _open(path)  # an unusable path is exit status 2, before reading
+    try:
+        _open(path)  # an unusable path is exit status 2, before reading
+    except dio.CorruptCheckpointError as exc:
+        if not isinstance(exc.__cause__, sealed.BrokenSeal):
+            raise
+        return _unsound(path, exc, verbose)   # its manifest changed after it was written: corrupt, not foreign
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20) as dispatcher:
         try:
             stats = dispatcher.verify(path)
         except (dio.CorruptCheckpointError, dio.WorkerError, dio.CheckpointError) as exc:
-            print(f"dispatch-io verify: {path} is NOT sound: {exc}{_causes(exc) if verbose else ''}", file=sys.stderr)
-            return EXIT_UNSOUND
+            return _unsound(path, exc, verbose)
     what = "every stored byte read and its CRC-32C checked" if stats.verified else \
         "every stored byte read (saved without checksums: Options(checksums=True) adds them)"
     print(f"{path}: sound ({what}{f'; {stats.items_checked} item files checked' if stats.items_checked else ''})")
     return 0
+
+
+def _unsound(path: str, exc: BaseException, verbose: bool) -> int:
+    print(f"dispatch-io verify: {path} is NOT sound: {exc}{_causes(exc) if verbose else ''}", file=sys.stderr)
+    return EXIT_UNSOUND
 
 
 def bench(args: list[str]) -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 from typing import Any, Callable
 
@@ -41,7 +40,7 @@ from dispatch_io import tree as tree_lib
 from dispatch_io import validate
 from dispatch_io.errors import CheckpointError, TreeMismatchError
 from dispatch_io.plan.save_plan import Plan, native_order
-from dispatch_io.storage import ARRAYS, FORMAT
+from dispatch_io.storage import ARRAYS, FORMAT, sealed
 from dispatch_io.workers import LAYOUTS, ArraySpec, compression_codec, numpy_dtype, pack_spec, packed_leaf
 from dispatch_io.jax_compat import is_single_device_sharding
 
@@ -138,7 +137,7 @@ def build(plan: Plan, scalars: tuple, checksums: dict[int, int] | None = None, l
            "total_bytes": sum(spec.nbytes for spec in plan.leaves if spec.storage), "jax_version": jax.__version__}
     if increment is not None:
         _add_increment(doc, plan, increment.digests, increment.refs, increment.crcs)
-    return json.dumps(doc, separators=(",", ":")).encode()  # compact: C-encoded, 10x faster on 10k leaves
+    return sealed.dumps(doc)  # compact: C-encoded, 10x faster on 10k leaves; sealed: a flipped byte is caught
 
 
 def grid_key(grid) -> str:

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+from dispatch_io.storage import sealed
 import storage_helpers as sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +204,7 @@ def test_a_malformed_manifest_is_one_line_and_exit_2_everywhere(tmp_path, edit):
     path = tmp_path / "ckpt"
     with dio.LocalDispatcher(host_memory_budget=1 << 20) as d:
         d.save(path, {"w": np.arange(8.0), "v": np.arange(4.0), "s": 1}).wait(60)
-        doc = json.loads((path / "manifest.json").read_text())
+        doc = sealed.loads((path / "manifest.json").read_text())   # edited: unsealed, then checked
         (path / "manifest.json").write_text(json.dumps(edit(doc)))
         for call in (lambda: dio.metadata(path), lambda: d.restore(path), lambda: d.verify(path)):
             with pytest.raises(dio.CheckpointError, match="manifest"):

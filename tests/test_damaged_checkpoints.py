@@ -28,6 +28,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 import dispatch_io as dio  # noqa: E402
+from dispatch_io.storage import sealed
 from dispatch_io import cli  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DISPATCH_IO_FUZZ_EXAMPLES", "150"))
@@ -120,7 +121,7 @@ def apply(path, name, how):
     if kind == "json":
         _, pick, value, delete = how
         try:
-            doc = json.loads(data)
+            doc = sealed.loads(data)   # edited: written back unsealed, so what it says is what is checked
         except ValueError:
             doc = None
         if doc is not None:

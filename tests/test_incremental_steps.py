@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+from dispatch_io.storage import sealed
 from conftest import assert_trees_bit_equal
 from dispatch_io.errors import CorruptCheckpointError
 
@@ -122,7 +123,7 @@ def _saved_pair(tmp_path, mesh):
 
 
 def _edit(path, fn):
-    doc = json.loads(path.read_text())
+    doc = sealed.loads(path.read_text())   # edited: unsealed, as by hand
     fn(doc)
     path.write_text(json.dumps(doc))
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import dispatch_io as dio
+from dispatch_io.storage import sealed
 from conftest import FakeClock, assert_trees_bit_equal
 from dispatch_io import policies as P
 
@@ -78,7 +79,7 @@ def small_tree(step):
 
 def _edit_info(step_dir, **changes):
     path = step_dir / "info.json"
-    info = json.loads(path.read_bytes())
+    info = sealed.loads(path.read_bytes())   # edited: written back unsealed, as by hand
     for key, value in changes.items():
         if key == "items":
             info["items"].update(value)
@@ -115,7 +116,7 @@ def _root_with_info(root, craft):
     with dio.CheckpointManager(root) as mgr:
         mgr.save(1, small_tree(1)).wait()
     path = root / "1" / "info.json"
-    path.write_text(craft(json.loads(path.read_bytes())))
+    path.write_text(craft(sealed.loads(path.read_bytes())))
 
 
 ITEMS_DIFFER_JOB = r"""
@@ -180,7 +181,7 @@ def test_a_per_process_item_restored_by_another_process_count_names_both(tmp_pat
     with dio.CheckpointManager(tmp_path) as mgr:
         mgr.save(1, tree(1), items={"data": dio.PerProcess(b"x"), "cfg": dio.Json(1)})
     info_path = tmp_path / "1" / "info.json"
-    info = json.loads(info_path.read_bytes())
+    info = sealed.loads(info_path.read_bytes())   # edited: unsealed
     info["items"]["data"]["processes"] = info["processes"] = 4     # as a 4-process job would have written it
     info_path.write_text(json.dumps(info))
     with dio.CheckpointManager(tmp_path) as mgr:

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+from dispatch_io.storage import sealed
 import storage_helpers as sh
 from conftest import assert_trees_bit_equal
 from dispatch_io import cli
@@ -335,7 +336,7 @@ def test_a_manifest_whose_leaf_names_an_unknown_pack_is_malformed(tmp_path, mesh
     with dio.LocalDispatcher(host_memory_budget=8 << 20) as d:
         d.save(tmp_path / "ckpt", tree).wait()
         path = tmp_path / "ckpt" / "manifest.json"
-        doc = json.loads(path.read_text())
+        doc = sealed.loads(path.read_text())
         doc["packs"] = {}
         path.write_text(json.dumps(doc))
         with pytest.raises(dio.CorruptCheckpointError, match="malformed checkpoint"):

@@ -16,6 +16,7 @@ import signal
 
 import storage_helpers as sh
 from conftest import finish_job, kill_job, start_job, wait_for
+from dispatch_io.storage import sealed
 
 
 LIMIT = 90
@@ -304,7 +305,7 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path, cap
     # job's agreement, so its copy still counts (the restores below read it).
     path = tmp_path / "local" / "2" / "8" / "info.json"
     agreed = path.read_text()
-    path.write_text(json.dumps({**json.loads(agreed), "agreed": False, "copies": 1, "durability": "local"}))
+    path.write_text(json.dumps({**sealed.loads(agreed), "agreed": False, "copies": 1, "durability": "local"}))
     # A restart onto another mesh, (data=2, fsdp=4): each region is cut from two saved ones, all local.
     results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "reshard")))
     print("onto (data=2, fsdp=4), per process (step, exact, local, persistent, received):", results)

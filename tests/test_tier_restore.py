@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dispatch_io as dio
+from dispatch_io.storage import sealed
 import storage_helpers as sh
 from conftest import asked_tiers, filled, filled_target, one_leaf, same_leaf, train, train_one_leaf
 from dispatch_io import policies
@@ -51,7 +52,7 @@ def _train_0_2_4(tmp_path, state):
 
 def _edit_local_info(tmp_path, step, edit):
     path = tmp_path / "local" / "0" / str(step) / "info.json"
-    info = json.loads(path.read_text())
+    info = sealed.loads(path.read_text())   # edited: written back unsealed, as by hand
     edit(info)
     path.write_text(json.dumps(info))
 
@@ -434,7 +435,7 @@ def test_malformed_items_in_a_local_info_are_named_not_a_crash(tmp_path, items):
         mgr.wait()
         assert mgr.item(2, "d") == b"x"
     path = tmp_path / "local" / "0" / "2" / "info.json"
-    info = json.loads(path.read_text())
+    info = sealed.loads(path.read_text())
     path.write_text(json.dumps({**info, "items": items}))
     with manager() as mgr:
         for name in ("c", "d"):

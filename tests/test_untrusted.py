@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import dispatch_io as dio
 from dispatch_io import validate
+from dispatch_io.storage import sealed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_SECONDS = 5   # each refusal; the damage of the issue took > 100 s or GiBs before
@@ -33,7 +34,7 @@ def save(path, layout="ocdbt", **options):
 
 
 def edit_manifest(path, change):
-    doc = json.loads((path / "manifest.json").read_text())
+    doc = sealed.loads((path / "manifest.json").read_text())
     change(doc)
     (path / "manifest.json").write_text(json.dumps(doc))
 
@@ -437,11 +438,12 @@ _CLAIM = r"""
 import glob, json, pathlib, sys
 import numpy as np
 import dispatch_io as dio
+from dispatch_io.storage import sealed
 p = pathlib.Path(sys.argv[1])
 with dio.LocalDispatcher(host_memory_budget=1 << 20, layout="files") as d:
     d.save(p, {"w": np.arange(512 * 256, dtype=np.float32).reshape(512, 256)}).wait(60)
 shape = [1 << 19, 1 << 19]      # in the stored 512 x 256 chunks: 2^21 chunks (MAX_CHUNKS is 2^24), 1 TiB
-doc = json.loads((p / "manifest.json").read_text())
+doc = sealed.loads((p / "manifest.json").read_text())
 doc["leaves"][0]["shape"] = doc["leaves"][0]["stored"]["shape"] = shape
 doc["total_bytes"] = shape[0] * shape[1] * 4
 (p / "manifest.json").write_text(json.dumps(doc))
@@ -541,7 +543,7 @@ def test_a_leaf_naming_another_leafs_stored_array_is_malformed_at_open(tmp_path)
     with dio.LocalDispatcher() as d:
         d.save(path, {"v": np.ones((512, 256), np.float32),
                       "w": np.arange(512 * 256, dtype=np.float32).reshape(512, 256)}).wait(60)
-    doc = json.loads((path / "manifest.json").read_text())
+    doc = sealed.loads((path / "manifest.json").read_text())
     v, w = (next(e for e in doc["leaves"] if e["keypath"] == k) for k in ("['v']", "['w']"))
     w["stored"]["name"] = v["stored"]["name"]
     w["shape"] = w["stored"]["shape"] = [1 << 19, 1 << 19]
@@ -562,7 +564,7 @@ def test_a_zero_size_leaf_with_huge_other_dims_is_malformed(tmp_path):
     path = tmp_path / "ckpt"
     with dio.LocalDispatcher() as d:
         d.save(path, {"n": np.zeros((0, 4)), "w": np.arange(4.0)}).wait(60)
-    doc = json.loads((path / "manifest.json").read_text())
+    doc = sealed.loads((path / "manifest.json").read_text())
     entry = next(e for e in doc["leaves"] if e["keypath"] == "['n']")
     entry["shape"] = [0, 1 << 62, 1 << 62]
     (path / "manifest.json").write_text(json.dumps(doc))
@@ -581,8 +583,7 @@ def test_an_int_scalar_of_infinity_or_nan_is_malformed(tmp_path, value):
     path = tmp_path / "ckpt"
     with dio.LocalDispatcher() as d:
         d.save(path, {"s": 3, "w": np.arange(3.0)}).wait(60)
-    text = (path / "manifest.json").read_text()
-    doc = json.loads(text)
+    doc = sealed.loads((path / "manifest.json").read_text())
     next(e for e in doc["leaves"] if e["keypath"] == "['s']")["value"] = {"type": "int", "value": "@@"}
     (path / "manifest.json").write_text(json.dumps(doc).replace('"@@"', value))
     with pytest.raises(dio.CorruptCheckpointError, match="malformed checkpoint"):

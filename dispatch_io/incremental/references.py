@@ -21,16 +21,15 @@ from there; anything wrong is a ``CorruptCheckpointError`` naming the key path.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.manifest import REFERENCES, parse_grid
-from dispatch_io.errors import CheckpointError
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError
 from dispatch_io.validate import malformed
 from dispatch_io.workers import brief_error, numpy_dtype
-from dispatch_io.storage import MANIFEST, Location, Marker
+from dispatch_io.storage import MANIFEST, Location, Marker, sealed
 
 RETAINED = "RETAINED"     # a step retention dropped whose bytes kept steps still reference (manager)
 _STEP = re.compile(r"^(0|[1-9][0-9]*)\Z")
@@ -93,7 +92,9 @@ def read_doc(location: Location, where: str) -> dict:
     if raw is None:
         raise CheckpointError(f"{where}: no {MANIFEST}")
     try:
-        return json.loads(raw)
+        return sealed.loads(raw)
+    except sealed.BrokenSeal as exc:
+        raise CorruptCheckpointError(f"{where}: malformed checkpoint: its {MANIFEST} {exc}", path=where) from exc
     except ValueError as exc:
         raise CheckpointError(f"{where}: {MANIFEST} is not JSON: {exc}") from exc
 

@@ -20,7 +20,6 @@ references or stores, and the newest step is always kept, so no save in flight l
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from typing import Callable, Sequence
@@ -29,7 +28,7 @@ import tensorstore as ts
 from absl import logging
 
 from dispatch_io.incremental import references
-from dispatch_io.storage import COMMITTED, MANIFEST, STEP, DirectoryRoot, Location, StepRoot
+from dispatch_io.storage import COMMITTED, MANIFEST, STEP, DirectoryRoot, Location, StepRoot, sealed
 
 
 def referenced(root: StepRoot, steps: Sequence[int]) -> set[int]:
@@ -39,7 +38,7 @@ def referenced(root: StepRoot, steps: Sequence[int]) -> set[int]:
     for step in steps:
         location = Location.parse(root.step_path(step))
         try:
-            found.update(int(r["step"]) for r in json.loads(location.read_file(MANIFEST) or b"{}").get(
+            found.update(int(r["step"]) for r in sealed.loads(location.read_file(MANIFEST) or b"{}").get(
                 references.REFERENCES, []))
         except (ValueError, TypeError, KeyError, OSError) as exc:
             logging.warning("dispatch_io: the references of step %d under %s cannot be read: %s", step, root.display, exc)

@@ -108,6 +108,8 @@ class StepReads:
         items too (``root_steps.verify_items``; a local step's: this process's copy's)."""
         self._check_usable("restore")
         placement.check_durability(durability)
+        if self.local is not None:
+            self.local.restoring()
         if self.local is not None and item is None and (target is not None or step is None):
             persistent = self.persistent_steps()
             tree, self.last_tier_restore = self.local.restore(

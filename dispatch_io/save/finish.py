@@ -8,11 +8,10 @@ commit object (``multihost.commit``), in the order that module gives: agree, com
 
 from __future__ import annotations
 
-import json
 
 from dispatch_io import collector
 from dispatch_io import manifest as manifest_lib
-from dispatch_io.storage import INFO
+from dispatch_io.storage import INFO, sealed
 from dispatch_io.save.job import SaveJob
 from dispatch_io.workers import IOSettings, finish_arrays
 
@@ -50,4 +49,4 @@ def _info_files(job: SaveJob, arrays: str) -> dict[str, bytes] | None:
     if info is None:
         return None
     stamped = {**info, "committed": job.attachments.clock(), "arrays": arrays}
-    return {INFO: json.dumps(stamped, allow_nan=False).encode()}
+    return {INFO: sealed.dumps(stamped, allow_nan=False)}

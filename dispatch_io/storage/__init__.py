@@ -33,7 +33,8 @@ from typing import Mapping
 
 import tensorstore as ts
 
-from dispatch_io.errors import CheckpointError
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from dispatch_io.storage import sealed
 
 # The keys of a checkpoint (relative to its path). ARRAYS is the default folder of the arrays (a
 # manifest names another one when a save wrote its arrays elsewhere).
@@ -48,6 +49,20 @@ INFO = "info.json"         # optional: what a save attached for tools (a manager
 PARITY = "parity"          # a local tier's step: the nested checkpoint of its process's parity rows
 
 STEP = re.compile(r"^(0|[1-9][0-9]*)\Z")   # the name of a manager's step: a number, no leading zeros
+
+
+def manifest_doc(data: bytes, display: str) -> dict:
+    """The manifest in ``data`` (a committed checkpoint's :data:`MANIFEST` at ``display``), its
+    seal checked (:mod:`~dispatch_io.storage.sealed`), parsed, not yet validated (manifest.py).
+    Raises CorruptCheckpointError if it changed after it was written, IncompleteCheckpointError if
+    it is not JSON (a save that did not finish writing it)."""
+    try:
+        return sealed.loads(data)
+    except sealed.BrokenSeal as exc:
+        raise CorruptCheckpointError(f"{display}: malformed checkpoint: its {MANIFEST} {exc}", path=display) from exc
+    except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+        raise IncompleteCheckpointError(f"{display} is marked committed but its {MANIFEST} "
+                                        f"cannot be read: {exc}") from exc
 
 
 class WriteTarget:

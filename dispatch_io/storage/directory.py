@@ -12,7 +12,6 @@ only when provably ours and dead.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ from absl import logging
 
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.storage import (ARRAYS, COMMITTED, FORMAT, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING, JoinedWrite,
-                                 Location, StepRoot, WriteTarget)
+                                 Location, StepRoot, WriteTarget, manifest_doc)
 from dispatch_io.storage.markers import Marker
 
 
@@ -176,11 +175,7 @@ class DirectoryLocation(Location):
         except OSError as exc:
             raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
                                             f"cannot be read: {exc}") from exc
-        try:
-            return json.loads(data)
-        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
-            raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
-                                            f"cannot be read: {exc}") from exc
+        return manifest_doc(data, self.display)
 
     def links_outside(self) -> list[str]:
         """The symbolic links in the checkpoint that lead outside it (or nowhere), as paths

@@ -9,7 +9,6 @@ a dispatch_io save writes are ever deleted, and only under a marker of ours.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Mapping
@@ -19,7 +18,7 @@ from absl import logging
 
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from dispatch_io.storage import (ARRAYS, COMMITTED, DELETING, INFO, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING,
-                                 JoinedWrite, Location, StepRoot, WriteTarget)
+                                 JoinedWrite, Location, StepRoot, WriteTarget, manifest_doc)
 from dispatch_io.storage.markers import LIVE, Marker
 from dispatch_io.workers import brief_error, deadlines, shared_context
 
@@ -186,11 +185,7 @@ class KvLocation(Location):
             raise CorruptCheckpointError(f"{self.display}: malformed checkpoint: its {MANIFEST} {exc}",
                                          path=self.display) from None
         self.check_commit_marker(marker)  # not a manifest an overwrite wrote meanwhile
-        try:
-            return json.loads(manifest)
-        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
-            raise IncompleteCheckpointError(f"{self.display} is marked committed but its {MANIFEST} "
-                                            f"cannot be read: {exc}") from exc
+        return manifest_doc(manifest, self.display)
 
     def start_write(self, overwrite: bool) -> "KvWrite":
         """Like a directory: a committed checkpoint is replaced only with ``overwrite``, what a

@@ -40,7 +40,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError
-from dispatch_io.storage import ARRAYS, INFO, PARITY, Location
+from dispatch_io.storage import ARRAYS, INFO, PARITY, Location, sealed
 from dispatch_io.workers import crc32c
 
 FORMAT, VERSION = "dispatch_io.step", 1
@@ -91,7 +91,7 @@ def parse(data: bytes | None, step: int | None, where: str) -> StepInfo:
     if data is None:
         return StepInfo(step)
     try:
-        info = json.loads(data)
+        info = _load(data, where)
         ok = (isinstance(info, dict) and info.get("format") == FORMAT and info.get("version") == VERSION
               and isinstance(info.get("metrics"), dict) and items_ok(info.get("items"))
               and all(v is None or finite(v) for v in info["metrics"].values())
@@ -218,7 +218,7 @@ def verify_items(path, step: int | None = None) -> int:
     data = location.read_file(INFO)
     if data is None:
         return 0
-    local = _local_info(data)
+    local = _local_info(data, where)
     if local is None:
         info = parse(data, step, where)
         files = [(name, entry, process, entry.get("processes", 1)) for name, entry in info.item_entries.items()
@@ -247,14 +247,14 @@ def local_share(path) -> tuple[dict | None, str | None]:
     were dropped once the step retired. Raises CorruptCheckpointError naming the path for a local
     step's info whose ``held`` is not what a local save records."""
     location = Location.parse(path)
-    local = _local_info(location.read_file(INFO) or b"")
+    where = path if isinstance(path, str) else location.display
+    local = _local_info(location.read_file(INFO) or b"", where)
     if local is None or local.get("held") is None:
         return None, None
     try:
         held = {keypath: [tuple((int(lo), int(hi)) for lo, hi in region) for region in regions]
                 for keypath, regions in local["held"].items() if isinstance(keypath, str)}
     except (AttributeError, TypeError, ValueError) as exc:
-        where = path if isinstance(path, str) else location.display
         raise CorruptCheckpointError(f"{where}: its info's held regions are not what a local save records "
                                      "(malformed checkpoint)", path=where) from exc
     if not isinstance(local.get("parity"), dict):
@@ -263,11 +263,21 @@ def local_share(path) -> tuple[dict | None, str | None]:
     return held, (rows if Location.parse(rows).is_committed() else None)
 
 
-def _local_info(data: bytes) -> dict | None:
+def _local_info(data: bytes, where: str) -> dict | None:
     """The info of a local tier's step (``"tier": "local"``) in ``data``, or None for any other
-    (a root step's, checked by :func:`parse`)."""
+    (a root step's, checked by :func:`parse`). CorruptCheckpointError as :func:`_load`."""
     try:
-        info = json.loads(data)
+        info = _load(data, where)
     except (ValueError, RecursionError):
         return None
     return info if isinstance(info, dict) and info.get("tier") == "local" else None
+
+
+def _load(data: bytes, where: str):
+    """The JSON document in ``data``, a step's info, its seal checked (:mod:`~dispatch_io.storage.sealed`).
+    Raises CorruptCheckpointError naming ``where`` if it changed after it was written (a flipped
+    byte), ValueError if it is not JSON."""
+    try:
+        return sealed.loads(data)
+    except sealed.BrokenSeal as exc:
+        raise CorruptCheckpointError(f"{where}: malformed checkpoint: its {INFO} {exc}", path=where) from exc

@@ -12,11 +12,11 @@ to a byte range of a data file ``arrays/<base><file>`` (``<base>`` is a writer's
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 
 import tensorstore as ts
+from dispatch_io.storage import sealed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +40,9 @@ class StoredValue:
 
 
 def manifest(path) -> dict:
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
+    """The checkpoint's manifest, its seal taken out (an edited one is written back unsealed)."""
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        return sealed.loads(f.read())
 
 
 def layout(path) -> str:

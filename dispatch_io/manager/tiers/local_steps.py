@@ -13,7 +13,6 @@ root and infos; what the job agrees about its local steps is ``job_steps``).
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import logging
@@ -25,7 +24,7 @@ from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager import step_policies
 from dispatch_io.manifest import ARRAYS
-from dispatch_io.storage import INFO, MAX_MANIFEST_BYTES, Location, StepRoot
+from dispatch_io.storage import INFO, MAX_MANIFEST_BYTES, Location, StepRoot, sealed
 from dispatch_io.storage.directory import read_regular
 
 
@@ -40,7 +39,7 @@ def read_info(root: StepRoot, step: int) -> dict | None:
     local step's: the step is then lost to this process, as a wiped one is."""
     path = os.path.join(root.step_path(step), INFO)
     try:  # through the storage's bounded read: a FIFO or /dev/zero there never hangs the restore
-        info = json.loads(read_regular(path, MAX_MANIFEST_BYTES))
+        info = sealed.loads(read_regular(path, MAX_MANIFEST_BYTES))
     except (OSError, ValueError, RecursionError) as exc:
         logging.warning("dispatch_io: the local step %s is not used (its info cannot be read: %s)", path, exc)
         return None
@@ -161,12 +160,12 @@ def update_info(root: StepRoot, step: int, fields: dict):
     more than its own commit proves. Written beside it and renamed over it, so a crash leaves the
     old info or the new one, never a torn one."""
     path = os.path.join(root.step_path(step), INFO)
-    with open(path) as f:
-        info = json.load(f)
+    with open(path, "rb") as f:
+        info = sealed.loads(f.read())
     info.update(fields)
     writing = path + ".writing"
-    with open(writing, "w") as f:
-        json.dump(info, f, allow_nan=False)
+    with open(writing, "wb") as f:
+        f.write(sealed.dumps(info, allow_nan=False))
         f.flush()
         os.fsync(f.fileno())
     os.replace(writing, path)

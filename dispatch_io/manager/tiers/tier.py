@@ -335,6 +335,13 @@ class LocalTiers:
         was whole anywhere, the job starts afresh."""
         self._last_step, self._afresh = step, step is None
         self._resumed_at = -1 if step is None else step   # the first save then drops the local steps after it
+
+    def restoring(self):
+        """A restore begins (every process together, through the tiers or from the root): local
+        saves after it are of a new history, whose agreements (``SaveAgreement``) are asked afresh
+        -- a step saved again after a rollback is not answered by its first save's. First thing,
+        before anything that may fail: every process then counts the same histories, whatever the
+        restore raises on which of them."""
         self._agreement.next_history()
 
     def drop_from(self, step: int):
