@@ -253,3 +253,23 @@ def test_replica_variants_keep_the_rule_for_any_domains():
             assert min(spans) >= min(least) and sum(spans) >= sum(least), (domains, replicas, orders)
         for p in range(n):
             assert len({orders[0][p] for orders in variants}) == len(variants), (domains, variants)
+
+
+def test_at_scale_a_lost_share_is_read_by_four_holders_and_parity_reads_one_kth_more():
+    """benchmarks/tier_scale.py on the real planners (``leaf_plans``, ``parity_plan.transfers``): with
+    replicas=1 a lost process's share is spread over the holders the failure-domain rule allows (2 for
+    two hosts of two processes, 4 -- SPREAD -- from 16 processes on, even for one giant leaf), so the
+    busiest holder reads 1.5 then 1.25 shares; with parity=k every survivor reads at most 1 + 1/k."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "tier_scale.py")
+    spec = importlib.util.spec_from_file_location("tier_scale", path)
+    scale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale)
+    for hosts, per_host, holders in ((2, 2, 2), (2, 8, 4), (32, 8, 4)):
+        domains = [p // per_host for p in range(hosts * per_host)]
+        for sizes in scale.states().values():
+            found = scale.replicas(domains, 8, sizes)
+            assert (found["holders"], found["read"]) == (holders, 1 + 1 / holders), (hosts, per_host, found)
+        for k in (2, 3):
+            assert scale.parity(domains, k)["read"] == pytest.approx(1 + 1 / k)

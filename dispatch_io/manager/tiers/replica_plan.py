@@ -140,6 +140,18 @@ def by_place(variant: int, allowed: Sequence[int], places: int) -> tuple[int, ..
     return tuple(allowed[(start + i) % len(allowed)] for i in range(places))
 
 
+def leaf_plans(shares: Sequence[Mapping[int, int]], allowed: Sequence[Sequence[int]], splittable: Sequence[bool],
+               places: int) -> list[tuple[int, ...]]:
+    """The variant each device place sends each leaf by: :func:`assign_variants` gives each leaf
+    one (``shares``, ``allowed`` as there), :func:`by_place` splits it among ``places`` places
+    where ``splittable[i]`` (its regions may go by different variants); else every place takes
+    the leaf's. What ``replicas.send`` moves, and what ``benchmarks/tier_scale.py`` plans for a
+    thousand processes."""
+    chosen = assign_variants(shares, allowed)
+    return [by_place(v, options, places) if split else (v,) * places
+            for v, options, split in zip(chosen, allowed, splittable)]
+
+
 def replicas_needed(holders: Sequence[set], orders: Sequence[tuple[int, ...]], replicas: int,
                     domains: Sequence | None = None) -> int:
     """How many of ``orders`` (:func:`replica_orders`), taken in turn, a leaf whose regions are

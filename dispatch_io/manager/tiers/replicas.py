@@ -132,12 +132,10 @@ def send(tree, variants: list[tuple], replicas: int, domains,
         if min(needed):
             packed = packed_rows.leaf(keypath, leaf, min(needed))
             found.append((keypath, packed, [v for v, n in enumerate(needed) if n == packed.needed], _shares(packed)))
-    chosen = replica_plan.assign_variants([shares for *_, shares in found], [allowed for _, _, allowed, _ in found])
     devices = sorted(jax.devices(), key=lambda d: d.id)
     place = {d: i for held in packed_rows.by_process(devices).values() for i, d in enumerate(held)}
-    places = max(place.values(), default=-1) + 1
-    plans = [replica_plan.by_place(v, allowed, places) if _by_place(leaf, place) else (v,) * places
-             for (_, leaf, allowed, _), v in zip(found, chosen)]
+    plans = replica_plan.leaf_plans([shares for *_, shares in found], [allowed for _, _, allowed, _ in found],
+                                    [_by_place(leaf, place) for _, leaf, _, _ in found], max(place.values(), default=-1) + 1)
     moves = {keypath: {region[:leaf.ndim]: variants[plan[place[d]]][:leaf.needed] for d, region in leaf.places.items()}
              for (keypath, leaf, _, _), plan in zip(found, plans)}
     copies = collections.defaultdict(list)
