@@ -222,7 +222,7 @@ def verify(path: str, budget_mib: int = 256, verbose: bool = False) -> int:
     try:
         _open(path)  # an unusable path is exit status 2, before reading
     except dio.CorruptCheckpointError as exc:
-        if not isinstance(exc.__cause__, sealed.BrokenSeal):
+        if not sealed.broken(exc):
             raise
         return _unsound(path, exc, verbose)   # its manifest changed after it was written: corrupt, not foreign
     with dio.LocalDispatcher(host_memory_budget=budget_mib << 20) as dispatcher:

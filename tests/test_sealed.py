@@ -121,3 +121,40 @@ def test_a_flipped_byte_in_a_root_steps_info_names_the_step(tmp_path):
     with dio.CheckpointManager(tmp_path) as mgr:
         with pytest.raises(dio.CorruptCheckpointError, match=r"3: malformed checkpoint: its info.json does not match"):
             mgr.step_info(3)
+
+
+def test_retention_keeps_what_a_step_with_a_broken_seal_may_reference(tmp_path, capsys):
+    """An incremental step whose manifest fails its seal may still reference any older step: retention
+    keeps them aside (retired) instead of deleting them, so the step can be mended (here: its flipped
+    bit set back and the seal dropped) and restored. Before, its references counted as none and the
+    step it stored its unchanged chunks in was deleted. ``dispatch-io verify`` of the referencing step
+    says NOT sound (exit 1), not "unusable", while the seal is broken."""
+    n = 1 << 16
+    a = np.arange(n, dtype=np.float64)
+    with dio.CheckpointManager(tmp_path, incremental=True, keep_policy=P.LatestN(2)) as mgr:
+        mgr.save(1, {"a": a, "b": np.ones(n)}).wait()
+        mgr.save(2, {"a": a, "b": np.zeros(n)}).wait()            # "a" unchanged: referenced from step 1
+        manifest = tmp_path / "2" / "manifest.json"
+        flip(manifest, b'"jax_version":"', len(b'"jax_version":"'))
+        capsys.readouterr()
+        assert cli.main(["verify", str(tmp_path / "2")]) == 1
+        mgr.save(3, {"a": -a, "b": np.full(n, 7.0)}).wait()       # drops step 1 from the kept two
+        mgr.wait()
+    assert os.path.isdir(tmp_path / "1"), sorted(os.listdir(tmp_path))
+    flip(manifest, b'"jax_version":"', len(b'"jax_version":"'))   # mended by hand
+    doc = sealed.loads(manifest.read_bytes())
+    manifest.write_text(json.dumps(doc))
+    with dio.CheckpointManager(tmp_path) as mgr:
+        assert np.asarray(mgr.restore(2)["a"]).tobytes() == a.tobytes()
+
+
+def test_keys_alike_as_json_strings_are_refused_at_save_not_sealed_unreadable(tmp_path):
+    """``{1: ..., "1": ...}`` is written by JSON as two members of one name and read back as one: a
+    sealed document holding it could never be read. The save refuses such metadata up front."""
+    with dio.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ValueError, match="alike as JSON strings"):
+            mgr.save(1, {"w": np.ones(4)}, metadata={1: "one", "1": "uno"})
+        mgr.save(2, {"w": np.ones(4)}, metadata={1: "one"}).wait()
+        assert mgr.step_info(2).metadata == {"1": "one"}
+    with pytest.raises(ValueError, match="alike as JSON strings"):
+        sealed.dumps({"m": {1: 2, "1": 3}})

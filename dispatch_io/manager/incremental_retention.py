@@ -31,9 +31,10 @@ from dispatch_io.incremental import references
 from dispatch_io.storage import COMMITTED, MANIFEST, STEP, DirectoryRoot, Location, StepRoot, sealed
 
 
-def referenced(root: StepRoot, steps: Sequence[int]) -> set[int]:
-    """The steps that the ``steps`` of ``root`` reference (their manifests' ``references``); a
-    manifest that cannot be read references nothing here (logged)."""
+def referenced(root: StepRoot, steps: Sequence[int]) -> set[int] | None:
+    """The steps that the ``steps`` of ``root`` reference (their manifests' ``references``); None
+    if a manifest cannot be read (logged): it may reference any step (a flipped byte fails its
+    seal, and the step can still be mended), so nothing may be deleted."""
     found = set()
     for step in steps:
         location = Location.parse(root.step_path(step))
@@ -41,7 +42,9 @@ def referenced(root: StepRoot, steps: Sequence[int]) -> set[int]:
             found.update(int(r["step"]) for r in sealed.loads(location.read_file(MANIFEST) or b"{}").get(
                 references.REFERENCES, []))
         except (ValueError, TypeError, KeyError, OSError) as exc:
-            logging.warning("dispatch_io: the references of step %d under %s cannot be read: %s", step, root.display, exc)
+            logging.warning("dispatch_io: the references of step %d under %s cannot be read (%s): the steps "
+                            "retention drops are kept aside (retired), none deleted", step, root.display, exc)
+            return None
     return found
 
 
@@ -91,12 +94,13 @@ def delete_retired(root: StepRoot, step: int):
 def apply(root: StepRoot, committed: Sequence[int], dropped: Sequence[int], on_gone: Callable[[int], None]):
     """Carry out retention's decision on ``root``: of its ``committed`` steps (ours), ``dropped``
     go, ``on_gone(step)`` called after each. Dropped steps a kept step references are retired
-    rather than deleted; retired steps no kept step references any more are deleted."""
+    rather than deleted; retired steps no kept step references any more are deleted. If a kept
+    step's references cannot be read, every dropped step is retired and none deleted."""
     kept = sorted(set(committed) - set(dropped))
     live = referenced(root, kept)
     for step in dropped:
-        retire(root, step) if step in live else root.delete(step)
+        retire(root, step) if live is None or step in live else root.delete(step)
         on_gone(step)
-    for step in retired_steps(root):
+    for step in retired_steps(root) if live is not None else ():
         if step not in live:
             delete_retired(root, step)

@@ -16,7 +16,6 @@ existed, has none: its :class:`StepInfo` is empty but for the step.
 
 from __future__ import annotations
 
-import json
 import numbers
 from typing import Mapping
 
@@ -24,6 +23,7 @@ import numpy as np
 
 # Reading step info is the storage's (a verify below the manager checks a step's items too).
 from dispatch_io.storage.step_files import FORMAT, VERSION, StepInfo, finite, items_ok, parse  # noqa: F401
+from dispatch_io.storage import sealed
 
 
 def _number(name: str, value) -> float | None:
@@ -68,7 +68,7 @@ def make(step: int, started: float, metrics: Mapping, metadata, items: Mapping, 
     """The step info to attach to a save (``"committed"`` and ``"arrays"`` are added by the
     commit). ``ValueError`` if ``metadata`` is not JSON."""
     try:
-        json.dumps(metadata, allow_nan=False)
+        sealed.exact(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"metadata must be a JSON value: {exc}") from None
     entries = {name: ({**entry, "processes": processes} if entry["kind"] == "per_process" else dict(entry))

@@ -33,17 +33,37 @@ class BrokenSeal(ValueError):
     """A sealed document whose content no longer matches its CRC-32C (a flipped byte, an edit)."""
 
 
+def broken(exc: BaseException) -> bool:
+    """Whether ``exc`` was caused, at any depth of its chain, by a :class:`BrokenSeal`: the
+    checkpoint (or one it references) was damaged after it was written, not foreign or unfinished."""
+    while exc is not None:
+        if isinstance(exc, BrokenSeal):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def _body(doc: dict, allow_nan: bool = True) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=allow_nan).encode()
 
 
+def exact(value, allow_nan: bool = True) -> bytes:
+    """``value`` as compact JSON, which must read back as itself: ValueError if two of its keys are
+    alike as JSON strings (``1`` and ``"1"``: JSON keeps one, so the document could never be read
+    back, nor its seal match), or for a NaN or infinity with ``allow_nan=False``; TypeError for a
+    value JSON cannot hold (as ``json.dumps``)."""
+    body = _body(value, allow_nan)
+    if _body(json.loads(body)) != body:
+        raise ValueError("two of its keys are alike as JSON strings (e.g. 1 and '1'): one would be lost")
+    return body
+
+
 def dumps(doc: dict, *, allow_nan: bool = True) -> bytes:
     """``doc`` (a dict whose keys are strings, none of them :data:`SEAL`) as compact JSON with its
-    seal as the last member. ValueError for a NaN or infinity with ``allow_nan=False``, TypeError
-    for a value JSON cannot hold (as ``json.dumps``)."""
+    seal as the last member. ValueError, TypeError as :func:`exact`."""
     if SEAL in doc:
         raise ValueError(f"a document to seal must not have a {SEAL!r} member of its own")
-    body = _body(doc, allow_nan)
+    body = exact(doc, allow_nan)
     seal = f'"{SEAL}":"{google_crc32c.value(body):08x}"}}'.encode()
     return body[:-1] + (b"," if doc else b"") + seal
 

@@ -341,7 +341,12 @@ class LocalTiers:
         saves after it are of a new history, whose agreements (``SaveAgreement``) are asked afresh
         -- a step saved again after a rollback is not answered by its first save's. First thing,
         before anything that may fail: every process then counts the same histories, whatever the
-        restore raises on which of them."""
+        restore raises on which of them -- and after the local save in flight agreed (its keys are of
+        the history it was saved in; its failure is still raised by :meth:`wait`)."""
+        with self._lock:
+            pending = self._in_flight
+        if pending is not None:
+            concurrent.futures.wait([pending])
         self._agreement.next_history()
 
     def drop_from(self, step: int):
