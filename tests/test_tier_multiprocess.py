@@ -307,7 +307,8 @@ def test_pure_fsdp_state_survives_a_lost_host_through_its_replicas(tmp_path, cap
     agreed = path.read_text()
     path.write_text(json.dumps({**sealed.loads(agreed), "agreed": False, "copies": 1, "durability": "local"}))
     # A restart onto another mesh, (data=2, fsdp=4): each region is cut from two saved ones, all local.
-    results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "reshard")))
+    # It requires durability "replicated": the infos that say agreed count, not process 2's "local".
+    results = _resumed_fsdp(finish_job(_start_fsdp(root, local, "reshard", {"DIO_TEST_DURABILITY": "replicated"})))
     print("onto (data=2, fsdp=4), per process (step, exact, local, persistent, received):", results)
     assert all(r[:2] == (8, True) and r[3] == 0 for r in results), results
     assert results[2][2] > 0, results   # process 2's copy read

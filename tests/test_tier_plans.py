@@ -111,6 +111,11 @@ def test_whole_steps_are_those_every_region_of_which_some_process_holds():
     assert placement.whole_steps({0: {4: {**half(0, 8), "shapes": {"w": ["8", 4]}}}}, [1]) == {1: "persisted"}
     copied = {p: {4: {**half(0, 8), "copies": n}} for p, n in ((0, 2), (1, 3))}   # the fewest copies recorded
     assert placement.whole_steps(copied, []) == {4: "replicated 2"}
+    # A process that died between the job's agreement and its info's rewrite still says one copy, not
+    # agreed: the infos that say agreed record what the job reached, and they count.
+    late = {0: {4: {**half(0, 8), "copies": 2, "agreed": True}}, 1: {4: {**half(0, 8), "copies": 1, "agreed": False}}}
+    assert placement.whole_steps(late, []) == {4: "replicated 2"}
+    assert placement.agreed_reports({0: {"copies": 1, "agreed": False}}) == [{"copies": 1, "agreed": False}]
 
 
 @pytest.mark.parametrize("domains, expected", [

@@ -100,6 +100,15 @@ def copies_of(info: Mapping) -> int:
     return 2 if copies < 2 and parity else copies
 
 
+def agreed_reports(by_process: Mapping[int, Mapping]) -> list:
+    """The reports of one step (``{process: report}``, each with its info's ``"agreed"``) whose
+    durability counts: those whose info says the job agreed the step (each records what the job
+    reached, rewritten after the agreement); all of them if none does. A process that died between
+    the agreement and its rewrite still says one copy, ``"local"``: it must not understate the step."""
+    agreed = [r for r in by_process.values() if r.get("agreed", True) is True]
+    return agreed or list(by_process.values())
+
+
 def check_durability(require) -> str:
     """``require`` if it is one of :data:`DURABILITY`; ValueError naming them otherwise."""
     if require not in DURABILITY:
@@ -263,8 +272,9 @@ def whole_steps(reports: Mapping[int, Mapping[int, Mapping]], persistent_steps) 
         if all(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) for shape in shapes.values()) \
                 and all(_cover(tuple((0, n) for n in shape), {p: h.get(keypath, ()) for p, h in held.items()})
                         for keypath, shape in shapes.items()):
-            copies = [r.get("copies") for r in by_process.values()]
-            parity = [r.get("parity") if r.get("committed", True) else None for r in by_process.values()]
+            counted = agreed_reports(by_process)
+            copies = [r.get("copies") for r in counted]
+            parity = [r.get("parity") if r.get("committed", True) else None for r in counted]
             steps[step] = durability(min((c for c in copies if type(c) is int), default=None)
                                      if all(type(c) is int for c in copies) else None, False,
                                      parity[0].get("k") if all(isinstance(x, Mapping) for x in parity) else None)

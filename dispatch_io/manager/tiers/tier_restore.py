@@ -91,7 +91,8 @@ class TierRestore:
         gathered = _gather(room, "held", self.process, {"held": held, "copies": copies, "parity": parity, "agreed": {
             str(s): local_steps.agreed(info) for s, info in infos.items()}})
         agreed = local_steps.agreed_steps({p: r["agreed"] for p, r in gathered.items()})   # the others: not whole
-        gathered = {p: {key: {s: v for s, v in r[key].items() if s in agreed} for key in ("held", "copies", "parity")}
+        gathered = {p: {key: {s: v for s, v in r[key].items() if s in agreed} for key in ("held", "copies", "parity",
+                                                                                           "agreed")}
                     for p, r in gathered.items()}
         reports = {p: {int(s): placement.as_regions(h) for s, h in r["held"].items()} for p, r in gathered.items()}
         self._lost, self._sections = rebuild.augment(gathered, reports, self.count)   # what parity rebuilds
@@ -99,10 +100,11 @@ class TierRestore:
             persistent_steps, saved_as = room.from_leader("persistent"), room.from_leader("saved_as")
         if saved_as is None:
             saved_as = self._saved_keypaths(target, names, newest, persistent_steps, persistent_path)
-        recorded: dict[int, int] = {}   # the fewest copies any process's info records for each step
-        for r in gathered.values():
-            for s, n in r["copies"].items():
-                recorded[int(s)] = min(n, recorded.get(int(s), n))
+        recorded: dict[int, int] = {}   # the fewest copies the infos that count record for each step
+        for s in agreed:
+            counted = placement.agreed_reports({p: {"copies": r["copies"][s], "agreed": r["agreed"][s]}
+                                                for p, r in gathered.items() if s in r["copies"]})
+            recorded[int(s)] = min(r["copies"] for r in counted)
         candidates = placement.eligible(durability, persistent_steps, recorded)
         if step is not None:
             candidates &= {step}
