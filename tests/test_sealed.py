@@ -87,6 +87,12 @@ def test_a_flipped_byte_in_the_manifest_is_never_restored(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["verify", path]) == 1
     assert "does not match its own CRC-32C" in capsys.readouterr().err
+    flip(os.path.join(path, "manifest.json"), b'"hdllo"', 2)    # mended; now a flip that breaks the JSON itself
+    flip(os.path.join(path, "manifest.json"), b'"total_bytes":', len(b'"total_bytes":') - 1)   # ':' -> ';'
+    with pytest.raises(dio.CorruptCheckpointError, match="manifest.json is no longer JSON"):
+        dio.metadata(path)
+    assert cli.main(["verify", path]) == 1                      # damaged, not "unusable" (exit 2)
+    assert "is NOT sound" in capsys.readouterr().err
 
 
 def test_every_verify_and_the_restore_agree_on_a_flipped_byte_in_a_local_steps_info(tmp_path, capsys):

@@ -26,10 +26,10 @@ import re
 
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.manifest import REFERENCES, parse_grid
-from dispatch_io.errors import CheckpointError, CorruptCheckpointError
+from dispatch_io.errors import CheckpointError
 from dispatch_io.validate import malformed
 from dispatch_io.workers import brief_error, numpy_dtype
-from dispatch_io.storage import MANIFEST, Location, Marker, sealed
+from dispatch_io.storage import MANIFEST, Location, Marker, manifest_doc
 
 RETAINED = "RETAINED"     # a step retention dropped whose bytes kept steps still reference (manager)
 _STEP = re.compile(r"^(0|[1-9][0-9]*)\Z")
@@ -87,16 +87,12 @@ def check_fields(doc: dict, where: str) -> list[tuple[str, str]]:
 
 
 def read_doc(location: Location, where: str) -> dict:
-    """The JSON manifest of the (committed or retained) step at ``location``."""
+    """The JSON manifest of the (committed or retained) step at ``location``, its seal checked
+    (``storage.manifest_doc``: raises as that does)."""
     raw = location.read_file(MANIFEST)
     if raw is None:
         raise CheckpointError(f"{where}: no {MANIFEST}")
-    try:
-        return sealed.loads(raw)
-    except sealed.BrokenSeal as exc:
-        raise CorruptCheckpointError(f"{where}: malformed checkpoint: its {MANIFEST} {exc}", path=where) from exc
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: {MANIFEST} is not JSON: {exc}") from exc
+    return manifest_doc(raw, where)
 
 
 def resolve(manifest, doc: dict, location: Location):

@@ -49,18 +49,25 @@ INFO = "info.json"         # optional: what a save attached for tools (a manager
 PARITY = "parity"          # a local tier's step: the nested checkpoint of its process's parity rows
 
 STEP = re.compile(r"^(0|[1-9][0-9]*)\Z")   # the name of a manager's step: a number, no leading zeros
+# A manifest of ours starts with its "format", however it is spaced (written compact; older ones indented).
+MANIFEST_MARK = re.compile(rb'^\{\s*"format"\s*:\s*"' + FORMAT.encode() + rb'"')
 
 
 def manifest_doc(data: bytes, display: str) -> dict:
     """The manifest in ``data`` (a committed checkpoint's :data:`MANIFEST` at ``display``), its
     seal checked (:mod:`~dispatch_io.storage.sealed`), parsed, not yet validated (manifest.py).
-    Raises CorruptCheckpointError if it changed after it was written, IncompleteCheckpointError if
-    it is not JSON (a save that did not finish writing it)."""
+    Raises CorruptCheckpointError if it changed after it was written -- its seal fails, or it starts
+    as ours (:data:`MANIFEST_MARK`) but is no longer JSON: both caused by a ``BrokenSeal``
+    (``sealed.broken``) --, IncompleteCheckpointError if it is not JSON (not a manifest of ours)."""
     try:
         return sealed.loads(data)
     except sealed.BrokenSeal as exc:
         raise CorruptCheckpointError(f"{display}: malformed checkpoint: its {MANIFEST} {exc}", path=display) from exc
     except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+        if MANIFEST_MARK.match(bytes(data[:256])):   # written whole before the commit marker: damaged since
+            raise CorruptCheckpointError(f"{display}: malformed checkpoint: its {MANIFEST} is no longer JSON "
+                                         f"({exc}): it changed after it was written", path=display) \
+                from sealed.BrokenSeal(f"not JSON: {exc}")
         raise IncompleteCheckpointError(f"{display} is marked committed but its {MANIFEST} "
                                         f"cannot be read: {exc}") from exc
 

@@ -22,7 +22,7 @@ from typing import Mapping
 from absl import logging
 
 from dispatch_io.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from dispatch_io.storage import (ARRAYS, COMMITTED, FORMAT, MANIFEST, MAX_MANIFEST_BYTES, STEP, WRITING, JoinedWrite,
+from dispatch_io.storage import (ARRAYS, COMMITTED, MANIFEST, MANIFEST_MARK, MAX_MANIFEST_BYTES, STEP, WRITING, JoinedWrite,
                                  Location, StepRoot, WriteTarget, manifest_doc)
 from dispatch_io.storage.markers import Marker
 
@@ -55,8 +55,6 @@ TEMPORARY = SiblingName("tmp", hidden=True, id_chars=12)      # a save being wri
 REPLACED = SiblingName("old", hidden=False, id_chars=8)       # a checkpoint an overwrite moved aside
 DELETED = SiblingName("deleting", hidden=True, id_chars=8)    # a manager's step being deleted
 
-# The manifest's first key, however it is spaced (manifests are written compact; older ones indented).
-_MANIFEST_MARK = re.compile(rb'^\{\s*"format"\s*:\s*"' + FORMAT.encode() + rb'"')
 
 
 def _arrays_kvstore(directory: str, arrays: str = ARRAYS) -> dict:
@@ -298,7 +296,7 @@ def _is_checkpoint(path: str) -> bool:
         return False
     try:
         with _open_regular(os.path.join(path, MANIFEST)) as f:
-            return _MANIFEST_MARK.match(f.read(256)) is not None
+            return MANIFEST_MARK.match(f.read(256)) is not None
     except (OSError, ValueError):
         return False
 
