@@ -140,6 +140,9 @@ def encode_scalar(value) -> dict:
         return {"type": "float", "value": _float_text(value)}
     if isinstance(value, complex):
         return {"type": "complex", "value": [_float_text(value.real), _float_text(value.imag)]}
+    if any("\ud800" <= c <= "\udfff" for c in value):
+        # JSON reads two escaped surrogates back as the one character they pair to: not the string saved
+        return {"type": "utf32", "value": value.encode("utf-32-le", "surrogatepass").hex()}
     return {"type": "str", "value": value}
 
 
@@ -153,6 +156,8 @@ def decode_scalar(entry: dict):
         return _float_value(value)
     if kind == "complex":
         return complex(_float_value(value[0]), _float_value(value[1]))
+    if kind == "utf32":
+        return bytes.fromhex(value).decode("utf-32-le", "surrogatepass")
     return str(value)
 
 

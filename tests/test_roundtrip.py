@@ -449,6 +449,7 @@ PY_SCALARS = {
     "true": True, "false": False,
     "complex": 1 + 2j, "complex_odd": complex(float("nan"), -0.0), "complex_inf": complex(float("-inf"), 1e-310),
     "str": "héllo ✓ \"quoted\" \\ \n", "empty_str": "",
+    "surrogates": "\ud83d\ude00", "lone_surrogate": "a\udc80b",   # two code units, not the emoji JSON reads
 }
 
 

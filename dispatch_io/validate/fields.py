@@ -20,6 +20,7 @@ MAX_STRUCTURE_DEPTH = 200     # nesting of the structure JSON (two JSON levels e
 MAX_TEXT = 1 << 16            # characters of a key path, dtype or impl name
 NAME = re.compile(r"(?:packed\.)?[0-9]{5,12}(?:\.[A-Za-z0-9_-][A-Za-z0-9_.-]{0,79})?")
 _CRC = re.compile(r"[0-9a-f]{8}")
+_HEX32 = re.compile(r"(?:[0-9a-f]{4}(?:0[0-9a-f]|10)00)*")   # UTF-32-LE code points in hex (at most 0x10ffff)
 _KINDS = (tree_lib.ARRAY, tree_lib.KEY, tree_lib.SCALAR)
 _ORIGINS = ("jax", "numpy", "numpy_scalar", "python")
 
@@ -105,8 +106,10 @@ def _check_structure(structure, where: str) -> None:
 
 def _is_scalar(value) -> bool:
     """A scalar leaf's value as ``tree.encode_scalar`` writes it (numbers: finite)."""
-    if not isinstance(value, dict) or value.get("type") not in ("bool", "int", "float", "complex", "str"):
+    if not isinstance(value, dict) or value.get("type") not in ("bool", "int", "float", "complex", "str", "utf32"):
         return False
+    if value["type"] == "utf32":   # a string with surrogates, as UTF-32-LE bytes in hex: whole code points
+        return isinstance(value.get("value"), str) and _HEX32.fullmatch(value["value"]) is not None
     parts = value.get("value")
     parts = parts if value["type"] == "complex" and isinstance(parts, list) and len(parts) == 2 else [parts]
     return all(isinstance(p, str) or (isinstance(p, (int, float)) and math.isfinite(p)) for p in parts)
