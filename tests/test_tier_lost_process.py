@@ -98,7 +98,10 @@ def test_a_process_late_to_a_local_save_the_others_gave_up_fails_it_too_and_the_
     alone and hanging there. Likewise it reports its committed save of step 8 only after the others
     gave the agreement up: it fails step 8 too, rather than counting it whole alone (and running its
     retention on that word). Every process saves steps 6, 10 and 12 together; after a rollback to
-    step 0, step 4 is saved again, asked afresh (not answered by its first save's decision)."""
+    step 0, step 4 is saved again, asked afresh (not answered by its first save's decision). Then a
+    save of step 6 fails on process 2 alone (every process fails it, naming process 2; the save policy
+    then says the same everywhere: the step was taken) and is forced again: every process saves it --
+    the retry is not answered by the failed attempt's reports."""
     procs = start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}", "replicas", "stall"],
                       barrier_timeout=BARRIER)
     before = {0: "", 2: "", 3: ""}
@@ -120,6 +123,11 @@ def test_a_process_late_to_a_local_save_the_others_gave_up_fails_it_too_and_the_
         assert failed == [("4", "BarrierTimeoutError", "[1]"), ("8", "BarrierTimeoutError", "[1]")], out
         assert re.search(r"^steps \{0: 'persisted', 10: 'replicated 2', 12: 'replicated 2'\}$", out, re.M), out
         assert re.search(r"^again 4 saved\nsteps \{0: 'persisted', 4: 'replicated 2'\}$", out, re.M), out
+        assert re.search(r"^again 6 saved\nsteps \{0: 'persisted', 4: 'replicated 2', 6: 'replicated 2'\}$",
+                         out, re.M), out
+    assert [re.search(r"^first 6 failed (\w+) processes (.*)\npolicy saves 6 again: (\w+)$", out, re.M).groups()
+            for out in outs] == [("LocalSaveError", "[2]", "False")] * 2 + [("ValueError", "None", "False"),
+                                                                           ("LocalSaveError", "[2]", "False")], outs
 
 
 def test_a_step_a_process_died_before_the_job_agreed_is_neither_whole_nor_replicated(tmp_path):

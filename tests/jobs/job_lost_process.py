@@ -19,7 +19,9 @@ PHASE ``stall`` (nobody killed): as ``rowsfail``, but process 1 comes to its loc
 only once the file ``ROOT/../go4`` exists, and reports its local save of step 8 (to the job's
 agreement) only once ``ROOT/../go8`` does; the others, once they gave step N up, print ``gave up N``
 and wait for ``goN`` too. Then it prints the same, restores step 0 (a rollback), saves step 4 again
-and prints ``again 4 saved`` and ``steps {step: durability}``, and ends.
+and prints ``again 4 saved`` and ``steps {step: durability}``; then saves step 6, whose save fails on
+process 2 alone (``first 6 failed <error type> processes [...]``, then ``policy saves 6 again: BOOL``),
+forces it again (``save(local=True)``: ``again 6 saved``) and prints ``steps {step: durability}``, and ends.
 PHASE ``diesaving``: as ``train``, but process 1 SIGKILLs itself once its local save of step 10
 committed (its replicas sent and received), before it reports to the job's agreement; no wait at step 9.
 PHASE ``resume``: prints ``latest N`` (``latest_step()``), restores it through the tiers and prints
@@ -56,6 +58,16 @@ if phase == "rowsfail" and process == 2:
             raise dio.CheckpointError(f"{path}: no space left (the test's)")
         return save(path, *args, **kwargs)
     dispatcher.save = failing_rows
+ARMED = []   # phase stall, after the rollback: process 2's next local save of step 6 fails once
+if phase == "stall" and process == 2:
+    save_once = dispatcher.save
+
+    def failing_once(path, *args, **kwargs):
+        if ARMED and path.endswith(os.sep + "6"):
+            ARMED.clear()
+            raise ValueError(f"{path}: the test's failure")
+        return save_once(path, *args, **kwargs)
+    dispatcher.save = failing_once
 go = os.path.join(os.path.dirname(os.path.abspath(root)), "go")
 STALLS = {4: "begin", 8: "agree"}   # phase stall: where process 1 comes late, the others giving the step up first
 
@@ -119,6 +131,17 @@ if phase in ("train", "rowsfail", "stall", "diesaving"):
         mgr.save(4, STATE.state_at(mesh, 4))
         mgr.wait()
         print("again 4 saved", flush=True)
+        print(f"steps {mgr.steps()}", flush=True)
+        ARMED.append(True)
+        for attempt in ("first", "again"):   # fails on process 2 alone, then is tried again: asked afresh
+            try:
+                mgr.save(6, STATE.state_at(mesh, 6), **({"local": True} if attempt == "again" else {}))
+                mgr.wait()
+                print(f"{attempt} 6 saved", flush=True)
+            except Exception as exc:  # noqa: BLE001 - what each process sees is what the test checks
+                print(f"{attempt} 6 failed {type(exc).__name__} processes {getattr(exc, 'processes', None)}",
+                      flush=True)
+                print(f"policy saves 6 again: {mgr.should_save(6)}", flush=True)   # one answer everywhere
         print(f"steps {mgr.steps()}", flush=True)
     mgr.close()
     dispatcher.close()

@@ -124,11 +124,12 @@ class SaveAgreement:
     report per process, in step order (every process takes the same local saves), and its outcome
     one decision (``Room.decide``: the first wins), so a process that comes or reports late, after
     the others gave up, fails too rather than going on alone. Its keys are the step's within the
-    current history (:meth:`next_history`: a step saved again after a rollback is asked afresh)."""
+    current round (:meth:`afresh`: a new one at every save attempt and every restore, so a step saved
+    again -- after a rollback, or after its save failed -- never meets an earlier attempt's answers)."""
 
     def __init__(self, room):
         self.room = room
-        self._history = 0                    # the restores so far: every process counts them alike
+        self._round = 0                      # save attempts and restores so far: every process counts them alike
         self._agreed: str | None = None      # the last save agreed: its keys go once the next is
 
     @classmethod
@@ -138,11 +139,12 @@ class SaveAgreement:
             return cls(None)
         return cls(open_room("tiers-whole", template, f"the local saves of the local tier {template}", timeout))
 
-    def next_history(self):
-        """After a restore (every process alike): the local saves that follow are of a new history,
-        their answers asked afresh -- a step saved again after a rollback never meets the answers of
-        its earlier save, agreed or given up."""
-        self._history += 1
+    def afresh(self):
+        """A new round of keys, at each local save attempt and each restore (every process alike, in
+        the same order: both are collective): a step saved again -- after a rollback, or after its
+        save failed on some process -- never meets the answers of an earlier attempt, agreed or
+        given up (stale reports would make processes decide differently)."""
+        self._round += 1
 
     def _decided(self, phase: str, step: int, doing: str) -> dict:
         """Gather ``phase`` of the current history's ``step`` (each process published its entry) and
@@ -150,7 +152,7 @@ class SaveAgreement:
         every entry, or that saw the decision after its own wait timed out); else
         BarrierTimeoutError, in every process, naming the processes missing when the first wait
         timed out."""
-        key = f"{phase}/{self._history}.{step}"
+        key = f"{phase}/{self._round}.{step}"
         try:
             entries = self.room.gather(key, doing=doing, together=False)
         except BarrierTimeoutError as exc:
@@ -174,13 +176,13 @@ class SaveAgreement:
         not enter the collectives alone (a hang) but fails too. BarrierTimeoutError naming the
         processes that did not come within the barrier timeout, in every process."""
         if self.room is not None:
-            self.room.set(f"begun/{self._history}.{step}/{process}", True)
+            self.room.set(f"begun/{self._round}.{step}/{process}", True)
             self._decided("begun", step, f"come to their local save of step {step} for")
 
     def report(self, step: int, process: int, error: BaseException | None):
         """Publish whether this process committed local ``step`` (``error``: why not), without waiting."""
         if self.room is not None:
-            self.room.set(f"saved/{self._history}.{step}/{process}",
+            self.room.set(f"saved/{self._round}.{step}/{process}",
                           None if error is None else f"{type(error).__name__}: {error}")
 
     def agree(self, step: int, process: int, error: BaseException | None):
@@ -208,4 +210,4 @@ class SaveAgreement:
             for phase in (f"saved/{self._agreed}", f"begun/{self._agreed}"):   # one's keys
                 for key in (f"{phase}/", f"arrived/{phase}", f"complete/{phase}", f"decided/{phase}"):
                     self.room.client.key_value_delete(f"{self.room.prefix}/{key}")
-        self._agreed = f"{self._history}.{step}"
+        self._agreed = f"{self._round}.{step}"

@@ -219,12 +219,16 @@ class LocalTiers:
         and retention run. A failure here is reported to the others first; one of the save itself
         (a CheckpointError) is raised as the agreement's (``job_steps.SaveAgreement.agree``)."""
         self.wait()
+        self._agreement.afresh()   # this attempt's keys: not a failed earlier attempt's at this step
         if self.tier.replicas or self._ring:   # the job is all here before its collectives (not after a death)
             self._agreement.begin(step, self.process)
         try:
+            started = self._times.time_of(step)
+            # The policies' view moves on here, on every process alike -- before anything that may fail on
+            # one alone: should_save then answers the same everywhere after a failed attempt too.
+            self._last_step, self._last_save, self._afresh = step, started, False
             moves, copies = replicas.send(tree, self._variants, self.tier.replicas, self.domains)  # every process, in step order
             rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
-            started = self._times.time_of(step)
             agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
             record = placement.local_record(tree, self.process, self.count, moves, self.domains, section)
             reached = None
@@ -243,7 +247,6 @@ class LocalTiers:
         except Exception as exc:   # the caller's (a bad tree or keyword): the others fail at once, naming this process
             self._agreement.report(step, self.process, exc)
             raise
-        self._last_step, self._last_save, self._afresh = step, info["started"], False
         with self._lock:
             self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows, reached)
         return handle
@@ -347,7 +350,7 @@ class LocalTiers:
             pending = self._in_flight
         if pending is not None:
             concurrent.futures.wait([pending])
-        self._agreement.next_history()
+        self._agreement.afresh()
 
     def drop_from(self, step: int):
         """Delete this process's local steps after ``step`` (and ``step``, unless it is the local
