@@ -287,3 +287,24 @@ def test_restore_of_a_named_step_onto_another_mesh_resumes_alike_in_every_proces
             answers[lost] = [step for step in range(5, 10) if mgr.local.should_save(step)]
     assert answers[True] == answers[False], f"local saves after restoring 4 onto another mesh: with its steps {answers[False]}, " \
                                             f"without them {answers[True]}"
+
+
+def test_a_restore_onto_a_target_no_step_fits_deletes_no_older_local_step(tmp_path, mesh):
+    """A restore whose target no step holds (here: a key path never saved -- the caller's mistake)
+    raises FileNotFoundError, and the job goes on as a fresh start -- but the next save (of step 8, as
+    a loop that carries on would make) deletes only what it replaces, not the older local steps 2 and 4
+    the job never left: a corrected restore still resumes step 4. Before, the first save after it
+    deleted every local step."""
+    target, state = one_leaf(mesh)
+    tier = dio.LocalTier(tmp_path / "local" / "{process}", save_policy=policies.EveryNSteps(2))
+    with dio.CheckpointManager(tmp_path / "root", save_policy=policies.EveryNSteps(100), local=tier) as mgr:
+        for step in (2, 4):
+            mgr.save(step, state(step))
+        mgr.wait()
+        with pytest.raises(FileNotFoundError):
+            mgr.restore(None, {"not_saved": target["w"]})
+        mgr.save(8, state(8))
+        mgr.wait()
+        assert mgr.local.steps() == [2, 4, 8], mgr.local.steps()
+        restored = mgr.restore(4, target)
+        assert same_leaf(restored, state(4))

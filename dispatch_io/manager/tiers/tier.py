@@ -335,9 +335,12 @@ class LocalTiers:
         deletes the local steps it makes stale (:meth:`save_with`); until then a restore
         deletes nothing. The same on every process, whatever each one's local directory holds (a
         per-process answer would make ``should_save`` differ: with replicas, a hang). None: no step
-        was whole anywhere, the job starts afresh."""
+        was whole for the restore's target, the job starts afresh: its saves replace the steps they
+        reach, older local steps stay (the target may have been the caller's mistake: disk is
+        cheaper than a lost run) but are never persisted or resumed over the fresh run's
+        (:meth:`abandoned`) until a restore resumes one."""
         self._last_step, self._afresh = step, step is None
-        self._resumed_at = -1 if step is None else step   # the first save then drops the local steps after it
+        self._resumed_at = step   # the first save then drops the local steps after it
 
     def restoring(self):
         """A restore begins (every process together, through the tiers or from the root): local
