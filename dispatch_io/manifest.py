@@ -54,8 +54,9 @@ def describe_sharding(sharding) -> dict | None:
     if sharding is None:
         return None
     if isinstance(sharding, jax.sharding.NamedSharding):
-        return {"type": "NamedSharding", "mesh": dict(sharding.mesh.shape),
-                "spec": [None if p is None else (list(p) if isinstance(p, tuple) else p) for p in sharding.spec]}
+        return {"type": "NamedSharding", "mesh": {str(axis): size for axis, size in sharding.mesh.shape.items()},
+                "spec": [None if p is None else ([str(a) for a in p] if isinstance(p, tuple) else str(p))
+                         for p in sharding.spec]}
     if is_single_device_sharding(sharding):
         return {"type": "SingleDeviceSharding", "device": next(iter(sharding.device_set)).id}
     return {"type": type(sharding).__name__, "repr": repr(sharding)}

@@ -10,10 +10,12 @@ import json
 import os
 
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from jax.sharding import NamedSharding, PartitionSpec
 
 import dispatch_io as dio
 from dispatch_io import cli
@@ -163,4 +165,10 @@ def test_keys_alike_as_json_strings_are_refused_at_save_not_sealed_unreadable(tm
         mgr.save(2, {"w": np.ones(4)}, metadata={1: "one"}).wait()
         assert mgr.step_info(2).metadata == {"1": "one"}
     with pytest.raises(ValueError, match="alike as JSON strings"):
-        sealed.dumps({"m": {1: 2, "1": 3}})
+        sealed.exact({"m": {1: 2, "1": 3}})
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), (1, "1"))   # axis names alike as text
+    path = str(tmp_path / "ckpt")
+    with dio.LocalDispatcher() as d:
+        w = np.arange(64, dtype=np.float32).reshape(8, 8)
+        d.save(path, {"w": jax.device_put(w, NamedSharding(mesh, PartitionSpec(1, "1")))}).wait()
+        assert np.asarray(d.restore(path)["w"]).tobytes() == w.tobytes()

@@ -6,10 +6,10 @@ inline, in the manifest) with no error, and one in a local step's ``info.json`` 
 step says it holds, which a verify of the step's files could not see. So a writer **seals** the
 document: :func:`dumps` writes it as compact JSON and appends a last member, ``"crc32c":
 "<8 hex digits>"``, the CRC-32C of the document as compact JSON without it. :func:`loads` parses
-it, takes the seal out, writes the rest again the same way (a JSON parser keeps the members'
-order, and Python writes every number and string back as it read it) and compares: any change to
-what the document says -- a digit, a key, a string's byte -- fails it; a change a parser cannot
-see (whitespace) does not matter.
+it, takes the seal out and checks the bytes before it (as :func:`dumps` wrote them); failing that,
+writes the rest again the same way (a JSON parser keeps the members' order, and Python writes
+every number and string back as it read it) and compares: any change to what the document says --
+a digit, a key, a string's byte -- fails it; a change a parser cannot see (whitespace) does not.
 
 A document without the seal is read as it is (checkpoints written before this, and by tools that
 write our format by hand), unless its last member has the seal's shape (a key of six characters
@@ -26,6 +26,7 @@ from typing import Any
 import google_crc32c
 
 SEAL = "crc32c"
+_SEALED = re.compile(rb',?"crc32c":"[0-9a-f]{8}"}\Z')   # the seal as dumps writes it, last
 _TAIL = re.compile(rb'[{,]\s*"[^"\\]{6}"\s*:\s*"[^"\\]{8}"\s*}\s*\Z')   # a seal, perhaps with a damaged key
 
 
@@ -41,6 +42,11 @@ def broken(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__
     return False
+
+
+def _crc_of(body: bytes) -> int:
+    """CRC-32C of ``body`` with the closing brace its seal took the place of."""
+    return google_crc32c.extend(google_crc32c.value(body), b"}")
 
 
 def _body(doc: dict, allow_nan: bool = True) -> bytes:
@@ -59,11 +65,13 @@ def exact(value, allow_nan: bool = True) -> bytes:
 
 
 def dumps(doc: dict, *, allow_nan: bool = True) -> bytes:
-    """``doc`` (a dict whose keys are strings, none of them :data:`SEAL`) as compact JSON with its
-    seal as the last member. ValueError, TypeError as :func:`exact`."""
+    """``doc`` as compact JSON with its seal as the last member. Every key of it must be a string,
+    none at its top :data:`SEAL` (ValueError): a manifest's are; a caller's own values go through
+    :func:`exact` first (``info.make`` does, for a step's metadata). ValueError for a NaN or
+    infinity with ``allow_nan=False``, TypeError for a value JSON cannot hold."""
     if SEAL in doc:
         raise ValueError(f"a document to seal must not have a {SEAL!r} member of its own")
-    body = exact(doc, allow_nan)
+    body = _body(doc, allow_nan)
     seal = f'"{SEAL}":"{google_crc32c.value(body):08x}"}}'.encode()
     return body[:-1] + (b"," if doc else b"") + seal
 
@@ -81,6 +89,10 @@ def loads(data: bytes | str) -> Any:
             raise BrokenSeal("ends in what looks like a damaged checksum member (a flipped byte?)")
         return doc
     seal = doc.pop(SEAL)
+    tail = max(len(raw) - 32, 0)
+    written = _SEALED.search(raw, tail)   # only its end: a search of the whole would scan megabytes
+    if written is not None and seal == f"{_crc_of(raw[:written.start()]):08x}":
+        return doc   # the bytes before the seal are the ones it was made of: no need to write them again
     if not isinstance(seal, str) or seal != f"{google_crc32c.value(_body(doc)):08x}":
         raise BrokenSeal("does not match its own CRC-32C: it changed after it was written (a flipped byte, "
                          "or an edit)")
