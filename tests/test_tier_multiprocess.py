@@ -202,6 +202,10 @@ def test_the_coordinator_killed_with_its_disk_resumes_from_its_peers_with_nothin
 
 
 def test_the_readme_loop_resumes_a_killed_job_from_local_steps_with_the_root_emptied(tmp_path):
+    """The README's loop (resume the newest step, read its Json item ``cfg``, train on) after every
+    process was killed, the root emptied and process 1's local disk lost: the job resumes local step 8
+    from the surviving copies, and process 1 reads ``cfg`` too -- a peer shares the step's Json items at
+    the restore (before, ``item()`` raised FileNotFoundError there and the loop died on process 1)."""
     root, local = tmp_path / "root", tmp_path / "local" / "{process}"
     procs = _start(root, local, "loop9", shared=True)   # local saves every 2 steps, persistent every 6
     try:
@@ -211,6 +215,7 @@ def test_the_readme_loop_resumes_a_killed_job_from_local_steps_with_the_root_emp
     assert sorted(os.listdir(root)) == ["0", "6"], os.listdir(root)
     for name in os.listdir(root):                         # the root emptied: only local steps 4, 6, 8 are left
         shutil.rmtree(root / name)
+    shutil.rmtree(tmp_path / "local" / "1")               # and process 1's disk lost
     outs = finish_job(_start(root, local, "loop", shared=True))
     for out in outs:
         # the same listing on every process: each region on the 2 processes of its data-parallel group

@@ -20,23 +20,28 @@ from dispatch_io.multihost.coordination import open_room
 from dispatch_io.storage import StepRoot
 
 
-def share_manifest(room, step: int, having: list[int], process: int, read) -> dict | None:
-    """The manifest of local ``step`` (JSON) for a process without a copy of it -- every copy's
-    manifest describes the same stored arrays, so it plans its part with a peer's --, shared by the
-    first of ``having`` (the processes with a copy, ascending; ``read()`` gives it there) through
-    ``room``; None in the processes with a copy of their own, and where none has one.
-    BarrierTimeoutError naming the sharer if it does not share it within the room's timeout."""
+def share(room, key: str, what: str, having: list[int], process: int, read):
+    """``what`` (JSON, ``read()`` gives it in a process with a copy of the local step) for a process
+    without a copy of it, shared by the first of ``having`` (the processes with a copy, ascending)
+    through ``room`` under ``key``; None in the processes with a copy of their own, and where none
+    has one. BarrierTimeoutError naming the sharer if it does not share it within the room's timeout."""
     if process in having:
         if process == having[0]:
-            room.set(f"manifest/{step}", read())
+            room.set(key, read())
         return None
     if not having:
         return None
-    doc = room.wait_for(f"manifest/{step}", room.timeout)
+    doc = room.wait_for(key, room.timeout)
     if doc is None:
-        raise BarrierTimeoutError(f"process {having[0]} did not share the manifest of local step {step} within "
-                                  f"{room.timeout:g} s", processes=[having[0]], barrier=f"{room.prefix}/manifest/{step}")
+        raise BarrierTimeoutError(f"process {having[0]} did not share {what} within {room.timeout:g} s",
+                                  processes=[having[0]], barrier=f"{room.prefix}/{key}")
     return doc
+
+
+def share_manifest(room, step: int, having: list[int], process: int, read) -> dict | None:
+    """The manifest of local ``step`` (JSON) for a process without a copy of it -- every copy's
+    manifest describes the same stored arrays, so it plans its part with a peer's (:func:`share`)."""
+    return share(room, f"manifest/{step}", f"the manifest of local step {step}", having, process, read)
 
 
 def reports(root: StepRoot, infos: dict[int, dict]) -> dict[int, dict]:

@@ -19,7 +19,7 @@ from absl import logging
 
 from dispatch_io.manager.tiers import placement
 from dispatch_io.manager.tiers.parity import PARITY
-from dispatch_io.errors import CorruptCheckpointError
+from dispatch_io.errors import CheckpointError, CorruptCheckpointError
 from dispatch_io.manager import info as info_lib
 from dispatch_io.manager import items as items_lib
 from dispatch_io.manager import step_policies
@@ -130,13 +130,17 @@ def durability(root: StepRoot, step: int, info: dict) -> str:
     return placement.durability(info.get("copies"), False, parity["parity"].get("k") if parity.get("committed") else None)
 
 
-def read_item(root: StepRoot, step: int, info: dict | None, name: str, process: int, count: int, persistent: str):
+def read_item(root: StepRoot, step: int, info: dict | None, name: str, process: int, count: int, persistent: str,
+              shared: dict | None = None):
     """Item ``name`` of local ``step`` (``info``: its info under ``root``; None: this process has no copy)
-    for ``process`` of a job of ``count``. FileNotFoundError naming the step and process if there
-    is no copy (lost with its local directory: a PerProcess value was only there; ``persistent``:
-    the root that does not hold the step either); KeyError listing the copy's items;
-    CheckpointError for a malformed item."""
+    for ``process`` of a job of ``count``; without a copy, a ``Json`` item a peer shared at the
+    restore (``shared``: {name: value}, :func:`json_items`). FileNotFoundError naming the step and
+    process if there is no copy (lost with its local directory: a PerProcess value was only there;
+    ``persistent``: the root that does not hold the step either); KeyError listing the copy's
+    items; CheckpointError for a malformed item."""
     path = root.step_path(step)
+    if info is None and shared and name in shared:
+        return shared[name]
     if info is None:
         raise FileNotFoundError(f"step {step} is not committed in {persistent}, and process {process} has no "
                                 f"local copy of it at {path} (lost with its local directory?): its items are gone with "
@@ -152,6 +156,20 @@ def read_item(root: StepRoot, step: int, info: dict | None, name: str, process: 
                        f"(it has: {', '.join(sorted(entries)) or 'none'})")
     location = Location.parse(path)
     return items_lib.read(lambda key: location.read_file(ARRAYS + key), name, entry, step, process, count, path)[2]
+
+
+def json_items(root: StepRoot, step: int, process: int, count: int) -> dict:
+    """{name: value} of the ``Json`` items of this process's copy of local ``step`` -- the same in
+    every copy --, for a peer without one; an item that cannot be read is left out (logged)."""
+    info = read_info(root, step)
+    found = {}
+    for name, entry in (info or {}).get("items", {}).items():
+        if isinstance(entry, dict) and entry.get("kind") == "json":
+            try:
+                found[name] = read_item(root, step, info, name, process, count, root.display)
+            except (CheckpointError, OSError, KeyError) as exc:
+                logging.warning("dispatch_io: item %r of local step %s is not shared: %s", name, step, exc)
+    return found
 
 
 def update_info(root: StepRoot, step: int, fields: dict):

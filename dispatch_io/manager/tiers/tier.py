@@ -113,6 +113,7 @@ class LocalTiers:
         self.promoting: set[int] = set()  # steps a promotion reads (promotion.py): local retention keeps them
         self._afresh = False               # no step was whole: the job started over (resume(None))
         self._resumed_at: int | None = None  # the step a restore resumed, until the next save
+        self._shared_items: dict[int, dict] = {}   # the last restore's: Json items of a step this process lacks
         self._last_save = clock()
 
     def _shared_clock(self) -> SharedClock:
@@ -153,7 +154,7 @@ class LocalTiers:
         """Item ``name`` of ``step`` from this process's local copy (a step the persistent root
         ``persistent`` does not hold); raises as ``local_steps.read_item``."""
         return local_steps.read_item(self.root, step, self.infos()[0].get(step), name, self.process, self.count,
-                                     persistent)
+                                     persistent, self._shared_items.get(step))
 
     def verify_items(self, step: int, persistent: str) -> int:
         """Read and check (against their CRC-32Cs, where saved with them) the item files of this
@@ -322,6 +323,7 @@ class LocalTiers:
                 self.resume(None)
             raise
         self.resume(stats.step)
+        self._shared_items = restore.shared_items
         return tree, stats
 
     def abandoned(self, step: int) -> bool:

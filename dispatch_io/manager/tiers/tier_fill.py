@@ -15,7 +15,7 @@ import jax
 
 from dispatch_io import tree as tree_lib
 from dispatch_io.formats.detect import open_checkpoint
-from dispatch_io.manager.tiers import checks, job_steps, placement
+from dispatch_io.manager.tiers import checks, job_steps, local_steps, placement
 from dispatch_io.manifest import parse as parse_manifest
 from dispatch_io.read import targets as restore_lib
 from dispatch_io.storage import Location
@@ -89,12 +89,17 @@ class Fill:
         restore = self.restore
         own = copy is not None and copy.opened is not None
         if self.described is None:  # a process without a copy plans with a peer's manifest, shared once per step
+            having = sorted(p for p, steps in reports.items()
+                            if plan.step in steps and p not in restore.rebuilt.get(plan.step, ()))
             shared = job_steps.share_manifest(
-                self.room, plan.step, sorted(p for p, steps in reports.items()
-                                             if plan.step in steps and p not in restore.rebuilt.get(plan.step, ())),
-                restore.process,
+                self.room, plan.step, having, restore.process,
                 lambda: Location.parse(restore.root.step_path(plan.step)).read_manifest()) if self.room else None
             self.described = copy.opened.manifest if own else parse_manifest(shared, restore.root.step_path(plan.step))
+            if self.room and len(having) < restore.count and not plan.persisted:   # and its Json items (mgr.item)
+                restore.shared_items[plan.step] = job_steps.share(
+                    self.room, f"items/{plan.step}", f"the Json items of local step {plan.step}", having,
+                    restore.process, lambda: local_steps.json_items(restore.root, plan.step, restore.process,
+                                                                    restore.count))
         if self.outputs is None:
             self.treedef, self.outputs = (copy.treedef, copy.outputs) if own else self.outputs_of(self.described)
         reader = copy.open_reader(restore.dispatcher.runner) if own else None

@@ -48,6 +48,7 @@ class TierRestore:
         self.process, self.count = process, count
         self._copies: dict[int, checks.LocalCopy] = {}   # this process's copy of each step the plans picked
         self._lost, self._sections, self.rebuilt = {}, {}, {}   # parity: rebuild.augment's; {step: processes rebuilt}
+        self.shared_items: dict[int, dict] = {}   # {step: {name: value}}: Json items a peer shared (no copy here)
 
     def _copy(self, step: int, outputs_of) -> checks.LocalCopy:
         if step not in self._copies:
