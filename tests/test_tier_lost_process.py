@@ -101,7 +101,8 @@ def test_a_process_late_to_a_local_save_the_others_gave_up_fails_it_too_and_the_
     step 0, step 4 is saved again, asked afresh (not answered by its first save's decision). Then a
     save of step 6 fails on process 2 alone (every process fails it, naming process 2; the save policy
     then says the same everywhere: the step was taken) and is forced again: every process saves it --
-    the retry is not answered by the failed attempt's reports."""
+    the retry is not answered by the failed attempt's reports. A save that process 3 fails before it
+    even comes to its local save fails everywhere, and the next one is saved by all."""
     procs = start_job("job_lost_process.py", [tmp_path / "root", tmp_path / "local" / "{process}", "replicas", "stall"],
                       barrier_timeout=BARRIER)
     before = {0: "", 2: "", 3: ""}
@@ -128,6 +129,11 @@ def test_a_process_late_to_a_local_save_the_others_gave_up_fails_it_too_and_the_
     assert [re.search(r"^first 6 failed (\w+) processes (.*)\npolicy saves 6 again: (\w+)$", out, re.M).groups()
             for out in outs] == [("LocalSaveError", "[2]", "False")] * 2 + [("ValueError", "None", "False"),
                                                                            ("LocalSaveError", "[2]", "False")], outs
+    # A save process 3 fails before its local save begins (its item is no JSON) fails everywhere, naming
+    # it, and the next local save is taken by every process: the keys did not drift apart.
+    assert [re.findall(r"^then (\d+) (\w+)(?: (\w+) processes (.*))?$", out, re.M) for out in outs] == \
+        [[("8", "failed", "BarrierTimeoutError", "[3]"), ("10", "saved", "", "")]] * 3 + \
+        [[("8", "failed", "ValueError", "None"), ("10", "saved", "", "")]], outs
 
 
 def test_a_step_a_process_died_before_the_job_agreed_is_neither_whole_nor_replicated(tmp_path):

@@ -21,7 +21,9 @@ agreement) only once ``ROOT/../go8`` does; the others, once they gave step N up,
 and wait for ``goN`` too. Then it prints the same, restores step 0 (a rollback), saves step 4 again
 and prints ``again 4 saved`` and ``steps {step: durability}``; then saves step 6, whose save fails on
 process 2 alone (``first 6 failed <error type> processes [...]``, then ``policy saves 6 again: BOOL``),
-forces it again (``save(local=True)``: ``again 6 saved``) and prints ``steps {step: durability}``, and ends.
+forces it again (``save(local=True)``: ``again 6 saved``) and prints ``steps {step: durability}``; then
+saves steps 8 and 10 with a PerProcess item, process 3's of step 8 no JSON (NaN): ``then N saved`` or
+``then N failed <error type> processes [...]``, and ends.
 PHASE ``diesaving``: as ``train``, but process 1 SIGKILLs itself once its local save of step 10
 committed (its replicas sent and received), before it reports to the job's agreement; no wait at step 9.
 PHASE ``resume``: prints ``latest N`` (``latest_step()``), restores it through the tiers and prints
@@ -35,6 +37,7 @@ import sys
 import time
 
 import jax
+from jax.experimental import multihost_utils
 
 import dispatch_io as dio
 from dispatch_io import policies
@@ -143,6 +146,16 @@ if phase in ("train", "rowsfail", "stall", "diesaving"):
                       flush=True)
                 print(f"policy saves 6 again: {mgr.should_save(6)}", flush=True)   # one answer everywhere
         print(f"steps {mgr.steps()}", flush=True)
+        for step in (8, 10):   # process 3's item of step 8 is no JSON: it fails before its local save even begins
+            value = float("nan") if step == 8 and process == 3 else step
+            try:
+                mgr.save(step, STATE.state_at(mesh, step), items={"data": dio.PerProcess(value)})
+                mgr.wait()
+                print(f"then {step} saved", flush=True)
+            except Exception as exc:  # noqa: BLE001 - what each process sees is what the test checks
+                print(f"then {step} failed {type(exc).__name__} processes {getattr(exc, 'processes', None)}", flush=True)
+            # a training step's collective: process 3, failing at once, does not run a barrier timeout ahead
+            multihost_utils.sync_global_devices(f"trained past {step}")
     mgr.close()
     dispatcher.close()
     jax.distributed.shutdown()

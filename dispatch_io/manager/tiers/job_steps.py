@@ -129,12 +129,15 @@ class SaveAgreement:
     report per process, in step order (every process takes the same local saves), and its outcome
     one decision (``Room.decide``: the first wins), so a process that comes or reports late, after
     the others gave up, fails too rather than going on alone. Its keys are the step's within the
-    current round (:meth:`afresh`: a new one at every save attempt and every restore, so a step saved
-    again -- after a rollback, or after its save failed -- never meets an earlier attempt's answers)."""
+    current round (:meth:`afresh`, at every restore: a step saved again after a rollback never meets
+    its earlier save's answers) and, for a step saved again after its save failed, the attempt (the
+    failed attempts this process took part in: a process that failed before it came counts one
+    fewer, so its retry of that step times out -- every later step's keys are alike again)."""
 
     def __init__(self, room):
         self.room = room
-        self._round = 0                      # save attempts and restores so far: every process counts them alike
+        self._round = 0                      # the restores so far: every process counts them alike
+        self._failed: dict[int, int] = {}    # step -> its failed attempts this process took part in, this round
         self._agreed: str | None = None      # the last save agreed: its keys go once the next is
 
     @classmethod
@@ -145,11 +148,19 @@ class SaveAgreement:
         return cls(open_room("tiers-whole", template, f"the local saves of the local tier {template}", timeout))
 
     def afresh(self):
-        """A new round of keys, at each local save attempt and each restore (every process alike, in
-        the same order: both are collective): a step saved again -- after a rollback, or after its
-        save failed on some process -- never meets the answers of an earlier attempt, agreed or
-        given up (stale reports would make processes decide differently)."""
-        self._round += 1
+        """A new round of keys, at each restore (every process alike: it is collective): a step saved
+        again after a rollback never meets the answers of its earlier save, agreed or given up."""
+        self._round, self._failed = self._round + 1, {}
+
+    def _key(self, step: int) -> str:
+        attempt = self._failed.get(step, 0)
+        return f"{self._round}.{step}" + (f".{attempt}" if attempt else "")
+
+    def failed(self, step: int):
+        """This process's attempt at local ``step`` failed (raised here, or the job gave it up): a
+        retry of the step is asked afresh, never answered by this attempt's reports (stale reports
+        would make processes decide differently)."""
+        self._failed[step] = self._failed.get(step, 0) + 1
 
     def _decided(self, phase: str, step: int, doing: str) -> dict:
         """Gather ``phase`` of the current history's ``step`` (each process published its entry) and
@@ -157,7 +168,7 @@ class SaveAgreement:
         every entry, or that saw the decision after its own wait timed out); else
         BarrierTimeoutError, in every process, naming the processes missing when the first wait
         timed out."""
-        key = f"{phase}/{self._round}.{step}"
+        key = f"{phase}/{self._key(step)}"
         try:
             entries = self.room.gather(key, doing=doing, together=False)
         except BarrierTimeoutError as exc:
@@ -181,13 +192,17 @@ class SaveAgreement:
         not enter the collectives alone (a hang) but fails too. BarrierTimeoutError naming the
         processes that did not come within the barrier timeout, in every process."""
         if self.room is not None:
-            self.room.set(f"begun/{self._round}.{step}/{process}", True)
-            self._decided("begun", step, f"come to their local save of step {step} for")
+            self.room.set(f"begun/{self._key(step)}/{process}", True)
+            try:
+                self._decided("begun", step, f"come to their local save of step {step} for")
+            except BarrierTimeoutError:
+                self.failed(step)
+                raise
 
     def report(self, step: int, process: int, error: BaseException | None):
         """Publish whether this process committed local ``step`` (``error``: why not), without waiting."""
         if self.room is not None:
-            self.room.set(f"saved/{self._round}.{step}/{process}",
+            self.room.set(f"saved/{self._key(step)}/{process}",
                           None if error is None else f"{type(error).__name__}: {error}")
 
     def agree(self, step: int, process: int, error: BaseException | None):
@@ -205,9 +220,11 @@ class SaveAgreement:
         try:
             reports = self._decided("saved", step, f"report their local save of step {step} to")
         except BarrierTimeoutError as exc:
+            self.failed(step)
             raise exc from error
         failed = {p: why for p, why in sorted(reports.items()) if why is not None}
         if failed:
+            self.failed(step)
             raise LocalSaveError(f"local step {step} is not whole in the job: its save failed on process(es) "
                                  f"{sorted(failed)} ({'; '.join(f'{p}: {why}' for p, why in failed.items())})",
                                  processes=list(failed)) from error
@@ -215,4 +232,4 @@ class SaveAgreement:
             for phase in (f"saved/{self._agreed}", f"begun/{self._agreed}"):   # one's keys
                 for key in (f"{phase}/", f"arrived/{phase}", f"complete/{phase}", f"decided/{phase}"):
                     self.room.client.key_value_delete(f"{self.room.prefix}/{key}")
-        self._agreed = f"{self._round}.{step}"
+        self._agreed = self._key(step)

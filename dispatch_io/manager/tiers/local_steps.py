@@ -13,6 +13,7 @@ root and infos; what the job agrees about its local steps is ``job_steps``).
 
 from __future__ import annotations
 
+import json
 import os
 
 from absl import logging
@@ -158,17 +159,28 @@ def read_item(root: StepRoot, step: int, info: dict | None, name: str, process: 
     return items_lib.read(lambda key: location.read_file(ARRAYS + key), name, entry, step, process, count, path)[2]
 
 
+SHARED_ITEM_BYTES = 1 << 20   # Json items shared through the coordination service at a restore, at most (in all)
+
+
 def json_items(root: StepRoot, step: int, process: int, count: int) -> dict:
     """{name: value} of the ``Json`` items of this process's copy of local ``step`` -- the same in
-    every copy --, for a peer without one; an item that cannot be read is left out (logged)."""
+    every copy --, for a peer without one: up to :data:`SHARED_ITEM_BYTES` of them as JSON (the
+    coordination service carries small values); an item that cannot be read, or would go past
+    that, is left out (logged: the peer's ``item()`` raises as for a lost copy)."""
     info = read_info(root, step)
-    found = {}
+    found, size = {}, 0
     for name, entry in (info or {}).get("items", {}).items():
         if isinstance(entry, dict) and entry.get("kind") == "json":
             try:
-                found[name] = read_item(root, step, info, name, process, count, root.display)
+                value = read_item(root, step, info, name, process, count, root.display)
             except (CheckpointError, OSError, KeyError) as exc:
                 logging.warning("dispatch_io: item %r of local step %s is not shared: %s", name, step, exc)
+                continue
+            if size + len(json.dumps(value)) > SHARED_ITEM_BYTES:
+                logging.warning("dispatch_io: item %r of local step %s is not shared: the step's Json items pass "
+                                "%d bytes", name, step, SHARED_ITEM_BYTES)
+                continue
+            found[name], size = value, size + len(json.dumps(value))
     return found
 
 

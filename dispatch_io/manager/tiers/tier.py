@@ -220,14 +220,13 @@ class LocalTiers:
         and retention run. A failure here is reported to the others first; one of the save itself
         (a CheckpointError) is raised as the agreement's (``job_steps.SaveAgreement.agree``)."""
         self.wait()
-        self._agreement.afresh()   # this attempt's keys: not a failed earlier attempt's at this step
+        # The policies' view moves on here, on every process alike -- before anything that may fail on
+        # one alone: should_save then answers the same everywhere after a failed attempt too.
+        self._last_step, self._afresh = step, False
         if self.tier.replicas or self._ring:   # the job is all here before its collectives (not after a death)
             self._agreement.begin(step, self.process)
         try:
-            started = self._times.time_of(step)
-            # The policies' view moves on here, on every process alike -- before anything that may fail on
-            # one alone: should_save then answers the same everywhere after a failed attempt too.
-            self._last_step, self._last_save, self._afresh = step, started, False
+            started = self._last_save = self._times.time_of(step)
             moves, copies = replicas.send(tree, self._variants, self.tier.replicas, self.domains)  # every process, in step order
             rows, section = parity.encode(tree, self._ring, self.tier.parity, self.domains) if self._ring else ({}, None)
             agreed = {} if self._times.room is None else {"time": started}   # the step's one time, job-wide
@@ -247,6 +246,7 @@ class LocalTiers:
             raise
         except Exception as exc:   # the caller's (a bad tree or keyword): the others fail at once, naming this process
             self._agreement.report(step, self.process, exc)
+            self._agreement.failed(step)
             raise
         with self._lock:
             self._in_flight = self._thread.submit(self._finish, handle, agreed.get("time"), step, rows, reached)
@@ -323,7 +323,7 @@ class LocalTiers:
                 self.resume(None)
             raise
         self.resume(stats.step)
-        self._shared_items = restore.shared_items
+        self._shared_items = {stats.step: restore.shared_items[stats.step]} if stats.step in restore.shared_items else {}
         return tree, stats
 
     def abandoned(self, step: int) -> bool:
@@ -338,9 +338,8 @@ class LocalTiers:
         deletes nothing. The same on every process, whatever each one's local directory holds (a
         per-process answer would make ``should_save`` differ: with replicas, a hang). None: no step
         was whole for the restore's target, the job starts afresh: its saves replace the steps they
-        reach, older local steps stay (the target may have been the caller's mistake: disk is
-        cheaper than a lost run) but are never persisted or resumed over the fresh run's
-        (:meth:`abandoned`) until a restore resumes one."""
+        reach, and older local steps stay (the target may have been the caller's mistake: disk is
+        cheaper than a lost run)."""
         self._last_step, self._afresh = step, step is None
         self._resumed_at = step   # the first save then drops the local steps after it
 
@@ -356,6 +355,7 @@ class LocalTiers:
         if pending is not None:
             concurrent.futures.wait([pending])
         self._agreement.afresh()
+        self._shared_items = {}
 
     def drop_from(self, step: int):
         """Delete this process's local steps after ``step`` (and ``step``, unless it is the local
