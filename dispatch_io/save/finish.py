@@ -8,7 +8,6 @@ commit object (``multihost.commit``), in the order that module gives: agree, com
 
 from __future__ import annotations
 
-
 from dispatch_io import collector
 from dispatch_io import manifest as manifest_lib
 from dispatch_io.storage import INFO, sealed

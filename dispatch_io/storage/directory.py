@@ -56,7 +56,6 @@ REPLACED = SiblingName("old", hidden=False, id_chars=8)       # a checkpoint an 
 DELETED = SiblingName("deleting", hidden=True, id_chars=8)    # a manager's step being deleted
 
 
-
 def _arrays_kvstore(directory: str, arrays: str = ARRAYS) -> dict:
     return {"driver": "file", "path": os.path.join(directory, arrays)}
 

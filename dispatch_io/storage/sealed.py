@@ -28,6 +28,7 @@ import google_crc32c
 SEAL = "crc32c"
 _SEALED = re.compile(rb',?"crc32c":"[0-9a-f]{8}"}\Z')   # the seal as dumps writes it, last
 _TAIL = re.compile(rb'[{,]\s*"[^"\\]{6}"\s*:\s*"[^"\\]{8}"\s*}\s*\Z')   # a seal, perhaps with a damaged key
+_LOOK = 256   # both are searched for in the document's last bytes only: a search of the whole scans megabytes
 
 
 class BrokenSeal(ValueError):
@@ -85,12 +86,11 @@ def loads(data: bytes | str) -> Any:
     raw = data.encode() if isinstance(data, str) else bytes(data)
     doc = json.loads(raw)
     if not isinstance(doc, dict) or SEAL not in doc:
-        if isinstance(doc, dict) and _TAIL.search(raw):
+        if isinstance(doc, dict) and _TAIL.search(raw, max(len(raw) - _LOOK, 0)):
             raise BrokenSeal("ends in what looks like a damaged checksum member (a flipped byte?)")
         return doc
     seal = doc.pop(SEAL)
-    tail = max(len(raw) - 32, 0)
-    written = _SEALED.search(raw, tail)   # only its end: a search of the whole would scan megabytes
+    written = _SEALED.search(raw, max(len(raw) - _LOOK, 0))
     if written is not None and seal == f"{_crc_of(raw[:written.start()]):08x}":
         return doc   # the bytes before the seal are the ones it was made of: no need to write them again
     if not isinstance(seal, str) or seal != f"{google_crc32c.value(_body(doc)):08x}":

@@ -176,11 +176,12 @@ def json_items(root: StepRoot, step: int, process: int, count: int) -> dict:
             except (CheckpointError, OSError, KeyError) as exc:
                 logging.warning("dispatch_io: item %r of local step %s is not shared: %s", name, step, exc)
                 continue
-            if size + len(json.dumps(value)) > SHARED_ITEM_BYTES:
+            nbytes = len(json.dumps(value))
+            if size + nbytes > SHARED_ITEM_BYTES:
                 logging.warning("dispatch_io: item %r of local step %s is not shared: the step's Json items pass "
                                 "%d bytes", name, step, SHARED_ITEM_BYTES)
                 continue
-            found[name], size = value, size + len(json.dumps(value))
+            found[name], size = value, size + nbytes
     return found
 
 
